@@ -1,0 +1,138 @@
+"""Validator: a schedule is complete, well placed, and free of deadlock.
+
+Complete: every (stage, microbatch) on the microbatch's chain gets exactly one F
+and either one BW or one B and one W. Well placed: an action runs on the rank
+that holds its stage, on a stage of its microbatch's chain. Deadlock-free: the
+dependency walk (`deps.walk`, blocking receives) runs every step; a B before its
+W and each input before its consumer are part of that.
+
+Failures raise `ScheduleError` (a ValueError) whose message ends with the
+rank x step grid, the failing slot marked `>...<`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pipetrain.schedules.deps import Key, walk
+from pipetrain.schedules.ir import Op, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule is incomplete, misplaced or deadlocks; the message shows where."""
+
+
+def format_grid(
+    schedule: Schedule,
+    marks: dict[tuple[int, int], str] | None = None,
+    *,
+    window: int = 10,
+) -> str:
+    """Rank x step grid. Marked slots print as `>0F3<`; around marks only `window` steps either side show."""
+    marks = marks or {}
+    longest = max([len(r) for r in schedule.steps] + [c + 1 for (_, c) in marks])
+    lo, hi = 0, longest
+    if marks and longest > 2 * window + 1:
+        cols = [c for (_, c) in marks]
+        lo, hi = max(0, min(cols) - window), min(longest, max(cols) + window + 1)
+    cells = {
+        (r, c): (f">{s}<" if (r, c) in marks else str(s))
+        for r, row in enumerate(schedule.steps)
+        for c, s in enumerate(row)
+        if lo <= c < hi
+    }
+    for (r, c) in marks:
+        cells.setdefault((r, c), ">(none)<")
+    width = max((len(v) for v in cells.values()), default=3)
+    header = "step    " + " ".join(f"{c:>{width}}" for c in range(lo, hi))
+    lines = [header]
+    for r in range(schedule.num_ranks):
+        row = " ".join(f"{cells.get((r, c), '.'):>{width}}" for c in range(lo, hi))
+        lines.append(f"rank {r:<3}" + row)
+    if lo > 0 or hi < longest:
+        lines.append(f"(steps {lo}..{hi - 1} of {longest} shown)")
+    notes = [f"  rank {r} step {c}: {why}" for (r, c), why in sorted(marks.items())]
+    return "\n".join(lines + notes)
+
+
+def _fail(schedule: Schedule, headline: str, marks: dict[tuple[int, int], str]) -> None:
+    raise ScheduleError(f"schedule {schedule.name!r}: {headline}\n{format_grid(schedule, marks)}")
+
+
+def check_placement(schedule: Schedule) -> None:
+    """Every action is on the rank holding its stage, on its microbatch's chain, with a valid id."""
+    pl, M = schedule.placement, schedule.num_microbatches
+    for r, row in enumerate(schedule.steps):
+        for c, step in enumerate(row):
+            for a in step.parts():
+                why = None
+                if not 0 <= a.stage < pl.num_stages:
+                    why = f"stage {a.stage} does not exist (stages 0..{pl.num_stages - 1})"
+                elif not 0 <= a.microbatch < M:
+                    why = f"microbatch {a.microbatch} does not exist (microbatches 0..{M - 1})"
+                elif pl.rank_of(a.stage) != r:
+                    why = f"{a} is on rank {r} but stage {a.stage} lives on rank {pl.rank_of(a.stage)}"
+                elif pl.chain_of_stage(a.stage) != pl.chain_of(a.microbatch, M):
+                    why = (
+                        f"microbatch {a.microbatch} flows through chain {pl.chain_of(a.microbatch, M)} "
+                        f"{list(pl.chains[pl.chain_of(a.microbatch, M)])}, not stage {a.stage}"
+                    )
+                if why:
+                    _fail(schedule, why, {(r, c): why})
+
+
+def check_complete(schedule: Schedule) -> None:
+    """Exactly one F, and one BW or one B + one W, per (stage, microbatch) of each chain."""
+    pl, M = schedule.placement, schedule.num_microbatches
+    seen: Counter[tuple[Op, int, int]] = Counter()
+    where: dict[tuple[Op, int, int], tuple[int, int]] = {}
+    for r, row in enumerate(schedule.steps):
+        for c, step in enumerate(row):
+            for a in step.parts():
+                key = (a.op, a.stage, a.microbatch)
+                seen[key] += 1
+                if seen[key] > 1:
+                    why = f"{a} appears twice (first at rank {where[key][0]} step {where[key][1]})"
+                    _fail(schedule, why, {(r, c): why, where[key]: "first occurrence"})
+                where[key] = (r, c)
+    for m in range(M):
+        for s in pl.chains[pl.chain_of(m, M)]:
+            f, b, w, bw = (seen[(op, s, m)] for op in (Op.F, Op.B, Op.W, Op.BW))
+            problem = None
+            if f == 0:
+                problem = f"{s}F{m} is missing"
+            elif bw and (b or w):
+                problem = f"stage {s} microbatch {m} has a BW and also a split B/W"
+            elif not bw and not b:
+                problem = f"{s}B{m} or {s}BW{m} is missing"
+            elif b and not w:
+                problem = f"{s}W{m} is missing (every B needs its W)"
+            elif w and not b:
+                problem = f"{s}W{m} has no {s}B{m}"
+            if problem:
+                rank = pl.rank_of(s)
+                _fail(schedule, problem, {(rank, len(schedule.steps[rank])): problem})
+
+
+def _describe_key(key: Key) -> str:
+    kind, s, m = key
+    return {"F": f"{s}F{m}", "grad": f"{s}B{m} (or {s}BW{m})", "weights": f"{s}W{m}"}[kind]
+
+
+def check_deadlock_free(schedule: Schedule) -> None:
+    """Run the dependency walk with unit costs; report every rank that cannot proceed."""
+    result = walk(schedule, lambda r, s: 1.0)
+    if result.complete:
+        return
+    marks = {}
+    for st in result.stuck:
+        waits = ", ".join(_describe_key(k) for k in st.waiting_for)
+        marks[(st.rank, st.index)] = f"waits for {waits}, which never happens before it"
+    _fail(schedule, f"deadlock: {len(result.stuck)} rank(s) blocked", marks)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError if the schedule is misplaced, incomplete or deadlocks."""
+    check_placement(schedule)
+    check_complete(schedule)
+    check_deadlock_free(schedule)
