@@ -1,0 +1,346 @@
+"""Show a simulated schedule: a per-rank timeline in the terminal, a summary table,
+the JSON record written to simulate.json, and a Chrome trace (Perfetto).
+
+The timeline draws time left to right, one row per rank, the way the pipeline
+papers draw their schedules (GPipe Fig. 2, zero-bubble Fig. 3, DualPipe's README):
+each step is a coloured block with its microbatch inside where it fits, idle time
+is dim dots. A long schedule wraps into bands (windows of time, all ranks each)
+instead of dropping steps. Pure Python + rich, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.table import Table
+from rich.text import Text
+
+from pipetrain.schedules.ir import Action, Op, Overlap, Step
+from pipetrain.schedules.simulate import SimResult, TimedStep
+
+# op -> (style on a rank's 1st/3rd.. stage, style on its 2nd/4th.. stage). The later
+# stage is bold on a darker shade so a V or mirror rank's two legs read apart.
+STYLES: dict[str, tuple[str, str]] = {
+    "F": ("white on blue", "bold bright_white on dark_blue"),
+    "B": ("black on green3", "bold bright_white on dark_green"),
+    "W": ("black on orange1", "bold black on dark_orange3"),
+    "BW": ("black on dark_cyan", "bold bright_white on turquoise4"),
+    "F&B": ("white on magenta3", "bold bright_white on dark_magenta"),
+}
+# One character per op for blocks too narrow for a microbatch number (plain-text readable).
+GLYPHS: dict[str, str] = {"F": "F", "B": "B", "W": "W", "BW": "X", "F&B": "&"}
+IDLE_CHAR, IDLE_STYLE = "·", "dim"
+MAX_BANDS = 12
+JSON_DIGITS = 6
+
+
+def op_name(step: Step) -> str:
+    """The op of a step as the legend names it: F, B, W, BW, or F&B for an overlapped pair."""
+    return "F&B" if isinstance(step, Overlap) else step.op.value
+
+
+def _local_stage(result: SimResult, rank: int, step: Step) -> int:
+    """Index of the step's stage among the rank's stages (an F&B pair: its forward's)."""
+    stage = step.forward.stage if isinstance(step, Overlap) else step.stage
+    return result.schedule.placement.stages_of(rank).index(stage)
+
+
+# ---- timeline ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Block:
+    c0: int  # first column (inclusive)
+    c1: int  # last column (exclusive)
+    timed: TimedStep
+    later_stage: bool  # odd local stage index: drawn bold / lowercase
+
+
+def _choose_scale(result: SimResult, avail: int, max_bands: int) -> float:
+    """Columns per ms. Prefer the shortest step wide enough for "F12" (op + microbatch),
+    then for "12", then 1 column, as long as it fits in `max_bands` bands; else compress."""
+    durs = [ts.end - ts.start for row in result.timeline for ts in row if ts.end > ts.start]
+    if not durs or result.makespan <= 0:
+        return 1.0
+    unit, digits = min(durs), len(str(max(result.schedule.num_microbatches - 1, 0)))
+    budget = avail * max_bands
+    for target in (digits + 1, digits, 1):
+        cols = math.ceil(result.makespan * target / unit)
+        if cols <= budget:
+            # Small schedules: stretch by a whole factor (<= 3) if it still fits on one line.
+            stretch = max(1, min(3, avail // max(cols, 1))) if target == digits + 1 else 1
+            return target * stretch / unit
+    return budget / result.makespan
+
+
+def _blocks(result: SimResult, rank: int, scale: float, ncols: int) -> tuple[list[_Block], int]:
+    """Snap a rank's steps to columns: [round(start*scale), round(end*scale)). A step that
+    rounds to zero width takes one column if that column is free, else it is not drawn
+    (counted). Adjacent steps share boundaries, so blocks never overlap or drift."""
+    row, out, dropped, last = result.timeline[rank], [], 0, 0
+    for i, ts in enumerate(row):
+        c0 = max(round(ts.start * scale), last)
+        c1 = min(round(ts.end * scale), ncols)
+        if c1 <= c0:
+            c0 = min(c0, ncols - 1)  # a step ending the makespan still gets the last column
+            nxt = round(row[i + 1].start * scale) if i + 1 < len(row) else ncols
+            if c0 < last or c0 >= min(nxt, ncols):
+                dropped += 1
+                continue
+            c1 = c0 + 1
+        later = _local_stage(result, rank, ts.step) % 2 == 1
+        out.append(_Block(c0, c1, ts, later))
+        last = c1
+    return out, dropped
+
+
+def _label(step: Step, width: int, later: bool, *, continued: bool = False) -> str:
+    """Most informative label that fits: "F3" (op + microbatch), "3", else the op glyph.
+    Ops on a rank's later stage are lower case so plain text shows the leg too. The
+    part of a block continued from the previous band repeats only a full label."""
+    if isinstance(step, Overlap):
+        f, b = step.forward.microbatch, step.backward.microbatch
+        choices = [f"{f}&{b}", f"{f}", GLYPHS["F&B"]]
+    else:
+        op = step.op.value.lower() if later else step.op.value
+        glyph = GLYPHS[step.op.value]
+        choices = [f"{op}{step.microbatch}", f"{step.microbatch}", glyph.lower() if later else glyph]
+    for text in choices[:1] if continued else choices:
+        if len(text) <= width:
+            return text.ljust(width)
+    return " " * width if continued else choices[-1][:width]
+
+
+def _ruler(b0: int, b1: int, scale: float, label_w: int) -> Text:
+    """Tick labels in ms at 'nice' times (1, 2, 5 x 10^k) at least ~8 columns apart."""
+    line = [" "] * (b1 - b0)
+    raw = 8 / scale
+    tick = min(m * 10**e for e in range(math.floor(math.log10(raw)), math.floor(math.log10(raw)) + 2)
+               for m in (1, 2, 5) if m * 10**e >= raw)
+    t = math.ceil(b0 / scale / tick) * tick
+    while round(t * scale) < b1:
+        text, pos = f"{t:g}", round(t * scale) - b0
+        if pos + len(text) <= len(line) and all(c == " " for c in line[max(0, pos - 1):pos + len(text)]):
+            line[pos:pos + len(text)] = text
+        t += tick
+    return Text("t (ms)".rjust(label_w - 2) + " ╷" + "".join(line), style="dim", no_wrap=True)
+
+
+def _band_row(blocks: Sequence[_Block], b0: int, b1: int) -> Text:
+    text, col = Text(no_wrap=True), b0
+    for blk in blocks:
+        if blk.c1 <= b0 or blk.c0 >= b1:
+            continue
+        c0, c1 = max(blk.c0, b0), min(blk.c1, b1)
+        if c0 > col:
+            text.append(IDLE_CHAR * (c0 - col), style=IDLE_STYLE)
+        step = blk.timed.step
+        label = _label(step, c1 - c0, blk.later_stage, continued=blk.c0 < b0)
+        text.append(label, style=STYLES[op_name(step)][blk.later_stage])
+        col = c1
+    if b1 > col:
+        text.append(IDLE_CHAR * (b1 - col), style=IDLE_STYLE)
+    return text
+
+
+def _legend(result: SimResult, scale: float, bands: int, dropped: int) -> list[Text]:
+    sched = result.schedule
+    present = {op_name(ts.step) for row in result.timeline for ts in row}
+    legend = Text("legend: ", no_wrap=False)
+    for op, (style, _) in STYLES.items():
+        if op in present:
+            legend.append(f" {op} ", style=style)
+            legend.append(" ")
+    legend.append(f"{IDLE_CHAR * 3} idle", style=IDLE_STYLE)
+    glyphs = [f"{GLYPHS[op]} = {op}" for op in ("BW", "F&B") if op in present]
+    if glyphs:
+        legend.append(f"   narrow blocks: {', '.join(glyphs)}")
+    v = sched.placement.stages_per_rank
+    lines = [legend]
+    if v > 1:
+        stages = ", ".join(f"r{r}: {'|'.join(map(str, sched.placement.stages_of(r)))}"
+                           for r in range(min(sched.num_ranks, 2)))
+        more = ", ..." if sched.num_ranks > 2 else ""
+        lines.append(Text(f"{v} stages per rank ({stages}{more}): later ones bold, ops lower case"))
+    scale_line = (f"1 column = {1 / scale:.4g} ms   makespan {result.makespan:.3f} ms   "
+                  f"{sched.name}: P={sched.num_ranks} v={v} M={sched.num_microbatches}   "
+                  f"{bands} band{'s' if bands != 1 else ''}")
+    if dropped:
+        scale_line += f"   ({dropped} steps narrower than a column not drawn)"
+    lines.append(Text(scale_line))
+    return lines
+
+
+def timeline_lines(result: SimResult, width: int, *, max_bands: int = MAX_BANDS) -> list[Text]:
+    """The timeline as lines of at most `width` cells (see `render_timeline`)."""
+    P = result.schedule.num_ranks
+    label_w = len(f"rank {P - 1} ") + 2  # "rank 7 │"
+    avail = max(width - label_w, 8)
+    scale = _choose_scale(result, avail, max_bands)
+    ncols = max(1, math.ceil(result.makespan * scale - 1e-9))
+    per_rank = [_blocks(result, r, scale, ncols) for r in range(P)]
+    nbands = math.ceil(ncols / avail)
+    band_w = math.ceil(ncols / nbands)  # equal bands read better than a full one and a stub
+    lines: list[Text] = []
+    for b in range(nbands):
+        b0, b1 = b * band_w, min(ncols, (b + 1) * band_w)
+        if nbands > 1:
+            lines.append(Text(f"band {b + 1}/{nbands}: {b0 / scale:.4g} .. {b1 / scale:.4g} ms",
+                              style="bold"))
+        lines.append(_ruler(b0, b1, scale, label_w))
+        for r, (blocks, _) in enumerate(per_rank):
+            row = Text(f"rank {r}".rjust(label_w - 2) + " │", no_wrap=True)
+            lines.append(row + _band_row(blocks, b0, b1))
+    return lines + _legend(result, scale, nbands, sum(d for _, d in per_rank))
+
+
+class _Timeline:
+    """Rich renderable: lays the timeline out at render time for the console's width."""
+
+    def __init__(self, result: SimResult, width: int | None) -> None:
+        self.result, self.width = result, width
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield from timeline_lines(self.result, self.width or options.max_width)
+
+
+def render_timeline(result: SimResult, *, width: int | None = None) -> RenderableType:
+    """Per-rank timeline of a simulated schedule; print it with a rich Console.
+
+    Ranks are rows, time runs right. F blue, B green, W orange, BW teal, F&B magenta,
+    idle dim dots. `width` defaults to the console's width; longer schedules wrap into
+    bands (at most 12; beyond that columns cover more time and a step shorter than a
+    column may not be drawn, which the scale line says)."""
+    return _Timeline(result, width)
+
+
+# ---- records and tables -------------------------------------------------------------------
+
+
+def _r(x: float) -> float:
+    return round(float(x), JSON_DIGITS)
+
+
+def result_record(
+    result: SimResult,
+    *,
+    schedule_name: str,
+    analytic_bubble: float | None,
+    param_copies: int,
+    virtual_stages: int,
+) -> dict:
+    """The JSON-ready record of one simulation (a row of simulate.json and of `summary_table`)."""
+    sched, busy = result.schedule, result.busy_per_rank
+    mean_busy = sum(busy) / len(busy) if busy else 0.0
+    fraction = None
+    if analytic_bubble is not None and analytic_bubble + mean_busy > 0:
+        # the published bubble as a share of a rank's time: idle / (idle + work)
+        fraction = _r(analytic_bubble / (analytic_bubble + mean_busy))
+    return {
+        "schedule": schedule_name,
+        "degree": sched.num_ranks,
+        "stages": sched.placement.num_stages,
+        "virtual_stages": virtual_stages,
+        "placement": sched.placement.kind,
+        "microbatches": sched.num_microbatches,
+        "makespan": _r(result.makespan),
+        "busy_per_rank": [_r(x) for x in busy],
+        "idle_per_rank": [_r(x) for x in result.idle_per_rank],
+        "bubble_fraction_per_rank": [_r(x) for x in result.bubble_fraction_per_rank],
+        "bubble_fraction_mean": _r(result.bubble_fraction_mean),
+        "peak_activations_per_rank": list(result.peak_activations_per_rank),
+        "param_copies": param_copies,
+        "analytic_bubble": None if analytic_bubble is None else _r(analytic_bubble),
+        "analytic_bubble_fraction": fraction,
+        "comm_ms": _r(result.comm_ms),
+        "fb_overlap": _r(result.fb_overlap),
+    }
+
+
+def summary_table(rows: list[dict], *, title: str | None = None) -> Table:
+    """One line per `result_record` row: the single-run summary or a multirun comparison."""
+    table = Table(title=title)
+    for name in ("schedule", "P", "v", "M", "makespan ms", "bubble mean %", "bubble max %",
+                 "peak act", "param copies", "analytic bubble ms"):
+        table.add_column(name, justify="left" if name == "schedule" else "right")
+    for row in rows:
+        fractions = row["bubble_fraction_per_rank"] or [0.0]
+        analytic = row.get("analytic_bubble")
+        table.add_row(
+            str(row["schedule"]),
+            str(row["degree"]),
+            str(row["virtual_stages"]),
+            str(row["microbatches"]),
+            f"{row['makespan']:.3f}",
+            f"{100 * row['bubble_fraction_mean']:.1f}",
+            f"{100 * max(fractions):.1f}",
+            str(max(row["peak_activations_per_rank"], default=0)),
+            str(row["param_copies"]),
+            "-" if analytic is None else f"{analytic:.3f}",
+        )
+    return table
+
+
+# ---- Chrome trace ---------------------------------------------------------------------------
+
+
+def _us(ms: float) -> float:
+    return round(ms * 1000.0, 3)  # trace times are microseconds; keep ns precision
+
+
+def _step_args(step: Step) -> dict:
+    if isinstance(step, Overlap):
+        parts: tuple[Action, ...] = step.parts()
+        return {"stages": [a.stage for a in parts], "microbatches": [a.microbatch for a in parts],
+                "forward": str(step.forward), "backward": str(step.backward)}
+    return {"stage": step.stage, "microbatch": step.microbatch}
+
+
+def live_activations(timeline: Sequence[TimedStep]) -> Iterator[tuple[float, int]]:
+    """(time, live activation sets after that time) at every time the count may change.
+
+    Same rule as `simulate.peak_live_activations`: a set is live from the start of its F
+    to the end of its W or BW, and frees come first at equal times, so the largest value
+    yielded is the rank's peak."""
+    events: list[tuple[float, int]] = []
+    for ts in timeline:
+        for a in ts.step.parts():
+            if a.op is Op.F:
+                events.append((ts.start, +1))
+            elif a.op in (Op.W, Op.BW):
+                events.append((ts.end, -1))
+    events.sort()
+    live = 0
+    for i, (t, delta) in enumerate(events):
+        live += delta
+        if i + 1 == len(events) or events[i + 1][0] != t:
+            yield t, live
+
+
+def chrome_trace(result: SimResult) -> dict:
+    """Chrome trace event format (chrome://tracing, ui.perfetto.dev): one complete ("X")
+    event per step on thread `rank`, plus a live-activations counter ("C") per rank."""
+    name = result.schedule.name
+    events: list[dict] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"pipetrain simulate {name}"}}
+    ]
+    for r in range(result.schedule.num_ranks):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
+    for r, row in enumerate(result.timeline):
+        for ts in row:
+            events.append({
+                "name": str(ts.step), "cat": op_name(ts.step), "ph": "X", "pid": 0, "tid": r,
+                "ts": _us(ts.start), "dur": _us(ts.end - ts.start), "args": _step_args(ts.step),
+            })
+    for r, row in enumerate(result.timeline):
+        # Counters belong to a process in the trace format, so the rank goes in the name.
+        events.append({"name": f"live activations rank {r}", "ph": "C", "pid": 0, "ts": 0.0,
+                       "args": {"sets": 0}})
+        for t, live in live_activations(row):
+            events.append({"name": f"live activations rank {r}", "ph": "C", "pid": 0, "ts": _us(t),
+                           "args": {"sets": live}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
