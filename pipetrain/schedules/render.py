@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
@@ -262,10 +263,11 @@ def result_record(
 
 def summary_table(rows: list[dict], *, title: str | None = None) -> Table:
     """One line per `result_record` row: the single-run summary or a multirun comparison."""
-    table = Table(title=title)
-    for name in ("schedule", "P", "v", "M", "makespan ms", "bubble mean %", "bubble max %",
-                 "peak act", "param copies", "analytic bubble ms"):
-        table.add_column(name, justify="left" if name == "schedule" else "right")
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    # Short headers so the table fits an 80-column terminal without truncating values.
+    for name in ("schedule", "P", "v", "M", "makespan\nms", "bubble\nmean %", "bubble\nmax %",
+                 "peak\nact", "param\ncopies", "analytic\nbubble ms"):
+        table.add_column(name, justify="left" if name == "schedule" else "right", no_wrap=True)
     for row in rows:
         fractions = row["bubble_fraction_per_rank"] or [0.0]
         analytic = row.get("analytic_bubble")
@@ -274,12 +276,12 @@ def summary_table(rows: list[dict], *, title: str | None = None) -> Table:
             str(row["degree"]),
             str(row["virtual_stages"]),
             str(row["microbatches"]),
-            f"{row['makespan']:.3f}",
+            f"{row['makespan']:.2f}",
             f"{100 * row['bubble_fraction_mean']:.1f}",
             f"{100 * max(fractions):.1f}",
             str(max(row["peak_activations_per_rank"], default=0)),
             str(row["param_copies"]),
-            "-" if analytic is None else f"{analytic:.3f}",
+            "-" if analytic is None else f"{analytic:.2f}",
         )
     return table
 

@@ -1,0 +1,106 @@
+"""`pipetrain`: compose the Hydra config, turn it into typed dataclasses, run.
+
+User mistakes end as one clear message and a non-zero exit (set HYDRA_FULL_ERROR=1
+for the traceback). Configs ship inside the package (`pipetrain.conf`), so the
+command works from any directory after `pip install .` or `pip install -e .`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from pipetrain.config import Config, Mode, register_configs
+
+CONF_DIR = str(resources.files("pipetrain.conf"))
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
+
+
+def recipe_files() -> dict[str, Path]:
+    """Shipped recipes by name (recipes/*.yaml)."""
+    root = resources.files("pipetrain.recipes")
+    return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".yaml")}
+
+
+def register_recipes() -> None:
+    """Make recipes/ the config group `recipe` (so `+recipe=NAME` works from any directory).
+
+    The files carry `# @package _global_`; they are stored at the global package
+    with their defaults lists intact, so `override /schedule: ...` inside a recipe
+    works and a later command-line `schedule=...` still wins.
+    """
+    cs = ConfigStore.instance()
+    for name, path in recipe_files().items():
+        cs.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
+
+
+def check_recipe_args(argv: Sequence[str]) -> None:
+    """Fail early, with the list, on an unknown recipe (Hydra would otherwise add a plain `recipe` key)."""
+    known = recipe_files()
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key == "recipe" and value not in known:
+            raise ValueError(f"unknown recipe {value!r}: choose +recipe= one of {', '.join(sorted(known))}")
+
+
+def to_config(cfg: DictConfig) -> Config:
+    if "recipe" in cfg:
+        raise ValueError(f"unknown recipe {cfg.recipe!r}: choose +recipe= one of {', '.join(sorted(recipe_files()))}")
+    config = OmegaConf.to_object(cfg)
+    assert isinstance(config, Config)
+    return config
+
+
+def run(config: Config, run_dir: Path) -> Any:
+    if config.mode is Mode.simulate:
+        from pipetrain.simulate_cmd import run_simulate
+
+        return run_simulate(config, run_dir)
+    raise ValueError(
+        "mode=train needs the pipeline executor, which has not landed yet: run mode=simulate"
+    )
+
+
+def _fail(err: BaseException) -> None:
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise err
+    print(f"pipetrain: error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _hydra_main(cfg: DictConfig) -> Any:
+    try:
+        config = to_config(cfg)
+        return run(config, Path(HydraConfig.get().runtime.output_dir))
+    except USER_ERRORS as e:
+        _fail(_unwrap(e))
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """OmegaConf wraps exceptions raised in __post_init__; show the user the original message."""
+    while err.__cause__ is not None and isinstance(err.__cause__, USER_ERRORS):
+        err = err.__cause__
+    return err
+
+
+def main() -> None:
+    register_configs()
+    register_recipes()
+    try:
+        check_recipe_args(sys.argv[1:])
+    except ValueError as e:
+        _fail(e)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

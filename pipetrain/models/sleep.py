@@ -1,0 +1,17 @@
+"""The `sleep` model's cost model: every layer takes exactly its configured times.
+
+Its layers are what the simulator and (later) the executor agree on exactly, which
+makes it the yardstick for schedule efficiency on machines with few cores.
+"""
+
+from __future__ import annotations
+
+from pipetrain.models.costs import LayerCost
+
+
+def sleep_layer_costs(*, layers: int, f_ms: float, b_ms: float, w_ms: float, hidden: int) -> list[LayerCost]:
+    # Each layer saves one activation of `hidden` fp32 values per sample.
+    return [
+        LayerCost(f"layers.{i}", f_ms, b_ms, w_ms, params=hidden * hidden, activation_bytes=4 * hidden)
+        for i in range(layers)
+    ]

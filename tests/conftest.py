@@ -1,0 +1,39 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def compose():
+    """compose(overrides) -> typed Config, through the same Hydra path the CLI uses."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from pipetrain.cli import CONF_DIR, register_recipes, to_config
+    from pipetrain.config import register_configs
+
+    register_configs()
+    register_recipes()
+
+    def _compose(overrides=(), typed=True):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        return to_config(cfg) if typed else cfg
+
+    return _compose
+
+
+def run_cli(args, cwd, env_extra=None, timeout=300):
+    """Run the installed `pipetrain` console script for real."""
+    import subprocess
+
+    env = dict(os.environ, **(env_extra or {}))
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, "-m", "pipetrain.cli", *args], cwd=cwd, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )

@@ -1,0 +1,77 @@
+"""Config composition: every shipped option composes into typed dataclasses; bad input fails clearly."""
+
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import CONF_DIR, recipe_files
+from pipetrain.config import Config, Mode, SleepModelConfig
+from pipetrain.schedules import registry
+
+SCHEDULE_OPTIONS = sorted(p.stem for p in (Path(CONF_DIR) / "schedule").glob("*.yaml"))
+
+
+def test_every_builtin_schedule_has_a_config_file():
+    assert set(SCHEDULE_OPTIONS) == set(registry.names()) | {"custom"}
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEDULE_OPTIONS if n != "custom"])
+def test_every_schedule_option_composes(compose, name):
+    # P=4, M=16 is valid for every built-in schedule.
+    cfg = compose([f"schedule={name}", "pipeline.degree=4", "pipeline.microbatches=16"])
+    assert isinstance(cfg, Config)
+    assert cfg.schedule.name == name
+    assert cfg.pipeline.degree == 4 and cfg.pipeline.microbatches == 16
+
+
+@pytest.mark.parametrize("recipe", sorted(recipe_files()))
+def test_every_recipe_composes(compose, recipe):
+    cfg = compose([f"+recipe={recipe}"])
+    assert isinstance(cfg, Config)
+
+
+def test_defaults_are_typed(compose):
+    cfg = compose([])
+    assert cfg.mode is Mode.simulate
+    assert isinstance(cfg.model, SleepModelConfig)
+    assert cfg.schedule.name == "1f1b"
+
+
+def test_cli_group_override_beats_recipe(compose):
+    assert compose(["+recipe=sleep-p8"]).schedule.name == "zbv"
+    cfg = compose(["+recipe=sleep-p8", "schedule=dualpipe"])
+    assert cfg.schedule.name == "dualpipe"
+    assert cfg.pipeline.degree == 8  # the rest of the recipe still applies
+
+
+def test_misspelled_key_names_the_key(compose):
+    with pytest.raises(Exception, match="degre"):
+        compose(["pipeline.degre=4"])
+
+
+def test_wrong_type_names_the_key(compose):
+    with pytest.raises(Exception, match="pipeline.degree"):
+        compose(["pipeline.degree=four"])
+
+
+@pytest.mark.parametrize(
+    "overrides, knob",
+    [
+        (["schedule=dualpipe", "pipeline.degree=3", "pipeline.microbatches=12"], "pipeline.degree"),
+        (["schedule=dualpipe", "pipeline.degree=4", "pipeline.microbatches=6"], "pipeline.microbatches"),
+        (["schedule=dualpipev", "pipeline.degree=4", "pipeline.microbatches=6"], "pipeline.microbatches"),
+        (["schedule=interleaved_1f1b", "pipeline.degree=4", "pipeline.microbatches=6"], "pipeline.microbatches"),
+        (["schedule=zbv", "schedule.virtual_stages=3"], "schedule.virtual_stages"),
+        (["pipeline.degree=0"], "pipeline.degree"),
+        (["sim.fb_overlap=1.5"], "sim.fb_overlap"),
+        (["pipeline.degree=8", "model.layers=4"], "model.layers"),
+        (["schedule=custom"], "schedule.path"),
+    ],
+)
+def test_cross_field_rules_name_the_knob(compose, overrides, knob):
+    with pytest.raises((ValueError, TypeError)) as info:
+        compose(overrides)
+    err = info.value
+    while err.__cause__ is not None:  # OmegaConf may wrap the __post_init__ error
+        err = err.__cause__
+    assert knob in str(err)

@@ -1,0 +1,37 @@
+"""schedules/ and the pure partitioners import no torch (simulation needs no torch at all)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PURE_DIRS = ["pipetrain/schedules", "pipetrain/partition"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_no_torch_import_statements():
+    offenders = []
+    for d in PURE_DIRS:
+        for path in (REPO / d).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "torch"]
+    assert not offenders, offenders
+
+
+def test_simulation_path_does_not_load_torch():
+    code = (
+        "import sys\n"
+        "from pipetrain.schedules import registry, render\n"
+        "from pipetrain.schedules.simulate import simulate\n"
+        "import pipetrain.plan, pipetrain.simulate_cmd\n"
+        "for n in registry.names():\n"
+        "    simulate(registry.build(n, 4, 16, 2 if n in ('interleaved_1f1b', 'looped_bfs') else 1 if n not in ('zbv','dualpipe','dualpipev') else 2))\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr
