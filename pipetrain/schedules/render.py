@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from pipetrain.schedules.ir import Action, Op, Overlap, Step
-from pipetrain.schedules.simulate import SimResult, TimedStep
+from pipetrain.schedules.ir import Action, Overlap, Step
+from pipetrain.schedules.simulate import SimResult, TimedStep, live_activations
 
 # op -> (style on a rank's 1st/3rd.. stage, style on its 2nd/4th.. stage). The later
 # stage is bold on a darker shade so a V or mirror rank's two legs read apart.
@@ -299,27 +299,6 @@ def _step_args(step: Step) -> dict:
         return {"stages": [a.stage for a in parts], "microbatches": [a.microbatch for a in parts],
                 "forward": str(step.forward), "backward": str(step.backward)}
     return {"stage": step.stage, "microbatch": step.microbatch}
-
-
-def live_activations(timeline: Sequence[TimedStep]) -> Iterator[tuple[float, int]]:
-    """(time, live activation sets after that time) at every time the count may change.
-
-    Same rule as `simulate.peak_live_activations`: a set is live from the start of its F
-    to the end of its W or BW, and frees come first at equal times, so the largest value
-    yielded is the rank's peak."""
-    events: list[tuple[float, int]] = []
-    for ts in timeline:
-        for a in ts.step.parts():
-            if a.op is Op.F:
-                events.append((ts.start, +1))
-            elif a.op in (Op.W, Op.BW):
-                events.append((ts.end, -1))
-    events.sort()
-    live = 0
-    for i, (t, delta) in enumerate(events):
-        live += delta
-        if i + 1 == len(events) or events[i + 1][0] != t:
-            yield t, live
 
 
 def chrome_trace(result: SimResult) -> dict:

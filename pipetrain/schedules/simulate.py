@@ -10,7 +10,7 @@ come first. Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from pipetrain.schedules.deps import walk
 from pipetrain.schedules.ir import Action, Op, Overlap, Schedule, Step
@@ -89,20 +89,30 @@ class SimResult:
         return sum(fr) / len(fr)
 
 
-def peak_live_activations(timeline: Sequence[TimedStep]) -> int:
-    """Most activation sets alive at once on one rank (frees before allocations at equal times)."""
-    events: list[tuple[float, int]] = []  # (time, +1 alloc / -1 free); sort puts -1 first at ties
+def live_activations(timeline: Sequence[TimedStep]) -> Iterator[tuple[float, int]]:
+    """(time, live activation sets after that time) at every time the count may change.
+
+    A set is live from the start of its F to the end of its W or BW; frees come first at
+    equal times (a (time, -1) event sorts before (time, +1)).
+    """
+    events: list[tuple[float, int]] = []
     for ts in timeline:
         for a in ts.step.parts():
             if a.op is Op.F:
                 events.append((ts.start, +1))
             elif a.op in (Op.W, Op.BW):
                 events.append((ts.end, -1))
-    live = peak = 0
-    for _, delta in sorted(events):
+    events.sort()
+    live = 0
+    for i, (t, delta) in enumerate(events):
         live += delta
-        peak = max(peak, live)
-    return peak
+        if i + 1 == len(events) or events[i + 1][0] != t:
+            yield t, live
+
+
+def peak_live_activations(timeline: Sequence[TimedStep]) -> int:
+    """Most activation sets alive at once on one rank."""
+    return max((live for _, live in live_activations(timeline)), default=0)
 
 
 def simulate(
