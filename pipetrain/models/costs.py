@@ -1,6 +1,7 @@
 """Per-layer cost model shared by every model: what one layer costs for one microbatch.
 
 Pure Python (no torch), so `mode=simulate` never needs torch.distributed or a device.
+Times are per microbatch: f (forward), b (input-grad, B) and w (weight-grad, W) in ms.
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class LayerCost:
-    """Time (ms) of one microbatch through one layer: forward, input-grad (B), weight-grad (W)."""
+    """One layer of a model, as the partitioner and the simulator see it."""
 
     name: str
     f_ms: float
     b_ms: float
     w_ms: float
-    params: int = 0
-    activation_bytes: int = 0
+    params: int = 0  # parameters stored by this layer (a tied copy counts where it is stored)
+    flops_per_token: float = 0.0  # forward FLOPs per token (attention included)
+    activation_bytes_per_token: int = 0  # bytes this layer keeps for its backward, per token
+
+    @property
+    def total_ms(self) -> float:
+        return self.f_ms + self.b_ms + self.w_ms
 
 
 def chunk_costs(layers: Sequence[LayerCost], bounds: Sequence[range]) -> list[tuple[float, float, float]]:
