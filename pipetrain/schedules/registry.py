@@ -96,9 +96,16 @@ def load_custom(
     as_text = all(ln.strip().startswith("rank") for ln in rows)
     reader = Schedule.from_text if as_text else Schedule.from_csv
     try:
-        return reader(text, name=f"custom:{path.name}", placement=pl, num_microbatches=num_microbatches)
+        schedule = reader(text, name=CUSTOM, placement=pl, num_microbatches=num_microbatches)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    used = 1 + max((a.microbatch for r in range(num_ranks) for a in schedule.actions(r)), default=-1)
+    if used != num_microbatches:
+        raise ValueError(
+            f"{path.name} schedules {used} microbatches but pipeline.microbatches={num_microbatches}: "
+            f"set pipeline.microbatches={used}"
+        )
+    return schedule
 
 
 def rank_costs(schedule: Schedule, stage_f: list[float], stage_b: list[float], stage_w: list[float],
