@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+from pipetrain.partition.plan import require_chunks
+
 
 def uniform_bounds(num_layers: int, num_chunks: int) -> list[range]:
-    if num_chunks > num_layers:
-        raise ValueError(
-            f"cannot cut {num_layers} layers into {num_chunks} stages: lower pipeline.degree or "
-            f"schedule.virtual_stages, or raise the model's layer count"
-        )
+    require_chunks(num_layers, num_chunks)
     base, extra = divmod(num_layers, num_chunks)
     out, start = [], 0
     for c in range(num_chunks):
