@@ -1,0 +1,102 @@
+"""The interface every runnable model shares: an ordered list of layers plus what the
+pipeline needs to know about them ahead of time.
+
+A pipeline cuts a model between layers, so a model here *is* its layer list:
+`layers[0]` takes the model input, `layers[-1]` produces what `loss` consumes, and
+`forward` just chains them. The unsplit model names its parameters `layers.{i}.{rest}`;
+split.py keeps exactly those names on every stage, so checkpoints written by stages
+load into the unsplit model and back.
+
+Besides the layers, a model tells the executor (runtime/) and the partitioners:
+  - `boundary_specs`: shape and dtype of the tensor crossing each layer boundary for one
+    microbatch, so P2P buffers are allocated ahead instead of negotiated per message;
+  - `cost_model`: analytic per-layer `LayerCost` (params, forward FLOPs, activation bytes,
+    estimated ms); profile.py replaces the estimated ms by measured ones;
+  - `example_batch`: random tensors of the right shapes, dtypes and ranges (for profiling
+    and tests; real data lives in train/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.models.costs import LayerCost
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor crossing a layer boundary (one microbatch)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def empty(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """An uninitialised buffer of this spec, e.g. for a posted receive."""
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LayeredModel(nn.Module):
+    """Base class: subclasses fill `self.layers` and `self.layer_names` in `__init__` and
+    implement the abstract methods below. Everything else (splitting, profiling) works on
+    this interface alone."""
+
+    layers: nn.ModuleList
+    layer_names: list[str]
+
+    # -- to implement ------------------------------------------------------------------
+    @staticmethod
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one microbatch: a plain function (no `self`), so a stage can carry it
+        without keeping a reference to the whole unsplit model."""
+        raise NotImplementedError
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """Constructor keyword arguments (JSON-able): the model is rebuilt from these alone."""
+        raise NotImplementedError
+
+    def boundary_specs(self, *, microbatch: int, seq: int) -> list[TensorSpec]:
+        """len(layers) + 1 specs: [0] is the model input, [i] the output of layer i - 1 (so
+        a stage holding layers range(a, b) receives spec [a] and sends spec [b])."""
+        raise NotImplementedError
+
+    def target_spec(self, *, microbatch: int, seq: int) -> TensorSpec:
+        raise NotImplementedError
+
+    def cost_model(self, *, microbatch: int, seq: int, tflops: float) -> list[LayerCost]:
+        """One LayerCost per layer, times for one microbatch of `microbatch` x `seq`."""
+        raise NotImplementedError
+
+    def example_batch(
+        self, *, microbatch: int, seq: int, generator: torch.Generator | None = None, device: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, target) with random values of the right shapes, dtypes and ranges."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return type(self).loss_fn(output, target)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+
+def ms_from_flops(flops: float, tflops: float) -> float:
+    """Milliseconds to execute `flops` at a sustained `tflops` (10^12 FLOP/s)."""
+    if tflops <= 0:
+        raise ValueError(f"tflops must be > 0 (got {tflops}): pass the device's sustained throughput")
+    return flops / (tflops * 1e12) * 1e3

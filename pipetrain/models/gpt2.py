@@ -1,0 +1,278 @@
+"""GPT-2 (Radford et al. 2019) as an ordered list of pipeline layers.
+
+Architecture as in OpenAI's release and nanoGPT's model.py (our own code, same maths):
+learned position embeddings, pre-LayerNorm blocks (x + attn(ln_1(x)), x + mlp(ln_2(x))),
+a 4x GELU MLP, causal self-attention, a final LayerNorm, and an output head whose weight
+is the token embedding (weight tying), dropout after the embedding, in attention and on
+both residual branches, biases in every Linear and LayerNorm except the head.
+
+Two deliberate details:
+  - GELU is GPT-2's tanh approximation (OpenAI's `gelu`, HF's `gelu_new`); nanoGPT uses the
+    exact erf GELU, which differs by < 1e-3 and would not be "GPT-2 exactly".
+  - vocab_size stays 50257 (nanoGPT pads to 50304 for speed) so parameter counts are the
+    published ones: 124,439,808 / 354,823,168 / 774,030,080 / 1,557,611,200, the sizes
+    OpenAI named its checkpoints by (124M, 355M, 774M, 1558M).
+
+Layers: 0 = Embedding (idx (B, T) int64 -> (B, T, C)), 1..n_layer = Block ((B, T, C) ->
+(B, T, C)), n_layer + 1 = Head ((B, T, C) -> logits (B, T, V)); the loss (cross-entropy)
+is computed where the head lives.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.models.base import LayeredModel, TensorSpec, ms_from_flops
+from pipetrain.models.costs import LayerCost
+
+# Knob values per preset; every preset uses dropout 0.0 and bias True unless overridden.
+# gpt2-tiny: 8 blocks (enough for 8 stages), width 128, and a 512-token (byte-level-sized)
+# vocabulary and 256-token context so a CPU step takes milliseconds, not seconds.
+PRESETS: dict[str, dict[str, int]] = {
+    "gpt2-tiny": dict(n_layer=8, n_head=4, n_embd=128, vocab_size=512, block_size=256),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257, block_size=1024),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024),
+}
+
+INIT_STD = 0.02  # GPT-2's initializer_range
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding, then dropout."""
+
+    def __init__(self, *, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, t = idx.shape  # (B, T) int64
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}: shorten the sequences")
+        pos = torch.arange(t, dtype=torch.long, device=idx.device)  # (T,)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, *, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.dropout = dropout
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # q, k, v for all heads in one matmul
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape  # (B, T, C)
+        q, k, v = self.c_attn(x).split(c, dim=2)  # 3 x (B, T, C)
+        hs = c // self.n_head
+        q = q.view(b, t, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(b, t, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(b, t, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        # Fused attention (flash / memory-efficient where available); is_causal applies the
+        # lower-triangular mask, so no (T, T) mask buffer is stored.
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)  # (B, T, nh, hs) -> (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, *, n_embd: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's own GELU (see module docstring)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block (GPT-2 moved the norms to each sub-block's input)."""
+
+    def __init__(self, *, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd=n_embd, n_head=n_head, dropout=dropout, bias=bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd=n_embd, dropout=dropout, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the output projection; `lm_head.weight` is tied to `wte.weight`."""
+
+    def __init__(self, *, n_embd: int, vocab_size: int, bias: bool) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, C) -> (B, T, V)
+
+
+class GPT2(LayeredModel):
+    def __init__(
+        self,
+        *,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        vocab_size: int,
+        block_size: int,
+        dropout: float = 0.0,  # 0 for pretraining (nanoGPT); GPT-2 itself trained with 0.1
+        bias: bool = True,  # GPT-2 has biases in Linears and LayerNorms
+    ) -> None:
+        super().__init__()
+        _check_config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
+                      block_size=block_size, dropout=dropout)
+        self._config = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
+                            block_size=block_size, dropout=dropout, bias=bias)
+        embed = Embedding(vocab_size=vocab_size, block_size=block_size, n_embd=n_embd, dropout=dropout)
+        blocks = [Block(n_embd=n_embd, n_head=n_head, dropout=dropout, bias=bias) for _ in range(n_layer)]
+        head = Head(n_embd=n_embd, vocab_size=vocab_size, bias=bias)
+        head.lm_head.weight = embed.wte.weight  # weight tying (Press & Wolf 2017), as GPT-2
+        self.layers = nn.ModuleList([embed, *blocks, head])
+        self.layer_names = ["embed", *(f"h.{i}" for i in range(n_layer)), "head"]
+        self._init_weights()
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> GPT2:
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT-2 preset {name!r}: choose one of {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def _init_weights(self) -> None:
+        # GPT-2 / nanoGPT init: N(0, 0.02) for every matmul and embedding weight, zero biases,
+        # LayerNorm (1, 0); the projections that write into the residual stream (c_proj) get
+        # std 0.02 / sqrt(2 * n_layer) so the residual's variance does not grow with depth
+        # (two residual additions per block).
+        proj_std = INIT_STD / math.sqrt(2 * self._config["n_layer"])
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = proj_std if name.endswith("c_proj") else INIT_STD
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+
+    @staticmethod
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Mean cross-entropy over all tokens of the microbatch; -1 marks ignored targets.
+        v = output.size(-1)
+        return F.cross_entropy(output.view(-1, v), target.view(-1), ignore_index=-1)  # (B*T, V) vs (B*T,)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self._config)
+
+    def _seq(self, seq: int) -> int:
+        if not 1 <= seq <= self._config["block_size"]:
+            raise ValueError(f"seq={seq} must be in 1..model.block_size={self._config['block_size']}")
+        return seq
+
+    def boundary_specs(self, *, microbatch: int, seq: int) -> list[TensorSpec]:
+        t, c, v = self._seq(seq), self._config["n_embd"], self._config["vocab_size"]
+        hidden = TensorSpec((microbatch, t, c), self.param_dtype)
+        return [TensorSpec((microbatch, t), torch.long), *[hidden] * (self._config["n_layer"] + 1),
+                TensorSpec((microbatch, t, v), self.param_dtype)]
+
+    def target_spec(self, *, microbatch: int, seq: int) -> TensorSpec:
+        return TensorSpec((microbatch, self._seq(seq)), torch.long)
+
+    def example_batch(
+        self, *, microbatch: int, seq: int, generator: torch.Generator | None = None, device: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, v = (microbatch, self._seq(seq)), self._config["vocab_size"]
+        idx = torch.randint(0, v, shape, generator=generator).to(device)
+        return idx, torch.randint(0, v, shape, generator=generator).to(device)
+
+    def cost_model(self, *, microbatch: int, seq: int, tflops: float) -> list[LayerCost]:
+        bytes_per_value = torch.empty((), dtype=self.param_dtype, device="meta").element_size()
+        return gpt2_layer_costs(**self._config, microbatch=microbatch, seq=self._seq(seq), tflops=tflops,
+                                bytes_per_value=bytes_per_value)
+
+
+def _check_config(*, n_layer: int, n_head: int, n_embd: int, vocab_size: int, block_size: int,
+                  dropout: float) -> None:
+    for knob, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
+                        ("vocab_size", vocab_size), ("block_size", block_size)):
+        if value < 1:
+            raise ValueError(f"model.{knob} must be >= 1 (got {value})")
+    if n_embd % n_head:
+        raise ValueError(f"model.n_embd={n_embd} must be divisible by model.n_head={n_head}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"model.dropout must be in [0, 1) (got {dropout})")
+
+
+def gpt2_layer_params(*, n_layer: int, n_embd: int, vocab_size: int, block_size: int, bias: bool = True,
+                      **_: Any) -> list[int]:
+    """Parameters each layer stores, computed from the config (no allocation).
+
+    The head counts its tied copy of wte (V*C): that is what it stores when it sits on
+    another stage than the embedding. So sum(...) = total + V*C; see gpt2_param_count.
+    """
+    c, b = n_embd, int(bias)
+    norm = c * (1 + b)  # LayerNorm weight (+ bias)
+    block = 12 * c * c + 9 * b * c + 2 * norm  # c_attn 3C^2, c_proj C^2, c_fc 4C^2, mlp.c_proj 4C^2
+    return [vocab_size * c + block_size * c, *[block] * n_layer, norm + vocab_size * c]
+
+
+def gpt2_param_count(**config: Any) -> int:
+    """Distinct parameters of the unsplit model (wte counted once, wpe included)."""
+    return sum(gpt2_layer_params(**config)) - config["vocab_size"] * config["n_embd"]
+
+
+def gpt2_layer_costs(
+    *, n_layer: int, n_head: int, n_embd: int, vocab_size: int, block_size: int, dropout: float = 0.0,
+    bias: bool = True, microbatch: int, seq: int, tflops: float, bytes_per_value: int = 4,
+) -> list[LayerCost]:
+    """Analytic per-layer costs for one microbatch of `microbatch` x `seq` tokens.
+
+    FLOPs per token (the nanoGPT / PaLM appendix B estimate): forward = 2 FLOPs per parameter
+    that multiplies the token (biases and norms rounded in), plus attention's two matmuls
+    QK^T and AV, 2 * 2 * T * C per layer. The embedding is a lookup (0 FLOPs; its wte is
+    counted at the head, whose matmul uses it). Backward: input-grad (B) and weight-grad (W)
+    each cost the forward's 2 * params; attention's matmuls have no weights, so their
+    backward (2x their forward) is all B. Summed over layers, F + B + W = 6 N + 12 L C T,
+    nanoGPT's estimate_mfu with N = non-embedding params. Times are FLOPs at `tflops`.
+
+    Activation bytes per token kept for backward (fp32: bytes_per_value 4): a block keeps
+    17 C values (ln_1 in, c_attn in, q/k/v, attention out, c_proj in, ln_2 in, c_fc in,
+    GELU in 4C, mlp.c_proj in 4C; SDPA keeps no T x T scores); the embedding keeps the
+    int64 indices; the head keeps ln_f and lm_head inputs plus the log-softmax of the
+    logits (V values) and the int64 targets. With dropout, each dropout adds a 1-byte mask
+    per value (attention-probability dropout inside SDPA is not counted).
+    """
+    c, t, v, tokens = n_embd, seq, vocab_size, microbatch * seq
+    params = gpt2_layer_params(n_layer=n_layer, n_embd=c, vocab_size=v, block_size=block_size, bias=bias)
+    mask = 1 if dropout > 0 else 0
+    attn = 2 * 2 * t * c
+
+    def cost(name: str, stored: int, matmul: int, attn_f: int, act: int) -> LayerCost:
+        f, b, w = 2 * matmul + attn_f, 2 * matmul + 2 * attn_f, 2 * matmul
+        return LayerCost(name, ms_from_flops(f * tokens, tflops), ms_from_flops(b * tokens, tflops),
+                         ms_from_flops(w * tokens, tflops), params=stored, flops_per_token=float(f),
+                         activation_bytes_per_token=act)
+
+    out = [cost("embed", params[0], 0, 0, 8 + mask * c)]
+    block_act = 17 * c * bytes_per_value + mask * 2 * c
+    out += [cost(f"h.{i}", params[1 + i], params[1 + i], attn, block_act) for i in range(n_layer)]
+    out.append(cost("head", params[-1], params[-1], 0, (2 * c + v) * bytes_per_value + 8))
+    return out

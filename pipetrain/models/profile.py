@@ -1,0 +1,183 @@
+"""Measure each layer's F, B and W on the current device (`partition=profile`).
+
+For every layer, on its real input (the previous layers' output for one example batch):
+  F  = forward (the last layer includes the loss, which lives on the last stage);
+  B  = torch.autograd.grad(out, x): the gradient w.r.t. the layer input only (the engine
+       skips every weight-gradient kernel);
+  BW = torch.autograd.grad(out, [x, *params]): the full backward;
+  W  = BW - B, the median of the per-repetition differences, clamped at 0. Timing W on
+       its own needs the executor's split-backward machinery; the difference is what a
+       split backward pays for the weights.
+The embedding's input is integer, so its B is 0 and its whole backward is W.
+Each figure is the median over `iters` timed repetitions after `warmup` untimed ones.
+
+Results are cached as JSON per (model class and config, batch, seq, device, dtype, torch
+version) under $PIPETRAIN_CACHE_DIR/profile (default ~/.cache/pipetrain/profile), written
+to a temporary file and renamed, so concurrent ranks never read half a file.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.models.base import LayeredModel
+from pipetrain.models.costs import LayerCost
+
+CACHE_FORMAT = 1
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("PIPETRAIN_CACHE_DIR") or Path.home() / ".cache" / "pipetrain"
+    return Path(root) / "profile"
+
+
+def profile_layers(
+    model: LayeredModel,
+    *,
+    batch: int,
+    seq: int,
+    iters: int = 5,
+    warmup: int = 2,
+    device: torch.device | str | None = None,
+    cache_dir: Path | str | None = None,
+    refresh: bool = False,
+) -> list[LayerCost]:
+    """Measured per-layer costs for one microbatch of `batch` x `seq`; params, FLOPs and
+    activation bytes come from the model's analytic cost model. `refresh` re-measures."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"profile needs iters >= 1 and warmup >= 0 (got iters={iters}, warmup={warmup})")
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    key = _cache_key(model, batch=batch, seq=seq, device=dev)
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = path / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
+    if not refresh:
+        cached = _read_cache(path, key, len(model.layers))
+        if cached is not None:
+            return cached
+    times = _measure(model, batch=batch, seq=seq, iters=iters, warmup=warmup, device=dev)
+    analytic = model.cost_model(microbatch=batch, seq=seq, tflops=1.0)
+    costs = [dataclasses.replace(c, f_ms=f, b_ms=b, w_ms=w) for c, (f, b, w) in zip(analytic, times)]
+    _write_atomic(path, {"key": key, "iters": iters, "warmup": warmup,
+                         "layers": [dataclasses.asdict(c) for c in costs]})
+    return costs
+
+
+def _cache_key(model: LayeredModel, *, batch: int, seq: int, device: torch.device) -> dict[str, Any]:
+    return {
+        "format": CACHE_FORMAT,
+        "model": type(model).__name__,
+        "config": model.config,
+        "batch": batch,
+        "seq": seq,
+        "device": _device_description(device),
+        "dtype": str(model.param_dtype),
+        "torch": torch.__version__,
+    }
+
+
+def _device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        # CPU timings scale with the intra-op thread count, so it is part of the device.
+        return f"cpu:{platform.machine()}:{platform.processor() or '?'}:{torch.get_num_threads()}threads"
+    return str(device)
+
+
+def _read_cache(path: Path, key: dict[str, Any], num_layers: int) -> list[LayerCost] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != key or len(data.get("layers", ())) != num_layers:
+        return None  # a hash collision or a stale format: measure again
+    return [LayerCost(**d) for d in data["layers"]]
+
+
+def _write_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        backend = getattr(torch, device.type, None)
+        if backend is not None and hasattr(backend, "synchronize"):
+            backend.synchronize(device)
+
+
+def _measure(model: LayeredModel, *, batch: int, seq: int, iters: int, warmup: int,
+             device: torch.device) -> list[tuple[float, float, float]]:
+    work = model if next(model.parameters()).device == device else copy.deepcopy(model).to(device)
+    was_training = work.training
+    work.train()  # time what training runs (dropout active if configured)
+    try:
+        x, target = work.example_batch(microbatch=batch, seq=seq, generator=torch.Generator().manual_seed(0),
+                                       device=device)
+        inputs = []
+        with torch.no_grad():
+            for layer in work.layers:
+                inputs.append(x)
+                x = layer(x)
+        last = len(work.layers) - 1
+        samples: list[list[tuple[float, float, float]]] = [[] for _ in work.layers]
+        # Layers inside, repetitions outside: a burst of load from another process then
+        # lands on every layer's samples alike instead of inflating one layer's median.
+        for it in range(warmup + iters):
+            for i, (layer, inp) in enumerate(zip(work.layers, inputs)):
+                t = _time_once(layer, inp, target=target if i == last else None, loss_fn=type(work).loss_fn,
+                               device=device)
+                if it >= warmup:
+                    samples[i].append(t)
+        out = []
+        for s in samples:  # W is the median of per-repetition differences BW - B
+            f, b, w = (statistics.median(v) * 1e3 for v in zip(*[(f, b, bw - b) for f, b, bw in s]))
+            out.append((f, b, max(w, 0.0)))
+        return out
+    finally:
+        work.train(was_training)
+
+
+def _time_once(layer: nn.Module, inp: torch.Tensor, *, target: torch.Tensor | None, loss_fn: Any,
+               device: torch.device) -> tuple[float, float, float]:
+    """(F, B, BW) seconds of one forward and backward of `layer` on `inp`."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    x = inp.detach().requires_grad_(inp.is_floating_point())
+    _sync(device)
+    t0 = time.perf_counter()
+    out = layer(x)
+    if target is not None:
+        out = loss_fn(out, target)
+    _sync(device)
+    t1 = time.perf_counter()
+    grad_out = torch.ones_like(out)  # values do not change the time; not counted in F or B
+    _sync(device)
+    t1b = time.perf_counter()
+    if x.requires_grad:
+        torch.autograd.grad(out, x, grad_out, retain_graph=True)  # B: input gradient only
+        _sync(device)
+    t2 = time.perf_counter()
+    torch.autograd.grad(out, [x, *params] if x.requires_grad else params, grad_out)  # BW: full backward
+    _sync(device)
+    t3 = time.perf_counter()
+    return t1 - t0, (t2 - t1b) if x.requires_grad else 0.0, t3 - t2

@@ -1,0 +1,130 @@
+"""The `sleep` model in torch: layers that take their configured times in F, B and W.
+
+Each layer computes y = x * (1 + w) with one scalar weight w (initialised to 0, so y = x)
+and sleeps f_ms in forward. The backward is split across two autograd nodes so that the
+autograd engine itself decides which sleep runs:
+
+    x --SleepB(b_ms)--> x1 --+
+                             +--> addcmul(x1, x1, w1) = x1 + x1 * w1 --> y
+    w --SleepW(w_ms)--> w1 --+
+
+SleepB and SleepW are identity functions whose backward sleeps, then passes the gradient
+through. The engine only runs nodes on a path from the outputs to the requested inputs:
+  - B, torch.autograd.grad(y, x): runs addcmul's backward and SleepB only -> b_ms per layer;
+  - W, torch.autograd.grad(y, [w]) on the retained graph: addcmul's backward and SleepW only
+    -> w_ms, but only if it starts at the layer's own output. For a stage of several
+    layers, W must start from the gradients B saw at each layer (torch's
+    stage_backward_input / stage_backward_weight in torch/distributed/pipelining/_backward.py
+    do exactly this: B records the gradient arriving at the first node of each weight's
+    subgraph, W resumes from there), or W would re-run the later layers' SleepB;
+  - a full backward (BW) runs both: b_ms + w_ms per layer.
+On the first stage the input usually does not require grad, so SleepB never runs; give
+the stage input requires_grad (it is a float tensor) to keep B's time there.
+
+x1 is a fresh (B, hidden) tensor that addcmul saves for W: the `hidden` floats per sample
+each layer holds until its backward, so peak memory is measurable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.models.base import LayeredModel, TensorSpec
+from pipetrain.models.costs import LayerCost
+from pipetrain.models.sleep import sleep_layer_costs
+
+# time.sleep overshoots by ~0.1 ms on Linux (timer slack + wake-up); that is 5% of a 2 ms
+# layer. Sleep until _SPIN_MS before the deadline, then spin: accurate to ~0.01 ms for a
+# little CPU per call (spinning for whole layers would defeat the model's purpose: no CPU
+# contention with 8 ranks on 2 cores).
+_SPIN_MS = 0.2
+
+
+def sleep_ms(ms: float) -> None:
+    """Block the calling thread for `ms` milliseconds (0 returns at once)."""
+    if ms <= 0:
+        return
+    deadline = time.perf_counter() + ms / 1e3
+    coarse = ms / 1e3 - _SPIN_MS / 1e3
+    if coarse > 0:
+        time.sleep(coarse)
+    while time.perf_counter() < deadline:
+        pass
+
+
+class _SleepOnBackward(torch.autograd.Function):
+    """Identity (a copy) in forward; the backward sleeps `ms` and passes the gradient on."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ms: float) -> torch.Tensor:
+        ctx.ms = ms
+        return x.clone()  # a fresh tensor: the activation this layer keeps (see module docstring)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        sleep_ms(ctx.ms)
+        return grad, None
+
+
+class SleepLayer(nn.Module):
+    def __init__(self, *, f_ms: float, b_ms: float, w_ms: float) -> None:
+        super().__init__()
+        self.f_ms, self.b_ms, self.w_ms = f_ms, b_ms, w_ms
+        self.weight = nn.Parameter(torch.zeros(1))  # y = x * (1 + w): identity at init
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sleep_ms(self.f_ms)
+        x1 = _SleepOnBackward.apply(x, self.b_ms)  # (B, hidden); B's sleep lives on this path
+        w1 = _SleepOnBackward.apply(self.weight, self.w_ms)  # (1,); W's sleep lives on this path
+        return torch.addcmul(x1, x1, w1)  # x1 + x1 * w1 -> (B, hidden)
+
+
+class SleepModel(LayeredModel):
+    """Knobs named as SleepModelConfig: layers, f_ms, b_ms, w_ms, hidden."""
+
+    def __init__(self, *, layers: int = 16, f_ms: float = 2.0, b_ms: float = 2.0, w_ms: float = 2.0,
+                 hidden: int = 1024) -> None:
+        super().__init__()
+        if layers < 1 or hidden < 1:
+            raise ValueError(f"model.layers and model.hidden must be >= 1 (got {layers}, {hidden})")
+        for knob, value in (("f_ms", f_ms), ("b_ms", b_ms), ("w_ms", w_ms)):
+            if value < 0:
+                raise ValueError(f"model.{knob} must be >= 0 ms (got {value})")
+        self._config = dict(layers=layers, f_ms=f_ms, b_ms=b_ms, w_ms=w_ms, hidden=hidden)
+        self.layers = nn.ModuleList(SleepLayer(f_ms=f_ms, b_ms=b_ms, w_ms=w_ms) for _ in range(layers))
+        self.layer_names = [f"layers.{i}" for i in range(layers)]  # as sleep.sleep_layer_costs
+
+    @staticmethod
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self._config)
+
+    def boundary_specs(self, *, microbatch: int, seq: int = 1) -> list[TensorSpec]:
+        spec = TensorSpec((microbatch, self._config["hidden"]), self.param_dtype)
+        return [spec] * (self._config["layers"] + 1)
+
+    def target_spec(self, *, microbatch: int, seq: int = 1) -> TensorSpec:
+        return TensorSpec((microbatch, self._config["hidden"]), self.param_dtype)
+
+    def example_batch(
+        self, *, microbatch: int, seq: int = 1, generator: torch.Generator | None = None, device: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (microbatch, self._config["hidden"])
+        x = torch.randn(shape, generator=generator, dtype=self.param_dtype)
+        return x.to(device), torch.randn(shape, generator=generator, dtype=self.param_dtype).to(device)
+
+    def cost_model(self, *, microbatch: int = 1, seq: int = 1, tflops: float = 1.0) -> list[LayerCost]:
+        # Times are what the layers sleep, whatever the batch or device.
+        cfg = self._config
+        costs = sleep_layer_costs(layers=cfg["layers"], f_ms=cfg["f_ms"], b_ms=cfg["b_ms"], w_ms=cfg["w_ms"],
+                                  hidden=cfg["hidden"])
+        return [dataclasses.replace(c, params=1) for c in costs]

@@ -1,0 +1,104 @@
+"""Cut a LayeredModel into pipeline stages that keep the unsplit model's parameter names.
+
+A stage holds deep copies of its layers in a ModuleDict keyed by the layers' global
+indices, so a stage's parameter names are the unsplit model's names verbatim
+("layers.0.wte.weight", "layers.9.lm_head.weight"): the union of the stages' state dicts
+is the unsplit state dict, key for key (torchtitan keeps FQNs the same way, by deleting
+the layers a stage does not own).
+
+Tied parameters (GPT-2's wte / lm_head) are found from the unsplit model: every name under
+which one Parameter object appears joins a tie group keyed by its canonical name (the one
+`named_parameters()` reports). Each stage's layers are copied with ONE deepcopy call, so a
+tie inside a stage stays one Parameter, and a tie across stages becomes separate Parameters
+with equal values on each side. `StageModule.tied` marks them so the executor can sum their
+gradients across ranks and keep the copies identical.
+
+Copies make the function safe to call twice on the same model (DualPipe's mirror holds two
+copies of every stage) and leave the model itself untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from pipetrain.models.base import LayeredModel, LossFn
+
+
+class StageModule(nn.Module):
+    """Layers `layer_range` of a model, chained; parameter names are the unsplit names."""
+
+    def __init__(self, layers: dict[int, nn.Module], *, stage_id: int, num_layers: int,
+                 loss_fn: LossFn, tie_groups: dict[str, str]) -> None:
+        super().__init__()
+        idx = sorted(layers)
+        self.layer_range = range(idx[0], idx[-1] + 1)
+        self.stage_id = stage_id
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == num_layers
+        self.layers = nn.ModuleDict({str(i): layers[i] for i in idx})
+        self._loss_fn = loss_fn if self.is_last else None
+        names = [n for n, _ in self.named_parameters(remove_duplicate=False)]
+        names += [n for n, _ in self.named_buffers(remove_duplicate=False)]
+        self._names = frozenset(names)
+        # local parameter name -> tie group (the canonical unsplit name of the tied weight)
+        self.tied: dict[str, str] = {n: tie_groups[n] for n in names if n in tie_groups}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._loss_fn is None:
+            raise RuntimeError(f"stage {self.stage_id} (layers {self.layer_range}) is not the last: it has no loss")
+        return self._loss_fn(output, target)
+
+    def full_name(self, local_name: str) -> str:
+        """Unsplit-model name of a local parameter or buffer (the same string, by construction)."""
+        if local_name not in self._names:
+            raise KeyError(f"stage {self.stage_id} has no parameter or buffer named {local_name!r}")
+        return local_name
+
+    def tied_parameters(self) -> dict[str, nn.Parameter]:
+        """Tie group -> this stage's Parameter for it (one per group even when the stage holds
+        several members of the group, as a stage with both embedding and head does)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        return {group: params[name] for name, group in sorted(self.tied.items())}
+
+
+def tie_groups(model: nn.Module) -> dict[str, str]:
+    """Name -> canonical name, for every parameter name that shares its Parameter with another."""
+    by_param: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param[id(p)].append(name)
+    return {n: names[0] for names in by_param.values() if len(names) > 1 for n in names}
+
+
+def build_stage(model: LayeredModel, layer_range: range, *, stage_id: int) -> StageModule:
+    """One stage: deep copies of `model.layers[layer_range]` (only what this rank needs)."""
+    n = len(model.layers)
+    if layer_range.step != 1 or len(layer_range) == 0 or layer_range.start < 0 or layer_range.stop > n:
+        raise ValueError(f"stage {stage_id}: layer range {layer_range} must be a non-empty step-1 range in 0..{n}")
+    picked = copy.deepcopy([model.layers[i] for i in layer_range])  # one memo: ties inside the stage survive
+    return StageModule(dict(zip(layer_range, picked)), stage_id=stage_id, num_layers=n,
+                       loss_fn=type(model).loss_fn, tie_groups=tie_groups(model))
+
+
+def split_model(model: LayeredModel, bounds: Sequence[range]) -> list[StageModule]:
+    """All stages of a partition; `bounds` must tile 0..len(model.layers) in order."""
+    n, expected = len(model.layers), 0
+    for s, rng in enumerate(bounds):
+        if rng.start != expected or rng.step != 1 or len(rng) == 0:
+            raise ValueError(
+                f"stage {s}: layers {rng} do not continue the partition at layer {expected}: "
+                f"bounds must be non-empty contiguous ranges covering 0..{n - 1} in order"
+            )
+        expected = rng.stop
+    if expected != n:
+        raise ValueError(f"bounds cover layers 0..{expected - 1} but the model has {n} layers (0..{n - 1})")
+    return [build_stage(model, rng, stage_id=s) for s, rng in enumerate(bounds)]
