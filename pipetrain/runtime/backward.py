@@ -209,12 +209,14 @@ def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.T
 
 def backward_weight(work: WeightGradWork) -> None:
     """W: weight gradients from what B recorded, accumulated into `.grad`; frees the graph."""
+    # Groups without recorded boundaries (the first stage, or a weight reused inside the
+    # stage) take one fused pass from the outputs, so the graph is walked once, not per group.
+    redo = [p for g in work.groups if g.recompute for p in g.params]
+    if redo:
+        grads = torch.autograd.grad(work.outputs, redo, work.grad_outputs, retain_graph=True, allow_unused=True)
+        _accumulate(redo, grads)
     for g in work.groups:
         if g.recompute:
-            grads = torch.autograd.grad(
-                work.outputs, g.params, work.grad_outputs, retain_graph=True, allow_unused=True
-            )
-            _accumulate(g.params, grads)
             continue
         roots, seeds = [], []
         for node in g.boundary:

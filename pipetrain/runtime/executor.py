@@ -1,0 +1,222 @@
+"""The one interpreter of a rank's action list.
+
+It knows nothing about schedule names. Where an input comes from, where an output
+goes, which stage computes the loss, whether a neighbour is local or remote: all of it
+comes from the schedule's placement. Per action:
+
+  F(s, m)    input = the microbatch (first stage of its chain), the local output of
+             prev(s), or the received activation; run the stage; on the chain's last
+             stage compute loss / M (so gradients are the mean over microbatches);
+             otherwise hand the output to next(s).
+  B(s, m)    input gradient only (runtime/backward.py); keep what W needs; send it back.
+  W(s, m)    weight gradients from what B kept.
+  BW(s, m)   both at once.
+  F&B        its forward, then its backward (on one CPU stream they cannot overlap; the
+             simulator's sim.fb_overlap models the overlap DualPipe gets on GPUs).
+
+After the last action, the summed loss is all-reduced so every rank (rank 0 logs it)
+holds the mean loss of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input, backward_weight
+from pipetrain.runtime.comm import P2P, Message, needed_by, sent_by
+from pipetrain.schedules.ir import Action, Op, Schedule
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    index: int  # position in the rank's step list
+    step: str  # text form, e.g. "0F3" or "0F6&7BW2"
+    start_ms: float  # from the start of the step
+    end_ms: float
+
+
+@dataclass
+class StepResult:
+    loss: Optional[float]  # mean loss over the step's microbatches (None without a process group and no last stage)
+    timings: list[ActionTiming] = field(default_factory=list)
+    step_ms: float = 0.0
+    peak_activation_sets: int = 0  # most (stage, microbatch) sets alive at once
+    peak_activation_bytes: int = 0  # bytes autograd saved for them, at that peak
+    peak_memory_bytes: Optional[int] = None  # torch.cuda.max_memory_allocated on GPU
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves during one forward (saved_tensors_hooks)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class Executor:
+    """Runs one rank's part of a schedule on its stage modules."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        stages: dict[int, nn.Module],
+        *,
+        comm: Optional[P2P],
+        recv_buffer: Optional[Callable[[Message], torch.Tensor]] = None,
+        device: torch.device | str = "cpu",
+        loss_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        pl = schedule.placement
+        want = set(pl.stages_of(rank))
+        if set(stages) != want:
+            raise ValueError(f"rank {rank} must hold stages {sorted(want)}, got {sorted(stages)}")
+        if comm is None and schedule.num_ranks > 1:
+            raise ValueError("a pipeline of several ranks needs a P2P transport")
+        self.schedule, self.rank, self.stages = schedule, rank, stages
+        self.comm, self.recv_buffer, self.device = comm, recv_buffer, torch.device(device)
+        self.loss_group = loss_group
+        self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in stages.items()}
+
+    # ---- one optimizer step's worth of microbatches ---------------------------------
+    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """Run every action of this rank once; `microbatches[m]` is (input, target) of microbatch m."""
+        M = self.schedule.num_microbatches
+        if len(microbatches) != M:
+            raise ValueError(f"expected {M} microbatches (pipeline.microbatches), got {len(microbatches)}")
+        self._batch = microbatches
+        self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._wstore: dict[tuple[int, int], WeightGradWork] = {}
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._act_bytes: dict[tuple[int, int], int] = {}
+        self._live_bytes = self._peak_bytes = self._peak_sets = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._losses = 0
+        if self.comm is not None:
+            self.comm.post_receives(self.recv_buffer)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        timings, t0 = [], time.perf_counter()
+        for index, step in enumerate(self.schedule.steps[self.rank]):
+            start = time.perf_counter()
+            for action in step.parts():
+                self._run(action, str(step))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # per-action times need the kernels done
+            timings.append(ActionTiming(index, str(step), (start - t0) * 1e3, (time.perf_counter() - t0) * 1e3))
+        if self.comm is not None:
+            self.comm.finish()
+        step_ms = (time.perf_counter() - t0) * 1e3
+        assert not self._ctx and not self._wstore, "validated schedule left work behind"
+        return StepResult(
+            loss=self._mean_loss(),
+            timings=timings,
+            step_ms=step_ms,
+            peak_activation_sets=self._peak_sets,
+            peak_activation_bytes=self._peak_bytes,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+        )
+
+    def _run(self, a: Action, step_text: str) -> None:
+        if a.op is Op.F:
+            self._forward(a, step_text)
+        elif a.op is Op.W:
+            backward_weight(self._wstore.pop((a.stage, a.microbatch)))
+            self._free(a.stage, a.microbatch)
+        else:
+            self._backward(a, step_text)
+
+    # ---- actions ----------------------------------------------------------------------
+    def _forward(self, a: Action, step_text: str) -> None:
+        pl, s, m = self.schedule.placement, a.stage, a.microbatch
+        prev = pl.prev_stage(s)
+        if prev is None:
+            x = self._batch[m][0].to(self.device)
+        else:
+            x = self._take("act", prev, m, a, step_text)
+        if x.is_floating_point():
+            # The first stage also asks for its input grad (and drops it) so that B does B's
+            # share of the work, as the schedule and the simulator assume.
+            x = x.detach().requires_grad_(True)
+        counter = _SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            out = self.stages[s](x)
+            if pl.next_stage(s) is None:
+                loss = self.stages[s].loss(out, self._batch[m][1].to(self.device))
+                self._loss_sum += loss.detach().double().cpu()
+                self._losses += 1
+                out = loss / self.schedule.num_microbatches
+        self._ctx[(s, m)] = (x, out)
+        self._alloc(s, m, counter.bytes)
+        if pl.next_stage(s) is not None:
+            self._give("act", s, m, out.detach(), a)
+
+    def _backward(self, a: Action, step_text: str) -> None:
+        pl, s, m = self.schedule.placement, a.stage, a.microbatch
+        x, out = self._ctx.pop((s, m))
+        nxt = pl.next_stage(s)
+        grad = None if nxt is None else self._take("grad", nxt, m, a, step_text)
+        if a.op is Op.B:
+            grads, work = backward_input([out], [grad], [x], self._params[s])
+            self._wstore[(s, m)] = work
+        else:
+            grads = backward_full([out], [grad], [x], self._params[s])
+            self._free(s, m)
+        if pl.prev_stage(s) is not None:
+            self._give("grad", s, m, grads[0], a)
+
+    # ---- data movement: local hand-off or point-to-point ------------------------------
+    def _give(self, kind: str, s: int, m: int, tensor: torch.Tensor, a: Action) -> None:
+        msg = sent_by(a, self.schedule, self.rank)
+        if msg is None:
+            self._local[(kind, s, m)] = tensor
+        else:
+            assert self.comm is not None
+            self.comm.send(msg, tensor)
+
+    def _take(self, kind: str, src_stage: int, m: int, a: Action, step_text: str) -> torch.Tensor:
+        msg: Optional[Message] = needed_by(a, self.schedule, self.rank)
+        if msg is None:
+            return self._local.pop((kind, src_stage, m))
+        assert self.comm is not None
+        return self.comm.receive(msg, action=f"{step_text} on rank {self.rank}")
+
+    # ---- bookkeeping ------------------------------------------------------------------
+    def _alloc(self, s: int, m: int, nbytes: int) -> None:
+        self._act_bytes[(s, m)] = nbytes
+        self._live_bytes += nbytes
+        if len(self._act_bytes) > self._peak_sets:
+            self._peak_sets = len(self._act_bytes)
+        self._peak_bytes = max(self._peak_bytes, self._live_bytes)
+
+    def _free(self, s: int, m: int) -> None:
+        self._live_bytes -= self._act_bytes.pop((s, m))
+
+    def _mean_loss(self) -> Optional[float]:
+        if self.loss_group is None and not dist.is_initialized():
+            return float(self._loss_sum / self._losses) if self._losses else None
+        buf = torch.stack([self._loss_sum, torch.tensor(float(self._losses), dtype=torch.float64)])
+        buf = buf.to(self._reduce_device())
+        dist.all_reduce(buf, group=self.loss_group)
+        total, count = buf.tolist()
+        return total / count if count else None
+
+    def _reduce_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")

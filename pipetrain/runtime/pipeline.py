@@ -1,0 +1,81 @@
+"""Assemble one rank's pipeline: its stage modules, P2P buffers, executor and grad sync.
+
+Every rank builds the same initialised model (same seed), keeps copies of the layers of
+the stages its placement gives it, and drops the rest. Receive buffers get their shape
+and dtype from the model's boundary specs: an activation entering stage s has the spec
+of its chunk's first layer boundary, the gradient sent back to it the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.models.base import LayeredModel
+from pipetrain.models.split import build_stage
+from pipetrain.runtime.comm import P2P, Message
+from pipetrain.runtime.executor import Executor, StepResult
+from pipetrain.runtime.sync import GradSync
+from pipetrain.schedules.ir import Schedule
+
+
+@dataclass
+class RankPipeline:
+    rank: int
+    schedule: Schedule
+    stages: dict[int, nn.Module]
+    executor: Executor
+    sync: GradSync
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's distinct parameters (a Parameter shared inside a stage appears once)."""
+        seen: dict[int, nn.Parameter] = {}
+        for s in sorted(self.stages):
+            for p in self.stages[s].parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def named_parameters(self) -> list[tuple[int, str, nn.Parameter]]:
+        """(stage, unsplit name, parameter) for every parameter of every local stage."""
+        return [(s, n, p) for s in sorted(self.stages) for n, p in self.stages[s].named_parameters()]
+
+    def train_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """Forward and backward of all microbatches, then gradients summed over copies."""
+        result = self.executor.step(microbatches)
+        self.sync.sync()
+        return result
+
+
+def build_rank_pipeline(
+    model: LayeredModel,
+    bounds: Sequence[range],
+    schedule: Schedule,
+    rank: int,
+    *,
+    microbatch_size: int,
+    seq_len: int = 1,
+    timeout_s: float = 300.0,
+    device: torch.device | str = "cpu",
+    group: Optional[dist.ProcessGroup] = None,
+) -> RankPipeline:
+    """Collective when the schedule has several ranks: every rank must call it."""
+    pl = schedule.placement
+    if len(bounds) != pl.num_chunks:
+        raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
+    device = torch.device(device)
+    stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s).to(device) for s in pl.stages_of(rank)}
+    specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
+
+    def recv_buffer(msg: Message) -> torch.Tensor:
+        rng = bounds[pl.chunk_of(msg.stage)]
+        return specs[rng.stop if msg.kind == "act" else rng.start].empty(device)
+
+    comm = P2P(schedule, rank, timeout_s=timeout_s, group=group) if schedule.num_ranks > 1 else None
+    executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
+                        loss_group=group)
+    sync = GradSync(stages, group=group)
+    return RankPipeline(rank, schedule, stages, executor, sync)

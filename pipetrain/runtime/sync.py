@@ -1,0 +1,95 @@
+"""Keep every copy of a parameter identical: sum gradients across copies before the step.
+
+Copies arise two ways, and one mechanism serves both:
+  - tied weights on different stages (GPT-2's embedding and output head), marked by
+    `StageModule.tied` with the canonical unsplit name of the weight;
+  - DualPipe's mirror, where two stages (on ranks r and P-1-r) hold the same chunk.
+A parameter's *canonical name* is its tie group if tied, else its own (unsplit) name.
+All copies of one canonical name, wherever they live, must end with the same gradient:
+the sum over copies (each copy saw a different part of the work). Per rank: sum local
+copies, all-reduce over the ranks that hold one (a subgroup per distinct set of
+holders, gradients flattened into one buffer per set), write the sum back to every copy.
+Identical gradients + identical optimizer state keep the copies identical step after step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def canonical_params(stages: dict[int, nn.Module]) -> dict[str, list[nn.Parameter]]:
+    """Canonical name -> this rank's distinct Parameters for it."""
+    out: dict[str, list[nn.Parameter]] = defaultdict(list)
+    for s in sorted(stages):
+        mod = stages[s]
+        tied = getattr(mod, "tied", {})
+        for name, p in mod.named_parameters(remove_duplicate=False):
+            key = tied.get(name, name)
+            if all(p is not q for q in out[key]):
+                out[key].append(p)
+    return dict(out)
+
+
+class GradSync:
+    """Built once per job (collectively: every rank calls the constructor)."""
+
+    def __init__(self, stages: dict[int, nn.Module], *, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.local = canonical_params(stages)
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        names_per_rank: list[list[str]] = [sorted(self.local)]
+        if world > 1:
+            names_per_rank = [None] * world  # type: ignore[list-item]
+            dist.all_gather_object(names_per_rank, sorted(self.local), group=group)
+        holders: dict[str, tuple[int, ...]] = defaultdict(tuple)
+        for r, names in enumerate(names_per_rank):
+            for n in names:
+                holders[n] = holders[n] + (r,)
+        me = dist.get_rank(group) if world > 1 else 0
+        # Every rank creates every subgroup, in the same order (new_group is collective).
+        self.sets: list[tuple[tuple[int, ...], Optional[dist.ProcessGroup], list[str]]] = []
+        by_set: dict[tuple[int, ...], list[str]] = defaultdict(list)
+        for n in sorted(holders):
+            if len(holders[n]) > 1:
+                by_set[holders[n]].append(n)
+        for ranks in sorted(by_set):
+            pg = dist.new_group(list(ranks)) if world > 1 else None
+            if me in ranks:
+                self.sets.append((ranks, pg, by_set[ranks]))
+        self.local_only = [n for n, ps in self.local.items() if len(ps) > 1 and len(holders[n]) == 1]
+
+    @property
+    def synced_names(self) -> list[str]:
+        return sorted({n for _, _, names in self.sets for n in names} | set(self.local_only))
+
+    def sync(self) -> None:
+        """Sum gradients over all copies; every copy gets the sum."""
+        for n in self.local_only:
+            self._write(n, self._local_sum(n))
+        for _, pg, names in self.sets:
+            sums = [self._local_sum(n) for n in names]
+            flat = torch.cat([t.reshape(-1) for t in sums])
+            dist.all_reduce(flat, group=pg)
+            offset = 0
+            for n, t in zip(names, sums):
+                self._write(n, flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _local_sum(self, name: str) -> torch.Tensor:
+        ps = self.local[name]
+        total = torch.zeros_like(ps[0])
+        for p in ps:
+            if p.grad is not None:
+                total += p.grad
+        return total
+
+    def _write(self, name: str, value: torch.Tensor) -> None:
+        for p in self.local[name]:
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
