@@ -144,10 +144,15 @@ class P2P:
         try:
             ok = work.wait(timeout=self.timeout)
         except RuntimeError as e:
-            reason = "timed out" if "imed out" in str(e) else f"failed ({str(e).splitlines()[0][:160]})"
+            text = str(e)
+            if "imed out" in text:
+                raise P2PError(
+                    f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g}s: rank {peer} is "
+                    f"stuck or dead (raise pipeline.p2p_timeout_s if it is only slow)"
+                ) from None
             raise P2PError(
-                f"rank {self.rank}: {what} {reason} after at most {self.timeout.total_seconds():g}s: "
-                f"rank {peer} is stuck or dead (pipeline.p2p_timeout_s sets the limit)"
+                f"rank {self.rank}: {what} failed: the connection to rank {peer} was lost, so that rank (or one it "
+                f"depends on) died; pipeline.p2p_timeout_s bounds every wait"
             ) from None
         if ok is False:
             raise P2PError(f"rank {self.rank}: {what} did not complete (rank {peer})")

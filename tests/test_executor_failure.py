@@ -1,0 +1,80 @@
+"""A dead or stuck peer never hangs the job: every rank fails with a clear error in time."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import torch
+
+from _dist import spawn
+from pipetrain.models.factory import build_model
+from pipetrain.partition.uniform import uniform_bounds
+from pipetrain.runtime.pipeline import build_rank_pipeline
+from pipetrain.schedules import registry
+
+TIMEOUT_S = 3.0
+
+
+def die_mid_step(rank: int, world: int, out, victim: int, how: str) -> None:
+    torch.manual_seed(0)
+    model = build_model("mlp", n_layer=8)
+    sched = registry.build("1f1b", world, 8, 1)
+    rp = build_rank_pipeline(model, uniform_bounds(8, world), sched, rank, microbatch_size=2, timeout_s=TIMEOUT_S)
+    g = torch.Generator().manual_seed(0)
+    mbs = [model.example_batch(microbatch=2, seq=1, generator=g) for _ in range(8)]
+    rp.train_step(mbs)  # one healthy step first
+    if rank == victim:
+        calls = {"n": 0}
+
+        def hook(module, inputs):
+            calls["n"] += 1
+            if calls["n"] == 3:  # mid-step, after some messages went out
+                if how == "kill":
+                    os._exit(17)
+                time.sleep(4 * TIMEOUT_S)  # stuck: alive but silent for longer than the timeout
+
+        next(iter(rp.stages.values())).register_forward_pre_hook(hook)
+    rp.train_step(mbs)
+
+
+def run(tmp_path, how: str):
+    world, victim = 3, 1
+    t0 = time.monotonic()
+    ctx = spawn(die_mid_step, world, tmp_path, victim, how, join=False)
+    for p in ctx.processes:
+        p.join(timeout=60)
+    elapsed = time.monotonic() - t0
+    codes = [p.exitcode for p in ctx.processes]
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    return elapsed, codes, victim
+
+
+def check_survivors(tmp_path, codes, victim):
+    for r, code in enumerate(codes):
+        if r == victim:
+            continue
+        assert code not in (0, None), f"rank {r} did not fail (exit code {code})"
+        err = (tmp_path / f"error{r}.txt").read_text().splitlines()[0]
+        assert err.startswith("P2PError: rank "), err
+        assert f"rank {r}:" in err  # names itself
+        assert re.search(r"\d+(F|B|W|BW)\d+ on rank", err), err  # names the action it was running
+        # names the peer it waited for (the victim, or a rank that failed because of it)
+        assert "from rank" in err or "for rank" in err, err
+
+
+def test_killed_rank_makes_every_rank_exit_with_a_clear_error(tmp_path):
+    elapsed, codes, victim = run(tmp_path, "kill")
+    assert codes[victim] == 17
+    check_survivors(tmp_path, codes, victim)
+    assert elapsed < 4 * TIMEOUT_S + 30  # start-up included; a hang would hit the 60 s join limit
+
+
+def test_stuck_rank_times_out_with_the_knob_named(tmp_path):
+    elapsed, codes, victim = run(tmp_path, "stuck")
+    check_survivors(tmp_path, codes, victim)
+    errs = [(tmp_path / f"error{r}.txt").read_text() for r in range(3) if r != victim]
+    assert any("pipeline.p2p_timeout_s" in e for e in errs)
