@@ -5,17 +5,22 @@ misspelled key or a value of the wrong type fails during composition with a
 message naming the key. Cross-field rules live in `__post_init__` and raise a
 one-line `ValueError` naming the knob to change. Past the CLI layer only these
 dataclasses travel; no DictConfig.
+
+Pure Python: nothing here imports torch, so composing and checking a config (and
+simulating the sleep model) never loads it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pipetrain.partition.strategies import manual_bounds
 from pipetrain.schedules import registry
 
 
@@ -53,9 +58,34 @@ class ScheduleConfig:
             raise ValueError(f"schedule.virtual_stages must be >= 1 (got {self.virtual_stages})")
 
 
+# ---- models -------------------------------------------------------------------------------
+
+
 @dataclass
 class ModelConfig:
+    """Base of the model schemas. `knobs()` are the model constructor's keyword arguments
+    (pipetrain.models.factory.build_model(family, **knobs)); `num_layers` is how many
+    pipeline layers the model has, known without building it."""
+
     name: str = MISSING
+    family: ClassVar[str] = ""  # factory name: "sleep", "mlp" or "gpt2" (every GPT-2 size)
+    layer_knob: ClassVar[str] = ""  # the knob that sets the layer count, for error messages
+    # Costs depend on data.batch_size (and data.seq_len where `has_seq`): the batch must then
+    # split evenly into pipeline.microbatches even in mode=simulate.
+    needs_batch: ClassVar[bool] = True
+    has_seq: ClassVar[bool] = False
+
+    def knobs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+
+    @property
+    def num_layers(self) -> int:
+        raise NotImplementedError
+
+    def _at_least_one(self, *knobs: str) -> None:
+        for knob in knobs:
+            if getattr(self, knob) < 1:
+                raise ValueError(f"model.{knob} must be >= 1 (got {getattr(self, knob)})")
 
 
 @dataclass
@@ -68,28 +98,126 @@ class SleepModelConfig(ModelConfig):
     b_ms: float = 2.0  # input-gradient (B) time
     w_ms: float = 2.0  # weight-gradient (W) time
     hidden: int = 1024  # floats of activation each layer saves per sample
+    family: ClassVar[str] = "sleep"
+    layer_knob: ClassVar[str] = "model.layers"
+    needs_batch: ClassVar[bool] = False  # a layer sleeps the same whatever the batch
 
     def __post_init__(self) -> None:
-        if self.layers < 1:
-            raise ValueError(f"model.layers must be >= 1 (got {self.layers})")
+        self._at_least_one("layers", "hidden")
         for knob in ("f_ms", "b_ms", "w_ms"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"model.{knob} must be >= 0 ms (got {getattr(self, knob)})")
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers
+
+
+@dataclass
+class MLPModelConfig(ModelConfig):
+    """A small stack of linear layers (tanh between them): real gradients, fastest to run."""
+
+    name: str = "mlp"
+    n_layer: int = 4  # linear layers (one pipeline layer each)
+    d_in: int = 16  # input features
+    d_hidden: int = 32  # width between layers
+    d_out: int = 8  # regression outputs
+    family: ClassVar[str] = "mlp"
+    layer_knob: ClassVar[str] = "model.n_layer"
+
+    def __post_init__(self) -> None:
+        self._at_least_one("n_layer", "d_in", "d_hidden", "d_out")
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer
+
+
+@dataclass
+class GPT2ModelConfig(ModelConfig):
+    """GPT-2 (knobs named as nanoGPT's GPTConfig). Defaults are the 124M model; the
+    conf/model/gpt2*.yaml files carry pipetrain.models.gpt2.PRESETS (a test keeps them equal)."""
+
+    name: str = "gpt2"
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block
+    n_embd: int = 768  # width C
+    vocab_size: int = 50257  # GPT-2's BPE vocabulary (unpadded, so parameter counts are the published ones)
+    block_size: int = 1024  # longest sequence (learned position embeddings)
+    dropout: float = 0.0  # 0 for pretraining, as nanoGPT; GPT-2 itself used 0.1
+    bias: bool = True  # biases in Linears and LayerNorms, as GPT-2
+    family: ClassVar[str] = "gpt2"
+    layer_knob: ClassVar[str] = "model.n_layer"
+    has_seq: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self._at_least_one("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}: "
+                f"change model.n_head to a divisor of {self.n_embd}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1) (got {self.dropout})")
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer + 2  # embedding, n_layer blocks, head (final norm + output projection)
+
+
+# ---- data, partition, simulator -----------------------------------------------------------
+
+DATA_SOURCES = ("builtin",)
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from. Today only the batch shape is read (to size a microbatch
+    for the cost model); the data sources themselves come with the trainer."""
+
+    name: str = "builtin"
+    batch_size: int = 8  # sequences per optimizer step, split into pipeline.microbatches microbatches
+    seq_len: int = 128  # tokens per sequence (GPT-2: <= model.block_size); short enough for a CPU step
+
+    def __post_init__(self) -> None:
+        if self.name not in DATA_SOURCES:
+            raise ValueError(f"data={self.name!r} is unknown: choose data= one of {', '.join(DATA_SOURCES)}")
+        for knob in ("batch_size", "seq_len"):
+            if getattr(self, knob) < 1:
+                raise ValueError(f"data.{knob} must be >= 1 (got {getattr(self, knob)})")
+
+
+# `profile` measures each layer on this machine and balances the measured time; the others
+# are pipetrain.partition.strategies.partition's strategies of the same name.
+PARTITIONS = ("uniform", "params", "flops", "profile", "balanced", "manual")
 
 
 @dataclass
 class PartitionConfig:
     name: str = "uniform"
+    boundaries: Optional[list[int]] = None  # partition=manual: first layer index of stages 1..k-1
 
     def __post_init__(self) -> None:
-        if self.name != "uniform":
-            raise ValueError(f"partition={self.name!r} is unknown: choose partition=uniform")
+        if self.name not in PARTITIONS:
+            raise ValueError(f"partition={self.name!r} is unknown: choose partition= one of {', '.join(PARTITIONS)}")
+        if self.boundaries is not None and self.name != "manual":
+            raise ValueError(
+                f"partition.boundaries is only read by partition=manual (got partition={self.name}): "
+                "set partition=manual or drop partition.boundaries"
+            )
 
 
 @dataclass
 class SimConfig:
     comm_ms: float = 0.0  # point-to-point latency added to every cross-rank dependency
     fb_overlap: float = 0.0  # an F&B pair costs (F + BW) * (1 - fb_overlap)
+    # Sustained TFLOP/s that turns a real model's analytic FLOPs into ms (not used by
+    # model=sleep or partition=profile, whose times are given or measured). 100 is one
+    # A100 (312 TFLOP/s bf16 peak) at the ~30-40% MFU that GPT-2-sized training sustains
+    # (Megatron / nanoGPT report that range); every time scales by the same factor, so the
+    # partition, imbalance and bubble fractions do not depend on it, only the ms shown
+    # (and how much sim.comm_ms weighs against compute).
+    tflops: float = 100.0
     timeline: bool = True  # print the per-rank timeline
     timeline_width: int = 0  # columns for the timeline; 0 = the terminal's width
 
@@ -98,6 +226,11 @@ class SimConfig:
             raise ValueError(f"sim.comm_ms must be >= 0 (got {self.comm_ms})")
         if not 0.0 <= self.fb_overlap < 1.0:
             raise ValueError(f"sim.fb_overlap must be in [0, 1) (got {self.fb_overlap})")
+        if not self.tflops > 0:
+            raise ValueError(f"sim.tflops must be > 0 (got {self.tflops}): the sustained TFLOP/s of one device")
+
+
+# ---- root ---------------------------------------------------------------------------------
 
 
 @dataclass
@@ -105,36 +238,72 @@ class Config:
     mode: Mode = Mode.simulate
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    model: Any = MISSING  # one of the model schemas (SleepModelConfig, ...)
+    model: Any = MISSING  # one of the model schemas (SleepModelConfig, GPT2ModelConfig, ...)
+    data: DataConfig = field(default_factory=DataConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
-        if isinstance(self.model, ModelConfig) is False:
-            raise TypeError("model= must name a model config (e.g. model=sleep)")
+        if not isinstance(self.model, ModelConfig):
+            raise TypeError(f"model= must name a model config: choose model= one of {', '.join(MODEL_OPTIONS)}")
         s, p = self.schedule, self.pipeline
         if s.name != registry.CUSTOM:
             registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
         self._check_layers()
+        self._check_data()
+        if self.partition.name == "manual":  # the strategy's own message, with an example for this model
+            manual_bounds(self.model.num_layers, self.num_chunks, self.partition.boundaries)
 
-    def _check_layers(self) -> None:
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks the schedule's placement cuts the model into (degree x stages per rank)."""
         s = self.schedule
-        chunks = registry.placement_for(
+        return registry.placement_for(
             s.name, self.pipeline.degree, s.virtual_stages, custom_placement=s.placement
         ).num_chunks
-        layers = getattr(self.model, "layers", None)
-        if layers is not None and chunks > layers:
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences in one microbatch: data.batch_size / pipeline.microbatches (at least 1:
+        model=sleep in mode=simulate does not require the batch to divide)."""
+        return max(1, self.data.batch_size // self.pipeline.microbatches)
+
+    def _check_layers(self) -> None:
+        s, m, chunks = self.schedule, self.model, self.num_chunks
+        if chunks <= m.num_layers:
+            return
+        free_v = s.name == registry.CUSTOM or registry.get(s.name).fixed_stages_per_rank is None
+        lower = "pipeline.degree or schedule.virtual_stages" if free_v and s.virtual_stages > 1 else "pipeline.degree"
+        extra = 2 if isinstance(m, GPT2ModelConfig) else 0  # GPT-2's embedding and head are layers too
+        raise ValueError(
+            f"schedule {s.name} with pipeline.degree={self.pipeline.degree} cuts the model into {chunks} stages "
+            f"but model={m.name} has {m.num_layers} layers: lower {lower}, or raise {m.layer_knob} "
+            f"to >= {chunks - extra}"
+        )
+
+    def _check_data(self) -> None:
+        d, m, mb = self.data, self.model, self.pipeline.microbatches
+        if (m.needs_batch or self.mode is Mode.train) and d.batch_size % mb:
+            up = -(-d.batch_size // mb) * mb
             raise ValueError(
-                f"schedule {s.name} with pipeline.degree={self.pipeline.degree} cuts the model into {chunks} "
-                f"stages but model.layers={layers}: raise model.layers to >= {chunks} or lower pipeline.degree"
+                f"data.batch_size={d.batch_size} does not split into pipeline.microbatches={mb} equal microbatches: "
+                f"set data.batch_size to a multiple of {mb} (e.g. {up}) or pipeline.microbatches to a divisor of it"
+            )
+        if m.has_seq and d.seq_len > m.block_size:
+            raise ValueError(
+                f"data.seq_len={d.seq_len} exceeds model.block_size={m.block_size} of model={m.name}: "
+                f"set data.seq_len <= {m.block_size}"
             )
 
 
-MODEL_SCHEMAS: dict[str, type] = {"sleep": SleepModelConfig}
+# Schemas by ConfigStore name (`<name>_schema` in group `model`): every conf/model/gpt2*.yaml
+# composes on gpt2_schema and sets its size.
+MODEL_SCHEMAS: dict[str, type] = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, "gpt2": GPT2ModelConfig}
+MODEL_OPTIONS = ("sleep", "mlp", "gpt2-tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # conf/model/*.yaml
 
 
 def register_configs() -> None:
-    """Schemas in the ConfigStore: `config_schema` for the root, `<model>_schema` per model group option."""
+    """Schemas in the ConfigStore: `config_schema` for the root, `<model>_schema` per model schema."""
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for name, schema in MODEL_SCHEMAS.items():

@@ -1,32 +1,55 @@
-"""From a Config to what runs: the validated schedule and the per-stage costs.
+"""From a Config to what runs: the validated schedule, the partition and the per-stage costs.
 
-The same Plan feeds `mode=simulate` and (later) the executor, so what is
-simulated is exactly what runs.
+The same Plan feeds `mode=simulate` and (later) the executor, so what is simulated is
+exactly what runs, and the partition table and the simulation read the same numbers
+(the stage costs are the plan's own `chunk_fbw()`).
+
+Where layer costs come from:
+  - model=sleep: its configured times, in pure Python (the sleep + any analytic partition
+    path never imports torch);
+  - real models (gpt2*, mlp): the model's analytic cost model, built on torch's meta
+    device, so even gpt2-xl allocates no parameter memory; FLOPs become ms at sim.tflops;
+  - partition=profile: the real model is built and every layer is timed on this machine
+    (cuda if available, else CPU) at the run's microbatch x data.seq_len.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pipetrain.config import Config, SleepModelConfig
-from pipetrain.models.costs import LayerCost, chunk_costs
+from pipetrain.config import Config, ModelConfig, SleepModelConfig
+from pipetrain.models.costs import LayerCost
 from pipetrain.models.sleep import sleep_layer_costs
-from pipetrain.partition.uniform import uniform_bounds
+from pipetrain.partition.plan import PartitionPlan, require_chunks
+from pipetrain.partition.strategies import partition
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.simulate import StageCosts
 from pipetrain.schedules.spec import RankCosts
 from pipetrain.schedules.validate import validate
 
+if TYPE_CHECKING:  # torch-typed names only; importing them at run time would load torch
+    from pipetrain.models.base import LayeredModel
+
 
 @dataclass(frozen=True)
 class Plan:
     schedule: Schedule
-    layer_costs: tuple[LayerCost, ...]
-    chunk_bounds: tuple[range, ...]  # model chunk -> layer indices
-    stage_costs: StageCosts
+    partition: PartitionPlan  # chunk -> layer range, with the layer costs it was cut by
+    stage_costs: StageCosts  # per stage id, from partition.chunk_fbw() through the placement
     rank_costs: RankCosts  # one microbatch through the heaviest rank's share
     analytic_bubble: float | None  # published idle time per rank (ms), where a formula exists
+    cost_source: str  # "sleep" (configured), "analytic" (FLOPs at sim.tflops) or "measured:<device>"
+
+    @property
+    def layer_costs(self) -> tuple[LayerCost, ...]:
+        return self.partition.layers
+
+    @property
+    def chunk_bounds(self) -> tuple[range, ...]:  # model chunk -> layer indices
+        return self.partition.bounds
 
 
 def build_schedule(config: Config) -> Schedule:
@@ -42,18 +65,57 @@ def build_schedule(config: Config) -> Schedule:
     return schedule
 
 
+def build_model(model: ModelConfig, *, device: Any = None) -> LayeredModel:
+    """The runnable model a model config describes, built on `device` ("meta": shapes only)."""
+    import torch
+
+    from pipetrain.models.factory import build_model as build
+
+    with torch.device(device if device is not None else "cpu"):
+        return build(model.family, **model.knobs())
+
+
+def profile_device() -> str:
+    """Where partition=profile measures: the accelerator when there is one, as training would run."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cost_source(config: Config) -> str:
+    if config.partition.name == "profile":
+        return f"measured:{profile_device()}"
+    return "sleep" if isinstance(config.model, SleepModelConfig) else "analytic"
+
+
 def layer_costs(config: Config) -> list[LayerCost]:
-    m = config.model
+    """Per-layer costs of one microbatch (config.microbatch_size x data.seq_len) for this run."""
+    m, seq = config.model, (config.data.seq_len if config.model.has_seq else 1)
+    if config.partition.name == "profile":
+        from pipetrain.models.profile import profile_layers
+
+        device = profile_device()
+        return profile_layers(build_model(m, device=device), batch=config.microbatch_size, seq=seq, device=device)
     if isinstance(m, SleepModelConfig):
         return sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden)
-    raise ValueError(f"model={m.name} has no cost model: choose model=sleep")
+    model = build_model(m, device="meta")  # shapes and dtypes only: no parameter memory
+    return model.cost_model(microbatch=config.microbatch_size, seq=seq, tflops=config.sim.tflops)
+
+
+def make_partition(config: Config, layers: list[LayerCost], num_chunks: int) -> PartitionPlan:
+    p = config.partition
+    if p.name == "profile":  # balance the measured f + b + w, and say where the cut came from
+        return dataclasses.replace(partition(layers, num_chunks, "time"), strategy="profile")
+    return partition(layers, num_chunks, p.name, boundaries=p.boundaries)
 
 
 def make_plan(config: Config) -> Plan:
     schedule = build_schedule(config)
+    # Fail on too many stages before building (or profiling) anything.
+    require_chunks(config.model.num_layers, schedule.placement.num_chunks)
     costs = layer_costs(config)
-    bounds = uniform_bounds(len(costs), schedule.placement.num_chunks)
-    stage_costs = StageCosts.from_chunks(schedule, chunk_costs(costs, bounds))
+    part = make_partition(config, costs, schedule.placement.num_chunks)
+    stage_costs = StageCosts.from_chunks(schedule, part.chunk_fbw())
     rc = registry.rank_costs(
         schedule, list(stage_costs.f), list(stage_costs.b), list(stage_costs.w), config.sim.fb_overlap
     )
@@ -62,4 +124,4 @@ def make_plan(config: Config) -> Plan:
         formula = registry.get(config.schedule.name).analytic_bubble
         if formula is not None:
             analytic = formula(schedule.num_ranks, schedule.placement.stages_per_rank, rc)
-    return Plan(schedule, tuple(costs), tuple(bounds), stage_costs, rc, analytic)
+    return Plan(schedule, part, stage_costs, rc, analytic, cost_source(config))

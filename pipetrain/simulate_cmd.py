@@ -1,6 +1,9 @@
-"""`mode=simulate`: validate and simulate the configured schedule, print it, write JSON.
+"""`mode=simulate`: partition the model, validate and simulate the configured schedule,
+print the partition table, the timeline and the summary, write JSON.
 
-No process group and no torch.distributed: everything here is pure Python.
+No process group and no torch.distributed. With model=sleep (and any partition but
+profile) everything here is pure Python; real models build their cost model on torch's
+meta device (see plan.py).
 """
 
 from __future__ import annotations
@@ -11,14 +14,49 @@ from pathlib import Path
 from rich.console import Console
 
 from pipetrain.config import Config
-from pipetrain.plan import make_plan
+from pipetrain.partition.plan import PartitionPlan
+from pipetrain.partition.table import compact_names, partition_table
+from pipetrain.plan import Plan, make_plan
 from pipetrain.schedules import render
 from pipetrain.schedules.simulate import SimResult, simulate
 
 
+def partition_record(part: PartitionPlan, *, model: str, cost_source: str) -> dict:
+    """The "partition" object of simulate.json: one entry per model chunk (= stage, except
+    DualPipe's mirror, where chunk c is stage c of one direction and of the other)."""
+    def r(x: float) -> float:
+        return round(float(x), render.JSON_DIGITS)
+
+    return {
+        "model": model,
+        "strategy": part.strategy,
+        "balanced_on": part.balanced_on,
+        "cost_source": cost_source,
+        "num_layers": part.num_layers,
+        "boundaries": list(part.boundaries),
+        "layers": [compact_names(part.layer_names(c)) for c in range(part.num_chunks)],
+        "params": list(part.chunk_params()),
+        "est_ms": [r(x) for x in part.chunk_time_ms()],  # f + b + w of one microbatch
+        "imbalance": r(part.time_imbalance()),  # max/mean - 1 of est_ms
+        "params_imbalance": r(part.imbalance("params")),
+    }
+
+
+def _cost_note(config: Config, plan: Plan) -> str:
+    mb, seq = config.microbatch_size, config.data.seq_len
+    shape = f"{mb} x {seq} tokens" if config.model.has_seq else f"{mb} samples"
+    if plan.cost_source == "sleep":
+        return "est. ms: the sleep model's configured times per layer"
+    if plan.cost_source == "analytic":
+        return f"est. ms: one microbatch of {shape}, analytic FLOPs at sim.tflops={config.sim.tflops:g}"
+    return f"est. ms: one microbatch of {shape}, measured on {plan.cost_source.split(':', 1)[1]}"
+
+
 def run_simulate(config: Config, run_dir: Path, console: Console | None = None) -> dict:
-    """Simulate, print the timeline and summary, write simulate.json, schedule_trace.json, schedule.csv."""
+    """Simulate, print the partition, timeline and summary; write simulate.json, schedule_trace.json, schedule.csv."""
     console = console or Console()
+    if config.partition.name == "profile":
+        console.print(f"partition=profile: timing every layer of model={config.model.name} (cached after the first run)")
     plan = make_plan(config)
     result: SimResult = simulate(
         plan.schedule, plan.stage_costs, comm_ms=config.sim.comm_ms, fb_overlap=config.sim.fb_overlap, check=False
@@ -30,6 +68,13 @@ def run_simulate(config: Config, run_dir: Path, console: Console | None = None) 
         param_copies=plan.schedule.placement.param_copies,
         virtual_stages=plan.schedule.placement.stages_per_rank,
     )
+    record["partition"] = partition_record(plan.partition, model=config.model.name, cost_source=plan.cost_source)
+    part = plan.partition
+    title = f"model={config.model.name} partition={part.strategy}: {part.num_layers} layers in {part.num_chunks} stages"
+    table = partition_table(part, title=title)
+    table.min_width = len(title)  # keep the title on one line above a narrow table
+    console.print(table)
+    console.print(_cost_note(config, plan), style="dim")
     if config.sim.timeline:
         console.print(render.render_timeline(result, width=config.sim.timeline_width or None))
     console.print(render.summary_table([record]))

@@ -88,6 +88,8 @@ def test_broken_custom_schedule_prints_the_grid(tmp_path):
         (["pipeline.degre=3"], "degre"),
         (["schedule=nosuch"], "1f1b"),
         (["schedule=custom", "schedule.path=/nonexistent.csv"], "schedule.path"),
+        (["model=nosuch"], "gpt2-medium"),
+        (["partition=nosuch"], "balanced"),
     ],
 )
 def test_user_errors_are_one_clear_message(tmp_path, args, needle):
@@ -95,3 +97,40 @@ def test_user_errors_are_one_clear_message(tmp_path, args, needle):
     assert res.returncode != 0
     assert "Traceback" not in res.stderr
     assert needle in res.stderr
+
+
+def test_gpt2_balanced_on_four_stages(tmp_path):
+    # the command of issue 3, as written
+    res = run_cli(["mode=simulate", "model=gpt2", "partition=balanced", "pipeline.degree=4",
+                   f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rec = json.loads((tmp_path / "simulate.json").read_text())
+    assert rec["schedule"] == "1f1b" and rec["degree"] == 4 and "makespan" in rec  # existing keys unchanged
+    part = rec["partition"]
+    assert part["strategy"] == "balanced" and part["model"] == "gpt2" and part["num_layers"] == 14
+    assert len(part["boundaries"]) == 3 and len(part["params"]) == len(part["est_ms"]) == 4
+    assert part["imbalance"] == pytest.approx(max(part["est_ms"]) / (sum(part["est_ms"]) / 4) - 1, abs=1e-5)
+    assert part["layers"][0].startswith("embed") and part["layers"][-1].endswith("head")
+    # the partition table comes before the timeline
+    out = res.stdout
+    assert "partition=balanced" in out and "imbalance" in out
+    assert out.index("imbalance") < out.index("rank 0")
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["model=gpt2", "model.n_head=5"], ["model.n_embd", "model.n_head"]),
+        (["model=gpt2", "data.batch_size=12"], ["data.batch_size", "pipeline.microbatches"]),
+        (["model=gpt2", "data.seq_len=2048"], ["data.seq_len", "model.block_size"]),
+        (["model=gpt2-tiny", "schedule=zbv", "pipeline.degree=8", "pipeline.microbatches=16"], ["pipeline.degree"]),
+        (["partition=manual"], ["partition.boundaries"]),
+    ],
+)
+def test_model_and_partition_errors_are_one_line(tmp_path, args, needles):
+    res = run_cli(args, cwd=tmp_path)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipetrain: error: "), res.stderr
+    for needle in needles:
+        assert needle in lines[0]

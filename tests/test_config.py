@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import CONF_DIR, recipe_files
-from pipetrain.config import Config, Mode, SleepModelConfig
+from pipetrain.config import Config, DataConfig, Mode, PartitionConfig, SleepModelConfig
 from pipetrain.schedules import registry
 
 SCHEDULE_OPTIONS = sorted(p.stem for p in (Path(CONF_DIR) / "schedule").glob("*.yaml"))
@@ -35,6 +35,9 @@ def test_defaults_are_typed(compose):
     assert cfg.mode is Mode.simulate
     assert isinstance(cfg.model, SleepModelConfig)
     assert cfg.schedule.name == "1f1b"
+    assert isinstance(cfg.data, DataConfig) and (cfg.data.batch_size, cfg.data.seq_len) == (8, 128)
+    assert isinstance(cfg.partition, PartitionConfig) and cfg.partition.name == "uniform"
+    assert cfg.sim.tflops > 0
 
 
 def test_cli_group_override_beats_recipe(compose):
@@ -65,6 +68,10 @@ def test_wrong_type_names_the_key(compose):
         (["pipeline.degree=0"], "pipeline.degree"),
         (["sim.fb_overlap=1.5"], "sim.fb_overlap"),
         (["pipeline.degree=8", "model.layers=4"], "model.layers"),
+        (["pipeline.degree=8", "model.layers=4"], "pipeline.degree"),
+        (["model=gpt2", "data.batch_size=4"], "data.batch_size"),
+        (["partition=manual"], "partition.boundaries"),
+        (["sim.tflops=-1"], "sim.tflops"),
         (["schedule=custom"], "schedule.path"),
     ],
 )

@@ -39,23 +39,26 @@ from pipetrain.models.base import LayeredModel, TensorSpec
 from pipetrain.models.costs import LayerCost
 from pipetrain.models.sleep import sleep_layer_costs
 
-# time.sleep overshoots by ~0.1 ms on Linux (timer slack + wake-up); that is 5% of a 2 ms
-# layer. Sleep until _SPIN_MS before the deadline, then spin: accurate to ~0.01 ms for a
-# little CPU per call (spinning for whole layers would defeat the model's purpose: no CPU
-# contention with 8 ranks on 2 cores).
-_SPIN_MS = 0.2
+# time.sleep overshoots (timer slack, wake-up): ~0.1 ms idle, more on a loaded machine,
+# which is 5-10% of a 2 ms layer. Each call measures its own overshoot and the next call
+# sleeps that much less (at most _MAX_CREDIT_MS less), so the sleeps of a process add up
+# to their configured total instead of drifting. We do not spin to the deadline: a spin
+# burns a core, and the point of this model is that 8 ranks share 2 cores without
+# competing. Executor overhead between sleeps is not compensated: benchmarks see it.
+_MAX_CREDIT_MS = 1.0
+_overslept_ms = 0.0
 
 
 def sleep_ms(ms: float) -> None:
-    """Block the calling thread for `ms` milliseconds (0 returns at once)."""
+    """Block the calling thread for about `ms` milliseconds without using the CPU (0 returns at once)."""
+    global _overslept_ms
     if ms <= 0:
         return
-    deadline = time.perf_counter() + ms / 1e3
-    coarse = ms / 1e3 - _SPIN_MS / 1e3
-    if coarse > 0:
-        time.sleep(coarse)
-    while time.perf_counter() < deadline:
-        pass
+    credit = min(_overslept_ms, _MAX_CREDIT_MS, ms)
+    t0 = time.perf_counter()
+    time.sleep((ms - credit) / 1e3)
+    actual = (time.perf_counter() - t0) * 1e3
+    _overslept_ms = max(0.0, _overslept_ms - credit + (actual - (ms - credit)))
 
 
 class _SleepOnBackward(torch.autograd.Function):

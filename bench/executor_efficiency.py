@@ -1,0 +1,106 @@
+"""Measured step time of the real executor vs the simulator's makespan, on the sleep model.
+
+The sleep model's layers sleep their configured F, B and W times, so P = 4 or 8 ranks can
+share a 2-core machine without competing for compute: what is measured is the schedule
+plus the executor's own overhead (Python, autograd bookkeeping, gloo messages). For each
+(P, M) and schedule we run a few steps after a barrier, take the slowest rank's step time
+(median over steps), and divide by the simulated makespan for the same per-stage costs
+(comm_ms = 0). Target (issue 4): at most 1.10 everywhere.
+
+Usage: python bench/executor_efficiency.py [--layer-ms 4] [--steps 3] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.launch.local import spawn_local
+from pipetrain.models.sleep import sleep_layer_costs
+from pipetrain.models.costs import chunk_costs
+from pipetrain.models.sleep_module import SleepModel
+from pipetrain.partition.uniform import uniform_bounds
+from pipetrain.runtime.pipeline import build_rank_pipeline
+from pipetrain.schedules import registry
+from pipetrain.schedules.simulate import StageCosts, simulate
+
+SCHEDULES = ["1f1b", "zbh1", "zbv", "dualpipe", "dualpipev"]
+CASES = [(4, 16), (8, 32)]
+HIDDEN = 1024
+
+
+def spec(name: str) -> int:
+    return registry.get(name).fixed_stages_per_rank or 1
+
+
+def layers_for(P: int) -> int:
+    return 2 * P  # two layers per stage with one stage per rank, one with two (V, mirror)
+
+
+def rank_main(rank: int, world: int, out: Path, M: int, layer_ms: float, steps: int) -> None:
+    rows = {}
+    for name in SCHEDULES:
+        sched = registry.build(name, world, M, spec(name))
+        model = SleepModel(layers=layers_for(world), f_ms=layer_ms, b_ms=layer_ms, w_ms=layer_ms, hidden=HIDDEN)
+        bounds = uniform_bounds(len(model.layers), sched.placement.num_chunks)
+        rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=1, timeout_s=120)
+        g = torch.Generator().manual_seed(0)
+        mbs = [model.example_batch(microbatch=1, seq=1, generator=g) for _ in range(M)]
+        times = []
+        for i in range(steps + 1):  # the first step warms up (allocations, gloo connections)
+            dist.barrier()
+            t0 = time.perf_counter()
+            rp.train_step(mbs)
+            ms = torch.tensor([(time.perf_counter() - t0) * 1e3])
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
+            if i:
+                times.append(ms.item())
+        rows[name] = times
+    if rank == 0:
+        (out / f"measured_P{world}_M{M}.json").write_text(json.dumps(rows))
+
+
+def simulated_ms(name: str, P: int, M: int, layer_ms: float) -> float:
+    sched = registry.build(name, P, M, spec(name))
+    costs = sleep_layer_costs(layers=layers_for(P), f_ms=layer_ms, b_ms=layer_ms, w_ms=layer_ms, hidden=HIDDEN)
+    bounds = uniform_bounds(len(costs), sched.placement.num_chunks)
+    return simulate(sched, StageCosts.from_chunks(sched, chunk_costs(costs, bounds))).makespan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layer-ms", type=float, default=4.0, help="F, B and W time of one sleep layer")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "executor_efficiency.json"))
+    args = ap.parse_args()
+    work = Path(args.out).parent / "executor_efficiency_runs"
+    results = []
+    for P, M in CASES:
+        spawn_local(rank_main, P, work, M, args.layer_ms, args.steps)
+        measured = json.loads((work / f"measured_P{P}_M{M}.json").read_text())
+        for name in SCHEDULES:
+            med = statistics.median(measured[name])
+            sim = simulated_ms(name, P, M, args.layer_ms)
+            results.append({"schedule": name, "degree": P, "microbatches": M, "measured_ms": round(med, 2),
+                            "measured_all_ms": [round(t, 2) for t in measured[name]],
+                            "simulated_ms": round(sim, 2), "ratio": round(med / sim, 4)})
+            r = results[-1]
+            print(f"P={P:<2} M={M:<3} {name:>10}: measured {r['measured_ms']:8.1f} ms  simulated "
+                  f"{r['simulated_ms']:8.1f} ms  ratio {r['ratio']:.3f}", flush=True)
+    worst = max(r["ratio"] for r in results)
+    out = Path(args.out)
+    out.write_text(json.dumps({"layer_ms": args.layer_ms, "python": platform.python_version(),
+                               "torch": torch.__version__, "cpus": __import__("os").cpu_count(),
+                               "worst_ratio": worst, "target": 1.10, "results": results}, indent=2) + "\n")
+    print(f"worst ratio {worst:.3f} (target <= 1.10); wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

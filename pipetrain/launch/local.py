@@ -1,0 +1,51 @@
+"""Run a function in one process per pipeline rank on this machine (gloo or NCCL).
+
+Each rank initialises the default process group over a loopback rendezvous, runs
+`fn(rank, world, out_dir, *args)`, and on failure writes `error{rank}.txt` (first line:
+the one-line message) into `out_dir` before exiting non-zero.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out: str, backend: str, threads: int, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(threads)  # ranks share the machine's cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        fn(rank, world, Path(out), *args)
+    except BaseException as e:
+        (Path(out) / f"error{rank}.txt").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        raise
+    dist.destroy_process_group()
+
+
+def spawn_local(
+    fn: Callable[..., Any], world: int, out: Path, *args: Any,
+    backend: str = "gloo", threads: int = 1, join: bool = True,
+) -> mp.ProcessContext:
+    """Start `world` processes running fn; with join=True wait for all (raising if one fails)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(_entry, args=(world, free_port(), str(out), backend, threads, fn, args),
+                             nprocs=world, join=False, start_method="spawn")
+    if join:
+        while not ctx.join():
+            pass
+    return ctx

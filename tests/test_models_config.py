@@ -1,0 +1,212 @@
+"""Model, data and partition configs: every option composes, the plan cuts real models by the
+configured strategy, the table and the simulation read the same costs, bad input names the knob."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import CONF_DIR
+from pipetrain.config import (
+    MODEL_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, MLPModelConfig, SleepModelConfig,
+)
+from pipetrain.plan import make_plan
+from pipetrain.schedules.simulate import StageCosts
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "model").glob("*.yaml"))
+PARTITION_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "partition").glob("*.yaml"))
+GPT2_OPTIONS = [m for m in MODEL_OPTIONS if m.startswith("gpt2")]
+SCHEMA = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, **{m: GPT2ModelConfig for m in GPT2_OPTIONS}}
+
+
+def root_cause(err: BaseException) -> BaseException:
+    while err.__cause__ is not None:  # OmegaConf wraps errors raised in __post_init__
+        err = err.__cause__
+    return err
+
+
+def test_config_files_are_the_documented_options():
+    assert MODEL_FILES == sorted(MODEL_OPTIONS)
+    assert PARTITION_FILES == sorted(PARTITIONS)
+
+
+@pytest.mark.parametrize("name", MODEL_OPTIONS)
+def test_every_model_option_composes_typed(compose, name):
+    cfg = compose([f"model={name}"])
+    assert type(cfg.model) is SCHEMA[name] and cfg.model.name == name
+
+
+@pytest.mark.parametrize("name", GPT2_OPTIONS)
+def test_gpt2_files_carry_the_presets(compose, name):
+    from pipetrain.models.gpt2 import PRESETS
+
+    knobs = compose([f"model={name}"]).model.knobs()
+    assert {k: knobs[k] for k in PRESETS[name]} == PRESETS[name]
+    assert knobs["dropout"] == 0.0 and knobs["bias"] is True
+
+
+def test_schema_defaults_are_gpt2_124m():
+    from pipetrain.models.gpt2 import PRESETS
+
+    knobs = GPT2ModelConfig().knobs()
+    assert {k: knobs[k] for k in PRESETS["gpt2"]} == PRESETS["gpt2"]
+
+
+def _valid_overrides(model: str, part: str) -> list[str]:
+    out = [f"model={model}", f"partition={part}", "pipeline.degree=4"]
+    if model == "sleep":
+        out.append("model.layers=8")  # 8 layers: the boundaries below fit every model
+    if model == "mlp":
+        out.append("model.n_layer=8")
+    if part == "manual":
+        out.append("partition.boundaries=[2,4,6]")
+    return out
+
+
+@pytest.mark.parametrize("part", PARTITIONS)
+@pytest.mark.parametrize("model", MODEL_OPTIONS)
+def test_every_model_and_partition_compose(compose, model, part):
+    cfg = compose(_valid_overrides(model, part))
+    assert cfg.partition.name == part and cfg.model.name == model
+    if part == "manual":
+        assert cfg.partition.boundaries == [2, 4, 6]
+
+
+@pytest.mark.parametrize("part", [p for p in PARTITIONS if p != "profile"])
+@pytest.mark.parametrize("model", ["mlp", "gpt2-tiny", "gpt2"])
+def test_every_model_and_partition_plan(compose, model, part):
+    plan = make_plan(compose(_valid_overrides(model, part)))
+    assert plan.partition.num_chunks == 4 and plan.partition.strategy == part
+    assert plan.cost_source == "analytic"
+
+
+@pytest.mark.parametrize("part", ["uniform", "params", "balanced", "manual"])
+def test_sleep_plans(compose, part):
+    plan = make_plan(compose(_valid_overrides("sleep", part)))
+    assert [len(r) for r in plan.chunk_bounds] == [2, 2, 2, 2]  # equal layers: every strategy is uniform
+    assert plan.cost_source == "sleep"
+
+
+def test_sleep_has_no_flops_to_balance(compose):
+    with pytest.raises(ValueError, match="partition=balanced or partition=uniform"):
+        make_plan(compose(_valid_overrides("sleep", "flops")))
+
+
+def test_table_and_simulation_read_the_same_costs(compose):
+    cfg = compose(["model=gpt2", "partition=balanced", "pipeline.degree=4", "schedule=zbv"])
+    plan = make_plan(cfg)
+    assert plan.stage_costs == StageCosts.from_chunks(plan.schedule, plan.partition.chunk_fbw())
+    per_stage = [plan.stage_costs.f[s] + plan.stage_costs.b[s] + plan.stage_costs.w[s] for s in range(8)]
+    assert per_stage == pytest.approx(plan.partition.chunk_time_ms(), rel=1e-12)
+    # the embedding opens the first stage, the head closes the last
+    assert plan.partition.layer_names(0)[0] == "embed" and plan.partition.layer_names(7)[-1] == "head"
+
+
+def test_balanced_beats_uniform_on_gpt2(compose):
+    base = ["model=gpt2", "pipeline.degree=4", "data.seq_len=1024"]
+    uniform = make_plan(compose([*base, "partition=uniform"])).partition
+    balanced = make_plan(compose([*base, "partition=balanced"])).partition
+    assert max(balanced.chunk_time_ms()) < max(uniform.chunk_time_ms())
+
+
+def test_costs_follow_microbatch_seq_and_tflops(compose):
+    def head_ms(*over):
+        return make_plan(compose(["model=gpt2", *over])).layer_costs[-1].f_ms
+
+    base = head_ms()  # batch 8 / 8 microbatches = 1 sequence of 128 tokens per microbatch
+    assert head_ms("data.batch_size=16") == pytest.approx(2 * base)
+    assert head_ms("data.seq_len=256") == pytest.approx(2 * base)
+    assert head_ms("sim.tflops=200") == pytest.approx(base / 2)
+
+
+def test_gpt2_xl_costs_take_no_memory(compose):
+    t0 = time.perf_counter()
+    plan = make_plan(compose(["model=gpt2-xl", "partition=balanced", "pipeline.degree=8"]))
+    assert time.perf_counter() - t0 < 10  # meta device: no 6 GB of fp32 weights to initialise
+    assert sum(plan.partition.chunk_params()) == 1_557_611_200 + 50257 * 1600  # head counts its tied copy
+
+
+def test_profile_measures_and_balances_time(compose, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPETRAIN_CACHE_DIR", str(tmp_path))
+    cfg = compose(["model=gpt2-tiny", "partition=profile", "pipeline.degree=2", "data.seq_len=32"])
+    plan = make_plan(cfg)
+    assert plan.partition.strategy == "profile" and plan.partition.balanced_on == "time"
+    assert plan.cost_source.startswith("measured:")
+    assert all(c.f_ms > 0 for c in plan.layer_costs)
+    (cached,) = (tmp_path / "profile").glob("*.json")
+    assert json.loads(cached.read_text())["key"]["seq"] == 32
+    assert make_plan(cfg).layer_costs == plan.layer_costs  # the second run reads the cache
+
+
+def test_sleep_plan_never_imports_torch():
+    code = (
+        "import sys\n"
+        "from pipetrain.config import Config, PartitionConfig, SleepModelConfig\n"
+        "from pipetrain.plan import make_plan\n"
+        "for name in ('uniform', 'params', 'balanced'):\n"
+        "    make_plan(Config(model=SleepModelConfig(), partition=PartitionConfig(name)))\n"
+        "make_plan(Config(model=SleepModelConfig(), partition=PartitionConfig('manual', [3])))\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, knobs",
+    [
+        (["model=gpt2", "model.n_head=5"], ["model.n_embd", "model.n_head"]),
+        (["model=gpt2", "model.dropout=1.0"], ["model.dropout"]),
+        (["model=mlp", "model.d_hidden=0"], ["model.d_hidden"]),
+        (["model=gpt2", "data.batch_size=12"], ["data.batch_size", "pipeline.microbatches"]),
+        (["model=gpt2-tiny", "data.seq_len=512"], ["data.seq_len", "model.block_size"]),
+        (["data.seq_len=0"], ["data.seq_len"]),
+        (["data.name=text"], ["data="]),
+        (["model=gpt2-tiny", "schedule=zbv", "pipeline.degree=8", "pipeline.microbatches=16"],
+         ["pipeline.degree", "model.n_layer"]),
+        (["model=mlp", "schedule=interleaved_1f1b", "schedule.virtual_stages=3", "pipeline.microbatches=4"],
+         ["pipeline.degree", "schedule.virtual_stages"]),
+        (["partition=manual"], ["partition.boundaries"]),
+        (["partition=manual", "partition.boundaries=[8,4]"], ["partition.boundaries"]),
+        (["partition=manual", "partition.boundaries=[4,8]"], ["partition.boundaries"]),  # 2 stages need 1
+        (["partition=balanced", "partition.boundaries=[8]"], ["partition=manual"]),
+        (["partition.name=greedy"], ["partition=", "balanced"]),
+        (["sim.tflops=0"], ["sim.tflops"]),
+    ],
+)
+def test_bad_input_names_the_knob(compose, overrides, knobs):
+    with pytest.raises((ValueError, TypeError)) as info:
+        compose(overrides)
+    msg = str(root_cause(info.value))
+    assert "\n" not in msg
+    for knob in knobs:
+        assert knob in msg, msg
+
+
+@pytest.mark.parametrize("override", ["model.n_embed=64", "model.layer=4", "data.batch=4", "partition.boundary=[1]"])
+def test_misspelled_keys_fail(compose, override):
+    model = "model=gpt2" if override.startswith("model.n_") else "model=sleep"
+    with pytest.raises(Exception, match=override.split("=")[0].split(".")[-1]):
+        compose([model, override])
+
+
+def test_sleep_ignores_the_batch_split_only_in_simulate(compose):
+    # The sleep model's times do not depend on the batch: any pipeline.microbatches simulates.
+    assert compose(["pipeline.microbatches=32"]).microbatch_size == 1
+    with pytest.raises(ValueError) as info:
+        compose(["pipeline.microbatches=32", "mode=train"])
+    assert "data.batch_size" in str(root_cause(info.value))
+
+
+def test_typed_config_without_hydra():
+    cfg = Config(model=GPT2ModelConfig(name="gpt2-tiny", n_layer=2, n_head=2, n_embd=8, vocab_size=16,
+                                       block_size=8), data=DataConfig(seq_len=8))
+    assert cfg.model.num_layers == 4 and cfg.num_chunks == 2
+    with pytest.raises(ValueError, match="data.seq_len"):
+        Config(model=GPT2ModelConfig(block_size=64))  # default seq_len 128
