@@ -16,6 +16,7 @@ import argparse
 import json
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,11 +77,11 @@ def simulated_ms(name: str, P: int, M: int, layer_ms: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layer-ms", type=float, default=4.0, help="F, B and W time of one sleep layer")
+    ap.add_argument("--layer-ms", type=float, default=10.0, help="F, B and W time of one sleep layer")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "executor_efficiency.json"))
     args = ap.parse_args()
-    work = Path(args.out).parent / "executor_efficiency_runs"
+    work = Path(tempfile.mkdtemp(prefix="pipetrain-bench-"))
     results = []
     for P, M in CASES:
         spawn_local(rank_main, P, work, M, args.layer_ms, args.steps)

@@ -33,12 +33,15 @@ class Mode(str, enum.Enum):
 class PipelineConfig:
     degree: int = 2  # P: pipeline ranks
     microbatches: int = 8  # M: microbatches per optimizer step, for every schedule
+    p2p_timeout_s: float = 300.0  # longest wait for a peer's tensor before the rank fails, naming the peer
 
     def __post_init__(self) -> None:
         if self.degree < 1:
             raise ValueError(f"pipeline.degree must be >= 1 (got {self.degree})")
         if self.microbatches < 1:
             raise ValueError(f"pipeline.microbatches must be >= 1 (got {self.microbatches})")
+        if self.p2p_timeout_s <= 0:
+            raise ValueError(f"pipeline.p2p_timeout_s must be > 0 seconds (got {self.p2p_timeout_s})")
 
 
 @dataclass

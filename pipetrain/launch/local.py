@@ -19,6 +19,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# glibc hands large freed blocks back to the kernel, so a training step that frees and
+# re-allocates activations page-faults on every allocation; keeping freed memory makes CPU
+# steps 10-30% faster (bench/split_backward.py measures it). Read by malloc at process
+# start, so it is set in the environment the ranks are spawned with; a user's own value wins.
+CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000",
+                  "MALLOC_TOP_PAD_": "268435456"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,8 +51,14 @@ def spawn_local(
 ) -> mp.ProcessContext:
     """Start `world` processes running fn; with join=True wait for all (raising if one fails)."""
     Path(out).mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_entry, args=(world, free_port(), str(out), backend, threads, fn, args),
-                             nprocs=world, join=False, start_method="spawn")
+    added = {k: v for k, v in CPU_MALLOC_ENV.items() if k not in os.environ} if backend == "gloo" else {}
+    os.environ.update(added)
+    try:
+        ctx = mp.start_processes(_entry, args=(world, free_port(), str(out), backend, threads, fn, args),
+                                 nprocs=world, join=False, start_method="spawn")
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
     if join:
         while not ctx.join():
             pass
