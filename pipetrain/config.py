@@ -21,7 +21,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from pipetrain.partition.strategies import manual_bounds
+from pipetrain.launch.cluster_config import ClusterConfig
 from pipetrain.schedules import registry
+from pipetrain.train.data_config import DataConfig
+from pipetrain.train.train_config import OptimConfig, TrainerConfig
 
 
 class Mode(str, enum.Enum):
@@ -170,26 +173,6 @@ class GPT2ModelConfig(ModelConfig):
 
 # ---- data, partition, simulator -----------------------------------------------------------
 
-DATA_SOURCES = ("builtin",)
-
-
-@dataclass
-class DataConfig:
-    """Where batches come from. Today only the batch shape is read (to size a microbatch
-    for the cost model); the data sources themselves come with the trainer."""
-
-    name: str = "builtin"
-    batch_size: int = 8  # sequences per optimizer step, split into pipeline.microbatches microbatches
-    seq_len: int = 128  # tokens per sequence (GPT-2: <= model.block_size); short enough for a CPU step
-
-    def __post_init__(self) -> None:
-        if self.name not in DATA_SOURCES:
-            raise ValueError(f"data={self.name!r} is unknown: choose data= one of {', '.join(DATA_SOURCES)}")
-        for knob in ("batch_size", "seq_len"):
-            if getattr(self, knob) < 1:
-                raise ValueError(f"data.{knob} must be >= 1 (got {getattr(self, knob)})")
-
-
 # `profile` measures each layer on this machine and balances the measured time; the others
 # are pipetrain.partition.strategies.partition's strategies of the same name.
 PARTITIONS = ("uniform", "params", "flops", "profile", "balanced", "manual")
@@ -245,6 +228,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):

@@ -1,0 +1,59 @@
+"""Schemas of the training loop (`trainer.*`) and the optimizer (`optim.*`). Pure: no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 60  # optimizer steps
+    seed: int = 1337  # model init and data order: the batch of step k is a function of (seed, k)
+    log_every: int = 5  # console/metrics line every N steps (the first and last step always log)
+    eval_every: int = 20  # validation loss every N steps (0: never; the last step always evaluates if > 0)
+    eval_batches: int = 2  # batches of data.batch_size sequences per validation
+    ckpt_every: int = 0  # checkpoint every N steps (0: only at the end when ckpt_at_end)
+    ckpt_at_end: bool = True
+    resume: Optional[str] = None  # auto: newest checkpoint in the run directory; or a checkpoint path
+    on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss does
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
+    threads_per_rank: int = 1  # torch.set_num_threads per rank on CPU
+    activation_checkpointing: bool = False  # recompute each stage's forward in its backward
+    bf16: bool = True  # autocast to bf16 on GPU (ignored on CPU)
+
+    def __post_init__(self) -> None:
+        for knob in ("max_steps", "log_every", "eval_batches", "threads_per_rank"):
+            if getattr(self, knob) < 1:
+                raise ValueError(f"trainer.{knob} must be >= 1 (got {getattr(self, knob)})")
+        for knob in ("eval_every", "ckpt_every"):
+            if getattr(self, knob) < 0:
+                raise ValueError(f"trainer.{knob} must be >= 0 (got {getattr(self, knob)})")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"trainer.on_nonfinite must be stop or skip (got {self.on_nonfinite!r})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with decay / no-decay groups, linear warm-up then cosine decay to min_lr."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.1  # on matrices (>= 2-D); biases, norms and embeddings' 1-D params get none
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient-norm clip over all ranks (0: off)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optim.lr must be > 0 and optim.min_lr in [0, optim.lr] (got {self.lr}, {self.min_lr})")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1) (got {self.beta1}, {self.beta2})")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError("optim.grad_clip and optim.weight_decay must be >= 0")
