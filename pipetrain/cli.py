@@ -60,13 +60,20 @@ def to_config(cfg: DictConfig) -> Config:
 
 
 def run(config: Config, run_dir: Path) -> Any:
-    if config.mode is Mode.simulate:
-        from pipetrain.simulate_cmd import run_simulate
+    from rich.console import Console
 
+    from pipetrain.simulate_cmd import plan_and_simulate, run_simulate
+
+    if config.mode is Mode.simulate:
         return run_simulate(config, run_dir)
-    raise ValueError(
-        "mode=train needs the pipeline executor, which has not landed yet: run mode=simulate"
-    )
+    # Train: everything is checked and simulated here, before any process starts.
+    from pipetrain.train.checkpoint import preflight
+
+    preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
+    plan, _ = plan_and_simulate(config, run_dir, Console(), timeline=False)
+    from pipetrain.launch import launch
+
+    return launch(config, plan, run_dir)
 
 
 def _fail(err: BaseException) -> None:
@@ -83,6 +90,10 @@ def _hydra_main(cfg: DictConfig) -> Any:
         return run(config, Path(HydraConfig.get().runtime.output_dir))
     except USER_ERRORS as e:
         _fail(_unwrap(e))
+    except RuntimeError as e:
+        if type(e).__name__ == "RankFailedError":  # a rank's one-line message; its traceback is on disk
+            _fail(e)
+        raise
 
 
 def _unwrap(err: BaseException) -> BaseException:

@@ -54,7 +54,11 @@ def _cost_note(config: Config, plan: Plan) -> str:
 
 def run_simulate(config: Config, run_dir: Path, console: Console | None = None) -> dict:
     """Simulate, print the partition, timeline and summary; write simulate.json, schedule_trace.json, schedule.csv."""
-    console = console or Console()
+    return plan_and_simulate(config, run_dir, console or Console(), timeline=config.sim.timeline)[1]
+
+
+def plan_and_simulate(config: Config, run_dir: Path, console: Console, *, timeline: bool) -> tuple[Plan, dict]:
+    """The checks every run does before any process starts: partition, validate, simulate, report."""
     if config.partition.name == "profile":
         console.print(f"partition=profile: timing every layer of model={config.model.name} (cached after the first run)")
     plan = make_plan(config)
@@ -75,7 +79,7 @@ def run_simulate(config: Config, run_dir: Path, console: Console | None = None) 
     table.min_width = len(title)  # keep the title on one line above a narrow table
     console.print(table)
     console.print(_cost_note(config, plan), style="dim")
-    if config.sim.timeline:
+    if timeline:
         console.print(render.render_timeline(result, width=config.sim.timeline_width or None))
     console.print(render.summary_table([record]))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -83,4 +87,4 @@ def run_simulate(config: Config, run_dir: Path, console: Console | None = None) 
     (run_dir / "schedule_trace.json").write_text(json.dumps(render.chrome_trace(result)) + "\n")
     (run_dir / "schedule.csv").write_text(plan.schedule.to_csv())
     console.print(f"wrote {run_dir / 'simulate.json'}, schedule_trace.json (open in ui.perfetto.dev), schedule.csv")
-    return record
+    return plan, record

@@ -1,7 +1,14 @@
-"""Hydra callback: after a multirun, one comparison table over every job's simulate.json."""
+"""Hydra callback: after a multirun, one comparison table over every job.
+
+Simulate sweeps compare each job's simulate.json; training sweeps add the trained
+results from each job's summary.json (tokens/s, final loss, measured bubble and peak
+memory where the run reported them). Written to sweep_summary.json and .csv in the
+sweep directory and printed as a rich table.
+"""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -9,15 +16,55 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.table import Table
+
+TRAIN_COLUMNS = ("schedule", "degree", "microbatches", "tokens_per_s", "simulated_bubble", "measured_bubble",
+                 "peak_memory_bytes", "final_loss")
+
+
+def _job_dirs(sweep_dir: Path) -> list[Path]:
+    def key(p: Path) -> tuple[int, str]:
+        head = p.name.split("_")[0]
+        return (int(head) if head.isdigit() else 1 << 30, p.name)
+
+    return sorted((p.parent for p in sweep_dir.glob("*/simulate.json")), key=key)
 
 
 def collect(sweep_dir: Path) -> list[dict]:
     """simulate.json of every job under a sweep directory, in job order."""
-    def job_num(p: Path) -> tuple[int, str]:
-        name = p.parent.name
-        return (int(name.split("_")[0]) if name.split("_")[0].isdigit() else 1 << 30, name)
+    return [json.loads((d / "simulate.json").read_text()) for d in _job_dirs(sweep_dir)]
 
-    return [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/simulate.json"), key=job_num)]
+
+def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for d in _job_dirs(sweep_dir):
+        if not (d / "summary.json").exists():
+            continue
+        sim = json.loads((d / "simulate.json").read_text())
+        summ = json.loads((d / "summary.json").read_text())
+        peak = summ.get("peak_memory_bytes_per_rank")
+        rows.append({
+            "job": d.name, "schedule": sim["schedule"], "degree": sim["degree"], "microbatches": sim["microbatches"],
+            "tokens_per_s": summ.get("tokens_per_s"), "simulated_bubble": sim["bubble_fraction_mean"],
+            "measured_bubble": summ.get("bubble_fraction_mean"), "peak_memory_bytes": max(peak) if peak else None,
+            "final_loss": summ.get("final_loss"),
+        })
+    return rows
+
+
+def train_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="sweep summary", pad_edge=False)
+    for c in TRAIN_COLUMNS:
+        table.add_column(c.replace("_", " "), justify="left" if c == "schedule" else "right", no_wrap=True)
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:,.0f}" if isinstance(v, float) and v > 100 else (f"{v:.4f}" if isinstance(v, float) else str(v))
+
+    for r in rows:
+        table.add_row(*(fmt(r[c]) for c in TRAIN_COLUMNS))
+    return table
 
 
 class SweepSummary(Callback):
@@ -25,10 +72,20 @@ class SweepSummary(Callback):
         from pipetrain.schedules.render import summary_table
 
         sweep_dir = Path(config.hydra.sweep.dir)
-        records = collect(sweep_dir)
-        if not records:
-            return
-        (sweep_dir / "summary.json").write_text(json.dumps(records, indent=2) + "\n")
         console = Console()
-        console.print(summary_table(records))
-        console.print(f"sweep of {len(records)} runs: {sweep_dir / 'summary.json'}")
+        trained = train_rows(sweep_dir)
+        if trained:
+            rows: list[dict[str, Any]] = trained
+            console.print(train_table(trained))
+        else:
+            rows = collect(sweep_dir)
+            if not rows:
+                return
+            console.print(summary_table(rows))
+        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+        flat = [{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in r.items()} for r in rows]
+        with (sweep_dir / "sweep_summary.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(flat[0]))
+            writer.writeheader()
+            writer.writerows(flat)
+        console.print(f"sweep of {len(rows)} runs: {sweep_dir / 'sweep_summary.json'} (and .csv)")

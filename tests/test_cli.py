@@ -27,10 +27,11 @@ def test_simulate_writes_json_and_trace(tmp_path):
     assert "rank 7" in res.stdout and "zbv" in res.stdout
 
 
-def test_default_run_from_any_directory(tmp_path):
-    res = run_cli([f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
+def test_default_simulate_from_any_directory(tmp_path):
+    res = run_cli(["mode=simulate", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    assert json.loads((tmp_path / "r" / "simulate.json").read_text())["schedule"] == "1f1b"
+    rec = json.loads((tmp_path / "r" / "simulate.json").read_text())
+    assert rec["schedule"] == "1f1b" and rec["degree"] == 2 and rec["partition"]["model"] == "gpt2-tiny"
 
 
 def test_multirun_ends_with_one_comparison_table(tmp_path):
@@ -39,7 +40,8 @@ def test_multirun_ends_with_one_comparison_table(tmp_path):
                    "pipeline.microbatches=8,16,32", "sim.timeline=false", f"hydra.sweep.dir={sweep}"],
                   cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    records = json.loads((sweep / "summary.json").read_text())
+    records = json.loads((sweep / "sweep_summary.json").read_text())
+    assert (sweep / "sweep_summary.csv").read_text().count("\n") == 13  # header + 12 rows
     assert len(records) == 12
     assert {(r["schedule"], r["microbatches"]) for r in records} == {
         (s, m) for s in ("1f1b", "zbh1", "zbv", "dualpipev") for m in (8, 16, 32)
@@ -58,12 +60,12 @@ def test_recipe_then_cli_override(tmp_path):
 
 
 def test_custom_schedule_file_round_trips(tmp_path):
-    first = run_cli(["schedule=zbh1", "pipeline.degree=4", "sim.timeline=false", f"hydra.run.dir={tmp_path / 'a'}"],
+    first = run_cli(["mode=simulate", "model=sleep", "schedule=zbh1", "pipeline.degree=4", "sim.timeline=false", f"hydra.run.dir={tmp_path / 'a'}"],
                     cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     csv = tmp_path / "my_schedule.csv"
     csv.write_text("# exported from zbh1\n" + (tmp_path / "a" / "schedule.csv").read_text())
-    second = run_cli(["schedule=custom", f"schedule.path={csv}", "pipeline.degree=4", "sim.timeline=false",
+    second = run_cli(["mode=simulate", "model=sleep", "schedule=custom", f"schedule.path={csv}", "pipeline.degree=4", "sim.timeline=false",
                       f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     a = json.loads((tmp_path / "a" / "simulate.json").read_text())
@@ -74,7 +76,7 @@ def test_custom_schedule_file_round_trips(tmp_path):
 def test_broken_custom_schedule_prints_the_grid(tmp_path):
     csv = tmp_path / "bad.csv"
     csv.write_text("0F0,0F1,0BW0\n1F0,1BW0,1F1,1BW1\n")  # rank 0 never runs 0BW1
-    res = run_cli(["schedule=custom", f"schedule.path={csv}", "pipeline.microbatches=2"], cwd=tmp_path)
+    res = run_cli(["mode=simulate", "schedule=custom", f"schedule.path={csv}", "pipeline.microbatches=2"], cwd=tmp_path)
     assert res.returncode != 0
     assert "Traceback" not in res.stderr
     assert "0BW1" in res.stderr and "rank 0" in res.stderr and ">" in res.stderr

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import CONF_DIR, recipe_files
-from pipetrain.config import Config, DataConfig, Mode, PartitionConfig, SleepModelConfig
+from pipetrain.config import GPT2ModelConfig, Config, DataConfig, Mode, PartitionConfig
 from pipetrain.schedules import registry
 
 SCHEDULE_OPTIONS = sorted(p.stem for p in (Path(CONF_DIR) / "schedule").glob("*.yaml"))
@@ -18,7 +18,7 @@ def test_every_builtin_schedule_has_a_config_file():
 @pytest.mark.parametrize("name", [n for n in SCHEDULE_OPTIONS if n != "custom"])
 def test_every_schedule_option_composes(compose, name):
     # P=4, M=16 is valid for every built-in schedule.
-    cfg = compose([f"schedule={name}", "pipeline.degree=4", "pipeline.microbatches=16"])
+    cfg = compose([f"schedule={name}", "pipeline.degree=4", "pipeline.microbatches=16", "data.batch_size=16"])
     assert isinstance(cfg, Config)
     assert cfg.schedule.name == name
     assert cfg.pipeline.degree == 4 and cfg.pipeline.microbatches == 16
@@ -32,8 +32,9 @@ def test_every_recipe_composes(compose, recipe):
 
 def test_defaults_are_typed(compose):
     cfg = compose([])
-    assert cfg.mode is Mode.simulate
-    assert isinstance(cfg.model, SleepModelConfig)
+    assert cfg.mode is Mode.train  # the quickstart: GPT-2 tiny, 2 ranks, 1F1B
+    assert isinstance(cfg.model, GPT2ModelConfig) and cfg.model.name == "gpt2-tiny"
+    assert cfg.pipeline.degree == 2 and cfg.cluster.name == "local"
     assert cfg.schedule.name == "1f1b"
     assert isinstance(cfg.data, DataConfig) and (cfg.data.batch_size, cfg.data.seq_len) == (8, 128)
     assert isinstance(cfg.partition, PartitionConfig) and cfg.partition.name == "uniform"
@@ -67,8 +68,8 @@ def test_wrong_type_names_the_key(compose):
         (["schedule=zbv", "schedule.virtual_stages=3"], "schedule.virtual_stages"),
         (["pipeline.degree=0"], "pipeline.degree"),
         (["sim.fb_overlap=1.5"], "sim.fb_overlap"),
-        (["pipeline.degree=8", "model.layers=4"], "model.layers"),
-        (["pipeline.degree=8", "model.layers=4"], "pipeline.degree"),
+        (["model=sleep", "pipeline.degree=8", "model.layers=4"], "model.layers"),
+        (["model=sleep", "pipeline.degree=8", "model.layers=4"], "pipeline.degree"),
         (["model=gpt2", "data.batch_size=4"], "data.batch_size"),
         (["partition=manual"], "partition.boundaries"),
         (["sim.tflops=-1"], "sim.tflops"),

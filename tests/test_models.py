@@ -250,7 +250,8 @@ def test_mlp_trains_and_splits_exactly():
 
 # -- sleep ---------------------------------------------------------------------------------
 F_MS, B_MS, W_MS = 15.0, 30.0, 60.0
-SLACK_MS = 25.0  # generous: sleeps never end early, but a loaded machine can wake them late
+SLACK_MS = 25.0  # generous: a loaded machine can wake sleeps late
+EARLY_MS = 1.5  # a sleep may end up to 1 ms early, paying back an earlier oversleep (sleep_module)
 
 
 def timed(fn):
@@ -260,7 +261,7 @@ def timed(fn):
 
 
 def assert_took(ms, expected):
-    assert expected - 0.5 <= ms <= expected + SLACK_MS, (ms, expected)
+    assert expected - EARLY_MS <= ms <= expected + SLACK_MS, (ms, expected)
 
 
 def test_sleep_layer_sleeps_in_the_right_phase():
@@ -281,18 +282,19 @@ def test_sleep_layer_sleeps_in_the_right_phase():
 
 
 def test_sleep_stage_split_backward_without_recomputation():
-    # The executor's way (torch's stage_backward_input / stage_backward_weight): B sleeps
-    # layers * b_ms, W sleeps layers * w_ms, no B sleep re-run during W.
-    bwd = pytest.importorskip("torch.distributed.pipelining._backward")
+    # The executor's way (runtime/backward.py): B sleeps layers * b_ms, W sleeps layers * w_ms,
+    # no B sleep re-run during W.
+    from pipetrain.runtime.backward import backward_input, backward_weight
+
     model = SleepModel(layers=3, f_ms=F_MS / 3, b_ms=B_MS / 3, w_ms=W_MS / 3, hidden=16)
     (stage,) = split_model(model, [range(0, 3)])
     x = torch.randn(4, 16, requires_grad=True)
     y, ms = timed(lambda: stage(x))
     assert_took(ms, F_MS)
-    (_, groups), ms = timed(lambda: bwd.stage_backward_input([y], [torch.ones_like(y)], [x], stage.parameters()))
+    (_, work), ms = timed(lambda: backward_input([y], [torch.ones_like(y)], [x], list(stage.parameters())))
     assert_took(ms, B_MS)
     assert all(p.grad is None for p in stage.parameters())
-    _, ms = timed(lambda: bwd.stage_backward_weight(stage.parameters(), groups))
+    _, ms = timed(lambda: backward_weight(work))
     assert_took(ms, W_MS)
     assert all(p.grad is not None for p in stage.parameters())
 

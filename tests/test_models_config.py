@@ -198,9 +198,9 @@ def test_misspelled_keys_fail(compose, override):
 
 def test_sleep_ignores_the_batch_split_only_in_simulate(compose):
     # The sleep model's times do not depend on the batch: any pipeline.microbatches simulates.
-    assert compose(["pipeline.microbatches=32"]).microbatch_size == 1
+    assert compose(["model=sleep", "mode=simulate", "pipeline.microbatches=32"]).microbatch_size == 1
     with pytest.raises(ValueError) as info:
-        compose(["pipeline.microbatches=32", "mode=train"])
+        compose(["model=sleep", "pipeline.microbatches=32", "mode=train"])
     assert "data.batch_size" in str(root_cause(info.value))
 
 

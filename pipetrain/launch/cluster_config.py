@@ -1,16 +1,164 @@
-"""Schema of the `cluster` config group: where the ranks run (pure: no torch)."""
+"""Schema of the `cluster` config group: where the ranks run (pure: no torch).
+
+  local           one process per pipeline rank on this host, started by torch's elastic
+                  launcher (the engine behind torchrun) from the `pipetrain` process.
+  torchrun        this process is already one rank, started by `torchrun` (RANK, WORLD_SIZE, ...).
+  slurm           one SLURM task per rank, submitted by hydra-submitit-launcher
+                  (`pipetrain -m cluster=slurm ...`) or started by the user's own `srun`.
+  submitit_local  the slurm path run through submitit's local executor (no cluster needed).
+
+Also the OmegaConf resolvers the cluster configs use. They are registered when this module
+is imported (config.py imports it), because a submitit task composes the config in a fresh
+process before any pipetrain function runs; importing the pickled task function is what
+loads this module there.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Optional
 
-CLUSTERS = ("local",)
+from omegaconf import OmegaConf
+
+CLUSTERS = ("local", "torchrun", "slurm", "submitit_local")
+BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when the ranks train on CUDA, else gloo
+
+# Knobs that only some clusters read: setting one elsewhere would silently do nothing.
+_READ_BY: dict[str, tuple[str, ...]] = {
+    "nodes": ("slurm",),
+    "ranks_per_node": ("slurm", "submitit_local"),
+    "gpus_per_node": ("slurm", "submitit_local"),
+    "cpus_per_task": ("slurm", "submitit_local"),
+    "partition": ("slurm",),
+    "account": ("slurm",),
+    "qos": ("slurm",),
+    "time_min": ("slurm", "submitit_local"),
+    "mem_gb": ("slurm",),
+    "setup": ("slurm",),  # hydra-submitit-launcher's local queue has no setup lines
+    "master_port": ("local", "slurm", "submitit_local"),  # torchrun: its own MASTER_PORT
+}
 
 
 @dataclass
 class ClusterConfig:
-    name: str = "local"  # local: one process per rank on this host (torch elastic)
+    name: str = "local"  # local | torchrun | slurm | submitit_local (see the module docstring)
+    nodes: int = 1  # slurm: hosts in the job
+    ranks_per_node: Optional[int] = None  # SLURM tasks per node; None: pipeline.degree / nodes
+    gpus_per_node: Optional[int] = None  # GPUs to reserve per node; None: none (CPU ranks)
+    cpus_per_task: Optional[int] = None  # CPU cores per rank; None: the scheduler's default
+    partition: Optional[str] = None  # slurm partition (sbatch --partition)
+    account: Optional[str] = None  # slurm account to charge (sbatch --account)
+    qos: Optional[str] = None  # slurm quality of service (sbatch --qos)
+    time_min: int = 60  # wall-clock limit of the job in minutes (sbatch --time)
+    mem_gb: Optional[int] = None  # memory per node in GB; None: the partition's default
+    setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start (module load, ...)
+    master_port: Optional[int] = None  # rendezvous port; None: a free one (local) or one derived from the job id
+    backend: str = "auto"  # auto | gloo | nccl
 
     def __post_init__(self) -> None:
         if self.name not in CLUSTERS:
             raise ValueError(f"cluster={self.name!r} is unknown: choose cluster= one of {', '.join(CLUSTERS)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"cluster.backend={self.backend!r} is unknown: choose one of {', '.join(BACKENDS)}")
+        for knob in ("nodes", "ranks_per_node", "cpus_per_task", "time_min", "mem_gb"):
+            value = getattr(self, knob)
+            if value is not None and value < 1:
+                raise ValueError(f"cluster.{knob} must be >= 1 (got {value})")
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            raise ValueError(f"cluster.gpus_per_node must be >= 0 (got {self.gpus_per_node})")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"cluster.master_port must be a port in 1..65535 (got {self.master_port})")
+        self._check_knobs_are_read()
+
+    def _check_knobs_are_read(self) -> None:
+        """A knob this cluster option ignores, set away from its default, is a mistake worth a message."""
+        for f in dataclasses.fields(self):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            readers = _READ_BY.get(f.name)
+            if readers and self.name not in readers and getattr(self, f.name) != default:
+                raise ValueError(
+                    f"cluster.{f.name} is read only by cluster={' or '.join(readers)} (got cluster={self.name}): "
+                    f"drop cluster.{f.name} or choose one of those clusters"
+                )
+
+    def tasks_per_node(self, degree: int) -> int:
+        """SLURM tasks (= pipeline ranks) per node; raises if the ranks do not fill the nodes evenly."""
+        return tasks_per_node(degree, self.nodes, self.ranks_per_node)
+
+    def check_degree(self, degree: int) -> None:
+        """Cross-check with pipeline.degree: one SLURM task per pipeline rank, filling the nodes evenly."""
+        if self.name in ("slurm", "submitit_local"):
+            self.tasks_per_node(degree)
+
+
+def tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int]) -> int:
+    if ranks_per_node is None:
+        if degree % nodes:
+            raise ValueError(
+                f"pipeline.degree={degree} ranks do not split evenly over cluster.nodes={nodes}: "
+                f"set cluster.nodes to a divisor of {degree}"
+            )
+        return degree // nodes
+    if nodes * ranks_per_node != degree:
+        raise ValueError(
+            f"cluster.nodes={nodes} x cluster.ranks_per_node={ranks_per_node} = {nodes * ranks_per_node} tasks, "
+            f"but pipeline.degree={degree} ranks: make nodes x ranks_per_node equal pipeline.degree"
+        )
+    return ranks_per_node
+
+
+# ---- the process's own rank, before any process group exists ------------------------------
+
+_RANK_VARS = {"torchrun": "RANK", "slurm": "SLURM_PROCID", "submitit_local": "SUBMITIT_LOCAL_GLOBALID"}
+
+
+def process_rank(cluster: str) -> int:
+    """This process's global rank as its launcher announced it (0 for cluster=local's main process)."""
+    var = _RANK_VARS.get(cluster)
+    return int(os.environ.get(var, "0")) if var else 0
+
+
+def _on_rank0(cluster: str, value: Any, other: Any = None) -> Any:
+    """`${pipetrain.on_rank0:${cluster.name},.hydra}`: value on rank 0, `other` on the other ranks
+    (how only rank 0 writes Hydra's .hydra/ and job log into the run directory all ranks share)."""
+    return value if process_rank(cluster) == 0 else other
+
+
+def _shared_now(pattern: str) -> str:
+    """`${pipetrain.now:%H-%M-%S}`: Hydra's `now`, but the same instant on every rank of a torchrun
+    launch. Each rank composes its own config, so `now` may differ by a second between them and
+    split the run over two directories; here the first rank to ask stores its clock in torchrun's
+    rendezvous store (TORCHELASTIC_USE_AGENT_STORE: the agent's TCPStore at MASTER_ADDR:MASTER_PORT)
+    and the others read it. The key holds the run id, so a restarted worker group (max_restarts)
+    gets the same directory back, which is where trainer.resume=auto looks."""
+    stamp = time.time()
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        import datetime as dt
+
+        import torch.distributed as dist  # only here, under torchrun: composing stays torch-free
+
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                              timeout=dt.timedelta(seconds=120))
+        key = f"pipetrain/now/{env.get('TORCHELASTIC_RUN_ID', 'none')}"
+        stamp = float(store.compare_set(key, "", repr(stamp)).decode())
+    return datetime.fromtimestamp(stamp).strftime(pattern)
+
+
+def _tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int]) -> int:
+    return tasks_per_node(int(degree), int(nodes), None if ranks_per_node is None else int(ranks_per_node))
+
+
+def register_resolvers() -> None:
+    for name, fn, cache in (("pipetrain.on_rank0", _on_rank0, False), ("pipetrain.now", _shared_now, True),
+                            ("pipetrain.tasks_per_node", _tasks_per_node, False),
+                            ("pipetrain.devnull", lambda: os.devnull, False)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn, use_cache=cache)
+
+
+register_resolvers()

@@ -81,7 +81,7 @@ def needed_by(action: Action, schedule: Schedule, rank: int) -> Optional[Message
     return Message(kind, src_stage, m, pl.rank_of(src_stage), rank)
 
 
-def incoming(schedule: Schedule, rank: int) -> list[Message]:
+def incoming(schedule: Schedule, rank: int, *, forward_only: bool = False) -> list[Message]:
     """Messages this rank receives in one step, ordered per sender as the sender sends them."""
     out = []
     for src in range(schedule.num_ranks):
@@ -89,7 +89,7 @@ def incoming(schedule: Schedule, rank: int) -> list[Message]:
             continue
         for action in schedule.actions(src):
             msg = sent_by(action, schedule, src)
-            if msg is not None and msg.dst == rank:
+            if msg is not None and msg.dst == rank and (msg.kind == "act" or not forward_only):
                 out.append(msg)
     return out
 
@@ -115,8 +115,8 @@ class P2P:
         self._recvs: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
         self._sends: list[tuple[Message, torch.Tensor, dist.Work]] = []
 
-    def post_receives(self, buffer_for: Callable[[Message], torch.Tensor]) -> None:
-        for msg in incoming(self.schedule, self.rank):
+    def post_receives(self, buffer_for: Callable[[Message], torch.Tensor], *, forward_only: bool = False) -> None:
+        for msg in incoming(self.schedule, self.rank, forward_only=forward_only):
             buf = buffer_for(msg)
             work = dist.irecv(buf, src=self._global[msg.src], group=self.group, tag=msg.tag(self.schedule))
             self._recvs[msg] = (buf, work)

@@ -20,6 +20,7 @@ holds the mean loss of the step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -94,21 +95,13 @@ class Executor:
         self.comm, self.recv_buffer, self.device = comm, recv_buffer, torch.device(device)
         self.loss_group = loss_group
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in stages.items()}
+        self._forward_only = False
+        self.autocast: Optional[torch.dtype] = None  # e.g. torch.bfloat16 on GPU
 
     # ---- one optimizer step's worth of microbatches ---------------------------------
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """Run every action of this rank once; `microbatches[m]` is (input, target) of microbatch m."""
-        M = self.schedule.num_microbatches
-        if len(microbatches) != M:
-            raise ValueError(f"expected {M} microbatches (pipeline.microbatches), got {len(microbatches)}")
-        self._batch = microbatches
-        self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._wstore: dict[tuple[int, int], WeightGradWork] = {}
-        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._act_bytes: dict[tuple[int, int], int] = {}
-        self._live_bytes = self._peak_bytes = self._peak_sets = 0
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
-        self._losses = 0
+        self._reset(microbatches)
         if self.comm is not None:
             self.comm.post_receives(self.recv_buffer)
         if self.device.type == "cuda":
@@ -134,6 +127,42 @@ class Executor:
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         )
 
+    def evaluate(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]:
+        """Forward only (validation): this rank's F actions in schedule order, no graph kept.
+
+        Dropping the backward actions from a deadlock-free schedule keeps it deadlock-free:
+        a forward only ever waits for forwards, in the same per-rank order as in training.
+        """
+        self._reset(microbatches)
+        self._forward_only = True
+        if self.comm is not None:
+            self.comm.post_receives(self.recv_buffer, forward_only=True)
+        try:
+            with torch.no_grad():
+                for step in self.schedule.steps[self.rank]:
+                    for action in step.parts():
+                        if action.op is Op.F:
+                            self._forward(action, str(step))
+            if self.comm is not None:
+                self.comm.finish()
+        finally:
+            self._forward_only = False
+        self._ctx.clear()
+        return self._mean_loss()
+
+    def _reset(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        M = self.schedule.num_microbatches
+        if len(microbatches) != M:
+            raise ValueError(f"expected {M} microbatches (pipeline.microbatches), got {len(microbatches)}")
+        self._batch = microbatches
+        self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._wstore: dict[tuple[int, int], WeightGradWork] = {}
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._act_bytes: dict[tuple[int, int], int] = {}
+        self._live_bytes = self._peak_bytes = self._peak_sets = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._losses = 0
+
     def _run(self, a: Action, step_text: str) -> None:
         if a.op is Op.F:
             self._forward(a, step_text)
@@ -151,22 +180,29 @@ class Executor:
             x = self._batch[m][0].to(self.device)
         else:
             x = self._take("act", prev, m, a, step_text)
-        if x.is_floating_point():
+        if x.is_floating_point() and not self._forward_only:
             # The first stage also asks for its input grad (and drops it) so that B does B's
             # share of the work, as the schedule and the simulator assume.
             x = x.detach().requires_grad_(True)
         counter = _SavedBytes()
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast():
             out = self.stages[s](x)
             if pl.next_stage(s) is None:
                 loss = self.stages[s].loss(out, self._batch[m][1].to(self.device))
                 self._loss_sum += loss.detach().double().cpu()
                 self._losses += 1
                 out = loss / self.schedule.num_microbatches
-        self._ctx[(s, m)] = (x, out)
-        self._alloc(s, m, counter.bytes)
         if pl.next_stage(s) is not None:
             self._give("act", s, m, out.detach(), a)
+        if self._forward_only:
+            return
+        self._ctx[(s, m)] = (x, out)
+        self._alloc(s, m, counter.bytes)
+
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     def _backward(self, a: Action, step_text: str) -> None:
         pl, s, m = self.schedule.placement, a.stage, a.microbatch

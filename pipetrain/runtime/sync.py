@@ -50,6 +50,8 @@ class GradSync:
             for n in names:
                 holders[n] = holders[n] + (r,)
         me = dist.get_rank(group) if world > 1 else 0
+        self.rank = me
+        self.holders = dict(holders)
         # Every rank creates every subgroup, in the same order (new_group is collective).
         self.sets: list[tuple[tuple[int, ...], Optional[dist.ProcessGroup], list[str]]] = []
         by_set: dict[tuple[int, ...], list[str]] = defaultdict(list)
@@ -61,6 +63,11 @@ class GradSync:
             if me in ranks:
                 self.sets.append((ranks, pg, by_set[ranks]))
         self.local_only = [n for n, ps in self.local.items() if len(ps) > 1 and len(holders[n]) == 1]
+
+    def owned(self) -> list[nn.Parameter]:
+        """One Parameter per canonical name, on the lowest rank that holds it: summing a norm
+        over every rank's `owned()` counts each tied or mirrored weight once."""
+        return [ps[0] for n, ps in sorted(self.local.items()) if min(self.holders[n]) == self.rank]
 
     @property
     def synced_names(self) -> list[str]:

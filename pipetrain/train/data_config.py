@@ -1,20 +1,51 @@
-"""Schema of the `data` config group (pure: no torch, so config.py stays importable without it)."""
+"""Schema of the `data` config group: where batches come from, checked before any process starts.
+
+Pure Python (no torch, no numpy): pipetrain/config.py imports this and must stay importable
+without them. A missing file, a file too short for one window, or a tokenizer whose files are
+not on this machine fails here, in `__post_init__`, with a one-line error naming the knob,
+so nothing is spawned for a run that could not load its data. The loaders are in
+pipetrain/train/data.py.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
-DATA_SOURCES = ("builtin",)
+# builtin: the corpus shipped in the package (pipetrain/train/corpus/); text: any text file;
+# tokens: nanoGPT's .bin (a flat array of uint16 token ids); synthetic: random data, for benchmarks.
+DATA_SOURCES = ("builtin", "text", "tokens", "synthetic")
+TOKENIZERS = ("byte", "gpt2")  # byte: one token per UTF-8 byte; gpt2: GPT-2's BPE through tiktoken
+BYTE_VOCAB = 256
+GPT2_VOCAB = 50257  # 50,000 merges + 256 bytes + <|endoftext|>
+# GPT-2's released vocabulary: token (in GPT-2's byte-to-unicode alphabet) -> id. Its ids are the
+# BPE merge ranks (tiktoken checks that vocab.bpe agrees with it), so it alone defines the encoding.
+GPT2_ENCODER = "encoder.json"
+# tiktoken caches a downloaded file under the sha1 of its URL (tiktoken/load.py, read_file_cached);
+# the URL is spelled differently across tiktoken versions, so each spelling is tried.
+_GPT2_ENCODER_URLS = (
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+    "az://openaipublic/gpt-2/encodings/main/encoder.json",
+)
 
 
 @dataclass
 class DataConfig:
-    """Where batches come from. Today only the batch shape is read (to size a microbatch
-    for the cost model); the data sources themselves come with the trainer."""
+    """What the model trains on. The batch of optimizer step k is a pure function of
+    (trainer.seed, k, split): a resumed run sees exactly the data it would have seen."""
 
-    name: str = "builtin"
+    name: str = "builtin"  # builtin | text | tokens | synthetic
     batch_size: int = 8  # sequences per optimizer step, split into pipeline.microbatches microbatches
     seq_len: int = 128  # tokens per sequence (GPT-2: <= model.block_size); short enough for a CPU step
+    path: Optional[str] = None  # data=text: a text file; data=tokens: a uint16 .bin file (nanoGPT's format)
+    tokenizer: str = "byte"  # byte (vocab 256, needs nothing) | gpt2 (tiktoken + GPT-2's files on this machine)
+    tokenizer_dir: Optional[str] = None  # data.tokenizer=gpt2: a folder with GPT-2's encoder.json
+    val_fraction: float = 0.1  # the last 10% of the tokens are held out for the validation loss
 
     def __post_init__(self) -> None:
         if self.name not in DATA_SOURCES:
@@ -22,3 +53,113 @@ class DataConfig:
         for knob in ("batch_size", "seq_len"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"data.{knob} must be >= 1 (got {getattr(self, knob)})")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in [0, 1) (got {self.val_fraction}): e.g. 0.1 holds out 10%")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"data.tokenizer={self.tokenizer!r} is unknown: choose one of {', '.join(TOKENIZERS)}")
+        if self.tokenizer_dir is not None and self.tokenizer != "gpt2":
+            raise ValueError(
+                "data.tokenizer_dir is only read by data.tokenizer=gpt2: set it or drop data.tokenizer_dir"
+            )
+        self._check_path()
+        if self.uses_tokenizer and self.tokenizer == "gpt2":
+            find_gpt2_encoder(self.tokenizer_dir)  # raises, saying what to install and where the file goes
+
+    @property
+    def uses_tokenizer(self) -> bool:
+        """Whether text is tokenised (builtin, text); tokens files and synthetic data are ids already."""
+        return self.name in ("builtin", "text")
+
+    @property
+    def file(self) -> Path:
+        """data.path with ~ expanded (data=text and data=tokens only)."""
+        if self.path is None:
+            raise ValueError(f"data={self.name} reads no file")
+        return Path(os.path.expanduser(self.path))
+
+    def _check_path(self) -> None:
+        if self.name not in ("text", "tokens"):
+            if self.path is not None:
+                raise ValueError(
+                    f"data.path is only read by data=text or data=tokens (got data={self.name}): "
+                    "set data=text or data=tokens, or drop data.path"
+                )
+            return
+        if not self.path:
+            kind = "a text file" if self.name == "text" else "a uint16 token file (nanoGPT's .bin)"
+            raise ValueError(f"data={self.name} needs {kind}: add data.path=/path/to/file")
+        path = self.file
+        if not path.is_file():
+            why = "it is a folder" if path.is_dir() else "no such file"
+            where = "" if path.is_absolute() else f" (relative to {os.getcwd()})"
+            raise FileNotFoundError(f"data.path={self.path} does not exist: {why}{where}")
+        size = path.stat().st_size
+        if self.name == "tokens":
+            if size % 2:
+                raise ValueError(
+                    f"data.path={self.path} has an odd number of bytes ({size}): data=tokens reads uint16 token "
+                    "ids (nanoGPT's .bin); for a text file use data=text"
+                )
+            self.check_length(size // 2)
+        elif self.tokenizer == "byte":  # one token per byte; BPE lengths are known only after encoding
+            self.check_length(size)
+        elif size == 0:
+            raise ValueError(f"data.path={self.path} is empty")
+
+    def check_length(self, num_tokens: int) -> None:
+        """Both splits must hold at least one window of seq_len + 1 tokens (inputs and the
+        target shifted by one); a one-line error naming the knobs otherwise."""
+        train, val = split_sizes(num_tokens, self.val_fraction)
+        need = self.seq_len + 1
+        if train >= need and (self.val_fraction == 0 or val >= need):
+            return
+        what = f"data.path={self.path}" if self.path else f"data={self.name}"
+        raise ValueError(
+            f"{what} holds {num_tokens:,} tokens, too few for data.seq_len={self.seq_len} with "
+            f"data.val_fraction={self.val_fraction} (train {train:,}, val {val:,}; each split needs >= {need:,}): "
+            "lower data.seq_len or data.val_fraction, or use more data"
+        )
+
+
+def split_sizes(num_tokens: int, val_fraction: float) -> tuple[int, int]:
+    """(train, val) token counts: the last `val_fraction` of the token stream is held out,
+    so no window of one split ever reads a token of the other."""
+    val = int(num_tokens * val_fraction)
+    return num_tokens - val, val
+
+
+def _tiktoken_cache_dirs() -> list[Path]:
+    """Where tiktoken looks for cached files, in its own order (tiktoken/load.py): an explicit
+    $TIKTOKEN_CACHE_DIR or $DATA_GYM_CACHE_DIR, else the default of newer (~/.cache/tiktoken)
+    and older (<tmp>/data-gym-cache) versions."""
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if var in os.environ:
+            return [Path(os.environ[var])] if os.environ[var] else []
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return [Path(xdg) / "tiktoken", Path(tempfile.gettempdir()) / "data-gym-cache"]
+
+
+def find_gpt2_encoder(tokenizer_dir: Optional[str] = None) -> Path:
+    """Local path of GPT-2's encoder.json: in `data.tokenizer_dir`, else in tiktoken's cache.
+    Nothing is downloaded; a one-line error says what to install and where to put the file
+    when tiktoken or the file is missing."""
+    if importlib.util.find_spec("tiktoken") is None:
+        raise ValueError(
+            "data.tokenizer=gpt2 needs the tiktoken package: pip install tiktoken (or use data.tokenizer=byte)"
+        )
+    if tokenizer_dir is not None:
+        path = Path(os.path.expanduser(tokenizer_dir)) / GPT2_ENCODER
+        if path.is_file():
+            return path
+        raise FileNotFoundError(f"data.tokenizer_dir={tokenizer_dir} must hold GPT-2's {GPT2_ENCODER} (no {path})")
+    keys = [hashlib.sha1(url.encode()).hexdigest() for url in _GPT2_ENCODER_URLS]
+    for cache in _tiktoken_cache_dirs():
+        for key in keys:
+            if (cache / key).is_file():
+                return cache / key
+    looked = ", ".join(str(p) for p in _tiktoken_cache_dirs()) or "nowhere: $TIKTOKEN_CACHE_DIR is empty"
+    raise FileNotFoundError(
+        f"data.tokenizer=gpt2 needs GPT-2's {GPT2_ENCODER} on this machine (nothing is downloaded; looked in "
+        f"tiktoken's cache: {looked}): put it in a folder and set data.tokenizer_dir=FOLDER, or set "
+        "TIKTOKEN_CACHE_DIR to a copied tiktoken cache that holds the gpt2 encoding, or use data.tokenizer=byte"
+    )

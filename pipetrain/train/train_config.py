@@ -8,10 +8,10 @@ from typing import Optional
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 60  # optimizer steps
+    max_steps: int = 200  # optimizer steps (the quickstart: about a minute on 2 CPU cores)
     seed: int = 1337  # model init and data order: the batch of step k is a function of (seed, k)
-    log_every: int = 5  # console/metrics line every N steps (the first and last step always log)
-    eval_every: int = 20  # validation loss every N steps (0: never; the last step always evaluates if > 0)
+    log_every: int = 10  # console/metrics line every N steps (the first and last step always log)
+    eval_every: int = 50  # validation loss every N steps and at the end of a longer run (0: never)
     eval_batches: int = 2  # batches of data.batch_size sequences per validation
     ckpt_every: int = 0  # checkpoint every N steps (0: only at the end when ckpt_at_end)
     ckpt_at_end: bool = True

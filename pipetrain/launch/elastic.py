@@ -1,0 +1,115 @@
+"""cluster=local: one process per pipeline rank on this host, through torch's elastic launcher.
+
+This is what `torchrun --standalone --nproc_per_node=P` does (c10d rendezvous on a free
+localhost port, max_restarts=0), called as a library so the parent keeps the plan it
+validated and gets rank 0's return value back. When a rank fails the agent stops the
+others; we report the rank that failed first, from the error files the workers wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Optional
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from pipetrain.launch.launcher import RankFailedError
+from pipetrain.launch.local import CPU_MALLOC_ENV
+from pipetrain.launch.rank import Entry, elastic_worker, resolve_backend
+
+if TYPE_CHECKING:
+    from pipetrain.config import Config
+    from pipetrain.plan import Plan
+
+
+def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dict:
+    """Start pipeline.degree workers running `entry`; return rank 0's result."""
+    backend = resolve_backend(config.cluster.backend, config.trainer.device)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    env = CPU_MALLOC_ENV if backend == "gloo" else {}
+    with tempfile.TemporaryDirectory(prefix="pipetrain-elastic-") as logs, _environ(env), \
+            _quiet("torch.distributed.elastic", "torch.multiprocessing"):
+        launch_config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=config.pipeline.degree,
+            run_id=f"pipetrain-{uuid.uuid4().hex[:12]}",
+            rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{config.cluster.master_port or 0}",  # 0: a free port
+            max_restarts=0,  # a failed rank ends the run (continue with trainer.resume=auto)
+            monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
+            logs_specs=DefaultLogsSpecs(log_dir=logs),  # the workers' error files, removed afterwards
+        )
+        try:
+            results = elastic_launch(launch_config, elastic_worker)(entry, config, plan, str(run_dir))
+        except ChildFailedError as err:
+            raise root_cause(error_records(Path(logs)), err.failures, run_dir) from None
+    return results[0]
+
+
+def error_records(log_dir: Path) -> dict[int, dict]:
+    """Every worker's error file, by rank: DefaultLogsSpecs writes
+    <log_dir>/<run_id>_*/attempt_<n>/<local rank>/error.json (one node: local rank = rank)."""
+    records = {}
+    for path in log_dir.glob("*/attempt_*/*/error.json"):
+        try:
+            message = json.loads(path.read_text()).get("message")
+        except (OSError, ValueError):
+            continue
+        if isinstance(message, dict) and path.parent.name.isdigit():
+            records[int(path.parent.name)] = message
+    return records
+
+
+def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure],
+               run_dir: Optional[Path] = None) -> RankFailedError:
+    """The error that came first. The agent reports one failed worker, whichever it noticed
+    first, often a peer that only lost its connection; every rank that raised wrote an error file
+    with the time in ns (pipetrain.launch.rank.record_error), and the earliest is the cause.
+    Without any (a rank killed by a signal) the agent's report is all there is."""
+    timed = {r: m for r, m in records.items() if "time_ns" in m.get("extraInfo", {})}
+    if timed:
+        rank = min(timed, key=lambda r: (int(timed[r]["extraInfo"]["time_ns"]), r))
+        message, callstack = str(timed[rank].get("message", "")), timed[rank]["extraInfo"].get("py_callstack")
+    else:
+        rank, failure = min(failures.items())
+        message = failure.message if isinstance(failure.message, str) else f"exit code {failure.exitcode}"
+        if isinstance(failure.message, dict):
+            message = str(failure.message.get("message", message))
+        callstack = None
+    path = None
+    if callstack and run_dir is not None and Path(run_dir).is_dir():
+        path = Path(run_dir) / f"error_rank{rank}.txt"
+        path.write_text(callstack)
+    return RankFailedError(rank, (message.strip().splitlines() or ["failed"])[0], path)
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """Variables the spawned workers inherit (read by malloc at process start); a user's own value wins."""
+    added = {k: v for k, v in extra.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+@contextlib.contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """The agent logs every worker's exit and traceback; the one-line error says what matters."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

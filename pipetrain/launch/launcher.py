@@ -1,0 +1,55 @@
+"""`launch(config, plan, run_dir)`: run the training entry point on every pipeline rank.
+
+cluster=local starts the ranks (torch elastic); every other option runs in a process that
+is already one rank (started by torchrun, srun or submitit) and only joins the group.
+Importing this module loads no torch; each path imports what it needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from pipetrain.config import Config
+    from pipetrain.plan import Plan
+
+Entry = Callable[["Config", "Plan", Path], dict]
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised (or died). The message is that rank's own one-line message; the full
+    traceback, where the rank left one, is in `traceback_file` (run_dir/error_rank<r>.txt)."""
+
+    def __init__(self, rank: int, message: str, traceback_file: Optional[Path] = None) -> None:
+        where = f" (traceback: {traceback_file})" if traceback_file else ""
+        super().__init__(f"rank {rank} failed: {message}{where}")
+        self.rank, self.rank_message, self.traceback_file = rank, message, traceback_file
+
+
+def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] = None) -> dict:
+    """Run `entry(config, plan, run_dir)` (default: the trainer's rank_main) on pipeline.degree
+    ranks as config.cluster says; return rank 0's result ({} on the other ranks of an
+    already-launched job). A failed rank raises with that rank's one-line message."""
+    if entry is None:
+        from pipetrain.train.trainer import rank_main as entry
+    cluster = config.cluster
+    cluster.check_degree(config.pipeline.degree)
+    run_dir = Path(run_dir).resolve()
+    if cluster.name == "local":
+        from pipetrain.launch.elastic import launch_local
+
+        return launch_local(config, plan, run_dir, entry)
+
+    from pipetrain.launch import env as rank_env
+    from pipetrain.launch.rank import run_rank
+
+    if cluster.name == "torchrun":
+        env = rank_env.torchrun_env()
+    elif cluster.name == "slurm":
+        env = rank_env.slurm_env(cluster.master_port)
+    elif cluster.name == "submitit_local":
+        env = rank_env.submitit_local_env(cluster.master_port)
+    else:  # ClusterConfig.__post_init__ admits only the names above
+        raise AssertionError(cluster.name)
+    return run_rank(config, plan, run_dir, env, entry, agree=True)

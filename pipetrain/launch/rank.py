@@ -1,0 +1,115 @@
+"""One rank's life: join the default process group, agree with rank 0, run the entry point.
+
+Shared by every cluster option: the elastic workers of cluster=local and the processes
+torchrun / srun / submitit started. A rank that fails writes its one-line message into
+torchelastic's error file (TORCHELASTIC_ERROR_FILE, where the launcher set one), so the
+launcher reports the rank that failed first instead of a wall of tracebacks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.launch.env import RankEnv, torchrun_env
+
+if TYPE_CHECKING:
+    from pipetrain.config import Config
+    from pipetrain.plan import Plan
+
+Entry = Callable[["Config", "Plan", Path], dict]
+
+
+def resolve_backend(choice: str, device: str) -> str:
+    """cluster.backend=auto: NCCL when the ranks train on CUDA (trainer.device), else gloo."""
+    cuda = torch.cuda.is_available()
+    if choice == "auto":
+        return "nccl" if cuda and device != "cpu" else "gloo"
+    if choice == "nccl" and not cuda:
+        raise ValueError("cluster.backend=nccl needs a CUDA GPU and none is visible: set cluster.backend=gloo or auto")
+    return choice
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def record_error(err: BaseException, path: str | None = None) -> None:
+    """Write torchelastic's error file (the format of its ErrorHandler.record_exception), adding
+    the time in ns: its own timestamp has whole seconds, too coarse to tell which rank failed
+    first when a dying rank drags its peers down within the same second."""
+    path = path or os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time_ns()
+    data = {"message": {"message": one_line(err), "extraInfo": {
+        "py_callstack": traceback.format_exc(), "timestamp": str(now // 10**9), "time_ns": str(now)}}}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data))
+
+
+def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Entry, *, agree: bool) -> dict:
+    """Run `entry(config, plan, run_dir)` as rank env.rank of env.world_size.
+
+    agree=True (ranks that composed their own config: torchrun, slurm, submitit): rank 0's plan
+    and run directory are broadcast, so every rank cuts the model alike (partition=profile
+    measures per process) and writes under one directory."""
+    degree = config.pipeline.degree
+    owns_group = not dist.is_initialized()
+    try:
+        if env.world_size != degree:
+            raise ValueError(
+                f"{env.world_size} ranks were started but pipeline.degree={degree}: start {degree} ranks "
+                f"(e.g. torchrun --nproc_per_node={degree}) or set pipeline.degree={env.world_size}"
+            )
+        backend = resolve_backend(config.cluster.backend, config.trainer.device)
+        os.environ.update(env.exported())  # the trainer (and torch) read LOCAL_RANK, RANK, ...
+        if backend == "nccl":
+            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        if owns_group:
+            init = "env://" if env.use_env_store else f"tcp://{env.master_addr}:{env.master_port}"
+            dist.init_process_group(backend, init_method=init, rank=env.rank, world_size=env.world_size,
+                                    timeout=datetime.timedelta(seconds=max(300.0, config.pipeline.p2p_timeout_s)))
+        elif dist.get_world_size() != degree:
+            raise ValueError(f"the process group has {dist.get_world_size()} ranks but pipeline.degree={degree}")
+        if agree:
+            plan, run_dir = _agree_with_rank0(plan, Path(run_dir))
+        return entry(config, plan, Path(run_dir))
+    except Exception as err:
+        record_error(err)
+        raise
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _agree_with_rank0(plan: Plan, run_dir: Path) -> tuple[Plan, Path]:
+    mine = run_dir.resolve()
+    objs: list[Any] = [plan, str(mine)]
+    dist.broadcast_object_list(objs, src=0)
+    shared = Path(objs[1])
+    if shared != mine:  # Hydra gave this rank its own (timestamped) directory: leave it if unused
+        try:
+            mine.rmdir()
+        except OSError:
+            pass
+    return objs[0], shared
+
+
+def elastic_worker(entry: Entry, config: Config, plan: Plan, run_dir: str) -> dict:
+    """Entry point of cluster=local's workers: torch's elastic agent set the torchrun variables."""
+    try:
+        return run_rank(config, plan, Path(run_dir), torchrun_env(), entry, agree=False)
+    except Exception:
+        # run_rank wrote the error file, with its time in ns. Leaving through SystemExit keeps the
+        # @record that torch wraps around every elastic worker from overwriting it (whole seconds).
+        raise SystemExit(1) from None

@@ -1,0 +1,367 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), keyed by the unsplit model's names.
+
+Why DCP and unsplit names: a stage keeps the unsplit parameter names ("layers.3.attn.c_attn.weight",
+models/split.py), so the union over ranks of what they save IS the unsplit model's state dict.
+A run saved at one pipeline degree / schedule / partition therefore loads at another: each rank
+asks DCP for the keys of the parameters it holds now, wherever they were written from
+(torchtitan keeps FQNs stable across parallelisms for the same reason).
+
+What one checkpoint holds (flat DCP keys, one per canonical name -- see runtime/sync.py):
+  model.<name>                     the weight
+  optim.<state>.<name>             AdamW's step / exp_avg / exp_avg_sq for that weight
+  rng.cpu.rank<r>, rng.cuda.rank<r>  each rank's torch RNG states
+and meta.json: step, tokens, skipped steps, data position (= step: the batch of step k is a
+function of (seed, k)), world size, and the config fingerprint (model: must match; layout and
+training knobs: may change, a change is reported). The learning rate is a function of the step.
+
+Copies are written once. A canonical name (a tie group such as GPT-2's wte/lm_head, or a chunk
+DualPipe mirrors onto two ranks) may be held by several ranks and several local Parameters; the
+lowest rank that holds it (`min(GradSync.holders[name])`, the same owner GradSync.owned() uses
+for the gradient norm) contributes its first local copy, every other copy contributes nothing.
+On load every rank reads the key into one copy and copies it into the rest.
+
+Atomic: every rank writes into <run_dir>/checkpoints/.step_000123.tmp; after a barrier rank 0
+adds meta.json and renames the directory to step_000123. A crash at any point leaves either no
+step_000123 or a complete one; the newest checkpoint is the highest step_* holding meta.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from pipetrain.config import Config
+from pipetrain.train.train_config import TrainerConfig
+
+if TYPE_CHECKING:
+    from pipetrain.runtime.sync import GradSync
+    from pipetrain.train.trainer import Trainer
+
+FORMAT = 1
+CKPT_DIR = "checkpoints"
+META = "meta.json"
+DCP_METADATA = ".metadata"  # written by DCP's coordinator once every rank's data is on disk
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# ---- the layout on disk (pure: no process group) -----------------------------------------------
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CKPT_DIR / f"step_{step:06d}"
+
+
+def is_complete(path: Path) -> bool:
+    """A committed checkpoint: its meta.json is the last file written before the rename."""
+    return (path / META).is_file() and (path / DCP_METADATA).is_file()
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete step_* directories under `root`, oldest first (temporary .step_*.tmp are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted((s, p) for s, p in found if is_complete(p))
+
+
+def newest_checkpoint(run_dir: Path) -> Optional[Path]:
+    ckpts = list_checkpoints(Path(run_dir) / CKPT_DIR)
+    return ckpts[-1][1] if ckpts else None
+
+
+def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
+    """The checkpoint trainer.resume names, or None to start fresh. Pure: call it before launching
+    to fail early. `auto`: the newest in this run directory (none: None). A path: a step_*
+    directory, or a run / checkpoints directory (its newest). Errors are one line."""
+    if resume is None or resume in ("", "null", "none", "None"):
+        return None
+    if resume == "auto":
+        return newest_checkpoint(run_dir)
+    path = Path(resume).expanduser()
+    hint = "set trainer.resume to a checkpoints/step_* directory, to auto, or to null"
+    if not path.exists():
+        raise ValueError(f"trainer.resume={resume}: no such checkpoint directory: {hint}")
+    if is_complete(path):
+        return path
+    for root in (path, path / CKPT_DIR):
+        ckpts = list_checkpoints(root)
+        if ckpts:
+            return ckpts[-1][1]
+    raise ValueError(f"trainer.resume={resume}: not a complete checkpoint (no {META} and {DCP_METADATA}): {hint}")
+
+
+def preflight(config: Config, run_dir: Path) -> Optional[Path]:
+    """For the CLI, before any process starts: the checkpoint trainer.resume names (None: fresh),
+    checked against this run's model. Raises the same one-line ValueErrors the ranks would."""
+    path = resolve_resume(config.trainer.resume, run_dir)
+    if path is not None:
+        check_compatible(read_meta(path), config, path)
+    return path
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / META).read_text())
+
+
+# ---- what may change on resume --------------------------------------------------------------------
+
+
+def _flat(prefix: str, obj: Any) -> dict[str, Any]:
+    d = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(obj)
+    return json.loads(json.dumps({f"{prefix}.{k}": v for k, v in d.items()}, default=str))
+
+
+def fingerprint(config: Config) -> dict[str, dict[str, Any]]:
+    """model: must match to load. layout: free to change (the point of unsplit names). training:
+    may change, but then the run no longer continues the uninterrupted one, so a change is reported."""
+    p, s, part, t = config.pipeline, config.schedule, config.partition, config.trainer
+    model = _flat("model", {"name": config.model.name, **config.model.knobs()})
+    layout = {"pipeline.degree": p.degree, "pipeline.microbatches": p.microbatches, "schedule.name": s.name,
+              "schedule.virtual_stages": s.virtual_stages, "partition.name": part.name,
+              "partition.boundaries": part.boundaries}
+    training = {"trainer.seed": t.seed, "trainer.max_steps": t.max_steps, **_flat("data", config.data),
+                **_flat("optim", config.optim)}
+    return {"model": model, "layout": json.loads(json.dumps(layout)), "training": training}
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def check_compatible(meta: dict[str, Any], config: Config, path: Path) -> list[str]:
+    """Raise (one line) if the model differs; return notes on changed layout / training knobs."""
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"trainer.resume: {path} has checkpoint format {meta.get('format')!r}, "
+                         f"this pipetrain reads {FORMAT}: resume with the version that wrote it or set trainer.resume=null")
+    old, new = meta["fingerprint"], fingerprint(config)
+    model = _changes(old["model"], new["model"])
+    if model:
+        raise ValueError(f"trainer.resume: {path} was saved for another model ({'; '.join(model)}): "
+                         f"set the model knobs back or set trainer.resume=null")
+    notes = []
+    if layout := _changes(old["layout"], new["layout"]):
+        notes.append("new layout (weights re-split by name): " + "; ".join(layout))
+    if training := _changes(old["training"], new["training"]):
+        notes.append("changed training knobs, the run will not repeat an uninterrupted one: " + "; ".join(training))
+    return notes
+
+
+def due(step: int, cfg: TrainerConfig) -> bool:
+    """Save after optimizer step `step`? Every trainer.ckpt_every steps, and at the end if trainer.ckpt_at_end."""
+    return bool(cfg.ckpt_every and step % cfg.ckpt_every == 0) or (cfg.ckpt_at_end and step == cfg.max_steps)
+
+
+# ---- state dicts ---------------------------------------------------------------------------------
+
+
+def owned_names(sync: GradSync) -> list[str]:
+    """Canonical names this rank writes: those whose lowest holder it is (one writer per key)."""
+    return [n for n in sorted(sync.local) if min(sync.holders[n]) == sync.rank]
+
+
+def _adam_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if optimizer.defaults.get("amsgrad") else ())
+
+
+def _fresh_adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """AdamW's state before its first update (torch.optim.adamw._init_group): a step of 0 and zero
+    moments. Saving it for a weight that has no state yet is therefore exact."""
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+    zeros = {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in _adam_keys(optimizer)[1:]}
+    return {"step": step, **zeros}
+
+
+def _optimized(optimizer: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = {f"rng.cpu.rank{rank}": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
+    return out
+
+
+def save_state_dict(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's contribution: the keys it owns (model + optimizer) and its own RNG states."""
+    sync, opt = trainer.pipe.sync, trainer.optimizer
+    optimized = _optimized(opt)
+    out: dict[str, torch.Tensor] = {}
+    for name in owned_names(sync):
+        p = sync.local[name][0]
+        out[f"model.{name}"] = p.detach()
+        if id(p) in optimized:
+            state = opt.state.get(p) or _fresh_adam_state(opt, p)
+            out.update({f"optim.{k}.{name}": state[k] for k in _adam_keys(opt)})
+    out.update(_rng_state())
+    return out
+
+
+# ---- save ----------------------------------------------------------------------------------------
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Rank 0, after every rank wrote: meta.json last, then one rename makes the checkpoint visible."""
+    with (tmp / META).open("w") as f:
+        f.write(json.dumps(meta, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():  # saving a step again (a resumed run): swap, never delete first
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_staged(trainer: Trainer) -> Path:
+    """Collective: every rank writes its keys into the step's temporary directory (nothing visible yet)."""
+    final = step_dir(trainer.run_dir, trainer.state.step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if trainer.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        tmp.mkdir(parents=True)
+    _barrier()
+    with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(save_state_dict(trainer), checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    return tmp
+
+
+def save_checkpoint(trainer: Trainer) -> Path:
+    """Collective: save the trainer after its current step; returns the committed directory."""
+    t0 = time.perf_counter()
+    tmp = write_staged(trainer)
+    final = step_dir(trainer.run_dir, trainer.state.step)
+    _barrier()  # every rank's files are on disk
+    if trainer.rank == 0:
+        st = trainer.state
+        meta = {"format": FORMAT, "step": st.step, "tokens": st.tokens, "skipped": st.skipped,
+                "data_position": st.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
+                "fingerprint": fingerprint(trainer.config)}
+        _commit(tmp, final, meta)
+        _note(trainer, f"saved {final} ({time.perf_counter() - t0:.2f} s)")
+    _barrier()  # no rank goes on (or exits) before the checkpoint is visible
+    return final
+
+
+# ---- load ----------------------------------------------------------------------------------------
+
+
+def _load_targets(trainer: Trainer, available: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Tensors DCP reads into: one per canonical name this rank holds (not only the owned ones)."""
+    sync, opt = trainer.pipe.sync, trainer.optimizer
+    optimized = _optimized(opt)
+    targets: dict[str, torch.Tensor] = {}
+    adam: dict[str, dict[str, torch.Tensor]] = {}
+    for name in sorted(sync.local):
+        p = sync.local[name][0]
+        targets[f"model.{name}"] = p.detach()
+        if id(p) in optimized:
+            adam[name] = _fresh_adam_state(opt, p)
+            targets.update({f"optim.{k}.{name}": t for k, t in adam[name].items()})
+    missing = sorted(k for k in targets if k not in available)
+    if missing:
+        raise ValueError(f"trainer.resume: the checkpoint lacks {len(missing)} key(s) this run needs "
+                         f"(first: {missing[0]}): it was saved for another model; set trainer.resume=null")
+    targets.update({k: torch.empty_like(v) for k, v in _rng_state().items() if k in available})
+    return targets, adam
+
+
+def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
+    """Collective: load `path` into the trainer (every local copy, optimizer state, RNG, step)."""
+    path = Path(path)
+    meta = read_meta(path)
+    notes = check_compatible(meta, trainer.config, path)
+    available = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    targets, adam = _load_targets(trainer, available)
+    with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, checkpoint_id=path, no_dist=not dist.is_initialized())
+    sync, opt = trainer.pipe.sync, trainer.optimizer
+    with torch.no_grad():
+        for name, copies in sync.local.items():
+            for p in copies[1:]:
+                p.copy_(copies[0])
+    for name, state in adam.items():  # every copy gets its own tensors: AdamW updates them in place
+        for p in sync.local[name]:
+            opt.state[p] = {k: t.clone() for k, t in state.items()}
+    for key, t in targets.items():
+        if key.startswith("rng.cpu."):
+            torch.set_rng_state(t)
+        elif key.startswith("rng.cuda."):
+            torch.cuda.set_rng_state(t)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > meta["world_size"]:  # RNG states are per rank; the data position is the step
+        notes.append(f"saved by {meta['world_size']} rank(s): ranks {meta['world_size']}..{world - 1} "
+                     f"keep their seeded RNG state")
+    st = trainer.state
+    st.step, st.tokens, st.skipped = meta["step"], meta["tokens"], meta.get("skipped", 0)
+    for n in notes:
+        _note(trainer, n)
+    return meta
+
+
+def resume(trainer: Trainer) -> Optional[Path]:
+    """Trainer.__init__'s hook: load what trainer.resume names (collective), or start fresh."""
+    want = trainer.config.trainer.resume
+    path = _agreed(lambda: resolve_resume(want, trainer.run_dir))
+    if path is None:
+        if want == "auto":
+            _note(trainer, f"trainer.resume=auto: no checkpoint in {trainer.run_dir / CKPT_DIR}, starting fresh")
+        return None
+    meta = load_checkpoint(trainer, path)
+    _note(trainer, f"resumed from {path} at step {meta['step']}")
+    return path
+
+
+def _agreed(resolve: Callable[[], Optional[Path]]) -> Optional[Path]:
+    """Rank 0 picks the checkpoint and every rank loads that one (or raises its error): ranks
+    listing the directory themselves could disagree while another job is committing a save."""
+    if not dist.is_initialized():
+        return resolve()
+    box: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = resolve()
+        except ValueError as e:
+            box[1] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ValueError(box[1])
+    return box[0]
+
+
+def _note(trainer: Trainer, msg: str) -> None:
+    if trainer.rank == 0:
+        print(f"checkpoint: {msg}", flush=True)

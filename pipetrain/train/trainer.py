@@ -1,0 +1,202 @@
+"""The training loop of one pipeline rank: build, step, evaluate, checkpoint, report.
+
+`rank_main` runs in every rank process after the process group is up (the launcher's
+job). The plan (validated schedule + partition) was computed once, before any process
+started, so every rank cuts the model the same way. Each step: the batch of step k (a
+function of (seed, k)), split into M microbatches; the executor runs this rank's
+actions; copies' gradients are summed; the global gradient norm (each weight counted
+once) is clipped; AdamW steps with the warm-up + cosine learning rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.config import Config
+from pipetrain.plan import Plan, build_model
+from pipetrain.runtime.pipeline import RankPipeline, build_rank_pipeline
+from pipetrain.train import checkpoint
+from pipetrain.train.data import build_data, split_microbatches
+from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite (trainer.on_nonfinite=stop)."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    tokens: int = 0
+    skipped: int = 0
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is visible: use trainer.device=cpu or auto")
+    import os
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+class Trainer:
+    """One rank's share of the training job."""
+
+    def __init__(self, config: Config, plan: Plan, run_dir: Path) -> None:
+        self.config, self.plan, self.run_dir = config, plan, Path(run_dir)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.device = resolve_device(config.trainer.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.trainer.threads_per_rank)
+        torch.manual_seed(config.trainer.seed)  # every rank builds the same initial model
+        model = build_model(config.model)
+        self.pipe: RankPipeline = build_rank_pipeline(
+            model, plan.chunk_bounds, plan.schedule, self.rank,
+            microbatch_size=config.microbatch_size, seq_len=config.data.seq_len,
+            timeout_s=config.pipeline.p2p_timeout_s, device=self.device,
+        )
+        if self.device.type == "cuda" and config.trainer.bf16:
+            self.pipe.executor.autocast = torch.bfloat16
+        self.data = build_data(config.data, seed=config.trainer.seed,
+                               vocab_size=getattr(config.model, "vocab_size", 0), model=model)
+        del model
+        self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
+        self.state = TrainState()
+        # trainer.resume: model, optimizer, step/tokens and RNG from a checkpoint (collective)
+        self.resumed_from = checkpoint.resume(self)
+        self.tokens_per_step = config.data.batch_size * config.data.seq_len
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return split_microbatches(self.data.batch(step, split=split), self.config.pipeline.microbatches)
+
+    def train_step(self) -> dict[str, Any]:
+        cfg, step = self.config, self.state.step
+        lr = lr_at(step, cfg.optim, cfg.trainer.max_steps)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        result = self.pipe.train_step(self.microbatches(step))
+        loss = result.loss if result.loss is not None else float("nan")
+        norm = global_grad_norm(self.pipe.sync.owned(), device=self.device)
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm}
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            if cfg.trainer.on_nonfinite == "stop":
+                raise NonFiniteLoss(
+                    f"loss {loss} / grad norm {norm} at step {step + 1}: lower optim.lr, raise optim.warmup_steps, "
+                    f"or set trainer.on_nonfinite=skip"
+                )
+            self.state.skipped += 1
+            record["skipped"] = True
+        else:
+            clip_grads(self.pipe.parameters(), norm, cfg.optim.grad_clip)
+            self.optimizer.step()
+        step_s = time.perf_counter() - t0
+        self.state.step += 1
+        self.state.tokens += self.tokens_per_step
+        record.update(step_time_s=step_s, tokens_per_s=self.tokens_per_step / step_s, result=result)
+        return record
+
+    def evaluate(self) -> float:
+        losses = []
+        for i in range(self.config.trainer.eval_batches):
+            losses.append(self.pipe.executor.evaluate(self.microbatches(i, split="val")))
+        return sum(losses) / len(losses)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def fit(self, reporter: Optional["Reporter"] = None) -> dict[str, Any]:
+        cfg = self.config.trainer
+        reporter = reporter or Reporter(self)
+        first_loss = None
+        val_loss = None
+        step_times: list[float] = []
+        record: dict[str, Any] = {"loss": None}
+        if self.state.step >= cfg.max_steps:
+            reporter.note(f"nothing to do: resumed at step {self.state.step}, trainer.max_steps={cfg.max_steps}")
+        while self.state.step < cfg.max_steps:
+            record = self.train_step()
+            step_times.append(record["step_time_s"])
+            first_loss = record["loss"] if first_loss is None else first_loss
+            step = self.state.step
+            last = step == cfg.max_steps
+            # every eval_every steps, and at the end of a run long enough to have evaluated
+            if cfg.eval_every and (step % cfg.eval_every == 0 or (last and step > cfg.eval_every)):
+                val_loss = record["val_loss"] = self.evaluate()
+            if step == 1 or last or step % cfg.log_every == 0 or "val_loss" in record:
+                reporter.log(record)
+            if checkpoint.due(step, cfg):
+                checkpoint.save_checkpoint(self)
+        steady = sorted(step_times[1:] or step_times)  # the first step pays for warm-up
+        median_s = steady[len(steady) // 2] if steady else None
+        summary = {"steps": self.state.step, "first_loss": first_loss, "final_loss": record["loss"],
+                   "final_val_loss": val_loss, "skipped_steps": self.state.skipped, "tokens": self.state.tokens,
+                   "step_time_s": median_s, "tokens_per_s": self.tokens_per_step / median_s if median_s else None}
+        reporter.finish(summary)
+        return summary
+
+
+class Reporter:
+    """Rank 0 prints progress and writes metrics.jsonl / summary.json (once, for all ranks)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.enabled = trainer.rank == 0
+        self.t0 = time.perf_counter()
+        self.start_step = trainer.state.step  # a resumed run's ETA counts only its own steps
+        if self.enabled:
+            from rich.console import Console
+
+            self.console = Console()
+            self.metrics = (trainer.run_dir / "metrics.jsonl").open("a")
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        t = self.trainer
+        row = {k: v for k, v in record.items() if k != "result"}
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        done, total = row["step"], t.config.trainer.max_steps
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(1, done - self.start_step) * (total - done)
+        val = f" val {row['val_loss']:.3f}" if "val_loss" in row else ""
+        self.console.print(
+            f"step {done}/{total} loss {row['loss']:.4f}{val} lr {row['lr']:.1e} gnorm {row['grad_norm']:.2f} "
+            f"{row['tokens_per_s'] / 1e3:.1f}k tok/s {row['step_time_s'] * 1e3:.0f}ms eta {eta:.0f}s",
+            highlight=False,
+        )
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.metrics.close()
+        (self.trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        first, final = summary["first_loss"], summary["final_loss"]
+        if first is None:
+            return
+        self.console.print(f"done: {summary['steps']} steps, loss {first:.4f} -> {final:.4f} "
+                           f"({(1 - final / first) * 100:.0f}% lower); {self.trainer.run_dir}", highlight=False)
+
+
+def rank_main(config: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
+    """Entry point of one rank (process group already initialised by the launcher)."""
+    run_dir = Path(run_dir)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(config, plan, run_dir)
+    summary = trainer.fit()
+    return summary if trainer.rank == 0 else {}

@@ -1,0 +1,65 @@
+"""Tier 3: training end to end through the `pipetrain` command (real processes, real files)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+
+def test_quickstart_trains_with_a_falling_loss(tmp_path):
+    """`pipetrain` with no arguments: GPT-2 tiny, built-in corpus, 2 ranks, 1F1B, CPU."""
+    res = run_cli([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 200
+    assert summary["final_loss"] <= 0.8 * summary["first_loss"], summary
+    assert summary["final_val_loss"] is not None and summary["final_val_loss"] < 0.8 * summary["first_loss"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and rows[-1]["step"] == 200 and len(rows) >= 20
+    assert "step 100/200" in res.stdout  # progress printed as it goes
+    assert (tmp_path / "run" / "simulate.json").exists()  # simulated before it launched
+
+
+def test_gpt2_recipe_with_dualpipe_runs_as_written(tmp_path):
+    res = run_cli(["+recipe=gpt2", "schedule=dualpipe", "trainer.max_steps=1", "data.batch_size=8", "data.seq_len=128",
+                   f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    sim = json.loads((tmp_path / "run" / "simulate.json").read_text())
+    assert sim["schedule"] == "dualpipe" and sim["degree"] == 4 and sim["param_copies"] == 2
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 1 and 10.0 < summary["final_loss"] < 12.0  # ~ln(50257) at init
+
+
+def test_training_sweep_ends_with_a_summary(tmp_path):
+    sweep = tmp_path / "sweep"
+    res = run_cli(["-m", "schedule=1f1b,zbv,dualpipev", "pipeline.microbatches=8,16", "data.batch_size=16",
+                   "trainer.max_steps=3", "trainer.eval_every=0", "trainer.ckpt_at_end=false",
+                   f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((sweep / "sweep_summary.json").read_text())
+    assert {(r["schedule"], r["microbatches"]) for r in rows} == {
+        (s, m) for s in ("1f1b", "zbv", "dualpipev") for m in (8, 16)}
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["final_loss"] > 0
+    csv = (sweep / "sweep_summary.csv").read_text().splitlines()
+    assert csv[0].startswith("job,schedule,degree,microbatches,tokens_per_s") and len(csv) == 7
+    assert "sweep summary" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["data.batch_size=6"], "data.batch_size=6"),  # does not split into 8 microbatches
+        (["pipeline.degree=8", "schedule=interleaved_1f1b"], "pipeline.degree"),  # 16 stages, 10 layers
+        (["data=text", "data.path=/nonexistent/corpus.txt"], "data.path"),
+    ],
+)
+def test_bad_input_fails_before_any_process_starts(tmp_path, args, needle):
+    res = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr and needle in res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 3, res.stderr  # one clear message
+    assert not list(tmp_path.glob("run/error_rank*"))  # nothing was spawned
