@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipetrain.config import Config, Mode, register_configs
+from pipetrain.launch import RankFailedError
 
 CONF_DIR = str(resources.files("pipetrain.conf"))
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
@@ -67,10 +68,13 @@ def run(config: Config, run_dir: Path) -> Any:
     if config.mode is Mode.simulate:
         return run_simulate(config, run_dir)
     # Train: everything is checked and simulated here, before any process starts.
+    from pipetrain.launch.cluster_config import process_rank
     from pipetrain.train.checkpoint import preflight
 
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
-    plan, _ = plan_and_simulate(config, run_dir, Console(), timeline=False)
+    # Under torchrun / SLURM every process is a rank and composes the config: one of them reports.
+    quiet = process_rank(config.cluster.name) != 0
+    plan, _ = plan_and_simulate(config, run_dir, Console(quiet=quiet), timeline=False, write=not quiet)
     from pipetrain.launch import launch
 
     return launch(config, plan, run_dir)
@@ -90,10 +94,8 @@ def _hydra_main(cfg: DictConfig) -> Any:
         return run(config, Path(HydraConfig.get().runtime.output_dir))
     except USER_ERRORS as e:
         _fail(_unwrap(e))
-    except RuntimeError as e:
-        if type(e).__name__ == "RankFailedError":  # a rank's one-line message; its traceback is on disk
-            _fail(e)
-        raise
+    except RankFailedError as e:  # the failing rank's one-line message; its traceback is on disk
+        _fail(e)
 
 
 def _unwrap(err: BaseException) -> BaseException:

@@ -240,6 +240,7 @@ class Config:
             registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
         self._check_layers()
         self._check_data()
+        self.cluster.check_degree(p.degree)  # nodes x ranks per node must be pipeline.degree
         if self.partition.name == "manual":  # the strategy's own message, with an example for this model
             manual_bounds(self.model.num_layers, self.num_chunks, self.partition.boundaries)
 

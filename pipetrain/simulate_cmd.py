@@ -57,7 +57,9 @@ def run_simulate(config: Config, run_dir: Path, console: Console | None = None) 
     return plan_and_simulate(config, run_dir, console or Console(), timeline=config.sim.timeline)[1]
 
 
-def plan_and_simulate(config: Config, run_dir: Path, console: Console, *, timeline: bool) -> tuple[Plan, dict]:
+def plan_and_simulate(
+    config: Config, run_dir: Path, console: Console, *, timeline: bool, write: bool = True
+) -> tuple[Plan, dict]:
     """The checks every run does before any process starts: partition, validate, simulate, report."""
     if config.partition.name == "profile":
         console.print(f"partition=profile: timing every layer of model={config.model.name} (cached after the first run)")
@@ -82,6 +84,8 @@ def plan_and_simulate(config: Config, run_dir: Path, console: Console, *, timeli
     if timeline:
         console.print(render.render_timeline(result, width=config.sim.timeline_width or None))
     console.print(render.summary_table([record]))
+    if not write:
+        return plan, record
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "simulate.json").write_text(json.dumps(record, indent=2) + "\n")
     (run_dir / "schedule_trace.json").write_text(json.dumps(render.chrome_trace(result)) + "\n")
