@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pipetrain.models.base import LayeredModel, LossFn
 
@@ -38,6 +39,7 @@ class StageModule(nn.Module):
         idx = sorted(layers)
         self.layer_range = range(idx[0], idx[-1] + 1)
         self.stage_id = stage_id
+        self.checkpoint_layers = False  # activation checkpointing, set by the trainer
         self.is_first = self.layer_range.start == 0
         self.is_last = self.layer_range.stop == num_layers
         self.layers = nn.ModuleDict({str(i): layers[i] for i in idx})
@@ -49,8 +51,12 @@ class StageModule(nn.Module):
         self.tied: dict[str, str] = {n: tie_groups[n] for n in names if n in tie_groups}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers.values():
-            x = layer(x)
+            # trainer.activation_checkpointing: keep only each layer's input and recompute its
+            # forward when the backward (B, or W: non-reentrant checkpoint recomputes again if needed)
+            # unpacks what it saved.
+            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
         return x
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ def build_rank_pipeline(
     timeout_s: float = 300.0,
     device: torch.device | str = "cpu",
     group: Optional[dist.ProcessGroup] = None,
+    activation_checkpointing: bool = False,
 ) -> RankPipeline:
     """Collective when the schedule has several ranks: every rank must call it."""
     pl = schedule.placement
@@ -68,6 +69,8 @@ def build_rank_pipeline(
         raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
     device = torch.device(device)
     stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s).to(device) for s in pl.stages_of(rank)}
+    for mod in stages.values():
+        mod.checkpoint_layers = activation_checkpointing
     specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
 
     def recv_buffer(msg: Message) -> torch.Tensor:
