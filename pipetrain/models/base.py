@@ -58,10 +58,12 @@ class LayeredModel(nn.Module):
         without keeping a reference to the whole unsplit model."""
         raise NotImplementedError
 
+    _config: dict[str, Any]  # subclasses store their constructor keyword arguments here
+
     @property
     def config(self) -> dict[str, Any]:
         """Constructor keyword arguments (JSON-able): the model is rebuilt from these alone."""
-        raise NotImplementedError
+        return dict(self._config)
 
     def boundary_specs(self, *, microbatch: int, seq: int) -> list[TensorSpec]:
         """len(layers) + 1 specs: [0] is the model input, [i] the output of layer i - 1 (so

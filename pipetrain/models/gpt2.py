@@ -178,10 +178,6 @@ class GPT2(LayeredModel):
         v = output.size(-1)
         return F.cross_entropy(output.view(-1, v), target.view(-1), ignore_index=-1)  # (B*T, V) vs (B*T,)
 
-    @property
-    def config(self) -> dict[str, Any]:
-        return dict(self._config)
-
     def _seq(self, seq: int) -> int:
         if not 1 <= seq <= self._config["block_size"]:
             raise ValueError(f"seq={seq} must be in 1..model.block_size={self._config['block_size']}")

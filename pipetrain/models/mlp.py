@@ -47,10 +47,6 @@ class MLPModel(LayeredModel):
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(output, target)
 
-    @property
-    def config(self) -> dict[str, Any]:
-        return dict(self._config)
-
     def boundary_specs(self, *, microbatch: int, seq: int = 1) -> list[TensorSpec]:
         return [TensorSpec((microbatch, w), self.param_dtype) for w in self._widths]
 

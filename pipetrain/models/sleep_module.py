@@ -107,10 +107,6 @@ class SleepModel(LayeredModel):
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(output, target)
 
-    @property
-    def config(self) -> dict[str, Any]:
-        return dict(self._config)
-
     def boundary_specs(self, *, microbatch: int, seq: int = 1) -> list[TensorSpec]:
         spec = TensorSpec((microbatch, self._config["hidden"]), self.param_dtype)
         return [spec] * (self._config["layers"] + 1)
