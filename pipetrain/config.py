@@ -22,6 +22,7 @@ from omegaconf import MISSING
 
 from pipetrain.partition.strategies import manual_bounds
 from pipetrain.launch.cluster_config import ClusterConfig
+from pipetrain.loggers.config import LoggingConfig, default_loggers
 from pipetrain.schedules import registry
 from pipetrain.train.data_config import DataConfig
 from pipetrain.train.train_config import OptimConfig, TrainerConfig
@@ -231,6 +232,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logger: list[str] = field(default_factory=default_loggers)  # logger=[console,jsonl,trace,wandb]
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -240,6 +243,7 @@ class Config:
             registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
         self._check_layers()
         self._check_data()
+        self.logging.check(self.logger, max_steps=self.trainer.max_steps)
         self.cluster.check_degree(p.degree)  # nodes x ranks per node must be pipeline.degree
         if self.partition.name == "manual":  # the strategy's own message, with an example for this model
             manual_bounds(self.model.num_layers, self.num_chunks, self.partition.boundaries)

@@ -1,11 +1,12 @@
-"""schedules/ and the pure partitioners import no torch (simulation needs no torch at all)."""
+"""schedules/, the pure partitioners, metrics/ and loggers/ import no torch (simulation needs no
+torch at all; rank 0 turns measurements into metrics and logs them from plain values)."""
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
-PURE_DIRS = ["pipetrain/schedules", "pipetrain/partition"]
+PURE_DIRS = ["pipetrain/schedules", "pipetrain/partition", "pipetrain/metrics", "pipetrain/loggers"]
 REPO = Path(__file__).resolve().parents[1]
 
 

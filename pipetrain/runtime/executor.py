@@ -16,12 +16,17 @@ comes from the schedule's placement. Per action:
 
 After the last action, the summed loss is all-reduced so every rank (rank 0 logs it)
 holds the mean loss of the step.
+
+Every training step is timed (runtime/clock.py: perf_counter on CPU, CUDA events on GPU
+with no per-action synchronisation): each action's start and end, each part of an F&B
+pair, and the time each cross-rank receive kept the action waiting, so compute and
+waiting are told apart (metrics/measure.py turns them into the measured bubble).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -29,24 +34,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.metrics.records import ActionTiming, CommEvent
 from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input, backward_weight
+from pipetrain.runtime.clock import StepClock
 from pipetrain.runtime.comm import P2P, Message, needed_by, sent_by
 from pipetrain.schedules.ir import Action, Op, Schedule
-
-
-@dataclass(frozen=True)
-class ActionTiming:
-    index: int  # position in the rank's step list
-    step: str  # text form, e.g. "0F3" or "0F6&7BW2"
-    start_ms: float  # from the start of the step
-    end_ms: float
 
 
 @dataclass
 class StepResult:
     loss: Optional[float]  # mean loss over the step's microbatches (None without a process group and no last stage)
-    timings: list[ActionTiming] = field(default_factory=list)
+    timings: list[ActionTiming] = field(default_factory=list)  # one per step of the rank's list, with receive waits
+    comm: list[CommEvent] = field(default_factory=list)  # every cross-rank send and receive of the step
     step_ms: float = 0.0
+    t0_wall: float = 0.0  # time.time() when the step began: puts the ranks' timings on one axis
     peak_activation_sets: int = 0  # most (stage, microbatch) sets alive at once
     peak_activation_bytes: int = 0  # bytes autograd saved for them, at that peak
     peak_memory_bytes: Optional[int] = None  # torch.cuda.max_memory_allocated on GPU
@@ -97,6 +98,9 @@ class Executor:
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in stages.items()}
         self._forward_only = False
         self.autocast: Optional[torch.dtype] = None  # e.g. torch.bfloat16 on GPU
+        self._clock = StepClock(self.device)
+        self._recording = False  # inside step(): sends and receives are timed
+        self._index = self._part = 0  # the step (and part of an F&B pair) being run
 
     # ---- one optimizer step's worth of microbatches ---------------------------------
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
@@ -106,26 +110,53 @@ class Executor:
             self.comm.post_receives(self.recv_buffer)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        timings, t0 = [], time.perf_counter()
-        for index, step in enumerate(self.schedule.steps[self.rank]):
-            start = time.perf_counter()
-            for action in step.parts():
-                self._run(action, str(step))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # per-action times need the kernels done
-            timings.append(ActionTiming(index, str(step), (start - t0) * 1e3, (time.perf_counter() - t0) * 1e3))
-        if self.comm is not None:
-            self.comm.finish()
-        step_ms = (time.perf_counter() - t0) * 1e3
+        clock, spans = self._clock, []  # spans: per step, its marks at the start and after each part
+        clock.start()
+        self._recording = True
+        try:
+            for index, step in enumerate(self.schedule.steps[self.rank]):
+                self._index, marks = index, [clock.mark()]
+                for part, action in enumerate(step.parts()):
+                    self._part = part
+                    self._run(action, str(step))
+                    marks.append(clock.mark())
+                spans.append(marks)
+            if self.comm is not None:
+                self.comm.finish()
+            end = clock.mark()
+        finally:
+            self._recording = False
         assert not self._ctx and not self._wstore, "validated schedule left work behind"
+        times = clock.resolve()
+        timings, comm = self._timings(spans, times)
         return StepResult(
             loss=self._mean_loss(),
             timings=timings,
-            step_ms=step_ms,
+            comm=comm,
+            step_ms=times[end],
+            t0_wall=clock.t0_wall,
             peak_activation_sets=self._peak_sets,
             peak_activation_bytes=self._peak_bytes,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         )
+
+    def _timings(self, spans: list[list[int]], times: list[float]) -> tuple[list[ActionTiming], list[CommEvent]]:
+        """Marks -> per-step timings (span, receive waits, compute per part) and comm events."""
+        waits: dict[tuple[int, int], float] = defaultdict(float)  # (step index, part) -> ms blocked
+        comm = []
+        for direction, msg, index, part, m0, m1 in self._comm_marks:
+            t0, t1 = times[m0], times[m1]
+            if direction == "recv":
+                waits[(index, part)] += t1 - t0
+            peer = msg.src if direction == "recv" else msg.dst
+            comm.append(CommEvent(direction, msg.kind, msg.stage, msg.microbatch, peer, index, t0, t1))
+        timings = []
+        for index, (step, marks) in enumerate(zip(self.schedule.steps[self.rank], spans)):
+            t = [times[i] for i in marks]
+            part_wait = [waits[(index, p)] for p in range(len(t) - 1)]
+            part_ms = tuple(t[p + 1] - t[p] - part_wait[p] for p in range(len(t) - 1))
+            timings.append(ActionTiming(index, str(step), t[0], t[-1], sum(part_wait), part_ms))
+        return timings, comm
 
     def evaluate(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]:
         """Forward only (validation): this rank's F actions in schedule order, no graph kept.
@@ -162,6 +193,7 @@ class Executor:
         self._live_bytes = self._peak_bytes = self._peak_sets = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64)
         self._losses = 0
+        self._comm_marks: list[tuple[str, Message, int, int, int, int]] = []  # (direction, msg, step, part, mark, mark)
 
     def _run(self, a: Action, step_text: str) -> None:
         if a.op is Op.F:
@@ -226,13 +258,21 @@ class Executor:
         else:
             assert self.comm is not None
             self.comm.send(msg, tensor)
+            if self._recording:
+                mark = self._clock.mark()
+                self._comm_marks.append(("send", msg, self._index, self._part, mark, mark))
 
     def _take(self, kind: str, src_stage: int, m: int, a: Action, step_text: str) -> torch.Tensor:
         msg: Optional[Message] = needed_by(a, self.schedule, self.rank)
         if msg is None:
             return self._local.pop((kind, src_stage, m))
         assert self.comm is not None
-        return self.comm.receive(msg, action=f"{step_text} on rank {self.rank}")
+        if not self._recording:
+            return self.comm.receive(msg, action=f"{step_text} on rank {self.rank}")
+        m0 = self._clock.mark()
+        tensor = self.comm.receive(msg, action=f"{step_text} on rank {self.rank}")
+        self._comm_marks.append(("recv", msg, self._index, self._part, m0, self._clock.mark()))
+        return tensor
 
     # ---- bookkeeping ------------------------------------------------------------------
     def _alloc(self, s: int, m: int, nbytes: int) -> None:

@@ -5,17 +5,18 @@ job). The plan (validated schedule + partition) was computed once, before any pr
 started, so every rank cuts the model the same way. Each step: the batch of step k (a
 function of (seed, k)), split into M microbatches; the executor runs this rank's
 actions; copies' gradients are summed; the global gradient norm (each weight counted
-once) is clipped; AdamW steps with the warm-up + cosine learning rate.
+once) is clipped; AdamW steps with the warm-up + cosine learning rate. At logged steps the
+executor's timings and memory of every rank go to rank 0 (train/monitor.py), which hands
+measured and simulated bubble, memory, loss and throughput to the loggers `logger=[...]` names.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from pipetrain.plan import Plan, build_model
 from pipetrain.runtime.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.data import build_data, split_microbatches
+from pipetrain.train.monitor import Monitor
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
 
 
@@ -64,6 +66,7 @@ class Trainer:
             model, plan.chunk_bounds, plan.schedule, self.rank,
             microbatch_size=config.microbatch_size, seq_len=config.data.seq_len,
             timeout_s=config.pipeline.p2p_timeout_s, device=self.device,
+            activation_checkpointing=config.trainer.activation_checkpointing,
         )
         if self.device.type == "cuda" and config.trainer.bf16:
             self.pipe.executor.autocast = torch.bfloat16
@@ -75,18 +78,23 @@ class Trainer:
         # trainer.resume: model, optimizer, step/tokens and RNG from a checkpoint (collective)
         self.resumed_from = checkpoint.resume(self)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
+        self.monitor = Monitor(self)
 
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
         return split_microbatches(self.data.batch(step, split=split), self.config.pipeline.microbatches)
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self, *, measure: bool = False) -> dict[str, Any]:
+        """One optimizer step. measure=True (a logged step; every rank alike) gathers every rank's
+        timings and memory to rank 0, whose record then carries the step's "measurement"."""
         cfg, step = self.config, self.state.step
         lr = lr_at(step, cfg.optim, cfg.trainer.max_steps)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         result = self.pipe.train_step(self.microbatches(step))
+        # Before the grad-norm all-reduce, which absorbs rank 0's time spent on the measurement.
+        measurement = self.monitor.gather(step + 1, result) if measure else None
         loss = result.loss if result.loss is not None else float("nan")
         norm = global_grad_norm(self.pipe.sync.owned(), device=self.device)
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm}
@@ -104,7 +112,8 @@ class Trainer:
         step_s = time.perf_counter() - t0
         self.state.step += 1
         self.state.tokens += self.tokens_per_step
-        record.update(step_time_s=step_s, tokens_per_s=self.tokens_per_step / step_s, result=result)
+        record.update(step_time_s=step_s, tokens_per_s=self.tokens_per_step / step_s, result=result,
+                      measurement=measurement)
         return record
 
     def evaluate(self) -> float:
@@ -114,26 +123,29 @@ class Trainer:
         return sum(losses) / len(losses)
 
     # ---- the loop -------------------------------------------------------------------------
-    def fit(self, reporter: Optional["Reporter"] = None) -> dict[str, Any]:
-        cfg = self.config.trainer
-        reporter = reporter or Reporter(self)
+    def fit(self) -> dict[str, Any]:
+        cfg, monitor = self.config.trainer, self.monitor
+        monitor.start()
         first_loss = None
         val_loss = None
         step_times: list[float] = []
         record: dict[str, Any] = {"loss": None}
         if self.state.step >= cfg.max_steps:
-            reporter.note(f"nothing to do: resumed at step {self.state.step}, trainer.max_steps={cfg.max_steps}")
+            monitor.note(f"nothing to do: resumed at step {self.state.step}, trainer.max_steps={cfg.max_steps}")
         while self.state.step < cfg.max_steps:
-            record = self.train_step()
-            step_times.append(record["step_time_s"])
-            first_loss = record["loss"] if first_loss is None else first_loss
-            step = self.state.step
+            step = self.state.step + 1
             last = step == cfg.max_steps
             # every eval_every steps, and at the end of a run long enough to have evaluated
-            if cfg.eval_every and (step % cfg.eval_every == 0 or (last and step > cfg.eval_every)):
+            evaluate = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or (last and step > cfg.eval_every))
+            log = step == 1 or last or step % cfg.log_every == 0 or evaluate or step == monitor.chosen_step
+            record = self.train_step(measure=log)
+            step_times.append(record["step_time_s"])
+            first_loss = record["loss"] if first_loss is None else first_loss
+            if evaluate:
                 val_loss = record["val_loss"] = self.evaluate()
-            if step == 1 or last or step % cfg.log_every == 0 or "val_loss" in record:
-                reporter.log(record)
+            monitor.progress(step)
+            if log:
+                monitor.log(record, record["measurement"])
             if checkpoint.due(step, cfg):
                 checkpoint.save_checkpoint(self)
         steady = sorted(step_times[1:] or step_times)  # the first step pays for warm-up
@@ -141,55 +153,7 @@ class Trainer:
         summary = {"steps": self.state.step, "first_loss": first_loss, "final_loss": record["loss"],
                    "final_val_loss": val_loss, "skipped_steps": self.state.skipped, "tokens": self.state.tokens,
                    "step_time_s": median_s, "tokens_per_s": self.tokens_per_step / median_s if median_s else None}
-        reporter.finish(summary)
-        return summary
-
-
-class Reporter:
-    """Rank 0 prints progress and writes metrics.jsonl / summary.json (once, for all ranks)."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.enabled = trainer.rank == 0
-        self.t0 = time.perf_counter()
-        self.start_step = trainer.state.step  # a resumed run's ETA counts only its own steps
-        if self.enabled:
-            from rich.console import Console
-
-            self.console = Console()
-            self.metrics = (trainer.run_dir / "metrics.jsonl").open("a")
-
-    def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        t = self.trainer
-        row = {k: v for k, v in record.items() if k != "result"}
-        self.metrics.write(json.dumps(row) + "\n")
-        self.metrics.flush()
-        done, total = row["step"], t.config.trainer.max_steps
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(1, done - self.start_step) * (total - done)
-        val = f" val {row['val_loss']:.3f}" if "val_loss" in row else ""
-        self.console.print(
-            f"step {done}/{total} loss {row['loss']:.4f}{val} lr {row['lr']:.1e} gnorm {row['grad_norm']:.2f} "
-            f"{row['tokens_per_s'] / 1e3:.1f}k tok/s {row['step_time_s'] * 1e3:.0f}ms eta {eta:.0f}s",
-            highlight=False,
-        )
-
-    def note(self, text: str) -> None:
-        if self.enabled:
-            self.console.print(text, highlight=False)
-
-    def finish(self, summary: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        self.metrics.close()
-        (self.trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        first, final = summary["first_loss"], summary["final_loss"]
-        if first is None:
-            return
-        self.console.print(f"done: {summary['steps']} steps, loss {first:.4f} -> {final:.4f} "
-                           f"({(1 - final / first) * 100:.0f}% lower); {self.trainer.run_dir}", highlight=False)
+        return monitor.finish(summary)
 
 
 def rank_main(config: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,91 @@
+"""The one small protocol every logger implements, and `build_loggers` from `logger=[...]`.
+
+Only rank 0 builds loggers (train/monitor.py gathers every rank's measurements to it first),
+so a logger never thinks about ranks. Every hook has a no-op default, the way torchtitan's
+loggers do: a logger overrides what it shows.
+
+    start(info)                        once, before the first step
+    progress(step)                     after every step (cheap: no metrics, no collective)
+    log(step, record, measurement)     at every logged step: the flat metrics record (what
+                                       metrics.jsonl holds) and the measured step
+    note(text)                         a message for the user
+    finish(summary, last, chosen)      once, at the end: the run's summary, the last measured
+                                       step and the one chosen by logging.trace_step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from pipetrain.config import Config
+    from pipetrain.metrics.measure import StepMeasurement
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    config: Config
+    run_dir: Path
+    max_steps: int
+    start_step: int  # optimizer steps already done (a resumed run starts past 0)
+    chosen_step: int  # the step the trace and the console timeline show (logging.trace_step)
+
+
+class Logger:
+    """No-op base: subclasses override the hooks they need."""
+
+    def start(self, info: RunInfo) -> None:
+        self.info = info
+
+    def progress(self, step: int) -> None:
+        pass
+
+    def log(self, step: int, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
+               chosen: Optional[StepMeasurement]) -> None:
+        pass
+
+
+def build_loggers(names: list[str]) -> list[Logger]:
+    """The loggers `logger=[...]` names, in that order (imports each only when asked for)."""
+    out: list[Logger] = []
+    for name in names:
+        if name == "console":
+            from pipetrain.loggers.console import ConsoleLogger
+
+            out.append(ConsoleLogger())
+        elif name == "jsonl":
+            from pipetrain.loggers.jsonl import JsonlLogger
+
+            out.append(JsonlLogger())
+        elif name == "trace":
+            from pipetrain.loggers.trace import TraceLogger
+
+            out.append(TraceLogger())
+        elif name == "wandb":
+            from pipetrain.loggers.wandb_logger import WandbLogger
+
+            out.append(WandbLogger())
+        else:  # LoggingConfig.check admits only the names above
+            raise AssertionError(name)
+    return out
+
+
+def human_bytes(n: Optional[float]) -> str:
+    """1536 -> "1.5KB" (powers of 1024, as memory is usually shown)."""
+    if n is None:
+        return "-"
+    if abs(n) < 1024:
+        return f"{n:.0f}B"
+    for unit in ("KB", "MB", "GB"):
+        n /= 1024
+        if abs(n) < 1024:
+            return f"{n:.1f}{unit}"
+    return f"{n / 1024:.1f}TB"

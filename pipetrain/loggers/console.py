@@ -1,0 +1,113 @@
+"""`logger=[console,...]`: what the user watches (rich).
+
+  - a progress bar with ETA over the steps (on a terminal; piped output gets the lines only),
+  - a compact metrics line every trainer.log_every steps (and at the first and last step):
+    `step 10/200 loss 2.3456 ... | bubble 21.3% (sim 19.8%) | mem 12.3MB (act 4.5MB) | eta 12s`,
+  - at the end, a per-rank table of the last step (measured vs simulated bubble, peak memory
+    and its activation share, ms in F/B/W/BW and blocked in receives) and the measured
+    timeline of one step (logging.trace_step), drawn by the simulator's own renderer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from pipetrain.loggers.base import Logger, RunInfo, human_bytes
+from pipetrain.metrics.measure import OPS, StepMeasurement
+from pipetrain.schedules.render import render_timeline
+
+
+def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> str:
+    """The compact line: always starts with "step N/M"."""
+    r = record
+    parts = [f"step {r['step']}/{total} loss {r['loss']:.4f}"]
+    if r.get("val_loss") is not None:
+        parts.append(f"val {r['val_loss']:.4f}")
+    parts.append(f"lr {r['lr']:.1e} gnorm {r['grad_norm']:.2f}")
+    speed = f"| {r['tokens_per_s'] / 1e3:.1f}k tok/s {r['step_time_s'] * 1e3:.0f}ms"
+    if r.get("mfu") is not None:
+        speed += f" mfu {100 * r['mfu']:.1f}%"
+    parts.append(speed)
+    if r.get("bubble_fraction_mean") is not None:
+        parts.append(f"| bubble {100 * r['bubble_fraction_mean']:.1f}% (sim {100 * r['simulated_bubble_fraction']:.1f}%)")
+        parts.append(f"| mem {human_bytes(max(r['peak_memory_bytes_per_rank']))} "
+                     f"(act {human_bytes(max(r['peak_activation_bytes_per_rank']))})")
+    if eta_s is not None:
+        parts.append(f"| eta {eta_s:.0f}s")
+    return " ".join(parts)
+
+
+def rank_table(m: StepMeasurement) -> Table:
+    """Per rank: measured vs simulated bubble, peak memory, ms per op in one step."""
+    rows = m.rank_rows()
+    ops = [op for op in OPS if any(row[f"{op.lower()}_ms"] > 0 for row in rows)]
+    table = Table(title=f"step {m.step} per rank: measured vs simulated",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    heads = ["rank", "stages", "bubble\n%", "sim\n%", "peak\nmem", "of it\nact", *(f"{op}\nms" for op in ops), "wait\nms"]
+    for h in heads:
+        table.add_column(h, justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(
+            str(row["rank"]), "|".join(map(str, row["stages"])), f"{100 * row['bubble']:.1f}",
+            f"{100 * row['simulated_bubble']:.1f}", human_bytes(row["peak_memory_bytes"]),
+            human_bytes(row["activation_bytes"]), *(f"{row[f'{op.lower()}_ms']:.1f}" for op in ops),
+            f"{row['wait_ms']:.1f}",
+        )
+    table.add_row("mean", "", f"{100 * m.bubble_mean:.1f}", f"{100 * m.simulated.bubble_fraction_mean:.1f}",
+                  "", "", *("" for _ in ops), "", style="bold")
+    return table
+
+
+class ConsoleLogger(Logger):
+    def start(self, info: RunInfo) -> None:
+        super().start(info)
+        self.console = Console()
+        self.t0 = time.perf_counter()
+        self.bar: Optional[Progress] = None
+        if self.console.is_terminal:  # a live bar only where it can redraw in place
+            self.bar = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                console=self.console, transient=True)
+            self.task = self.bar.add_task("train", total=info.max_steps, completed=info.start_step)
+            self.bar.start()
+
+    def progress(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step)
+
+    def log(self, step: int, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
+        done = step - self.info.start_step
+        eta = (time.perf_counter() - self.t0) / max(1, done) * (self.info.max_steps - step)
+        # soft_wrap: one line per step even where the output is a narrow pipe or log file
+        self.console.print(metrics_line(record, self.info.max_steps, eta), highlight=False, soft_wrap=True)
+
+    def note(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+
+    def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
+               chosen: Optional[StepMeasurement]) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        if last is not None:
+            self.console.print(rank_table(last))
+        if chosen is not None and self.info.config.logging.timeline:
+            self.console.print(f"measured timeline of step {chosen.step} (blocks: compute; dots: idle or waiting "
+                               f"for a peer; all ranks on one clock)", highlight=False, soft_wrap=True)
+            self.console.print(render_timeline(chosen.measured, width=self.info.config.sim.timeline_width or None))
+        first, final = summary.get("first_loss"), summary.get("final_loss")
+        if first is None or final is None:
+            return
+        bubble = ""
+        if summary.get("bubble_fraction_mean") is not None:
+            bubble = (f"; bubble {100 * summary['bubble_fraction_mean']:.1f}% measured vs "
+                      f"{100 * summary['simulated_bubble_fraction']:.1f}% simulated")
+        change = (1 - final / first) * 100 if first else 0.0
+        trend = f"{change:.0f}% lower" if change >= 0 else f"{-change:.0f}% higher"
+        self.console.print(f"done: {summary['steps']} steps, loss {first:.4f} -> {final:.4f} ({trend}){bubble}; "
+                           f"{self.info.run_dir}", highlight=False, soft_wrap=True)

@@ -1,0 +1,98 @@
+"""`logger=[...,wandb]`: Weights & Biases, imported only when asked for.
+
+Logs the resolved config, every metric of every logged step (per-rank bubble and memory as
+`bubble/rank<r>`, `memory/peak_rank<r>`, ...), and at the end two tables: per rank (measured
+vs simulated bubble, memory, ms per op) and the measured timeline of logging.trace_step.
+Project, entity, run name and tags come from logging.wandb_*. Only rank 0 logs (it holds
+every rank's measurements).
+
+With no credentials (WANDB_MODE unset, no WANDB_API_KEY, no `wandb login` entry in
+~/.netrc) the run goes offline by itself and says how to sync it later, so a first run
+never stops at a login prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import netrc
+import os
+from typing import Any, Optional
+from urllib.parse import urlparse
+
+from pipetrain.loggers.base import Logger, RunInfo
+from pipetrain.metrics.measure import StepMeasurement
+
+PER_RANK = {  # record key -> wandb key prefix (one scalar per rank)
+    "bubble_fraction_per_rank": "bubble/rank",
+    "simulated_bubble_fraction_per_rank": "bubble_simulated/rank",
+    "peak_memory_bytes_per_rank": "memory/peak_rank",
+    "peak_activation_bytes_per_rank": "memory/activations_rank",
+}
+
+
+def has_credentials() -> bool:
+    """An API key in the environment, an identity token file, or a netrc entry for the W&B host."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        auth = netrc.netrc(path).authenticators(host or "")
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
+
+
+def flat_metrics(record: dict[str, Any]) -> dict[str, Any]:
+    """Scalars as they are; per-rank lists as one key per rank."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if key in PER_RANK:
+            out.update({f"{PER_RANK[key]}{r}": v for r, v in enumerate(value)})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            out[key] = value
+    return out
+
+
+class WandbLogger(Logger):
+    def start(self, info: RunInfo) -> None:
+        super().start(info)
+        import wandb  # lazily: only runs that ask for wandb pay for importing it
+
+        self.wandb = wandb
+        self.offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun")
+        if not os.environ.get("WANDB_MODE") and not has_credentials():
+            os.environ["WANDB_MODE"] = "offline"
+            self.offline = True
+        cfg, log = info.config, info.config.logging
+        name = log.wandb_name or f"{cfg.schedule.name}-p{cfg.pipeline.degree}-m{cfg.pipeline.microbatches}"
+        self.run = wandb.init(
+            project=log.wandb_project, entity=log.wandb_entity, name=name, tags=list(log.wandb_tags),
+            config=dataclasses.asdict(cfg), dir=str(info.run_dir), settings=wandb.Settings(console="off"),
+        )
+        if self.offline:
+            print(f"wandb: no credentials (WANDB_API_KEY or `wandb login`), so this run is logged offline to "
+                  f"{self.run_path()}; sync it later with: wandb sync {self.run_path()}", flush=True)
+
+    def run_path(self) -> str:
+        return os.path.dirname(self.run.dir)  # .../wandb/offline-run-<time>-<id> (run.dir is its files/)
+
+    def log(self, step: int, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
+        self.run.log(flat_metrics(record), step=step)
+
+    def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
+               chosen: Optional[StepMeasurement]) -> None:
+        tables: dict[str, Any] = {}
+        if last is not None:
+            tables["per_rank"] = self._table(last.rank_rows())
+        if chosen is not None:
+            tables["timeline"] = self._table(chosen.timeline_rows())
+        if tables:
+            self.run.log(tables, step=summary.get("steps"), commit=True)  # before the summary, which must win
+        self.run.summary.update({k: v for k, v in summary.items() if v is not None})
+        self.run.finish()
+
+    def _table(self, rows: list[dict[str, Any]]) -> Any:
+        columns = list(rows[0]) if rows else []
+        data = [[str(v) if isinstance(v, list) else v for v in row.values()] for row in rows]
+        return self.wandb.Table(columns=columns, data=data)

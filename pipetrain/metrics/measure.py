@@ -1,0 +1,178 @@
+"""From every rank's measurements of one step to the numbers a user compares with the paper.
+
+  - One time axis: each rank's times are shifted by when its step began (`t0_wall`); the
+    step's makespan runs from the earliest rank's start to the last action's end on any rank,
+    the same definition the simulator uses (every rank ready at 0, makespan = last end).
+  - Measured bubble of rank r = 1 - compute busy time / makespan, busy time being the sum of
+    its actions' spans less the time they sat blocked in point-to-point receives. Executor
+    overhead between actions counts as idle, as it would on the paper's timeline.
+  - The simulator's prediction for the same schedule with the measured costs: the median
+    compute time of each op (F, B, W, BW) on each stage, simulated with the one simulator
+    that `mode=simulate` uses (schedules/simulate.py), so the two numbers differ only by
+    what the model of the schedule leaves out (overheads, jitter, communication).
+
+Pure Python, no torch: rank 0 runs this on gathered `RankSample`s.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pipetrain.metrics.records import ActionTiming, RankSample
+from pipetrain.schedules.ir import Op, Schedule, Step
+from pipetrain.schedules.simulate import SimResult, StageCosts, TimedStep, simulate
+
+OPS = ("F", "B", "W", "BW")
+DIGITS = 6
+
+
+def parts_ms(step: Step, timing: ActionTiming) -> list[tuple[Op, int, float]]:
+    """(op, stage, compute ms) of each part of a measured step (one part unless F&B)."""
+    parts = step.parts()
+    ms = timing.part_ms
+    if len(ms) != len(parts):  # no per-part split recorded: share the step's time evenly
+        ms = (timing.compute_ms / len(parts),) * len(parts)
+    return [(a.op, a.stage, t) for a, t in zip(parts, ms)]
+
+
+def stage_costs(schedule: Schedule, samples: Sequence[RankSample]) -> StageCosts:
+    """Median measured F, B, W per stage. A stage that only ran full backwards (BW) gets
+    b = median BW and w = 0, which the simulator adds back up for its BW actions."""
+    times: dict[tuple[Op, int], list[float]] = defaultdict(list)
+    for s in samples:
+        row = schedule.steps[s.rank]
+        for t in s.timings:
+            for op, stage, ms in parts_ms(row[t.index], t):
+                times[(op, stage)].append(max(ms, 0.0))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n = schedule.placement.num_stages
+    f = tuple(med.get((Op.F, st), 0.0) for st in range(n))
+    b, w = [], []
+    for st in range(n):
+        if (Op.B, st) in med:
+            b.append(med[(Op.B, st)])
+            w.append(med.get((Op.W, st), 0.0))
+        else:
+            b.append(med.get((Op.BW, st), 0.0))
+            w.append(0.0)
+    return StageCosts(f, tuple(b), tuple(w))
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One step on every rank: measured and simulated side by side (rank 0 builds it)."""
+
+    step: int
+    schedule: Schedule
+    samples: tuple[RankSample, ...]  # by rank
+    offsets_ms: tuple[float, ...]  # where each rank's step began on the common axis
+    measured: SimResult  # the measured step as a SimResult: render.render_timeline draws it
+    simulated: SimResult  # the simulator's run with `measured.costs` (the medians)
+
+    @property
+    def makespan_ms(self) -> float:
+        return self.measured.makespan
+
+    @property
+    def bubble_per_rank(self) -> tuple[float, ...]:
+        return self.measured.bubble_fraction_per_rank
+
+    @property
+    def bubble_mean(self) -> float:
+        return self.measured.bubble_fraction_mean
+
+    def op_ms(self, rank: int) -> dict[str, float]:
+        """Total compute ms of each op (F, B, W, BW) on a rank in this step."""
+        out = dict.fromkeys(OPS, 0.0)
+        row = self.schedule.steps[rank]
+        for t in self.samples[rank].timings:
+            for op, _, ms in parts_ms(row[t.index], t):
+                out[op.value] += ms
+        return out
+
+    def wait_ms(self, rank: int) -> float:
+        return sum(t.wait_ms for t in self.samples[rank].timings)
+
+    def rank_rows(self) -> list[dict[str, Any]]:
+        """Per rank: measured and simulated bubble, peak memory split, ms in each op and waiting."""
+        rows = []
+        for r, s in enumerate(self.samples):
+            ops = self.op_ms(r)
+            rows.append({
+                "rank": r, "stages": list(self.schedule.placement.stages_of(r)),
+                "bubble": self.bubble_per_rank[r], "simulated_bubble": self.simulated.bubble_fraction_per_rank[r],
+                "peak_memory_bytes": s.peak_memory_bytes, "activation_bytes": s.peak_activation_bytes,
+                "other_bytes": s.peak_memory_bytes - s.peak_activation_bytes,
+                **{f"{op.lower()}_ms": ops[op] for op in OPS}, "wait_ms": self.wait_ms(r),
+            })
+        return rows
+
+    def timeline_rows(self) -> list[dict[str, Any]]:
+        """Every measured step on the common axis (ms from the earliest rank's start)."""
+        rows = []
+        for r, s in enumerate(self.samples):
+            steps, off = self.schedule.steps[r], self.offsets_ms[r]
+            for t in s.timings:
+                parts = steps[t.index].parts()
+                rows.append({
+                    "rank": r, "step": t.step, "op": "F&B" if len(parts) > 1 else parts[0].op.value,
+                    "stage": parts[0].stage, "microbatch": parts[0].microbatch,
+                    "start_ms": _r(off + t.start_ms), "end_ms": _r(off + t.end_ms),
+                    "compute_ms": _r(t.compute_ms), "wait_ms": _r(t.wait_ms),
+                })
+        return rows
+
+    def record(self) -> dict[str, Any]:
+        """The JSON-ready per-step fields of metrics.jsonl (and wandb)."""
+        sim, costs = self.simulated, self.measured.costs
+        return {
+            "bubble_fraction_mean": _r(self.bubble_mean),
+            "bubble_fraction_per_rank": [_r(x) for x in self.bubble_per_rank],
+            "simulated_bubble_fraction": _r(sim.bubble_fraction_mean),
+            "simulated_bubble_fraction_per_rank": [_r(x) for x in sim.bubble_fraction_per_rank],
+            "makespan_ms": _r(self.makespan_ms),
+            "simulated_makespan_ms": _r(sim.makespan),
+            "peak_memory_bytes_per_rank": [s.peak_memory_bytes for s in self.samples],
+            "peak_activation_bytes_per_rank": [s.peak_activation_bytes for s in self.samples],
+            "peak_activation_sets_per_rank": [s.peak_activation_sets for s in self.samples],
+            "static_memory_bytes_per_rank": [s.static_bytes for s in self.samples],
+            "stage_ms": {"f": [_r(x) for x in costs.f], "b": [_r(x) for x in costs.b], "w": [_r(x) for x in costs.w]},
+        }
+
+
+def _r(x: float) -> float:
+    return round(float(x), DIGITS)
+
+
+def measured_result(schedule: Schedule, samples: Sequence[RankSample], offsets: Sequence[float],
+                    costs: StageCosts) -> SimResult:
+    """The measured step in the simulator's shape. Each step is drawn where it computed:
+    [end - compute, end], so time blocked in a receive shows as idle, as in the papers' figures."""
+    timeline, busy, ends = [], [], []
+    for s, off in zip(samples, offsets):
+        row = schedule.steps[s.rank]
+        timed = tuple(TimedStep(row[t.index], off + t.end_ms - max(t.compute_ms, 0.0), off + t.end_ms)
+                      for t in s.timings)
+        timeline.append(timed)
+        busy.append(sum(max(t.compute_ms, 0.0) for t in s.timings))
+        ends.append(off + max((t.end_ms for t in s.timings), default=0.0))
+    makespan = max(ends, default=0.0)
+    peaks = tuple(s.peak_activation_sets for s in samples)
+    return SimResult(schedule, costs, 0.0, 0.0, makespan, tuple(timeline), tuple(busy), peaks)
+
+
+def measure_step(step: int, schedule: Schedule, samples: Sequence[RankSample], *,
+                 comm_ms: float = 0.0) -> StepMeasurement:
+    """Combine every rank's sample of one step (one per rank, any order)."""
+    samples = tuple(sorted(samples, key=lambda s: s.rank))
+    if [s.rank for s in samples] != list(range(schedule.num_ranks)):
+        raise ValueError(f"need one sample per rank 0..{schedule.num_ranks - 1}, got ranks {[s.rank for s in samples]}")
+    base = min(s.t0_wall for s in samples)
+    offsets = tuple((s.t0_wall - base) * 1e3 for s in samples)
+    costs = stage_costs(schedule, samples)
+    measured = measured_result(schedule, samples, offsets, costs)
+    simulated = simulate(schedule, costs, comm_ms=comm_ms, check=False)
+    return StepMeasurement(step, schedule, samples, offsets, measured, simulated)

@@ -1,0 +1,74 @@
+"""What one rank measured in one step, as plain picklable values (no torch).
+
+The executor fills `ActionTiming` and `CommEvent` (runtime/executor.py); the trainer wraps
+them with the rank's memory into a `RankSample`, and at a logged step every rank's sample
+travels to rank 0 in one `gather_object` (train/monitor.py), where metrics/measure.py turns
+them into measured bubbles, the simulator's prediction and a timeline.
+
+Times are milliseconds from the start of the rank's step (its own clock: perf_counter on
+CPU, CUDA events on GPU); `RankSample.t0_wall` (time.time() at that start) puts the ranks
+of one host on one time axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    index: int  # position in the rank's step list
+    step: str  # text form, e.g. "0F3" or "0F6&7BW2"
+    start_ms: float  # from the start of the step
+    end_ms: float
+    wait_ms: float = 0.0  # of [start_ms, end_ms], time blocked in point-to-point receives
+    part_ms: tuple[float, ...] = ()  # compute time of each part (an F&B pair: forward's, backward's)
+
+    @property
+    def compute_ms(self) -> float:
+        """Time the rank was busy with this action: its span less the receive waits."""
+        return self.end_ms - self.start_ms - self.wait_ms
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One point-to-point transfer as one side saw it."""
+
+    direction: str  # "send" or "recv"
+    kind: str  # "act" (F output of `stage`) or "grad" (gradient w.r.t. the input of `stage`)
+    stage: int
+    microbatch: int
+    peer: int  # the other rank
+    action: int  # index of the action that sent or received it
+    start_ms: float  # send: when it was posted; recv: when the action began to wait for it
+    end_ms: float  # send: = start_ms (asynchronous); recv: when the tensor was there
+
+
+@dataclass
+class RankSample:
+    """One rank's measurements of one optimizer step."""
+
+    rank: int
+    t0_wall: float  # time.time() at the start of the step
+    step_ms: float
+    timings: list[ActionTiming]
+    comm: list[CommEvent] = field(default_factory=list)
+    peak_activation_sets: int = 0
+    peak_activation_bytes: int = 0  # saved-tensor bytes alive at the peak (autograd hooks)
+    cuda_peak_bytes: Optional[int] = None  # the CUDA allocator's peak over the step, on GPU
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters + gradients + optimizer state: what the rank holds besides activations."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """The allocator's peak on GPU; on CPU activations at their peak plus the static bytes."""
+        if self.cuda_peak_bytes is not None:
+            return self.cuda_peak_bytes
+        return self.peak_activation_bytes + self.static_bytes

@@ -1,0 +1,128 @@
+"""Measured metrics, pure: timings laid out exactly as the simulator would run them must
+measure as the simulator predicts; waiting is idle, not work; loggers' schema and output.
+No torch, no processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipetrain.loggers.config import LoggingConfig, check_loggers
+from pipetrain.loggers.console import metrics_line, rank_table
+from pipetrain.loggers.trace import measured_trace
+from pipetrain.metrics.measure import measure_step, stage_costs
+from pipetrain.metrics.records import ActionTiming, CommEvent, RankSample
+from pipetrain.schedules import registry
+from pipetrain.schedules.ir import Overlap
+from pipetrain.schedules.simulate import StageCosts, simulate
+
+
+def samples_from_sim(sim, *, wait_ms: float = 0.0, skew_ms: float = 0.0) -> list[RankSample]:
+    """What the executor would report if it ran exactly like the simulation. `wait_ms`: every
+    action also sat that long in a receive before computing (its span grows, compute does not);
+    `skew_ms`: rank r's step clock started r * skew_ms later than rank 0's."""
+    out = []
+    for r, row in enumerate(sim.timeline):
+        timings, comm = [], []
+        for i, ts in enumerate(row):
+            start = ts.start - wait_ms - skew_ms * r
+            parts = ts.step.parts()
+            part_ms = tuple(sim.costs.action(a) for a in parts)
+            timings.append(ActionTiming(i, str(ts.step), start, ts.end - skew_ms * r, wait_ms, part_ms))
+            if wait_ms:
+                comm.append(CommEvent("recv", "act", 0, 0, (r + 1) % sim.schedule.num_ranks, i,
+                                      start, start + wait_ms))
+        out.append(RankSample(rank=r, t0_wall=skew_ms * r / 1e3, step_ms=sim.makespan, timings=timings, comm=comm,
+                              peak_activation_sets=sim.peak_activations_per_rank[r], peak_activation_bytes=1000 * (r + 1),
+                              param_bytes=10, grad_bytes=10, optimizer_bytes=20))
+    return out
+
+
+@pytest.mark.parametrize("name, P, M, v", [("1f1b", 4, 16, 1), ("zbv", 4, 16, 2), ("dualpipe", 4, 8, 2),
+                                           ("interleaved_1f1b", 2, 8, 2)])
+def test_a_run_that_matches_the_simulation_measures_as_simulated(name, P, M, v):
+    sched = registry.build(name, P, M, v)
+    n = sched.placement.num_stages
+    costs = StageCosts(tuple(1.0 + 0.1 * s for s in range(n)), (1.5,) * n, (0.7,) * n)
+    sim = simulate(sched, costs)
+    m = measure_step(7, sched, samples_from_sim(sim))
+    assert m.bubble_per_rank == pytest.approx(sim.bubble_fraction_per_rank, abs=1e-9)
+    assert m.simulated.bubble_fraction_per_rank == pytest.approx(sim.bubble_fraction_per_rank, abs=1e-9)
+    assert m.makespan_ms == pytest.approx(sim.makespan)
+    # the medians fed to the simulator are the stage costs (F&B pairs split per part)
+    for s in range(n):
+        assert m.measured.costs.f[s] == pytest.approx(costs.f[s])
+        if any(a.op.value == "B" and a.stage == s for a in sched.actions(sched.placement.rank_of(s))):
+            assert (m.measured.costs.b[s], m.measured.costs.w[s]) == pytest.approx((1.5, 0.7))
+        else:  # only full backwards: b carries BW, w = 0
+            assert m.measured.costs.b[s] + m.measured.costs.w[s] == pytest.approx(2.2)
+
+
+def test_time_blocked_in_receives_is_idle_and_ranks_share_one_clock():
+    sched = registry.build("1f1b", 4, 8)
+    sim = simulate(sched, StageCosts.uniform(4, 2.0, 2.0, 2.0))
+    # Each rank's own clock starts 1 ms later than the previous rank's, and every action first
+    # waits 0.25 ms: on the common axis the step is the simulated one again.
+    m = measure_step(1, sched, samples_from_sim(sim, wait_ms=0.25, skew_ms=1.0))
+    assert m.offsets_ms == pytest.approx((0.0, 1.0, 2.0, 3.0))
+    assert m.bubble_mean == pytest.approx(sim.bubble_fraction_mean, abs=1e-9)
+    assert m.wait_ms(0) == pytest.approx(0.25 * len(sim.timeline[0]))
+    # counting the waits as work would shrink the bubble: the measurement must not
+    assert m.op_ms(0)["F"] == pytest.approx(2.0 * 8) and m.op_ms(0)["BW"] == pytest.approx(4.0 * 8)
+
+
+def test_stage_costs_are_medians():
+    sched = registry.build("1f1b", 2, 4)
+    sim = simulate(sched, StageCosts.uniform(2, 1.0, 1.0, 0.0))
+    samples = samples_from_sim(sim)
+    slow = samples[0].timings[0]  # one F on stage 0 took 10x as long: the median ignores it
+    samples[0].timings[0] = ActionTiming(slow.index, slow.step, slow.start_ms, slow.end_ms + 9.0, 0.0, (10.0,))
+    assert stage_costs(sched, samples).f == (1.0, 1.0)
+
+
+def test_record_and_tables_carry_what_the_loggers_promise():
+    sched = registry.build("dualpipe", 2, 8, 2)
+    sim = simulate(sched, StageCosts.uniform(4, 1.0, 1.0, 1.0))
+    m = measure_step(3, sched, samples_from_sim(sim, wait_ms=0.1))
+    rec = m.record()
+    for key in ("bubble_fraction_mean", "bubble_fraction_per_rank", "simulated_bubble_fraction",
+                "peak_memory_bytes_per_rank", "peak_activation_bytes_per_rank"):
+        assert key in rec, key
+    assert rec["peak_activation_bytes_per_rank"] == [1000, 2000]
+    assert rec["peak_memory_bytes_per_rank"] == [1040, 2040]  # activations + params + grads + optimizer
+    assert any(isinstance(s, Overlap) for row in sched.steps for s in row)
+    rows = m.timeline_rows()
+    assert {r["op"] for r in rows} >= {"F", "F&B"} and len(rows) == sum(len(r) for r in sched.steps)
+    json.dumps(rec), json.dumps(rows), json.dumps(m.rank_rows())  # JSON-ready
+    trace = measured_trace(m)
+    json.dumps(trace)
+    assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert rank_table(m).row_count == 3  # two ranks and the mean
+
+
+def test_metrics_line_starts_with_the_step():
+    rec = {"step": 100, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 12345.0, "step_time_s": 0.05,
+           "mfu": 0.12, "bubble_fraction_mean": 0.2, "simulated_bubble_fraction": 0.19,
+           "peak_memory_bytes_per_rank": [2 << 20, 3 << 20], "peak_activation_bytes_per_rank": [1 << 20, 1 << 20]}
+    line = metrics_line(rec, 200, 12.0)
+    assert line.startswith("step 100/200 loss 2.5000")
+    assert "bubble 20.0% (sim 19.0%)" in line and "mfu 12.0%" in line and "3.0MB" in line
+
+
+def test_logger_choices_fail_with_the_knob():
+    check_loggers(["console", "jsonl", "trace", "wandb"])
+    with pytest.raises(ValueError, match=r"logger='tensorboard' is unknown"):
+        check_loggers(["console", "tensorboard"])
+    with pytest.raises(ValueError, match="logging.trace_step=9 is past trainer.max_steps=5"):
+        LoggingConfig(trace_step=9).check(["jsonl"], max_steps=5)
+    with pytest.raises(ValueError, match="logging.peak_tflops"):
+        LoggingConfig(peak_tflops=0.0)
+
+
+def test_logger_knobs_compose(compose):
+    cfg = compose(["logger=[console,jsonl,wandb]", "logging.wandb_project=p", "logging.wandb_tags=[a,b]",
+                   "logging.trace_step=3"])
+    assert cfg.logger == ["console", "jsonl", "wandb"]
+    assert cfg.logging.wandb_tags == ["a", "b"] and cfg.logging.chosen_step(cfg.trainer.max_steps) == 3
+    assert compose([]).logger == ["console", "jsonl"]
