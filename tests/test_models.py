@@ -337,5 +337,6 @@ def test_profile_times_the_sleep_model_phases(tmp_path):
     model = SleepModel(layers=2, f_ms=4.0, b_ms=8.0, w_ms=12.0, hidden=8)
     costs = profile_layers(model, batch=2, seq=1, iters=2, warmup=0, cache_dir=tmp_path)
     for c in costs:
-        assert 4.0 <= c.f_ms < 4.0 + SLACK_MS and 8.0 <= c.b_ms < 8.0 + SLACK_MS
-        assert 12.0 - 1.0 <= c.w_ms < 12.0 + SLACK_MS
+        assert 4.0 - EARLY_MS <= c.f_ms < 4.0 + SLACK_MS and 8.0 - EARLY_MS <= c.b_ms < 8.0 + SLACK_MS
+        # W is timed as BW - B, a difference of two timings: a late B shows up as a short W
+        assert 12.0 - 4.0 <= c.w_ms < 12.0 + SLACK_MS

@@ -63,3 +63,22 @@ def test_bad_input_fails_before_any_process_starts(tmp_path, args, needle):
     assert "Traceback" not in res.stderr and needle in res.stderr
     assert len(res.stderr.strip().splitlines()) <= 3, res.stderr  # one clear message
     assert not list(tmp_path.glob("run/error_rank*"))  # nothing was spawned
+
+
+BLOW_UP = ["optim.lr=1e9", "optim.min_lr=0", "optim.warmup_steps=0", "optim.grad_clip=0", "trainer.max_steps=4",
+           "trainer.eval_every=0", "trainer.ckpt_at_end=false"]
+
+
+def test_nonfinite_loss_stops_with_the_step(tmp_path):
+    res = run_cli([*BLOW_UP, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=600)
+    assert res.returncode != 0
+    assert "at step 2" in res.stderr and "trainer.on_nonfinite=skip" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+def test_nonfinite_loss_skips_the_step_when_asked(tmp_path):
+    res = run_cli([*BLOW_UP, "trainer.on_nonfinite=skip", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                  timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["skipped_steps"] == 3  # step 1 blew the weights up

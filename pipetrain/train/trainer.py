@@ -48,7 +48,13 @@ def resolve_device(choice: str) -> torch.device:
         raise ValueError("trainer.device=cuda but no CUDA device is visible: use trainer.device=cpu or auto")
     import os
 
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise ValueError(
+            f"local rank {local} needs GPU {local} but this host has {torch.cuda.device_count()}: one GPU per rank; "
+            f"use trainer.device=cpu, fewer ranks per host (pipeline.degree / cluster.ranks_per_node), or more GPUs"
+        )
+    return torch.device("cuda", local)
 
 
 class Trainer:
