@@ -37,3 +37,12 @@ def run_cli(args, cwd, env_extra=None, timeout=300):
         [sys.executable, "-m", "pipetrain.cli", *args], cwd=cwd, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def assert_torch_free(code: str) -> None:
+    """Run `code` in a fresh interpreter and fail if it imported torch."""
+    import subprocess
+
+    full = "import sys\n" + code + "\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    res = subprocess.run([sys.executable, "-c", full], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr

@@ -8,14 +8,13 @@ from __future__ import annotations
 import io
 import itertools
 import random
-import subprocess
-import sys
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from conftest import assert_torch_free
 from pipetrain.models.costs import LayerCost, chunk_costs
 from pipetrain.partition.plan import PartitionPlan, imbalance
 from pipetrain.partition.strategies import (
@@ -358,7 +357,4 @@ def test_table_recosts_a_plan_with_other_layers():
 
 
 def test_partition_modules_do_not_load_torch():
-    code = ("import sys\nimport pipetrain.partition.strategies, pipetrain.partition.table\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert res.returncode == 0, res.stderr
+    assert_torch_free("import pipetrain.partition.strategies, pipetrain.partition.table")

@@ -100,6 +100,11 @@ class _VRank:
         self.out.append(Action(op, self.stage[chunk], count[chunk]))
         count[chunk] += 1
 
+    def fbw(self, chunk: int) -> None:
+        """F, B and W of the next microbatch on one chunk, back to back."""
+        for op in (Op.F, Op.B, Op.W):
+            self.emit(op, chunk)
+
 
 def _zbv_rank(P: int, rank: int, n: int) -> list[Action]:
     """One rank of ZB-V for n >= 2P-1 microbatches (torch's ScheduleZBVZeroBubble phases).
@@ -117,17 +122,13 @@ def _zbv_rank(P: int, rank: int, n: int) -> list[Action]:
         q.emit(Op.F, 1)
         q.emit(Op.F, 0)
     for _ in range(P - rank):
-        q.emit(Op.F, 1)
-        q.emit(Op.B, 1)
-        q.emit(Op.W, 1)
+        q.fbw(1)
     while q.f[1] < q.f[0] or q.f[0] < n:
         if q.f[0] < n:
             q.emit(Op.F, 0)
         q.emit(Op.B, 0)
         q.emit(Op.W, 0)
-        q.emit(Op.F, 1)
-        q.emit(Op.B, 1)
-        q.emit(Op.W, 1)
+        q.fbw(1)
     for _ in range(rank):
         q.emit(Op.B, 0)
         q.emit(Op.B, 1)
