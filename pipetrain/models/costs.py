@@ -6,6 +6,7 @@ Times are per microbatch: f (forward), b (input-grad, B) and w (weight-grad, W) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,8 +30,8 @@ class LayerCost:
 
 def chunk_costs(layers: Sequence[LayerCost], bounds: Sequence[range]) -> list[tuple[float, float, float]]:
     """Sum layer costs over each chunk's layer range -> [(f, b, w)] per chunk."""
-    out = []
-    for rng in bounds:
-        sel = [layers[i] for i in rng]
-        out.append((sum(c.f_ms for c in sel), sum(c.b_ms for c in sel), sum(c.w_ms for c in sel)))
-    return out
+    # fsum: the same per-chunk totals whatever the layer order, so table and simulation agree exactly
+    return [
+        tuple(math.fsum(getattr(layers[i], key) for i in rng) for key in ("f_ms", "b_ms", "w_ms"))
+        for rng in bounds
+    ]

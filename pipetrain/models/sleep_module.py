@@ -27,7 +27,6 @@ each layer holds until its backward, so peak memory is measurable.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -123,7 +122,4 @@ class SleepModel(LayeredModel):
 
     def cost_model(self, *, microbatch: int = 1, seq: int = 1, tflops: float = 1.0) -> list[LayerCost]:
         # Times are what the layers sleep, whatever the batch or device.
-        cfg = self._config
-        costs = sleep_layer_costs(layers=cfg["layers"], f_ms=cfg["f_ms"], b_ms=cfg["b_ms"], w_ms=cfg["w_ms"],
-                                  hidden=cfg["hidden"])
-        return [dataclasses.replace(c, params=1) for c in costs]
+        return sleep_layer_costs(**self._config)

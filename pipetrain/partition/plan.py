@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipetrain.models.costs import LayerCost
+from pipetrain.models.costs import LayerCost, chunk_costs
 
 # What a strategy can balance, as one number per layer. "layers" counts layers, which is
 # what `uniform` and `manual` do (they look at no cost at all).
@@ -129,10 +129,7 @@ class PartitionPlan:
 
     def chunk_fbw(self) -> list[tuple[float, float, float]]:
         """[(f, b, w) ms] per chunk: what StageCosts.from_chunks takes."""
-        return [
-            tuple(math.fsum(getattr(self.layers[i], key) for i in rng) for key in ("f_ms", "b_ms", "w_ms"))
-            for rng in self.bounds
-        ]
+        return chunk_costs(self.layers, self.bounds)
 
     # ---- balance -----------------------------------------------------------------------
 
