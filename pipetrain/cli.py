@@ -63,20 +63,19 @@ def to_config(cfg: DictConfig) -> Config:
 def run(config: Config, run_dir: Path) -> Any:
     from rich.console import Console
 
+    from pipetrain.launch import launch
+    from pipetrain.launch.cluster_config import process_rank
     from pipetrain.simulate_cmd import plan_and_simulate, run_simulate
 
     if config.mode is Mode.simulate:
         return run_simulate(config, run_dir)
     # Train: everything is checked and simulated here, before any process starts.
-    from pipetrain.launch.cluster_config import process_rank
-    from pipetrain.train.checkpoint import preflight
+    from pipetrain.train.checkpoint import preflight  # imports torch: only on the training path
 
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
     # Under torchrun / SLURM every process is a rank and composes the config: one of them reports.
     quiet = process_rank(config.cluster.name) != 0
     plan, _ = plan_and_simulate(config, run_dir, Console(quiet=quiet), timeline=False, write=not quiet)
-    from pipetrain.launch import launch
-
     return launch(config, plan, run_dir)
 
 

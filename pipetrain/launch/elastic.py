@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import tempfile
 import uuid
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipetrain.launch.launcher import RankFailedError
-from pipetrain.launch.local import CPU_MALLOC_ENV
+from pipetrain.launch.local import CPU_MALLOC_ENV, inherited_environ
 from pipetrain.launch.rank import Entry, elastic_worker, resolve_backend
 
 if TYPE_CHECKING:
@@ -35,7 +34,7 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
     backend = resolve_backend(config.cluster.backend, config.trainer.device)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     env = CPU_MALLOC_ENV if backend == "gloo" else {}
-    with tempfile.TemporaryDirectory(prefix="pipetrain-elastic-") as logs, _environ(env), \
+    with tempfile.TemporaryDirectory(prefix="pipetrain-elastic-") as logs, inherited_environ(env), \
             _quiet("torch.distributed.elastic", "torch.multiprocessing"):
         launch_config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=config.pipeline.degree,
@@ -87,18 +86,6 @@ def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure],
         path = Path(run_dir) / f"error_rank{rank}.txt"
         path.write_text(callstack)
     return RankFailedError(rank, (message.strip().splitlines() or ["failed"])[0], path)
-
-
-@contextlib.contextmanager
-def _environ(extra: dict[str, str]) -> Iterator[None]:
-    """Variables the spawned workers inherit (read by malloc at process start); a user's own value wins."""
-    added = {k: v for k, v in extra.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 @contextlib.contextmanager

@@ -7,12 +7,13 @@ the one-line message) into `out_dir` before exiting non-zero.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,18 @@ import torch.multiprocessing as mp
 # start, so it is set in the environment the ranks are spawned with; a user's own value wins.
 CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000",
                   "MALLOC_TOP_PAD_": "268435456"}
+
+
+@contextlib.contextmanager
+def inherited_environ(extra: dict[str, str]) -> Iterator[None]:
+    """Variables the spawned workers inherit (read by malloc at process start); a user's own value wins."""
+    added = {k: v for k, v in extra.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def free_port() -> int:
@@ -51,14 +64,9 @@ def spawn_local(
 ) -> mp.ProcessContext:
     """Start `world` processes running fn; with join=True wait for all (raising if one fails)."""
     Path(out).mkdir(parents=True, exist_ok=True)
-    added = {k: v for k, v in CPU_MALLOC_ENV.items() if k not in os.environ} if backend == "gloo" else {}
-    os.environ.update(added)
-    try:
+    with inherited_environ(CPU_MALLOC_ENV if backend == "gloo" else {}):
         ctx = mp.start_processes(_entry, args=(world, free_port(), str(out), backend, threads, fn, args),
                                  nprocs=world, join=False, start_method="spawn")
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
     if join:
         while not ctx.join():
             pass
