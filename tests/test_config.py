@@ -83,3 +83,35 @@ def test_cross_field_rules_name_the_knob(compose, overrides, knob):
     while err.__cause__ is not None:  # OmegaConf may wrap the __post_init__ error
         err = err.__cause__
     assert knob in str(err)
+
+
+# Options that need a value the user must supply; everything else composes as shipped.
+NEEDS = {
+    ("schedule", "custom"): ["schedule.path=/dev/null"],  # the file is read only when the plan is built
+    ("partition", "manual"): ["partition.boundaries=[5]"],
+    ("data", "text"): ["data.path=${oc.env:PIPETRAIN_TEST_TEXT}"],
+    ("data", "tokens"): ["data.path=${oc.env:PIPETRAIN_TEST_BIN}"],
+}
+
+
+def all_shipped_options():
+    conf = Path(CONF_DIR)
+    return [(d.name, f.stem) for d in sorted(conf.iterdir()) if d.is_dir() and not d.name.startswith("_")
+            for f in sorted(d.glob("*.yaml"))]
+
+
+def test_every_shipped_config_composes(compose, tmp_path, monkeypatch):
+    """The walk over every option of every group in conf/ (recipes: test_every_recipe_composes)."""
+    text, tokens = tmp_path / "t.txt", tmp_path / "t.bin"
+    text.write_text("hello pipeline world. " * 2000)
+    tokens.write_bytes(bytes(range(200)) * 400)  # 40,000 uint16 tokens below 256
+    monkeypatch.setenv("PIPETRAIN_TEST_TEXT", str(text))
+    monkeypatch.setenv("PIPETRAIN_TEST_BIN", str(tokens))
+    options = all_shipped_options()
+    assert {g for g, _ in options} >= {"cluster", "data", "model", "partition", "pipeline", "schedule"}
+    for group, name in options:
+        extra = NEEDS.get((group, name), [])
+        if group == "pipeline":
+            extra = extra + ["data.batch_size=32"]  # p8: 32 microbatches
+        cfg = compose([f"{group}={name}", *extra])
+        assert isinstance(cfg, Config), (group, name)
