@@ -191,7 +191,39 @@ def _explicit_plan(schedule: Schedule, rank: int) -> RankPlan:
     return RankPlan(rank, parts, needs, tuple(tuple(at.get(b, ())) for b in range(len(parts) + 1)))
 
 
-def message_order(schedule: Schedule, result: Optional[Walk] = None) -> dict[Message, tuple[float, int, int]]:
+Crossings = tuple[tuple[Action, Optional[Message], Optional[Message]], ...]  # per part: (action, consumes, sends)
+
+
+def crossings(schedule: Schedule, rank: int) -> Crossings:
+    """Each atomic action of the rank with the message it consumes and the one it sends, if any
+    (what `needed_by` and `sent_by` say, computed in one pass: the validator runs this on
+    every action of schedules with 10^5 of them)."""
+    pl = schedule.placement
+
+    def remote(stage: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+        if stage is None or pl.rank_of(stage) == rank:
+            return None, None
+        return stage, pl.rank_of(stage)
+
+    nbrs = {s: (remote(pl.prev_stage(s)), remote(pl.next_stage(s))) for s in pl.stages_of(rank)}
+    out = []
+    for a in schedule.actions(rank):
+        s, m = a.stage, a.microbatch
+        (prev, prev_rank), (nxt, next_rank) = nbrs[s]
+        if a.op is Op.F:
+            need = None if prev is None else Message(Kind.ACT, prev, m, prev_rank, rank)
+            send = None if nxt is None else Message(Kind.ACT, s, m, rank, next_rank)
+        elif a.op is Op.W:
+            need = send = None
+        else:
+            need = None if nxt is None else Message(Kind.GRAD, nxt, m, next_rank, rank)
+            send = None if prev is None else Message(Kind.GRAD, s, m, rank, prev_rank)
+        out.append((a, need, send))
+    return tuple(out)
+
+
+def message_order(schedule: Schedule, result: Optional[Walk] = None,
+                  per_rank: Optional[list[Crossings]] = None) -> dict[Message, tuple[float, int, int]]:
     """Every message's place in one causal order of the whole step: when its consumer starts
     in the unit-cost dependency walk (then part and rank). Both ranks of a pair use it."""
     result = walk(schedule, lambda r, step: 1.0) if result is None else result
@@ -199,16 +231,18 @@ def message_order(schedule: Schedule, result: Optional[Walk] = None) -> dict[Mes
         raise ValueError(f"schedule {schedule.name!r} deadlocks: validate it first")
     order = {}
     for r, steps in enumerate(schedule.steps):
+        cross = iter(crossings(schedule, r) if per_rank is None else per_rank[r])
         for k, step in enumerate(steps):
-            for part_no, a in enumerate(step.parts()):
-                msg = needed_by(a, schedule, r)
+            for part_no in range(len(step.parts())):
+                msg = next(cross)[1]
                 if msg is not None:
                     order[msg] = (result.start[r][k], part_no, r)
     return order
 
 
 def build_plan(schedule: Schedule, rank: int, *, lookahead: int = 1,
-               order: Optional[dict[Message, tuple[float, int, int]]] = None) -> RankPlan:
+               order: Optional[dict[Message, tuple[float, int, int]]] = None,
+               cross: Optional[Crossings] = None) -> RankPlan:
     """One rank's plan (see the module docstring); pure and deterministic.
 
     Toward each peer the rank issues its sends and receives in the pair's order
@@ -223,17 +257,15 @@ def build_plan(schedule: Schedule, rank: int, *, lookahead: int = 1,
     if schedule.comms:
         return _explicit_plan(schedule, rank)
     order = message_order(schedule) if order is None else order
-    parts = tuple(schedule.actions(rank))
-    n = len(parts)
-    needs = tuple(needed_by(a, schedule, rank) for a in parts)
+    cross = crossings(schedule, rank) if cross is None else cross
+    n = len(cross)
     # peer -> [(message, is_send, earliest boundary, latest boundary)]
     streams: dict[int, list[tuple[Message, bool, int, int]]] = defaultdict(list)
-    for i, a in enumerate(parts):
-        out = sent_by(a, schedule, rank)
+    for i, (_, need, out) in enumerate(cross):
         if out is not None:
             streams[out.dst].append((out, True, i + 1, n))
-        if needs[i] is not None:
-            streams[needs[i].src].append((needs[i], False, max(0, i - lookahead), i))
+        if need is not None:
+            streams[need.src].append((need, False, max(0, i - lookahead), i))
     at: dict[int, dict[int, tuple[list[Message], list[Message]]]] = defaultdict(dict)  # boundary -> peer -> ops
     for peer, ops in streams.items():
         ops.sort(key=lambda op: order[op[0]])
@@ -244,17 +276,21 @@ def build_plan(schedule: Schedule, rank: int, *, lookahead: int = 1,
             assert b <= latest, f"rank {rank}: {msg.describe()} issued after it is needed"
             sends, recvs = at[b].setdefault(peer, ([], []))
             (sends if is_send else recvs).append(msg)
-    issue = tuple(
-        tuple(Group(p, tuple(at[b][p][0]), tuple(at[b][p][1])) for p in sorted(at[b])) if b in at else ()
-        for b in range(n + 1)
-    )
-    return RankPlan(rank, parts, needs, issue)
+    issue: list[tuple[Group, ...]] = [()] * (n + 1)
+    for b, by_peer in at.items():
+        issue[b] = tuple([Group(p, tuple(by_peer[p][0]), tuple(by_peer[p][1])) for p in sorted(by_peer)])
+    parts, needs, _ = zip(*cross) if cross else ((), (), ())
+    return RankPlan(rank, tuple(parts), tuple(needs), tuple(issue))
 
 
 def build_plans(schedule: Schedule, *, lookahead: int = 1, unit_walk: Optional[Walk] = None) -> tuple[RankPlan, ...]:
     """Every rank's plan; `unit_walk`: the schedule's unit-cost walk if the caller has it."""
-    order = None if schedule.comms else message_order(schedule, unit_walk)
-    return tuple(build_plan(schedule, r, lookahead=lookahead, order=order) for r in range(schedule.num_ranks))
+    if schedule.comms:
+        return tuple(_explicit_plan(schedule, r) for r in range(schedule.num_ranks))
+    per_rank = [crossings(schedule, r) for r in range(schedule.num_ranks)]
+    order = message_order(schedule, unit_walk, per_rank)
+    return tuple(build_plan(schedule, r, lookahead=lookahead, order=order, cross=per_rank[r])
+                 for r in range(schedule.num_ranks))
 
 
 def _positions(plan: RankPlan) -> dict[tuple[int, bool], list[tuple[int, Message]]]:
@@ -316,81 +352,86 @@ def _check_pair_order(pos: list[dict]) -> None:
                     group_best = (ka, kb, m)
 
 
-class _Stream:
-    """One rank's in-order stream toward one peer: groups run one after another."""
-
-    __slots__ = ("groups", "head")
-
-    def __init__(self) -> None:
-        self.groups: list[set[Message]] = []  # messages of each issued group not yet complete
-        self.head = 0  # first group not complete
-
-    def active(self) -> set[Message]:
-        return self.groups[self.head] if self.head < len(self.groups) else set()
-
-
 def _run_streams(plans: tuple[RankPlan, ...]) -> Optional[str]:
     """(3) Run every rank's plan under NCCL's rules; None if all completes, else who is stuck.
 
     A rank posts its groups at their boundaries and blocks before a part until the message
-    it consumes has arrived; a message completes once the groups holding it are the
-    running (head) groups of both ranks' streams for that pair; a group completes when all
-    its messages have, and only then does the next group on that stream start.
+    it consumes has arrived. Per (rank, peer) stream, groups run one after another: a
+    message completes once the groups holding it are the running (head) groups of both
+    ranks' streams; a group completes when all its messages have, and then the next starts.
+    Linear in the number of messages (each group becomes the head once).
     """
-    streams: dict[tuple[int, int], _Stream] = defaultdict(_Stream)
+    groups: dict[tuple[int, int], list[tuple[Message, ...]]] = defaultdict(list)
+    where: dict[tuple[Message, int], tuple[tuple[int, int], int]] = {}  # (message, rank) -> (stream, group)
+    for plan in plans:
+        for gs in plan.issue:
+            for g in gs:
+                key = (plan.rank, g.peer)
+                msgs = g.sends + g.recvs
+                for m in msgs:
+                    where[(m, plan.rank)] = (key, len(groups[key]))
+                groups[key].append(msgs)
+    left = {key: [len(g) for g in gs] for key, gs in groups.items()}
+    issued: dict[tuple[int, int], int] = defaultdict(int)
+    head: dict[tuple[int, int], int] = defaultdict(int)
     done: set[Message] = set()
-    pos = [0] * len(plans)  # next boundary of each rank to issue (then its part to run)
     waiting: dict[Message, int] = {}
     ready = deque(range(len(plans)))
 
-    def settle(key: tuple[int, int]) -> None:
-        """Complete what the running groups of this pair allow, cascading along both streams."""
-        a, b = key
-        mine, theirs = streams[(a, b)], streams[(b, a)]
-        progress = True
-        while progress:
-            progress = False
-            both = mine.active() & theirs.active()
-            for m in both:
+    def running(key: tuple[int, int], k: int) -> bool:
+        return head[key] == k < issued[key]
+
+    def start(key: tuple[int, int]) -> None:
+        """The head group of `key` may be running now: complete what it shares with running peers."""
+        todo = [key]
+        while todo:
+            key = todo.pop()
+            k = head[key]
+            if k >= issued[key]:
+                continue
+            for m in groups[key][k]:
+                other = where.get((m, m.dst if key[0] == m.src else m.src))
+                if m in done or other is None or not running(*other):
+                    continue
                 done.add(m)
-                mine.active().discard(m)
-                theirs.active().discard(m)
                 if m in waiting:
                     ready.append(waiting.pop(m))
-            for s in (mine, theirs):
-                while s.head < len(s.groups) and not s.groups[s.head]:
-                    s.head += 1
-                    progress = True
+                for skey, sk in ((key, k), other):
+                    left[skey][sk] -= 1
+                    if left[skey][sk] == 0:
+                        head[skey] += 1
+                        todo.append(skey)
 
-    issued = [False] * len(plans)  # whether the groups of boundary pos[r] are posted
+    pos = [0] * len(plans)  # next boundary of each rank to issue (then its part to run)
+    posted = [False] * len(plans)  # whether the groups of boundary pos[r] are posted
     while ready:
         r = ready.popleft()
         plan = plans[r]
         while pos[r] <= len(plan.parts):
             i = pos[r]
-            if not issued[r]:
-                issued[r] = True
+            if not posted[r]:
+                posted[r] = True
                 for g in plan.issue[i]:
-                    streams[(r, g.peer)].groups.append(set(g.sends) | set(g.recvs))
-                    settle((r, g.peer))
+                    key = (r, g.peer)
+                    issued[key] += 1
+                    if head[key] == issued[key] - 1:
+                        start(key)
             need = plan.waits[i] if i < len(plan.parts) else None
             if need is not None and need not in done:
                 waiting[need] = r
                 break
             pos[r] += 1
-            issued[r] = False
+            posted[r] = False
     stuck = [r for r, p in enumerate(plans) if pos[r] <= len(p.parts)]
-    open_streams = [(k, s) for k, s in sorted(streams.items()) if s.head < len(s.groups)]
-    if not stuck and not open_streams:
-        return None
     if stuck:
         r = stuck[0]
-        i = pos[r]
-        m = plans[r].waits[i]
-        return f"rank {r} waits before {plans[r].parts[i]} for the {m.describe()} from rank {m.src}"
-    (a, b), s = open_streams[0]
-    return f"rank {a}'s messages to rank {b} never complete: " + ", ".join(m.describe() for m in sorted(
-        s.active(), key=lambda m: (m.kind.value, m.stage, m.microbatch)))
+        m = plans[r].waits[pos[r]]
+        return f"rank {r} waits before {plans[r].parts[pos[r]]} for the {m.describe()} from rank {m.src}"
+    for key, gs in sorted(groups.items()):
+        if head[key] < len(gs):
+            return (f"rank {key[0]}'s messages to rank {key[1]} never complete: "
+                    + ", ".join(m.describe() for m in gs[head[key]] if m not in done))
+    return None
 
 
 def check_plan(schedule: Schedule, *, lookahead: int = 1, unit_walk: Optional[Walk] = None) -> None:
