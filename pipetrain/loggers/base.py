@@ -1,4 +1,4 @@
-"""The one small protocol every logger implements, and `build_loggers` from `logger=[...]`.
+"""The one small protocol every logger implements (loggers/factory.py builds them from `logger=[...]`).
 
 Only rank 0 builds loggers (train/monitor.py gathers every rank's measurements to it first),
 so a logger never thinks about ranks. Every hook has a no-op default, the way torchtitan's
@@ -51,31 +51,6 @@ class Logger:
     def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
                chosen: Optional[StepMeasurement]) -> None:
         pass
-
-
-def build_loggers(names: list[str]) -> list[Logger]:
-    """The loggers `logger=[...]` names, in that order (imports each only when asked for)."""
-    out: list[Logger] = []
-    for name in names:
-        if name == "console":
-            from pipetrain.loggers.console import ConsoleLogger
-
-            out.append(ConsoleLogger())
-        elif name == "jsonl":
-            from pipetrain.loggers.jsonl import JsonlLogger
-
-            out.append(JsonlLogger())
-        elif name == "trace":
-            from pipetrain.loggers.trace import TraceLogger
-
-            out.append(TraceLogger())
-        elif name == "wandb":
-            from pipetrain.loggers.wandb_logger import WandbLogger
-
-            out.append(WandbLogger())
-        else:  # LoggingConfig.check admits only the names above
-            raise AssertionError(name)
-    return out
 
 
 def human_bytes(n: Optional[float]) -> str:

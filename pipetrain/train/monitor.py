@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from pipetrain.loggers.base import RunInfo, build_loggers
+from pipetrain.loggers.base import RunInfo
+from pipetrain.loggers.factory import build_loggers
 from pipetrain.metrics.measure import StepMeasurement, measure_step
 from pipetrain.metrics.records import RankSample
 from pipetrain.runtime.executor import StepResult
