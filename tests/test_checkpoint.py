@@ -44,9 +44,10 @@ def crash_mid_save(rank: int, world: int, out: Path, config, plan, run_dir: Path
     from pipetrain.train.trainer import Trainer
 
     trainer = Trainer(config, plan, run_dir)
+    trainer.resume()
     (out / f"resumed{rank}.txt").write_text(str(trainer.state.step))
     trainer.train_step()
-    ckpt.write_staged(trainer)
+    ckpt.write_staged(trainer.checkpointable, trainer.run_dir)
     os._exit(0)  # killed: no commit, no cleanup, no atexit
 
 

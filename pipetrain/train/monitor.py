@@ -11,11 +11,15 @@ Memory per rank is split into activations (the bytes autograd saved for the live
 microbatches, counted by the executor's saved-tensor hooks) and the rest: on GPU the CUDA
 allocator's peak minus the activations; on CPU the parameters, gradients and optimizer
 state, counted from the tensors themselves.
+
+The monitor gets what it reads (config, plan, device, run directory; at each logged step the
+rank's parameters and optimizer), never the trainer: the trainer depends on it, not back.
 """
 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
@@ -28,7 +32,8 @@ from pipetrain.metrics.records import RankSample
 from pipetrain.runtime.executor import StepResult
 
 if TYPE_CHECKING:
-    from pipetrain.train.trainer import Trainer
+    from pipetrain.config import Config
+    from pipetrain.plan import Plan
 
 # Dense bf16 peak TFLOP/s of one device (vendor data sheets), the default MFU denominator.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -55,15 +60,16 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, grad_bytes: int) -> 
 class Monitor:
     """Built on every rank; loggers exist on rank 0 only."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        cfg = trainer.config
-        self.trainer, self.rank = trainer, trainer.rank
+    def __init__(self, config: Config, plan: Plan, *, device: torch.device, run_dir: Path) -> None:
+        cfg = config
+        self.config, self.plan, self.run_dir = config, plan, run_dir
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.chosen_step = cfg.logging.chosen_step(cfg.trainer.max_steps)
         # Training FLOPs per token: forward + B + W = 3 x forward (the cost model's split,
         # nanoGPT's 6N + 12LCT); MFU over pipeline.degree devices.
-        self.flops_per_token = 3.0 * sum(c.flops_per_token for c in trainer.plan.layer_costs)
-        self.peak_tflops = cfg.logging.peak_tflops or auto_peak_tflops(trainer.device)
+        self.flops_per_token = 3.0 * sum(c.flops_per_token for c in plan.layer_costs)
+        self.peak_tflops = cfg.logging.peak_tflops or auto_peak_tflops(device)
         self.loggers = build_loggers(cfg.logger) if self.rank == 0 else []
         # rank 0: the last and the chosen measured step in full; of the others only what the
         # summary needs (a long run logs thousands of steps)
@@ -74,26 +80,26 @@ class Monitor:
         self.peak_activations: list[int] = []
 
     # ---- every rank -----------------------------------------------------------------------
-    def sample(self, result: StepResult) -> RankSample:
-        params = self.trainer.pipe.parameters()
+    def sample(self, result: StepResult, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> RankSample:
         grad_bytes = _nbytes(p for p in params if p.requires_grad)
         return RankSample(
             rank=self.rank, t0_wall=result.t0_wall, step_ms=result.step_ms, timings=result.timings, comm=result.comm,
             peak_activation_sets=result.peak_activation_sets, peak_activation_bytes=result.peak_activation_bytes,
             cuda_peak_bytes=result.peak_memory_bytes, param_bytes=_nbytes(params), grad_bytes=grad_bytes,
-            optimizer_bytes=optimizer_state_bytes(self.trainer.optimizer, grad_bytes),
+            optimizer_bytes=optimizer_state_bytes(optimizer, grad_bytes),
         )
 
-    def gather(self, step: int, result: StepResult) -> Optional[StepMeasurement]:
+    def gather(self, step: int, result: StepResult, *, params: list[torch.nn.Parameter],
+               optimizer: torch.optim.Optimizer) -> Optional[StepMeasurement]:
         """Collective (every rank, at logged steps only): rank 0 gets the step's measurement."""
-        sample = self.sample(result)
+        sample = self.sample(result, params, optimizer)
         samples: list[Any] = [sample]
         if self.world > 1:
             samples = [None] * self.world if self.rank == 0 else []
             dist.gather_object(sample, samples if self.rank == 0 else None, dst=0)
         if self.rank != 0:
             return None
-        m = measure_step(step, self.trainer.plan.schedule, samples, comm_ms=self.trainer.config.sim.comm_ms)
+        m = measure_step(step, self.plan.schedule, samples, comm_ms=self.config.sim.comm_ms)
         self.last = m
         if step == self.chosen_step:
             self.chosen = m
@@ -110,9 +116,10 @@ class Monitor:
         return tokens_per_s * self.flops_per_token / (self.world * self.peak_tflops * 1e12)
 
     # ---- rank 0: the loggers --------------------------------------------------------------
-    def start(self) -> None:
-        t = self.trainer
-        info = RunInfo(t.config, t.run_dir, t.config.trainer.max_steps, t.state.step, self.chosen_step)
+    def start(self, start_step: int) -> None:
+        """Collective: start the loggers; `start_step` is the optimizer steps already done."""
+        cfg = self.config
+        info = RunInfo(cfg, self.run_dir, cfg.trainer.max_steps, start_step, self.chosen_step)
         for lg in self.loggers:
             lg.start(info)
         if self.world > 1:

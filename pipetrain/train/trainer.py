@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from pipetrain.config import Config
 from pipetrain.plan import Plan, build_model
 from pipetrain.runtime.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
+from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.data import build_data, split_microbatches
 from pipetrain.train.monitor import Monitor
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
@@ -32,13 +32,6 @@ from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_opti
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite (trainer.on_nonfinite=stop)."""
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps done
-    tokens: int = 0
-    skipped: int = 0
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -81,10 +74,13 @@ class Trainer:
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         self.state = TrainState()
-        # trainer.resume: model, optimizer, step/tokens and RNG from a checkpoint (collective)
-        self.resumed_from = checkpoint.resume(self)
+        self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
-        self.monitor = Monitor(self)
+        self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
+
+    def resume(self, note: checkpoint.Note = checkpoint.silent) -> None:
+        """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh start."""
+        checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note)
 
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -100,7 +96,8 @@ class Trainer:
         t0 = time.perf_counter()
         result = self.pipe.train_step(self.microbatches(step))
         # Before the grad-norm all-reduce, which absorbs rank 0's time spent on the measurement.
-        measurement = self.monitor.gather(step + 1, result) if measure else None
+        measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer)
+                       if measure else None)
         loss = result.loss if result.loss is not None else float("nan")
         norm = global_grad_norm(self.pipe.sync.owned(), device=self.device)
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm}
@@ -131,7 +128,11 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         cfg, monitor = self.config.trainer, self.monitor
-        monitor.start()
+        notes: list[str] = []
+        self.resume(note=notes.append)  # before the loggers start: they show the resumed step
+        monitor.start(self.state.step)
+        for text in notes:
+            monitor.note(text)
         first_loss = None
         val_loss = None
         step_times: list[float] = []
@@ -153,7 +154,7 @@ class Trainer:
             if log:
                 monitor.log(record, record["measurement"])
             if checkpoint.due(step, cfg):
-                checkpoint.save_checkpoint(self)
+                checkpoint.save_checkpoint(self.checkpointable, self.run_dir, self.config, note=monitor.note)
         steady = sorted(step_times[1:] or step_times)  # the first step pays for warm-up
         median_s = steady[len(steady) // 2] if steady else None
         summary = {"steps": self.state.step, "first_loss": first_loss, "final_loss": record["loss"],
