@@ -64,7 +64,7 @@ def run(config: Config, run_dir: Path) -> Any:
     from rich.console import Console
 
     from pipetrain.launch import launch
-    from pipetrain.launch.cluster_config import process_rank
+    from pipetrain.launch.resolvers import process_rank
     from pipetrain.simulate_cmd import plan_and_simulate, run_simulate
 
     if config.mode is Mode.simulate:
@@ -105,8 +105,11 @@ def _unwrap(err: BaseException) -> BaseException:
 
 
 def main() -> None:
+    from pipetrain.launch.resolvers import register_resolvers
+
     register_configs()
     register_recipes()
+    register_resolvers()
     try:
         check_recipe_args(sys.argv[1:])
     except ValueError as e:

@@ -15,9 +15,11 @@ def compose():
 
     from pipetrain.cli import CONF_DIR, register_recipes, to_config
     from pipetrain.config import register_configs
+    from pipetrain.launch.resolvers import register_resolvers
 
     register_configs()
     register_recipes()
+    register_resolvers()
 
     def _compose(overrides=(), typed=True):
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

@@ -20,7 +20,8 @@ from conftest import REPO, run_cli
 from pipetrain.cli import CONF_DIR, to_config
 from pipetrain.config import register_configs
 from pipetrain.launch import RankFailedError, launch
-from pipetrain.launch.cluster_config import ClusterConfig, _shared_now
+from pipetrain.config.cluster import ClusterConfig
+from pipetrain.launch.resolvers import _shared_now, register_resolvers
 from pipetrain.launch.env import first_host, slurm_env, torchrun_env
 from pipetrain.launch.sbatch import sbatch_for
 
@@ -32,6 +33,7 @@ TINY = ["model=mlp", "trainer.max_steps=2", "sim.timeline=false"]  # the fastest
 
 def compose(overrides, hydra=False):
     register_configs()
+    register_resolvers()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=hydra)
         if hydra:

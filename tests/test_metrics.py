@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pipetrain.loggers.config import LoggingConfig, check_loggers
+from pipetrain.config.logs import LoggingConfig, check_loggers
 from pipetrain.loggers.console import metrics_line, rank_table
 from pipetrain.loggers.trace import measured_trace
 from pipetrain.metrics.measure import measure_step, stage_costs

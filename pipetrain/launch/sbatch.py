@@ -43,9 +43,11 @@ def sbatch_for(overrides: Sequence[str], *, sweep_dir: str = "multirun/SWEEP") -
 
     from pipetrain.cli import CONF_DIR, register_recipes, to_config
     from pipetrain.config import register_configs
+    from pipetrain.launch.resolvers import register_resolvers
 
     register_configs()
     register_recipes()
+    register_resolvers()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*overrides, f"hydra.sweep.dir={sweep_dir}"],
                       return_hydra_config=True)

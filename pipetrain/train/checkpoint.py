@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from pipetrain.config import Config
-from pipetrain.train.train_config import TrainerConfig
+from pipetrain.config.train import TrainerConfig
 
 if TYPE_CHECKING:
     from pipetrain.runtime.sync import GradSync
