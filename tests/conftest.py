@@ -11,19 +11,10 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def compose():
     """compose(overrides) -> typed Config, through the same Hydra path the CLI uses."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from pipetrain.cli import CONF_DIR, register_recipes, to_config
-    from pipetrain.config import register_configs
-    from pipetrain.launch.resolvers import register_resolvers
-
-    register_configs()
-    register_recipes()
-    register_resolvers()
+    from pipetrain.compose import compose as compose_dict, to_config
 
     def _compose(overrides=(), typed=True):
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        cfg = compose_dict(overrides)
         return to_config(cfg) if typed else cfg
 
     return _compose

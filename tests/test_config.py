@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.cli import CONF_DIR, recipe_files
+from pipetrain.compose import CONF_DIR, recipe_files
 from pipetrain.config import GPT2ModelConfig, Config, DataConfig, Mode, PartitionConfig
 from pipetrain.schedules import registry
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipetrain.cli import CONF_DIR
+from pipetrain.compose import CONF_DIR
 from pipetrain.models.factory import build_model
 from pipetrain.train.data import (
     CORPUS_FILE, ModelExamples, SyntheticTokens, TokenWindows, build_data, builtin_corpus, split_microbatches,

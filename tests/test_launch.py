@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from hydra import compose as hydra_compose, initialize_config_dir
 
 from conftest import REPO, run_cli
-from pipetrain.cli import CONF_DIR, to_config
-from pipetrain.config import register_configs
-from pipetrain.launch import RankFailedError, launch
+from pipetrain.compose import compose as compose_dict, to_config
 from pipetrain.config.cluster import ClusterConfig
-from pipetrain.launch.resolvers import _shared_now, register_resolvers
+from pipetrain.launch import RankFailedError, launch
+from pipetrain.launch.resolvers import _shared_now
 from pipetrain.launch.env import first_host, slurm_env, torchrun_env
 from pipetrain.launch.sbatch import sbatch_for
 
@@ -32,13 +30,8 @@ TINY = ["model=mlp", "trainer.max_steps=2", "sim.timeline=false"]  # the fastest
 
 
 def compose(overrides, hydra=False):
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=hydra)
-        if hydra:
-            return cfg
-    return to_config(cfg)
+    cfg = compose_dict(overrides, return_hydra_config=hydra)
+    return cfg if hydra else to_config(cfg)
 
 
 def small_plan(overrides=()):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_torch_free
-from pipetrain.cli import CONF_DIR
+from pipetrain.compose import CONF_DIR
 from pipetrain.config import (
     MODEL_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, MLPModelConfig, SleepModelConfig,
 )
