@@ -2,26 +2,29 @@
 
 Only rank 0 builds loggers (train/monitor.py gathers every rank's measurements to it first),
 so a logger never thinks about ranks. Every hook has a no-op default, the way torchtitan's
-loggers do: a logger overrides what it shows.
+loggers do: a logger overrides what it shows. A logger reads only the typed records the
+trainer produces (metrics/step.py), never the trainer.
 
     start(info)                        once, before the first step
     progress(step)                     after every step (cheap: no metrics, no collective)
-    log(step, record, measurement)     at every logged step: the flat metrics record (what
-                                       metrics.jsonl holds) and the measured step
-    note(text)                         a message for the user
-    finish(summary, last, chosen)      once, at the end: the run's summary, the last measured
-                                       step and the one chosen by logging.trace_step
+    log(record)                        at every logged step: its StepRecord (record.row() is
+                                       what metrics.jsonl holds; record.measurement the
+                                       measured step on every rank)
+    note(text)                         a message for the user (checkpoints saved or resumed, ...)
+    finish(summary, last, chosen)      once, at the end: the RunSummary (already in
+                                       summary.json), the last measured step's record and the
+                                       one chosen by logging.trace_step
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
-    from pipetrain.metrics.measure import StepMeasurement
+    from pipetrain.metrics.step import RunSummary, StepRecord
 
 
 @dataclass(frozen=True)
@@ -42,14 +45,13 @@ class Logger:
     def progress(self, step: int) -> None:
         pass
 
-    def log(self, step: int, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
+    def log(self, record: StepRecord) -> None:
         pass
 
     def note(self, text: str) -> None:
         pass
 
-    def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
-               chosen: Optional[StepMeasurement]) -> None:
+    def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
         pass
 
 

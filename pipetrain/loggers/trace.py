@@ -18,6 +18,7 @@ from typing import Any, Optional
 from pipetrain.loggers.base import Logger
 from pipetrain.metrics.measure import StepMeasurement
 from pipetrain.metrics.records import CommEvent
+from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.schedules.render import op_name
 from pipetrain.schedules.simulate import live_activations
 
@@ -28,14 +29,13 @@ WHAT = {"act": "activation", "grad": "input gradient"}
 class TraceLogger(Logger):
     written = False
 
-    def log(self, step: int, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
-        if measurement is not None and step == self.info.chosen_step:  # written as soon as it is measured
-            self.write(measurement)
+    def log(self, record: StepRecord) -> None:
+        if record.measurement is not None and record.step == self.info.chosen_step:  # as soon as it is measured
+            self.write(record.measurement)
 
-    def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
-               chosen: Optional[StepMeasurement]) -> None:
-        if not self.written and chosen is not None:  # a resumed run that started past trace_step
-            self.write(chosen)
+    def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
+        if not self.written and chosen is not None and chosen.measurement is not None:  # resumed past trace_step
+            self.write(chosen.measurement)
 
     def write(self, measurement: StepMeasurement) -> None:
         (self.info.run_dir / "trace.json").write_text(json.dumps(measured_trace(measurement)) + "\n")
