@@ -6,6 +6,15 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 REPO = Path(__file__).resolve().parents[1]
+TIERS = ("pure", "dist", "e2e")  # pyproject.toml [tool.pytest.ini_options] markers
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test is in exactly one tier (its own mark or its module's `pytestmark`), so that
+    `-m pure`, `-m dist`, `-m e2e` split the suite without overlap."""
+    wrong = [item.nodeid for item in items if len({m.name for m in item.iter_markers()} & set(TIERS)) != 1]
+    if wrong:
+        raise pytest.UsageError(f"mark each test with exactly one tier of {TIERS}: {', '.join(wrong[:5])}")
 
 
 @pytest.fixture(scope="session")

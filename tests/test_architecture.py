@@ -15,6 +15,8 @@ import pytest
 
 from conftest import assert_torch_free
 
+pytestmark = pytest.mark.pure
+
 ROOT = Path(__file__).resolve().parents[1] / "pipetrain"
 
 

@@ -25,6 +25,8 @@ from _dist import spawn
 from pipetrain.plan import make_plan
 from pipetrain.train import checkpoint as ckpt
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 STEPS, EVERY = 6, 3
 BASE = ["mode=train", "model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32", "pipeline.microbatches=4",
         f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=0", "trainer.device=cpu"]

@@ -24,6 +24,8 @@ from pipetrain.train.data import (
 )
 from pipetrain.config.data import DATA_SOURCES, DataConfig
 
+pytestmark = pytest.mark.pure
+
 REPO = Path(__file__).resolve().parents[1]
 # sha256 of the decompressed built-in corpus: the same bytes on every machine and every load.
 CORPUS_SHA256 = "332842992adc17f32093c27e32b031b3a8dc640a561a8c51774a661c6d2a9320"

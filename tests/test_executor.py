@@ -76,6 +76,8 @@ def reference(model_name: str):
     return first
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("P", [2, 4])
 @pytest.mark.parametrize("model_name", ["gpt2-tiny", "mlp"])
 def test_every_schedule_matches_single_process(tmp_path, P, model_name):
@@ -101,6 +103,7 @@ def test_every_schedule_matches_single_process(tmp_path, P, model_name):
                 assert torch.equal(c, copies[0]), (name, n)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("name", ["1f1b", "zbh1"])
 def test_activation_checkpointing_same_gradients_less_memory(name):
     """P=1 runs the same executor without communication: the reference path of pipeline.degree=1."""

@@ -6,6 +6,7 @@ import os
 import re
 import time
 
+import pytest
 import torch
 
 from _dist import spawn
@@ -13,6 +14,8 @@ from pipetrain.models.factory import build_model
 from pipetrain.partition.uniform import uniform_bounds
 from pipetrain.runtime.pipeline import build_rank_pipeline
 from pipetrain.schedules import registry
+
+pytestmark = pytest.mark.dist
 
 TIMEOUT_S = 3.0
 
@@ -73,6 +76,7 @@ def test_killed_rank_makes_every_rank_exit_with_a_clear_error(tmp_path):
     assert elapsed < 4 * TIMEOUT_S + 30  # start-up included; a hang would hit the 60 s join limit
 
 
+@pytest.mark.slow  # the stuck rank sleeps 4 x the timeout before the run can end
 def test_stuck_rank_times_out_with_the_knob_named(tmp_path):
     elapsed, codes, victim = run(tmp_path, "stuck")
     check_survivors(tmp_path, codes, victim)

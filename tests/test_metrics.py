@@ -17,6 +17,8 @@ from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Overlap
 from pipetrain.schedules.simulate import StageCosts, simulate
 
+pytestmark = pytest.mark.pure
+
 
 def samples_from_sim(sim, *, wait_ms: float = 0.0, skew_ms: float = 0.0) -> list[RankSample]:
     """What the executor would report if it ran exactly like the simulation. `wait_ms`: every

@@ -16,6 +16,8 @@ from pipetrain.models.profile import default_cache_dir, profile_layers
 from pipetrain.models.sleep_module import SleepModel
 from pipetrain.models.split import build_stage, split_model
 
+pytestmark = pytest.mark.pure
+
 # Parameter counts with the head tied to wte and wpe included (HF's and nanoGPT's counts), and
 # the sizes OpenAI named the released checkpoints by. The round figures 350M and 1.5B
 # are 1.4% and 3.8% below the true counts of GPT-2 medium and XL.

@@ -17,6 +17,8 @@ from pipetrain.config import (
 from pipetrain.plan import make_plan
 from pipetrain.schedules.simulate import StageCosts
 
+pytestmark = pytest.mark.pure
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "model").glob("*.yaml"))
 PARTITION_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "partition").glob("*.yaml"))

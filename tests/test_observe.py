@@ -59,6 +59,8 @@ def sleep_runs(compose, tmp_path_factory) -> dict[str, Path]:
     return train_all(compose, tmp_path_factory.mktemp("sleep"), SLEEP, ("1f1b", "zbv"))
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_measured_bubble_matches_the_simulated_one(sleep_runs, schedule):
     last = rows(sleep_runs[schedule])[-1]  # step 2: step 1 pays for warm-up
@@ -77,11 +79,15 @@ def test_measured_bubble_matches_the_simulated_one(sleep_runs, schedule):
         assert abs(simulated - 3 / 19) <= 0.02
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_zero_bubble_v_measures_a_smaller_bubble_than_1f1b(sleep_runs):
     zbv, ofob = rows(sleep_runs["zbv"])[-1], rows(sleep_runs["1f1b"])[-1]
     assert zbv["bubble_fraction_mean"] < ofob["bubble_fraction_mean"] - 0.05
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_trace_is_a_chrome_trace_with_one_row_per_rank(sleep_runs):
     trace = json.loads((sleep_runs["zbv"] / "trace.json").read_text())
     events = trace["traceEvents"]
@@ -103,6 +109,8 @@ def test_trace_is_a_chrome_trace_with_one_row_per_rank(sleep_runs):
     assert trace["otherData"]["step"] == 2
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_gpipe_holds_m_over_p_times_the_activations_of_1f1b(compose, tmp_path):
     runs = train_all(compose, tmp_path, GPT, ("gpipe", "1f1b", "zbh1"))
     act = {}
@@ -146,6 +154,8 @@ def wandb_records(path: Path):
             yield record
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_wandb_offline_logs_loss_and_bubble_readable_from_the_run_file(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "no-netrc"))  # no credentials anywhere

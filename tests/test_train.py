@@ -8,6 +8,8 @@ import pytest
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.e2e
+
 
 def test_quickstart_trains_with_a_falling_loss(tmp_path):
     """`pipetrain` with no arguments: GPT-2 tiny, built-in corpus, 2 ranks, 1F1B, CPU."""
