@@ -3,11 +3,12 @@
 One place for what the CLI, the sbatch renderer (launch/sbatch.py) and the tests each need
 before Hydra composes: the schemas (pipetrain/config/), the recipes (the `recipe` group) and
 the OmegaConf resolvers of the cluster configs (launch/resolvers.py). Nothing is registered
-at import time; `register_all()` does it, once per process (it is idempotent).
+at import time; `register_all()` does it, once per process.
 """
 
 from __future__ import annotations
 
+import functools
 from importlib import resources
 from pathlib import Path
 from typing import Sequence
@@ -56,8 +57,10 @@ def to_config(cfg: DictConfig) -> Config:
     return config
 
 
+@functools.cache
 def register_all() -> None:
-    """Schemas, recipes and resolvers: call before composing (idempotent)."""
+    """Schemas, recipes and resolvers: call before composing. Once per process (loading the
+    recipes costs ~40 ms, a fifth of a compose); later calls do nothing."""
     register_configs()
     register_recipes()
     register_resolvers()
