@@ -145,3 +145,14 @@ def test_importing_the_config_loads_no_torch_and_registers_nothing():
         "register_all()\n"
         "assert OmegaConf.has_resolver('pipetrain.now')\n"
     )
+
+
+def test_stage_module_is_a_stage():
+    """models/split.py's StageModule satisfies the protocol the executor can depend on."""
+    from pipetrain.models.factory import build_model
+    from pipetrain.models.split import split_model
+    from pipetrain.runtime.stage_protocol import Stage
+
+    first, last = split_model(build_model("mlp", n_layer=4), [range(0, 2), range(2, 4)])
+    assert isinstance(first, Stage) and isinstance(last, Stage)
+    assert (first.is_first, first.is_last, last.is_first, last.is_last) == (True, False, False, True)
