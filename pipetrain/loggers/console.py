@@ -89,7 +89,8 @@ class ConsoleLogger(Logger):
         self.console.print(metrics_line(record.row(), self.info.max_steps, eta), highlight=False, soft_wrap=True)
 
     def note(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        # soft_wrap: a checkpoint path stays on one line, as the plain print that showed it did
+        self.console.print(text, highlight=False, soft_wrap=True)
 
     def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
         if self.bar is not None:
