@@ -61,7 +61,7 @@ def build_schedule(config: Config) -> Schedule:
         )
     else:
         schedule = registry.build(s.name, p.degree, p.microbatches, s.virtual_stages)
-    validate(schedule)
+    validate(schedule, p2p_lookahead=p.p2p_lookahead)
     return schedule
 
 

@@ -42,6 +42,12 @@ class PipelineConfig:
     degree: int = 2  # P: pipeline ranks
     microbatches: int = 8  # M: microbatches per optimizer step, for every schedule
     p2p_timeout_s: float = 300.0  # longest wait for a peer's tensor before the rank fails, naming the peer
+    # Receives are posted this many actions before the action that consumes them (0 = just in
+    # time); receive buffers alive per rank stay <= lookahead + 1, whatever the microbatch count.
+    p2p_lookahead: int = 1
+    # gloo behaves like NCCL: one in-order stream per pair of ranks, messages matched by
+    # position (tests use it to catch what would deadlock or mismatch on GPUs). Slower.
+    p2p_in_order: bool = False
 
     def __post_init__(self) -> None:
         if self.degree < 1:
@@ -50,6 +56,8 @@ class PipelineConfig:
             raise ValueError(f"pipeline.microbatches must be >= 1 (got {self.microbatches})")
         if self.p2p_timeout_s <= 0:
             raise ValueError(f"pipeline.p2p_timeout_s must be > 0 seconds (got {self.p2p_timeout_s})")
+        if self.p2p_lookahead < 0:
+            raise ValueError(f"pipeline.p2p_lookahead must be >= 0 actions (got {self.p2p_lookahead})")
 
 
 @dataclass

@@ -1,97 +1,90 @@
-"""All point-to-point communication of the pipeline, derived from the schedule.
+"""All point-to-point communication of the pipeline: it carries out a rank's `RankPlan`.
 
-Which tensors cross ranks is a pure function of the placement and the actions:
+The plan (schedules/p2p.py, pure) says which messages cross ranks and at which boundary
+between two actions each is issued, grouped per peer, in an order both ranks of a pair
+share. This transport only executes it:
 
-  F(s, m)      sends its output ("act", s, m) to the rank of next(s), if that is another rank
-  B/BW(s, m)   sends its input grad ("grad", s, m) to the rank of prev(s), likewise
+  - `produced(msg, t)`  the executor hands over a tensor to send once the plan says so;
+  - `issue(i)`          posts the groups of boundary i (a receive gets its buffer here);
+  - `receive(msg)`      waits for a posted receive and returns its buffer;
+  - `finish()`          waits for every send of the step.
 
-so every rank knows, before a step starts, every message it will send and receive, with
-shapes and dtypes from the model (no per-message negotiation). Receives are all posted
-at the start of the step (in the order the sender sends them, so the pattern is also
-safe for NCCL, which matches point-to-point operations in order); sends are
-asynchronous and only waited for at the end of the step. Every wait has a timeout, and
-a timeout or a dead peer raises `P2PError` naming this rank, the action and the peer.
+Backends:
+  - NCCL: each group is one `batch_isend_irecv` (one step of the pair's order).
+  - gloo: plain isend/irecv with a tag per message (`batch_isend_irecv` has been reported
+    to hang with gloo, pytorch/PiPPy#989, pytorch/pytorch#132644).
+  - gloo, in order (`pipeline.p2p_in_order`, for tests): gloo made to behave like NCCL.
+    Every message of a pair carries the same tag, so messages match by position, and a
+    rank's groups toward one peer run one after another on a thread per peer, like kernels
+    on NCCL's stream for that pair: a group is posted once the previous one has completed. A plan
+    that would deadlock or mix up messages on NCCL does so here too, on CPU.
 
-We use plain isend/irecv with a unique tag per message rather than
-`batch_isend_irecv`, which has been reported to hang with gloo (pytorch/PiPPy#989,
-pytorch/pytorch#132644); tests run many steps back to back to keep us honest.
+Every wait has a timeout, and a timeout or a dead peer raises `P2PError` naming this rank,
+the action and the peer. On NCCL completed sends are dropped at every boundary; gloo only
+reports completion through `wait`, so there sends are waited for at the end of the step.
+A gloo work is waited for once only (a second wait on a receive blocks for a message that
+never comes).
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import queue
+import threading
+from collections import defaultdict
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from pipetrain.schedules.ir import Action, Op, Schedule
+from pipetrain.schedules.p2p import Group, Message, RankPlan
 
 
 class P2PError(RuntimeError):
     """A point-to-point wait failed: timed out, or the peer is gone."""
 
 
-@dataclass(frozen=True)
-class Message:
-    kind: str  # "act": forward output of `stage`; "grad": gradient w.r.t. the input of `stage`
-    stage: int
-    microbatch: int
-    src: int
-    dst: int
+class _Posted:
+    """One group toward one peer, as posted (or queued, in order mode)."""
 
-    def tag(self, schedule: Schedule) -> int:
-        return (self.stage * schedule.num_microbatches + self.microbatch) * 2 + (self.kind == "grad")
+    __slots__ = ("group", "send_works", "recv_works", "recv_bufs", "send_bufs", "done", "error")
 
-    def describe(self) -> str:
-        what = "activation" if self.kind == "act" else "input gradient"
-        return f"{what} of {self.stage}{'F' if self.kind == 'act' else 'B'}{self.microbatch}"
-
-
-def sent_by(action: Action, schedule: Schedule, rank: int) -> Optional[Message]:
-    """The message an action sends to another rank, if any."""
-    pl = schedule.placement
-    s, m = action.stage, action.microbatch
-    if action.op is Op.F:
-        peer_stage = pl.next_stage(s)
-        kind = "act"
-    elif action.op in (Op.B, Op.BW):
-        peer_stage = pl.prev_stage(s)
-        kind = "grad"
-    else:
-        return None
-    if peer_stage is None or pl.rank_of(peer_stage) == rank:
-        return None
-    return Message(kind, s, m, rank, pl.rank_of(peer_stage))
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.send_works: list[dist.Work] = []
+        self.recv_works: dict[Message, list[dist.Work]] = {}  # what a receive waits for
+        self.recv_bufs: dict[Message, torch.Tensor] = {}
+        self.send_bufs: list[torch.Tensor] = []
+        self.done = threading.Event()  # in order mode: the group has completed
+        self.error: Optional[BaseException] = None
 
 
-def needed_by(action: Action, schedule: Schedule, rank: int) -> Optional[Message]:
-    """The message an action must receive from another rank, if any."""
-    pl = schedule.placement
-    s, m = action.stage, action.microbatch
-    if action.op is Op.F:
-        src_stage, kind = pl.prev_stage(s), "act"
-    elif action.op in (Op.B, Op.BW):
-        src_stage, kind = pl.next_stage(s), "grad"
-    else:
-        return None
-    if src_stage is None or pl.rank_of(src_stage) == rank:
-        return None
-    return Message(kind, src_stage, m, pl.rank_of(src_stage), rank)
+class _Stream:
+    """In order mode: a rank's stream toward one peer, run by a thread like a CUDA stream.
 
+    Groups run one after another: the next is posted only once every operation of the
+    previous one has completed. (gloo only reports completion through `wait`, hence a
+    thread per peer rather than polling.)
+    """
 
-def incoming(schedule: Schedule, rank: int, *, forward_only: bool = False) -> list[Message]:
-    """Messages this rank receives in one step, ordered per sender as the sender sends them."""
-    out = []
-    for src in range(schedule.num_ranks):
-        if src == rank:
-            continue
-        for action in schedule.actions(src):
-            msg = sent_by(action, schedule, src)
-            if msg is not None and msg.dst == rank and (msg.kind == "act" or not forward_only):
-                out.append(msg)
-    return out
+    def __init__(self, comm: "P2P", peer: int) -> None:
+        self.comm, self.peer = comm, peer
+        self.queue: "queue.SimpleQueue[Optional[_Posted]]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"p2p-stream-{peer}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        failed: Optional[BaseException] = None  # a broken stream fails every later group with its first error
+        while (posted := self.queue.get()) is not None:
+            try:
+                if failed is None:
+                    self.comm._post(posted)
+                    for work in posted.send_works + [w for ws in posted.recv_works.values() for w in ws]:
+                        self.comm._wait(work, f"its in-order stream to rank {self.peer}", self.peer)
+            except BaseException as e:  # handed to the main thread, which raises it where it waits
+                failed = e
+            posted.error = failed
+            posted.done.set()
 
 
 class P2P:
@@ -99,53 +92,132 @@ class P2P:
 
     def __init__(
         self,
-        schedule: Schedule,
         rank: int,
         *,
+        num_microbatches: int,
         timeout_s: float,
         group: Optional[dist.ProcessGroup] = None,
         group_ranks: Optional[list[int]] = None,
+        in_order: bool = False,
+        consumer_stage: Callable[[Message], int] = lambda m: m.stage,
     ) -> None:
-        self.schedule = schedule
         self.rank = rank
+        self.num_microbatches = num_microbatches
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.group = group
-        # pipeline rank -> global rank in the default group (identity for a pure-PP job)
-        self._global = group_ranks or list(range(schedule.num_ranks))
-        self._recvs: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
-        self._sends: list[tuple[Message, torch.Tensor, dist.Work]] = []
+        self._global = group_ranks  # pipeline rank -> global rank (None: the same)
+        backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
+        self.nccl = backend == "nccl"
+        self.in_order = in_order and not self.nccl  # NCCL is in order by itself
+        self.consumer_stage = consumer_stage
+        self.plan: Optional[RankPlan] = None
+        self._streams: dict[int, _Stream] = {}  # in order mode: one per peer, kept across steps
 
-    def post_receives(self, buffer_for: Callable[[Message], torch.Tensor], *, forward_only: bool = False) -> None:
-        for msg in incoming(self.schedule, self.rank, forward_only=forward_only):
-            buf = buffer_for(msg)
-            work = dist.irecv(buf, src=self._global[msg.src], group=self.group, tag=msg.tag(self.schedule))
-            self._recvs[msg] = (buf, work)
+    # ---- one step -----------------------------------------------------------------
+    def begin(self, plan: RankPlan, buffer_for: Callable[[Message], torch.Tensor]) -> None:
+        self.plan, self.buffer_for = plan, buffer_for
+        self._ready: dict[Message, torch.Tensor] = {}  # produced, not yet issued
+        self._recvs: dict[Message, _Posted] = {}  # issued receives not yet taken
+        self._inflight: list[_Posted] = []  # posted groups whose sends are not yet waited for
+        self._pending_bytes: dict[int, int] = defaultdict(int)
+        self.peak_recv_bytes: dict[int, int] = defaultdict(int)  # consumer stage -> peak bytes of live buffers
+
+    def produced(self, msg: Message, tensor: torch.Tensor) -> None:
+        self._ready[msg] = tensor.detach().contiguous()
+
+    def issue(self, boundary: int) -> None:
+        """Post the groups the plan puts at this boundary (before part `boundary`)."""
+        assert self.plan is not None
+        for g in self.plan.issue[boundary]:
+            posted = _Posted(g)
+            for m in g.sends:
+                posted.send_bufs.append(self._ready.pop(m))
+            for m in g.recvs:
+                buf = self.buffer_for(m)
+                posted.recv_bufs[m] = buf
+                self._recvs[m] = posted
+                stage = self.consumer_stage(m)
+                self._pending_bytes[stage] += buf.untyped_storage().nbytes()
+                self.peak_recv_bytes[stage] = max(self.peak_recv_bytes[stage], self._pending_bytes[stage])
+            if self.in_order:
+                if g.peer not in self._streams:
+                    self._streams[g.peer] = _Stream(self, g.peer)
+                self._streams[g.peer].queue.put(posted)
+            else:
+                self._post(posted)
+            self._inflight.append(posted)
+        if self.nccl:  # drop completed groups, freeing their send tensors (gloo reports completion only via wait)
+            self._inflight = [p for p in self._inflight
+                              if p.recv_bufs or not all(w.is_completed() for w in p.send_works)]
 
     def receive(self, msg: Message, *, action: str) -> torch.Tensor:
-        buf, work = self._recvs.pop(msg)
-        self._wait(work, f"{action} waiting for the {msg.describe()} from rank {msg.src}", msg.src)
+        posted = self._recvs.pop(msg)
+        what = f"{action} waiting for the {msg.describe()} from rank {msg.src}"
+        if self.in_order:
+            self._wait_group(posted, what, msg.src)
+        else:
+            for work in posted.recv_works[msg]:
+                self._wait(work, what, msg.src)
+        buf = posted.recv_bufs.pop(msg)
+        self._pending_bytes[self.consumer_stage(msg)] -= buf.untyped_storage().nbytes()
         return buf
 
-    def send(self, msg: Message, tensor: torch.Tensor) -> None:
-        tensor = tensor.detach().contiguous()
-        work = dist.isend(tensor, dst=self._global[msg.dst], group=self.group, tag=msg.tag(self.schedule))
-        self._sends.append((msg, tensor, work))  # keep the tensor alive until the send completes
-
     def finish(self) -> None:
-        """Wait for every send of the step; fail if a receive was posted but never consumed."""
-        for msg, _, work in self._sends:
-            self._wait(work, f"end of step waiting for rank {msg.dst} to take the {msg.describe()}", msg.dst)
-        self._sends.clear()
-        if self._recvs:
-            left = ", ".join(m.describe() for m in self._recvs)
-            raise P2PError(f"rank {self.rank}: receives never consumed this step: {left}")
+        """Wait for every operation of the step; fail if something was left unissued or untaken."""
+        assert self.plan is not None
+        if self._ready or self._recvs:
+            left = ", ".join(m.describe() for m in list(self._ready) + list(self._recvs))
+            raise P2PError(f"rank {self.rank}: messages never issued or consumed this step: {left}")
+        for posted in self._inflight:
+            peer = posted.group.peer
+            what = f"end of step waiting for rank {peer} to take the {', '.join(m.describe() for m in posted.group.sends)}"
+            if self.in_order:
+                self._wait_group(posted, what, peer)
+            else:  # a gloo work must be waited for once only: receives were, in receive()
+                for w in posted.send_works:
+                    self._wait(w, what, peer)
+        self._inflight.clear()
+        self.plan = None
+
+    # ---- posting and waiting ------------------------------------------------------
+    def _peer(self, pipeline_rank: int) -> int:
+        return pipeline_rank if self._global is None else self._global[pipeline_rank]
+
+    def _post(self, posted: _Posted) -> None:
+        g, peer = posted.group, self._peer(posted.group.peer)
+        if self.nccl:
+            ops = [dist.P2POp(dist.isend, t, peer, self.group) for t in posted.send_bufs]
+            ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in posted.recv_bufs.values()]
+            posted.send_works = dist.batch_isend_irecv(ops)
+            # One NCCL group completes as a whole: a receive waits for the group's works.
+            posted.recv_works = {m: posted.send_works for m in posted.recv_bufs}
+            return
+        # In order, every message of a pair has one tag: gloo then matches them by position, as NCCL does.
+        def tag(m: Message) -> int:
+            return 0 if self.in_order else m.tag(self.num_microbatches)
+
+        posted.send_works = [dist.isend(t, dst=peer, group=self.group, tag=tag(m))
+                             for m, t in zip(g.sends, posted.send_bufs)]
+        posted.recv_works = {m: [dist.irecv(b, src=peer, group=self.group, tag=tag(m))]
+                             for m, b in posted.recv_bufs.items()}
+
+    def _wait_group(self, posted: _Posted, what: str, peer: int) -> None:
+        """In order mode: wait until the peer's stream has run this group."""
+        if not posted.done.wait(timeout=self.timeout.total_seconds() + 1.0):
+            raise P2PError(
+                f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g}s (in-order "
+                f"point-to-point): rank {peer} is stuck or dead, or the two ranks issue their messages in "
+                f"different orders (raise pipeline.p2p_timeout_s if it is only slow)")
+        if posted.error is not None:
+            raise P2PError(f"rank {self.rank}: {what}: {posted.error}; in-order point-to-point also times out "
+                           f"when two ranks issue their messages in different orders") from None
 
     def _wait(self, work: dist.Work, what: str, peer: int) -> None:
         try:
             ok = work.wait(timeout=self.timeout)
         except RuntimeError as e:
             text = str(e)
-            if "imed out" in text:
+            if "timed out" in text.lower() or "timeout" in text.lower():
                 raise P2PError(
                     f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g}s: rank {peer} is "
                     f"stuck or dead (raise pipeline.p2p_timeout_s if it is only slow)"

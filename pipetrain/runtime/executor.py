@@ -37,8 +37,9 @@ from torch import nn
 from pipetrain.metrics.records import ActionTiming, CommEvent
 from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input, backward_weight
 from pipetrain.runtime.clock import StepClock
-from pipetrain.runtime.comm import P2P, Message, needed_by, sent_by
+from pipetrain.runtime.comm import P2P
 from pipetrain.schedules.ir import Action, Op, Schedule
+from pipetrain.schedules.p2p import Message, build_plan, forward_only, needed_by, sent_by
 
 
 @dataclass
@@ -51,6 +52,7 @@ class StepResult:
     peak_activation_sets: int = 0  # most (stage, microbatch) sets alive at once
     peak_activation_bytes: int = 0  # bytes autograd saved for them, at that peak
     peak_memory_bytes: Optional[int] = None  # torch.cuda.max_memory_allocated on GPU
+    peak_recv_buffer_bytes: dict[int, int] = field(default_factory=dict)  # stage -> most bytes of posted receives
 
 
 class _SavedBytes:
@@ -85,6 +87,7 @@ class Executor:
         recv_buffer: Optional[Callable[[Message], torch.Tensor]] = None,
         device: torch.device | str = "cpu",
         loss_group: Optional[dist.ProcessGroup] = None,
+        lookahead: int = 1,
     ) -> None:
         pl = schedule.placement
         want = set(pl.stages_of(rank))
@@ -95,6 +98,10 @@ class Executor:
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.comm, self.recv_buffer, self.device = comm, recv_buffer, torch.device(device)
         self.loss_group = loss_group
+        # The point-to-point plans (pure; validated before any process started): training, and
+        # the forward-only pass of evaluate().
+        self._plan = build_plan(schedule, rank, lookahead=lookahead)
+        self._eval_plan = build_plan(forward_only(schedule), rank, lookahead=lookahead)
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in stages.items()}
         self._forward_only = False
         self.autocast: Optional[torch.dtype] = None  # e.g. torch.bfloat16 on GPU
@@ -107,20 +114,24 @@ class Executor:
         """Run every action of this rank once; `microbatches[m]` is (input, target) of microbatch m."""
         self._reset(microbatches)
         if self.comm is not None:
-            self.comm.post_receives(self.recv_buffer)
+            self.comm.begin(self._plan, self.recv_buffer)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         clock, spans = self._clock, []  # spans: per step, its marks at the start and after each part
         clock.start()
         self._recording = True
+        boundary = 0  # index of the next atomic action: where the plan issues communication
         try:
             for index, step in enumerate(self.schedule.steps[self.rank]):
                 self._index, marks = index, [clock.mark()]
                 for part, action in enumerate(step.parts()):
                     self._part = part
+                    self._issue(boundary)
                     self._run(action, str(step))
+                    boundary += 1
                     marks.append(clock.mark())
                 spans.append(marks)
+            self._issue(boundary)
             if self.comm is not None:
                 self.comm.finish()
             end = clock.mark()
@@ -138,7 +149,12 @@ class Executor:
             peak_activation_sets=self._peak_sets,
             peak_activation_bytes=self._peak_bytes,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+            peak_recv_buffer_bytes=dict(self.comm.peak_recv_bytes) if self.comm is not None else {},
         )
+
+    def _issue(self, boundary: int) -> None:
+        if self.comm is not None:
+            self.comm.issue(boundary)
 
     def _timings(self, spans: list[list[int]], times: list[float]) -> tuple[list[ActionTiming], list[CommEvent]]:
         """Marks -> per-step timings (span, receive waits, compute per part) and comm events."""
@@ -167,13 +183,13 @@ class Executor:
         self._reset(microbatches)
         self._forward_only = True
         if self.comm is not None:
-            self.comm.post_receives(self.recv_buffer, forward_only=True)
+            self.comm.begin(self._eval_plan, self.recv_buffer)
         try:
             with torch.no_grad():
-                for step in self.schedule.steps[self.rank]:
-                    for action in step.parts():
-                        if action.op is Op.F:
-                            self._forward(action, str(step))
+                for boundary, action in enumerate(self._eval_plan.parts):
+                    self._issue(boundary)
+                    self._forward(action, str(action))
+                self._issue(len(self._eval_plan.parts))
             if self.comm is not None:
                 self.comm.finish()
         finally:
@@ -191,7 +207,8 @@ class Executor:
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         self._act_bytes: dict[tuple[int, int], int] = {}
         self._live_bytes = self._peak_bytes = self._peak_sets = 0
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        # Summed on the device, reduced once per step: no host sync per microbatch.
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._losses = 0
         self._comm_marks: list[tuple[str, Message, int, int, int, int]] = []  # (direction, msg, step, part, mark, mark)
 
@@ -221,7 +238,7 @@ class Executor:
             out = self.stages[s](x)
             if pl.next_stage(s) is None:
                 loss = self.stages[s].loss(out, self._batch[m][1].to(self.device))
-                self._loss_sum += loss.detach().double().cpu()
+                self._loss_sum += loss.detach().double()
                 self._losses += 1
                 out = loss / self.schedule.num_microbatches
         if pl.next_stage(s) is not None:
@@ -257,7 +274,7 @@ class Executor:
             self._local[(kind, s, m)] = tensor
         else:
             assert self.comm is not None
-            self.comm.send(msg, tensor)
+            self.comm.produced(msg, tensor)
             if self._recording:
                 mark = self._clock.mark()
                 self._comm_marks.append(("send", msg, self._index, self._part, mark, mark))
@@ -288,8 +305,8 @@ class Executor:
     def _mean_loss(self) -> Optional[float]:
         if self.loss_group is None and not dist.is_initialized():
             return float(self._loss_sum / self._losses) if self._losses else None
-        buf = torch.stack([self._loss_sum, torch.tensor(float(self._losses), dtype=torch.float64)])
-        buf = buf.to(self._reduce_device())
+        dev = self._reduce_device()
+        buf = torch.stack([self._loss_sum.to(dev), torch.tensor(float(self._losses), dtype=torch.float64, device=dev)])
         dist.all_reduce(buf, group=self.loss_group)
         total, count = buf.tolist()
         return total / count if count else None

@@ -17,10 +17,11 @@ from torch import nn
 
 from pipetrain.models.base import LayeredModel
 from pipetrain.models.split import build_stage
-from pipetrain.runtime.comm import P2P, Message
+from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor, StepResult
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.p2p import Kind, Message
 
 
 @dataclass
@@ -62,6 +63,8 @@ def build_rank_pipeline(
     device: torch.device | str = "cpu",
     group: Optional[dist.ProcessGroup] = None,
     activation_checkpointing: bool = False,
+    p2p_lookahead: int = 1,
+    p2p_in_order: bool = False,
 ) -> RankPipeline:
     """Collective when the schedule has several ranks: every rank must call it."""
     pl = schedule.placement
@@ -75,10 +78,18 @@ def build_rank_pipeline(
 
     def recv_buffer(msg: Message) -> torch.Tensor:
         rng = bounds[pl.chunk_of(msg.stage)]
-        return specs[rng.stop if msg.kind == "act" else rng.start].empty(device)
+        return specs[rng.stop if msg.kind is Kind.ACT else rng.start].empty(device)
 
-    comm = P2P(schedule, rank, timeout_s=timeout_s, group=group) if schedule.num_ranks > 1 else None
+    def consumer_stage(msg: Message) -> int:
+        other = pl.next_stage(msg.stage) if msg.kind is Kind.ACT else pl.prev_stage(msg.stage)
+        assert other is not None
+        return other
+
+    comm = None
+    if schedule.num_ranks > 1:
+        comm = P2P(rank, num_microbatches=schedule.num_microbatches, timeout_s=timeout_s, group=group,
+                   in_order=p2p_in_order, consumer_stage=consumer_stage)
     executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
-                        loss_group=group)
+                        loss_group=group, lookahead=p2p_lookahead)
     sync = GradSync(stages, group=group)
     return RankPipeline(rank, schedule, stages, executor, sync)

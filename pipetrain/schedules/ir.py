@@ -14,7 +14,10 @@ two things:
 
 Text form (parses back exactly): an action is ``{stage}{op}{microbatch}``,
 e.g. ``0F3``, ``5B1``, ``5W1``, ``2BW0``; an overlapped pair joins its forward
-and its backward with ``&``: ``0F6&7BW2``.
+and its backward with ``&``: ``0F6&7BW2``. A hand-written schedule may also spell out
+its point-to-point plan with torch.distributed.pipelining's communication actions
+``0SEND_F3``, ``1RECV_F3``, ``1SEND_B3``, ``0RECV_B3`` (see schedules/p2p.py); without
+them the plan is derived.
 
 This module imports no torch (a test enforces it for all of `schedules/`).
 """
@@ -76,6 +79,33 @@ class Overlap:
 Step = Union[Action, Overlap]
 
 _ACTION_RE = re.compile(r"^(\d+)(BW|F|B|W)(\d+)$")
+_COMM_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
+
+
+class CommOp(str, enum.Enum):
+    """Explicit communication in a hand-written schedule (torch.distributed.pipelining's names)."""
+
+    SEND_F = "SEND_F"  # stage s sends its forward output of microbatch m
+    RECV_F = "RECV_F"  # stage s receives its forward input of microbatch m
+    SEND_B = "SEND_B"  # stage s sends the gradient of its input
+    RECV_B = "RECV_B"  # stage s receives the gradient of its output
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    """`0SEND_F3`: one point-to-point operation, issued on its own, where it stands in the list."""
+
+    op: CommOp
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op.value}{self.microbatch}"
+
+
+def parse_comm(text: str) -> Comm | None:
+    m = _COMM_RE.match(text.strip())
+    return None if m is None else Comm(CommOp(m.group(2)), int(m.group(1)), int(m.group(3)))
 
 
 def parse_action(text: str) -> Action:
@@ -99,6 +129,17 @@ def parse_step(text: str) -> Step:
     return parse_action(text)
 
 
+def parse_cell(text: str) -> Step | Comm:
+    """A step (`0F3`, `0F3&7BW1`) or an explicit communication (`0SEND_F3`, `1RECV_B2`)."""
+    comm = parse_comm(text)
+    if comm is not None:
+        return comm
+    try:
+        return parse_step(text)
+    except ValueError as e:
+        raise ValueError(f"{e}, or a communication {{stage}}{{SEND_F|RECV_F|SEND_B|RECV_B}}{{microbatch}}") from None
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-rank ordered steps plus the placement that says which rank holds which stage."""
@@ -107,6 +148,9 @@ class Schedule:
     placement: Placement
     num_microbatches: int
     steps: tuple[tuple[Step, ...], ...]
+    # Hand-written point-to-point plan, if the file spells one out: per rank, (boundary, op)
+    # with boundary = the number of atomic actions before it. Empty: derived (schedules/p2p.py).
+    comms: tuple[tuple[tuple[int, Comm], ...], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.steps) != self.placement.num_ranks:
@@ -117,9 +161,37 @@ class Schedule:
 
     @classmethod
     def build(
-        cls, name: str, placement: Placement, num_microbatches: int, steps: Sequence[Sequence[Step]]
+        cls, name: str, placement: Placement, num_microbatches: int, steps: Sequence[Sequence[Step | Comm]]
     ) -> "Schedule":
-        return cls(name, placement, num_microbatches, tuple(tuple(r) for r in steps))
+        """Rows of steps; `Comm` cells, if any, become the schedule's explicit point-to-point plan."""
+        rows, comms = [], []
+        for row in steps:
+            kept: list[Step] = []
+            mine: list[tuple[int, Comm]] = []
+            parts = 0
+            for cell in row:
+                if isinstance(cell, Comm):
+                    mine.append((parts, cell))
+                else:
+                    kept.append(cell)
+                    parts += len(cell.parts())
+            rows.append(tuple(kept))
+            comms.append(tuple(mine))
+        explicit = tuple(comms) if any(comms) else ()
+        return cls(name, placement, num_microbatches, tuple(rows), explicit)
+
+    def cells(self, rank: int) -> list[Step | Comm]:
+        """The rank's list as written: steps with explicit communication in its places."""
+        comms = list(self.comms[rank]) if self.comms else []
+        out: list[Step | Comm] = []
+        parts = 0
+        for step in self.steps[rank]:
+            while comms and comms[0][0] <= parts:
+                out.append(comms.pop(0)[1])
+            out.append(step)
+            parts += len(step.parts())
+        out += [c for _, c in comms]
+        return out
 
     @property
     def num_ranks(self) -> int:
@@ -137,14 +209,14 @@ class Schedule:
     def to_text(self) -> str:
         """One line per rank, `rank R: step step ...`; `from_text` parses it back."""
         return "\n".join(
-            f"rank {r}: " + " ".join(str(s) for s in steps) for r, steps in enumerate(self.steps)
+            f"rank {r}: " + " ".join(str(s) for s in self.cells(r)) for r in range(self.num_ranks)
         )
 
     @classmethod
     def from_text(
         cls, text: str, *, name: str, placement: Placement, num_microbatches: int
     ) -> "Schedule":
-        rows: list[list[Step]] = []
+        rows: list[list[Step | Comm]] = []
         for line in text.splitlines():
             line = line.strip()
             if not line or line.startswith("#"):
@@ -155,19 +227,19 @@ class Schedule:
             rank = int(head.strip()[4:])
             if rank != len(rows):
                 raise ValueError(f"schedule lines must list ranks in order 0, 1, ...; got rank {rank}")
-            rows.append([parse_step(tok) for tok in body.split()])
+            rows.append([parse_cell(tok) for tok in body.split()])
         return cls.build(name, placement, num_microbatches, rows)
 
     def to_csv(self) -> str:
         """CSV form for hand editing: one row per rank, one cell per step."""
-        return "\n".join(",".join(str(s) for s in steps) for steps in self.steps) + "\n"
+        return "\n".join(",".join(str(s) for s in self.cells(r)) for r in range(self.num_ranks)) + "\n"
 
     @classmethod
     def from_csv(
         cls, text: str, *, name: str, placement: Placement, num_microbatches: int
     ) -> "Schedule":
         """Parse the CSV form. Blank cells are ignored; lines starting with '#' are comments."""
-        rows: list[list[Step]] = []
+        rows: list[list[Step | Comm]] = []
         for lineno, line in enumerate(text.splitlines(), start=1):
             if line.strip().startswith("#"):
                 continue
@@ -175,7 +247,7 @@ class Schedule:
             if not any(cells) and not line.strip():
                 continue
             try:
-                rows.append([parse_step(c) for c in cells if c])
+                rows.append([parse_cell(c) for c in cells if c])
             except ValueError as e:
                 raise ValueError(f"line {lineno}: {e}") from None
         return cls.build(name, placement, num_microbatches, rows)

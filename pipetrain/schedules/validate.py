@@ -6,6 +6,9 @@ that holds its stage, on a stage of its microbatch's chain. Deadlock-free: the
 dependency walk (`deps.walk`, blocking receives) runs every step; a B before its
 W and each input before its consumer are part of that.
 
+NCCL-safe: the point-to-point plan (schedules/p2p.py) issues, per pair of ranks, its
+messages in one order on both sides and never waits on an operation issued after it.
+
 Failures raise `ScheduleError` (a ValueError) whose message ends with the
 rank x step grid, the failing slot marked `>...<`.
 """
@@ -14,8 +17,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pipetrain.schedules.deps import Key, walk
+from pipetrain.schedules.deps import Key, Walk, walk
 from pipetrain.schedules.ir import Op, Schedule
+from pipetrain.schedules.p2p import PlanError, check_plan
 
 
 class ScheduleError(ValueError):
@@ -119,11 +123,11 @@ def _describe_key(key: Key) -> str:
     return {"F": f"{s}F{m}", "grad": f"{s}B{m} (or {s}BW{m})", "weights": f"{s}W{m}"}[kind]
 
 
-def check_deadlock_free(schedule: Schedule) -> None:
+def check_deadlock_free(schedule: Schedule) -> Walk:
     """Run the dependency walk with unit costs; report every rank that cannot proceed."""
     result = walk(schedule, lambda r, s: 1.0)
     if result.complete:
-        return
+        return result
     marks = {}
     for st in result.stuck:
         waits = ", ".join(_describe_key(k) for k in st.waiting_for)
@@ -131,8 +135,18 @@ def check_deadlock_free(schedule: Schedule) -> None:
     _fail(schedule, f"deadlock: {len(result.stuck)} rank(s) blocked", marks)
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError if the schedule is misplaced, incomplete or deadlocks."""
+def check_p2p(schedule: Schedule, *, lookahead: int = 1, unit_walk: Walk | None = None) -> None:
+    """The point-to-point plan obeys NCCL's in-order rule (schedules/p2p.py: check_plan)."""
+    try:
+        check_plan(schedule, lookahead=lookahead, unit_walk=unit_walk)
+    except PlanError as e:
+        raise ScheduleError(f"schedule {schedule.name!r}: {e}") from None
+
+
+def validate(schedule: Schedule, *, p2p_lookahead: int = 1) -> None:
+    """Raise ScheduleError if the schedule is misplaced, incomplete, deadlocks, or its
+    point-to-point plan would deadlock or mismatch messages on NCCL."""
     check_placement(schedule)
     check_complete(schedule)
-    check_deadlock_free(schedule)
+    unit_walk = check_deadlock_free(schedule)
+    check_p2p(schedule, lookahead=p2p_lookahead, unit_walk=unit_walk)

@@ -70,6 +70,7 @@ class Trainer:
             model, plan.chunk_bounds, plan.schedule, self.rank,
             microbatch_size=config.microbatch_size, seq_len=config.data.seq_len,
             timeout_s=config.pipeline.p2p_timeout_s, device=self.device,
+            p2p_lookahead=config.pipeline.p2p_lookahead, p2p_in_order=config.pipeline.p2p_in_order,
             activation_checkpointing=config.trainer.activation_checkpointing,
         )
         if self.device.type == "cuda" and config.trainer.bf16:

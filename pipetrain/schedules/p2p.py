@@ -1,0 +1,446 @@
+"""The point-to-point plan of a schedule: which messages cross ranks, and when each is issued.
+
+Which tensors cross ranks is a pure function of the placement and the actions:
+
+  F(s, m)      sends its output (ACT, s, m) to the rank of next(s), if that is another rank
+  B/BW(s, m)   sends its input grad (GRAD, s, m) to the rank of prev(s), likewise
+
+NCCL runs the operations between one pair of ranks in order, on one stream, and matches
+the k-th send of a to b with the k-th receive of b from a. So a plan is safe only if
+(1) per direction, the sender sends in the order the receiver receives, (2) per pair, both
+ranks issue their messages in one order (operations posted together in one group, as
+`batch_isend_irecv` does, count as one step of it), and (3) no operation waits on one
+issued after it. `check_plan` proves all three (pure, no torch) by running every rank's
+plan under those rules; the validator calls it before any process starts.
+
+The plan is derived, just in time and in schedule order. Number a rank's atomic actions
+(an F&B pair counts as its two parts) 0..n-1; boundary i is the moment before part i
+(boundary n: after the last). Each pair of ranks orders its messages by when their
+consumer starts in the unit-cost dependency walk (one causal order of the whole step,
+`message_order`); both ranks issue them in that order:
+
+  - a receive is posted `lookahead` parts before the part consuming it (0: just in time),
+  - a send right after the part producing it,
+  - either one no earlier than the operation before it in the pair's order (so a send may
+    go out after a later part; a receive is never posted earlier than `lookahead`),
+  - operations toward one peer at one boundary form one group.
+
+Ordered by consumer start, everything a pair issues before a receive is issued by the
+time its consumer runs, so the plan never waits on itself and at most lookahead + 1
+receive buffers are alive per rank, whatever the number of microbatches.
+
+A hand-written schedule may instead spell its plan out with torch.distributed.pipelining's
+communication actions (`0SEND_F3`, `1RECV_F3`, `1SEND_B3`, `0RECV_B3`), each posted on its
+own where it is written; `check_plan` then refuses one that breaks the rules above, in one
+line naming the two ranks and the two messages.
+
+Imports no torch (a test enforces it for all of `schedules/`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+from pipetrain.schedules.deps import Walk, walk
+from pipetrain.schedules.ir import Action, Comm, CommOp, Op, Schedule
+
+
+class PlanError(ValueError):
+    """A point-to-point plan that NCCL would deadlock on or mismatch; names the ranks and messages."""
+
+
+class Kind(str, enum.Enum):
+    ACT = "act"  # forward output of `stage`
+    GRAD = "grad"  # gradient w.r.t. the input of `stage`
+
+
+class Message(NamedTuple):
+    """One tensor crossing ranks. A tuple: plans of large schedules hash and compare millions."""
+
+    kind: Kind
+    stage: int  # the stage that produced it
+    microbatch: int
+    src: int
+    dst: int
+
+    def tag(self, num_microbatches: int) -> int:
+        """A tag unique within one step (gloo matches by tag; NCCL ignores it)."""
+        return (self.stage * num_microbatches + self.microbatch) * 2 + (self.kind is Kind.GRAD)
+
+    def describe(self) -> str:
+        what = "activation" if self.kind is Kind.ACT else "input gradient"
+        return f"{what} of {self.stage}{'F' if self.kind is Kind.ACT else 'B'}{self.microbatch}"
+
+
+def _crossing(action: Action, schedule: Schedule, rank: int, *, outgoing: bool) -> Optional[Message]:
+    """The message an action sends (outgoing) or consumes from another rank, if any."""
+    pl = schedule.placement
+    if action.op is Op.F:
+        kind, toward_next = Kind.ACT, outgoing  # activations flow down the chain
+    elif action.op.is_backward:
+        kind, toward_next = Kind.GRAD, not outgoing  # gradients flow back up
+    else:
+        return None
+    s, m = action.stage, action.microbatch
+    other = pl.next_stage(s) if toward_next else pl.prev_stage(s)
+    if other is None or pl.rank_of(other) == rank:
+        return None
+    peer = pl.rank_of(other)
+    return Message(kind, s, m, rank, peer) if outgoing else Message(kind, other, m, peer, rank)
+
+
+def sent_by(action: Action, schedule: Schedule, rank: int) -> Optional[Message]:
+    """The message an action sends to another rank, if any."""
+    return _crossing(action, schedule, rank, outgoing=True)
+
+
+def needed_by(action: Action, schedule: Schedule, rank: int) -> Optional[Message]:
+    """The message an action must receive from another rank, if any."""
+    return _crossing(action, schedule, rank, outgoing=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Operations one rank posts together toward one peer: one step of that pair's order."""
+
+    peer: int
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's plan: its atomic actions and, per boundary, the groups issued there."""
+
+    rank: int
+    parts: tuple[Action, ...]
+    waits: tuple[Optional[Message], ...]  # waits[i]: the message part i consumes, if any
+    issue: tuple[tuple[Group, ...], ...]  # issue[i]: posted before part i; issue[len(parts)]: after the last
+
+    @property
+    def max_pending_recvs(self) -> int:
+        """Most receives issued and not yet consumed at once (the receive buffers alive)."""
+        pending = peak = 0
+        for i, groups in enumerate(self.issue):
+            pending += sum(len(g.recvs) for g in groups)
+            peak = max(peak, pending)
+            if i < len(self.parts) and self.waits[i] is not None:
+                pending -= 1
+        return peak
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule with its backward parts dropped (validation's forward pass): still deadlock-free."""
+    rows = []
+    for r in range(schedule.num_ranks):
+        row: list = []
+        for cell in schedule.cells(r):
+            if isinstance(cell, Comm):
+                if cell.op in (CommOp.SEND_F, CommOp.RECV_F):
+                    row.append(cell)
+            else:
+                row += [a for a in cell.parts() if a.op is Op.F]
+        rows.append(row)
+    return Schedule.build(schedule.name, schedule.placement, schedule.num_microbatches, rows)
+
+
+def comm_message(c: Comm, schedule: Schedule, rank: int) -> tuple[Message, bool]:
+    """A hand-written communication as (message, is_send); PlanError if it cannot happen on this rank."""
+    pl = schedule.placement
+    if not 0 <= c.stage < pl.num_stages or pl.rank_of(c.stage) != rank:
+        raise PlanError(f"{c} is on rank {rank}, but stage {c.stage} is not: write it in its stage's rank's row")
+    forward = c.op in (CommOp.SEND_F, CommOp.RECV_F)
+    send = c.op in (CommOp.SEND_F, CommOp.SEND_B)
+    peer_stage = pl.next_stage(c.stage) if forward == send else pl.prev_stage(c.stage)
+    if peer_stage is None or pl.rank_of(peer_stage) == rank:
+        raise PlanError(f"{c}: that tensor does not cross ranks (stage {c.stage} has no neighbour on another rank "
+                        f"that way): remove it")
+    peer = pl.rank_of(peer_stage)
+    kind = Kind.ACT if forward else Kind.GRAD
+    producer = c.stage if send else peer_stage
+    return Message(kind, producer, c.microbatch, rank if send else peer, peer if send else rank), send
+
+
+def _explicit_plan(schedule: Schedule, rank: int) -> RankPlan:
+    """The plan a hand-written schedule spells out: each communication its own group, where written."""
+    parts = tuple(schedule.actions(rank))
+    needs = tuple(needed_by(a, schedule, rank) for a in parts)
+    at: dict[int, list[Group]] = defaultdict(list)
+    where: dict[tuple[Message, bool], int] = {}
+    for b, c in schedule.comms[rank]:
+        msg, send = comm_message(c, schedule, rank)
+        if (msg, send) in where:
+            raise PlanError(f"rank {rank} lists {c} twice: keep one")
+        where[(msg, send)] = b
+        at[b].append(Group(msg.dst if send else msg.src, (msg,) if send else (), () if send else (msg,)))
+    for i, a in enumerate(parts):
+        out = sent_by(a, schedule, rank)
+        if out is not None and where.get((out, True), -1) <= i:
+            raise PlanError(f"rank {rank} must send the {out.describe()} after {a}: add {a.stage}SEND_"
+                            f"{'F' if out.kind is Kind.ACT else 'B'}{a.microbatch} after it")
+        if needs[i] is not None and where.get((needs[i], False), i + 1) > i:
+            raise PlanError(f"rank {rank} must receive the {needs[i].describe()} before {a}: add {a.stage}RECV_"
+                            f"{'F' if needs[i].kind is Kind.ACT else 'B'}{a.microbatch} before it")
+    expected = {(m, True) for m in (sent_by(a, schedule, rank) for a in parts) if m} | {(m, False) for m in needs if m}
+    for msg, send in set(where) - expected:
+        raise PlanError(f"rank {rank} {'sends' if send else 'receives'} the {msg.describe()}, which no action of "
+                        f"rank {rank} {'produces' if send else 'consumes'}: remove it")
+    return RankPlan(rank, parts, needs, tuple(tuple(at.get(b, ())) for b in range(len(parts) + 1)))
+
+
+Crossings = tuple[tuple[Action, Optional[Message], Optional[Message]], ...]  # per part: (action, consumes, sends)
+
+
+def crossings(schedule: Schedule, rank: int) -> Crossings:
+    """Each atomic action of the rank with the message it consumes and the one it sends, if any
+    (what `needed_by` and `sent_by` say, computed in one pass: the validator runs this on
+    every action of schedules with 10^5 of them)."""
+    pl = schedule.placement
+
+    def remote(stage: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+        if stage is None or pl.rank_of(stage) == rank:
+            return None, None
+        return stage, pl.rank_of(stage)
+
+    nbrs = {s: (remote(pl.prev_stage(s)), remote(pl.next_stage(s))) for s in pl.stages_of(rank)}
+    out = []
+    for a in schedule.actions(rank):
+        s, m = a.stage, a.microbatch
+        (prev, prev_rank), (nxt, next_rank) = nbrs[s]
+        if a.op is Op.F:
+            need = None if prev is None else Message(Kind.ACT, prev, m, prev_rank, rank)
+            send = None if nxt is None else Message(Kind.ACT, s, m, rank, next_rank)
+        elif a.op is Op.W:
+            need = send = None
+        else:
+            need = None if nxt is None else Message(Kind.GRAD, nxt, m, next_rank, rank)
+            send = None if prev is None else Message(Kind.GRAD, s, m, rank, prev_rank)
+        out.append((a, need, send))
+    return tuple(out)
+
+
+def message_order(schedule: Schedule, result: Optional[Walk] = None,
+                  per_rank: Optional[list[Crossings]] = None) -> dict[Message, tuple[float, int, int]]:
+    """Every message's place in one causal order of the whole step: when its consumer starts
+    in the unit-cost dependency walk (then part and rank). Both ranks of a pair use it."""
+    result = walk(schedule, lambda r, step: 1.0) if result is None else result
+    if not result.complete:
+        raise ValueError(f"schedule {schedule.name!r} deadlocks: validate it first")
+    order = {}
+    for r, steps in enumerate(schedule.steps):
+        cross = iter(crossings(schedule, r) if per_rank is None else per_rank[r])
+        for k, step in enumerate(steps):
+            for part_no in range(len(step.parts())):
+                msg = next(cross)[1]
+                if msg is not None:
+                    order[msg] = (result.start[r][k], part_no, r)
+    return order
+
+
+def build_plan(schedule: Schedule, rank: int, *, lookahead: int = 1,
+               order: Optional[dict[Message, tuple[float, int, int]]] = None,
+               cross: Optional[Crossings] = None) -> RankPlan:
+    """One rank's plan (see the module docstring); pure and deterministic.
+
+    Toward each peer the rank issues its sends and receives in the pair's order
+    (`message_order`: by when the consumer starts). A receive is posted `lookahead` parts
+    before its consumer; a send right after the part producing it; either waits for the
+    operation before it in the pair's order (a send may so go out later than produced,
+    a receive is never posted earlier than `lookahead`). Operations toward one peer at
+    one boundary form one group.
+    """
+    if lookahead < 0:
+        raise ValueError(f"pipeline.p2p_lookahead must be >= 0, got {lookahead}")
+    if schedule.comms:
+        return _explicit_plan(schedule, rank)
+    order = message_order(schedule) if order is None else order
+    cross = crossings(schedule, rank) if cross is None else cross
+    n = len(cross)
+    # peer -> [(message, is_send, earliest boundary, latest boundary)]
+    streams: dict[int, list[tuple[Message, bool, int, int]]] = defaultdict(list)
+    for i, (_, need, out) in enumerate(cross):
+        if out is not None:
+            streams[out.dst].append((out, True, i + 1, n))
+        if need is not None:
+            streams[need.src].append((need, False, max(0, i - lookahead), i))
+    at: dict[int, dict[int, tuple[list[Message], list[Message]]]] = defaultdict(dict)  # boundary -> peer -> ops
+    for peer, ops in streams.items():
+        ops.sort(key=lambda op: order[op[0]])
+        b = 0
+        for msg, is_send, earliest, latest in ops:
+            b = max(b, earliest)
+            # Ordered by consumer start, every earlier operation is issued before a receive's consumer.
+            assert b <= latest, f"rank {rank}: {msg.describe()} issued after it is needed"
+            sends, recvs = at[b].setdefault(peer, ([], []))
+            (sends if is_send else recvs).append(msg)
+    issue: list[tuple[Group, ...]] = [()] * (n + 1)
+    for b, by_peer in at.items():
+        issue[b] = tuple([Group(p, tuple(by_peer[p][0]), tuple(by_peer[p][1])) for p in sorted(by_peer)])
+    parts, needs, _ = zip(*cross) if cross else ((), (), ())
+    return RankPlan(rank, tuple(parts), tuple(needs), tuple(issue))
+
+
+def build_plans(schedule: Schedule, *, lookahead: int = 1, unit_walk: Optional[Walk] = None) -> tuple[RankPlan, ...]:
+    """Every rank's plan; `unit_walk`: the schedule's unit-cost walk if the caller has it."""
+    if schedule.comms:
+        return tuple(_explicit_plan(schedule, r) for r in range(schedule.num_ranks))
+    per_rank = [crossings(schedule, r) for r in range(schedule.num_ranks)]
+    order = message_order(schedule, unit_walk, per_rank)
+    return tuple(build_plan(schedule, r, lookahead=lookahead, order=order, cross=per_rank[r])
+                 for r in range(schedule.num_ranks))
+
+
+def _positions(plan: RankPlan) -> dict[tuple[int, bool], list[tuple[int, Message]]]:
+    """(peer, is_send) -> [(group number on the pair's stream, message)] in issue order."""
+    out: dict[tuple[int, bool], list[tuple[int, Message]]] = defaultdict(list)
+    count: dict[int, int] = defaultdict(int)
+    for groups in plan.issue:
+        for g in groups:
+            k = count[g.peer]
+            count[g.peer] += 1
+            out[(g.peer, True)] += [(k, m) for m in g.sends]
+            out[(g.peer, False)] += [(k, m) for m in g.recvs]
+    return out
+
+
+def _check_fifo(pos: list[dict]) -> None:
+    """(1) The k-th send of a to b is the k-th receive of b from a (NCCL matches by position)."""
+    for a, mine in enumerate(pos):
+        for (b, is_send), sent in sorted(mine.items()):
+            if not is_send:
+                continue
+            got = [m for _, m in pos[b].get((a, False), [])]
+            if got == [m for _, m in sent]:
+                continue
+            for k, (_, m) in enumerate(sent):
+                if k >= len(got) or got[k] != m:
+                    other = got[k].describe() if k < len(got) else "nothing"
+                    raise PlanError(
+                        f"ranks {a} and {b} disagree on the order of two messages: rank {a} sends the {m.describe()} "
+                        f"as its message #{k} to rank {b}, but rank {b} receives the {other} there; NCCL matches "
+                        f"messages between two ranks in order: make rank {b} receive them in the order rank {a} "
+                        f"sends them")
+
+
+def _check_pair_order(pos: list[dict]) -> None:
+    """(2) Both sides of a pair issue its messages in one order (a group counts as one step)."""
+    for a in range(len(pos)):
+        for b in range(a + 1, len(pos)):
+            at: dict[Message, list[int]] = defaultdict(lambda: [0, 0])
+            for side, (r, peer) in enumerate(((a, b), (b, a))):
+                for is_send in (True, False):
+                    for k, m in pos[r].get((peer, is_send), []):
+                        at[m][side] = k
+            rows = sorted(((ka, kb, m) for m, (ka, kb) in at.items()), key=lambda t: (t[0], t[1]))
+            best: Optional[tuple[int, int, Message]] = None  # the row with the largest kb among earlier ka
+            prev_ka, group_best = None, None
+            for ka, kb, m in rows:
+                if ka != prev_ka:
+                    if group_best is not None and (best is None or group_best[1] > best[1]):
+                        best = group_best
+                    prev_ka, group_best = ka, None
+                if best is not None and kb < best[1]:
+                    x = best[2]
+                    raise PlanError(
+                        f"ranks {a} and {b} issue two messages in opposite orders: rank {a} issues the {x.describe()} "
+                        f"before the {m.describe()}, rank {b} the other way round; on NCCL (one in-order stream "
+                        f"per pair) that deadlocks: reorder the schedule so both ranks meet them in one order")
+                if group_best is None or kb > group_best[1]:
+                    group_best = (ka, kb, m)
+
+
+def _run_streams(plans: tuple[RankPlan, ...]) -> Optional[str]:
+    """(3) Run every rank's plan under NCCL's rules; None if all completes, else who is stuck.
+
+    A rank posts its groups at their boundaries and blocks before a part until the message
+    it consumes has arrived. Per (rank, peer) stream, groups run one after another: a
+    message completes once the groups holding it are the running (head) groups of both
+    ranks' streams; a group completes when all its messages have, and then the next starts.
+    Linear in the number of messages (each group becomes the head once).
+    """
+    groups: dict[tuple[int, int], list[tuple[Message, ...]]] = defaultdict(list)
+    where: dict[tuple[Message, int], tuple[tuple[int, int], int]] = {}  # (message, rank) -> (stream, group)
+    for plan in plans:
+        for gs in plan.issue:
+            for g in gs:
+                key = (plan.rank, g.peer)
+                msgs = g.sends + g.recvs
+                for m in msgs:
+                    where[(m, plan.rank)] = (key, len(groups[key]))
+                groups[key].append(msgs)
+    left = {key: [len(g) for g in gs] for key, gs in groups.items()}
+    issued: dict[tuple[int, int], int] = defaultdict(int)
+    head: dict[tuple[int, int], int] = defaultdict(int)
+    done: set[Message] = set()
+    waiting: dict[Message, int] = {}
+    ready = deque(range(len(plans)))
+
+    def running(key: tuple[int, int], k: int) -> bool:
+        return head[key] == k < issued[key]
+
+    def start(key: tuple[int, int]) -> None:
+        """The head group of `key` may be running now: complete what it shares with running peers."""
+        todo = [key]
+        while todo:
+            key = todo.pop()
+            k = head[key]
+            if k >= issued[key]:
+                continue
+            for m in groups[key][k]:
+                other = where.get((m, m.dst if key[0] == m.src else m.src))
+                if m in done or other is None or not running(*other):
+                    continue
+                done.add(m)
+                if m in waiting:
+                    ready.append(waiting.pop(m))
+                for skey, sk in ((key, k), other):
+                    left[skey][sk] -= 1
+                    if left[skey][sk] == 0:
+                        head[skey] += 1
+                        todo.append(skey)
+
+    pos = [0] * len(plans)  # next boundary of each rank to issue (then its part to run)
+    posted = [False] * len(plans)  # whether the groups of boundary pos[r] are posted
+    while ready:
+        r = ready.popleft()
+        plan = plans[r]
+        while pos[r] <= len(plan.parts):
+            i = pos[r]
+            if not posted[r]:
+                posted[r] = True
+                for g in plan.issue[i]:
+                    key = (r, g.peer)
+                    issued[key] += 1
+                    if head[key] == issued[key] - 1:
+                        start(key)
+            need = plan.waits[i] if i < len(plan.parts) else None
+            if need is not None and need not in done:
+                waiting[need] = r
+                break
+            pos[r] += 1
+            posted[r] = False
+    stuck = [r for r, p in enumerate(plans) if pos[r] <= len(p.parts)]
+    if stuck:
+        r = stuck[0]
+        m = plans[r].waits[pos[r]]
+        return f"rank {r} waits before {plans[r].parts[pos[r]]} for the {m.describe()} from rank {m.src}"
+    for key, gs in sorted(groups.items()):
+        if head[key] < len(gs):
+            return (f"rank {key[0]}'s messages to rank {key[1]} never complete: "
+                    + ", ".join(m.describe() for m in gs[head[key]] if m not in done))
+    return None
+
+
+def check_plan(schedule: Schedule, *, lookahead: int = 1, unit_walk: Optional[Walk] = None) -> None:
+    """Raise PlanError unless the training and the forward-only plans are NCCL-safe."""
+    for sched, known in ((schedule, unit_walk), (forward_only(schedule), None)):
+        plans = build_plans(sched, lookahead=lookahead, unit_walk=known)
+        pos = [_positions(p) for p in plans]
+        _check_fifo(pos)
+        _check_pair_order(pos)
+        stuck = _run_streams(plans)
+        if stuck is not None:
+            raise PlanError(f"point-to-point plan deadlocks under NCCL's in-order rule: {stuck}")
