@@ -129,6 +129,11 @@ def test_schedules_and_config_schemas_reach_no_torch(prefix):
     assert {m: t for m, t in offenders.items() if t} == {}
 
 
+def test_runtime_depends_on_the_stage_protocol_not_on_models():
+    reached = {m for m in closure("pipetrain.runtime") if m.startswith("pipetrain.models")}
+    assert reached == set()
+
+
 def test_config_schemas_import_nothing_of_the_runtime():
     runtime = ("runtime", "train", "launch", "loggers", "metrics", "models", "cli", "compose", "plan")
     allowed = {"pipetrain.models.costs"}  # the pure per-layer cost record the partition rules use

@@ -15,7 +15,7 @@ import torch
 from _dist import spawn
 from pipetrain.models.factory import build_model
 from pipetrain.partition.uniform import uniform_bounds
-from pipetrain.runtime.pipeline import build_rank_pipeline
+from pipetrain.train.pipeline import build_rank_pipeline
 from pipetrain.schedules import registry
 
 V = {"interleaved_1f1b": 2, "looped_bfs": 2}

@@ -12,7 +12,7 @@ import torch
 from _dist import spawn
 from pipetrain.models.factory import build_model
 from pipetrain.partition.uniform import uniform_bounds
-from pipetrain.runtime.pipeline import build_rank_pipeline
+from pipetrain.train.pipeline import build_rank_pipeline
 from pipetrain.schedules import registry
 
 pytestmark = pytest.mark.dist

@@ -2,10 +2,9 @@
 
 The executor runs a stage's forward, asks the last stage for the loss, and collects the
 parameters it computes weight gradients for; it needs nothing else of the module.
-`models/split.py: StageModule` is the implementation today. Typing the executor's `stages`
-with this protocol (instead of nn.Module, and with no import of models/) is left to the
-rewrite of runtime/executor.py and runtime/pipeline.py, so this file only defines it and
-tests/test_architecture.py checks that StageModule satisfies it.
+`models/split.py: StageModule` is the implementation; the executor's `stages` are typed
+with this protocol, and runtime/ imports nothing of models/ (train/pipeline.py assembles a
+rank's stages from the model). tests/test_architecture.py checks both.
 """
 
 from __future__ import annotations

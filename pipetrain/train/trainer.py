@@ -27,7 +27,7 @@ import torch.distributed as dist
 from pipetrain.config import Config
 from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.plan import Plan, build_model
-from pipetrain.runtime.pipeline import RankPipeline, build_rank_pipeline
+from pipetrain.train.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.data import build_data, split_microbatches
