@@ -28,7 +28,7 @@ from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.models.costs import chunk_costs
 from pipetrain.models.sleep_module import SleepModel
 from pipetrain.partition.uniform import uniform_bounds
-from pipetrain.runtime.pipeline import build_rank_pipeline
+from pipetrain.train.pipeline import build_rank_pipeline
 from pipetrain.schedules import registry
 from pipetrain.schedules.simulate import StageCosts, simulate
 

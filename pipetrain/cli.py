@@ -1,5 +1,8 @@
 """`pipetrain`: compose the Hydra config, turn it into typed dataclasses, run.
 
+What composing needs (schemas, recipes, resolvers, the typed conversion) is in compose.py,
+shared with the sbatch renderer and the tests; this module is only the command.
+
 User mistakes end as one clear message and a non-zero exit (set HYDRA_FULL_ERROR=1
 for the traceback). Configs ship inside the package (`pipetrain.conf`), so the
 command works from any directory after `pip install .` or `pip install -e .`.
@@ -9,62 +12,25 @@ from __future__ import annotations
 
 import os
 import sys
-from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from pipetrain.config import Config, Mode, register_configs
+from pipetrain.compose import CONF_DIR, check_recipe_args, register_all, to_config
+from pipetrain.config import Config, Mode
 from pipetrain.launch import RankFailedError
 
-CONF_DIR = str(resources.files("pipetrain.conf"))
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
-
-
-def recipe_files() -> dict[str, Path]:
-    """Shipped recipes by name (recipes/*.yaml)."""
-    root = resources.files("pipetrain.recipes")
-    return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".yaml")}
-
-
-def register_recipes() -> None:
-    """Make recipes/ the config group `recipe` (so `+recipe=NAME` works from any directory).
-
-    The files carry `# @package _global_`; they are stored at the global package
-    with their defaults lists intact, so `override /schedule: ...` inside a recipe
-    works and a later command-line `schedule=...` still wins.
-    """
-    cs = ConfigStore.instance()
-    for name, path in recipe_files().items():
-        cs.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
-
-
-def check_recipe_args(argv: Sequence[str]) -> None:
-    """Fail early, with the list, on an unknown recipe (Hydra would otherwise add a plain `recipe` key)."""
-    known = recipe_files()
-    for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if sep and key == "recipe" and value not in known:
-            raise ValueError(f"unknown recipe {value!r}: choose +recipe= one of {', '.join(sorted(known))}")
-
-
-def to_config(cfg: DictConfig) -> Config:
-    if "recipe" in cfg:
-        raise ValueError(f"unknown recipe {cfg.recipe!r}: choose +recipe= one of {', '.join(sorted(recipe_files()))}")
-    config = OmegaConf.to_object(cfg)
-    assert isinstance(config, Config)
-    return config
 
 
 def run(config: Config, run_dir: Path) -> Any:
     from rich.console import Console
 
     from pipetrain.launch import launch
-    from pipetrain.launch.cluster_config import process_rank
+    from pipetrain.launch.resolvers import process_rank
     from pipetrain.simulate_cmd import plan_and_simulate, run_simulate
 
     if config.mode is Mode.simulate:
@@ -105,8 +71,7 @@ def _unwrap(err: BaseException) -> BaseException:
 
 
 def main() -> None:
-    register_configs()
-    register_recipes()
+    register_all()
     try:
         check_recipe_args(sys.argv[1:])
     except ValueError as e:

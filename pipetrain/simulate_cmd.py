@@ -18,15 +18,13 @@ from pipetrain.partition.plan import PartitionPlan
 from pipetrain.partition.table import compact_names, partition_table
 from pipetrain.plan import Plan, make_plan
 from pipetrain.schedules import render
+from pipetrain.schedules.export import rounded
 from pipetrain.schedules.simulate import SimResult, simulate
 
 
 def partition_record(part: PartitionPlan, *, model: str, cost_source: str) -> dict:
     """The "partition" object of simulate.json: one entry per model chunk (= stage, except
     DualPipe's mirror, where chunk c is stage c of one direction and of the other)."""
-    def r(x: float) -> float:
-        return round(float(x), render.JSON_DIGITS)
-
     return {
         "model": model,
         "strategy": part.strategy,
@@ -36,9 +34,9 @@ def partition_record(part: PartitionPlan, *, model: str, cost_source: str) -> di
         "boundaries": list(part.boundaries),
         "layers": [compact_names(part.layer_names(c)) for c in range(part.num_chunks)],
         "params": list(part.chunk_params()),
-        "est_ms": [r(x) for x in part.chunk_time_ms()],  # f + b + w of one microbatch
-        "imbalance": r(part.time_imbalance()),  # max/mean - 1 of est_ms
-        "params_imbalance": r(part.imbalance("params")),
+        "est_ms": [rounded(x) for x in part.chunk_time_ms()],  # f + b + w of one microbatch
+        "imbalance": rounded(part.time_imbalance()),  # max/mean - 1 of est_ms
+        "params_imbalance": rounded(part.imbalance("params")),
     }
 
 

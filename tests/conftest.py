@@ -6,22 +6,24 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 REPO = Path(__file__).resolve().parents[1]
+TIERS = ("pure", "dist", "e2e")  # pyproject.toml [tool.pytest.ini_options] markers
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test is in exactly one tier (its own mark or its module's `pytestmark`), so that
+    `-m pure`, `-m dist`, `-m e2e` split the suite without overlap."""
+    wrong = [item.nodeid for item in items if len({m.name for m in item.iter_markers()} & set(TIERS)) != 1]
+    if wrong:
+        raise pytest.UsageError(f"mark each test with exactly one tier of {TIERS}: {', '.join(wrong[:5])}")
 
 
 @pytest.fixture(scope="session")
 def compose():
     """compose(overrides) -> typed Config, through the same Hydra path the CLI uses."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from pipetrain.cli import CONF_DIR, register_recipes, to_config
-    from pipetrain.config import register_configs
-
-    register_configs()
-    register_recipes()
+    from pipetrain.compose import compose as compose_dict, to_config
 
     def _compose(overrides=(), typed=True):
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        cfg = compose_dict(overrides)
         return to_config(cfg) if typed else cfg
 
     return _compose

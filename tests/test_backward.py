@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from pipetrain.runtime.backward import backward_full, backward_input, backward_weight
 
+pytestmark = pytest.mark.pure
+
 
 class Block(nn.Module):
     """A GPT-2-style block: the qkv split is a multi-output autograd node on the input path."""

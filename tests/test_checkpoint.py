@@ -22,8 +22,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from _dist import spawn
+from pipetrain.launch import launch
 from pipetrain.plan import make_plan
 from pipetrain.train import checkpoint as ckpt
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS, EVERY = 6, 3
 BASE = ["mode=train", "model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32", "pipeline.microbatches=4",
@@ -33,26 +36,26 @@ LAYOUTS = {"1f1b-P2": ["pipeline.degree=2", "schedule=1f1b"],
            "dualpipe-P2": ["pipeline.degree=2", "schedule=dualpipe"]}
 
 
-def fit_rank(rank: int, world: int, out: Path, config, plan, run_dir: Path) -> None:
-    from pipetrain.train.trainer import rank_main
-
-    rank_main(config, plan, run_dir)
-
-
 def crash_mid_save(rank: int, world: int, out: Path, config, plan, run_dir: Path) -> None:
     """Resume, train one step, write the step's checkpoint files, die before the commit."""
     from pipetrain.train.trainer import Trainer
 
     trainer = Trainer(config, plan, run_dir)
+    trainer.resume()
     (out / f"resumed{rank}.txt").write_text(str(trainer.state.step))
     trainer.train_step()
-    ckpt.write_staged(trainer)
+    ckpt.write_staged(trainer.checkpointable, trainer.run_dir)
     os._exit(0)  # killed: no commit, no cleanup, no atexit
 
 
-def train(compose, run_dir: Path, layout: str, *extra: str, fn=fit_rank) -> Path:
+def train(compose, run_dir: Path, layout: str, *extra: str, fn=None) -> Path:
+    """Train as `pipetrain` would: pipetrain.launch (torch elastic) runs the trainer on every rank.
+    With `fn`, spawn plain ranks running fn instead (a crash test needs ranks that die mid-save)."""
     config = compose([*BASE, *LAYOUTS[layout], *extra])
-    spawn(fn, config.pipeline.degree, run_dir / "spawn", config, make_plan(config), run_dir)
+    if fn is None:
+        launch(config, make_plan(config), run_dir)
+    else:
+        spawn(fn, config.pipeline.degree, run_dir / "spawn", config, make_plan(config), run_dir)
     return run_dir
 
 

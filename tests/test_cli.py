@@ -6,6 +6,8 @@ import pytest
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.e2e
+
 ISSUE_CMD = ["mode=simulate", "model=sleep", "schedule=zbv", "pipeline.degree=8", "pipeline.microbatches=32"]
 
 

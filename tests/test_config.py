@@ -4,9 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.cli import CONF_DIR, recipe_files
+from pipetrain.compose import CONF_DIR, recipe_files
 from pipetrain.config import GPT2ModelConfig, Config, DataConfig, Mode, PartitionConfig
 from pipetrain.schedules import registry
+
+pytestmark = pytest.mark.pure
 
 SCHEDULE_OPTIONS = sorted(p.stem for p in (Path(CONF_DIR) / "schedule").glob("*.yaml"))
 

@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipetrain.cli import CONF_DIR
+from pipetrain.compose import CONF_DIR
 from pipetrain.models.factory import build_model
 from pipetrain.train.data import (
     CORPUS_FILE, ModelExamples, SyntheticTokens, TokenWindows, build_data, builtin_corpus, split_microbatches,
 )
-from pipetrain.train.data_config import DATA_SOURCES, DataConfig
+from pipetrain.config.data import DATA_SOURCES, DataConfig
+
+pytestmark = pytest.mark.pure
 
 REPO = Path(__file__).resolve().parents[1]
 # sha256 of the decompressed built-in corpus: the same bytes on every machine and every load.
@@ -70,7 +72,7 @@ def test_batch_of_step_k_is_a_function_of_seed_and_k():
 
 def test_batches_agree_across_processes():
     code = ("import sys, hashlib; from pipetrain.train.data import build_data; "
-            "from pipetrain.train.data_config import DataConfig; "
+            "from pipetrain.config.data import DataConfig; "
             "x, y = build_data(DataConfig(), seed=3, vocab_size=512).batch(11, split='val'); "
             "print(hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest())")
     env = dict(os.environ, PYTHONHASHSEED="12345")  # Python's own hash() would differ between these
@@ -338,7 +340,7 @@ def test_gpt2_tokenizer_from_a_local_folder(tmp_path):
 
 
 def test_data_config_imports_neither_torch_nor_numpy():
-    code = ("import sys; import pipetrain.train.data_config as d; d.DataConfig(); "
+    code = ("import sys; import pipetrain.config.data as d; d.DataConfig(); "
             "bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
     assert res.returncode == 0, res.stderr

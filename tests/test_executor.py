@@ -15,7 +15,7 @@ import torch
 from _dist import spawn
 from pipetrain.models.factory import build_model
 from pipetrain.partition.uniform import uniform_bounds
-from pipetrain.runtime.pipeline import build_rank_pipeline
+from pipetrain.train.pipeline import build_rank_pipeline
 from pipetrain.schedules import registry
 
 V = {"interleaved_1f1b": 2, "looped_bfs": 2}
@@ -78,6 +78,8 @@ def reference(model_name: str):
     return first
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("P", [2, 4])
 @pytest.mark.parametrize("model_name", ["gpt2-tiny", "mlp"])
 def test_every_schedule_matches_single_process(tmp_path, P, model_name):
@@ -103,6 +105,7 @@ def test_every_schedule_matches_single_process(tmp_path, P, model_name):
                 assert torch.equal(c, copies[0]), (name, n)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("name", ["1f1b", "zbh1"])
 def test_activation_checkpointing_same_gradients_less_memory(name):
     """P=1 runs the same executor without communication: the reference path of pipeline.degree=1."""

@@ -7,6 +7,8 @@ from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.simulate import StageCosts, simulate
 from pipetrain.schedules.validate import ScheduleError, validate
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize("text", ["0F3", "12B7", "5W0", "2BW10", "0F6&7BW2", "3F1&4B0"])
 def test_step_text_round_trip(text):

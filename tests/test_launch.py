@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from hydra import compose as hydra_compose, initialize_config_dir
 
 from conftest import REPO, run_cli
-from pipetrain.cli import CONF_DIR, to_config
-from pipetrain.config import register_configs
+from pipetrain.compose import compose as compose_dict, to_config
+from pipetrain.config.cluster import ClusterConfig
 from pipetrain.launch import RankFailedError, launch
-from pipetrain.launch.cluster_config import ClusterConfig, _shared_now
+from pipetrain.launch.resolvers import _shared_now
 from pipetrain.launch.env import first_host, slurm_env, torchrun_env
 from pipetrain.launch.sbatch import sbatch_for
 
@@ -31,12 +30,8 @@ TINY = ["model=mlp", "trainer.max_steps=2", "sim.timeline=false"]  # the fastest
 
 
 def compose(overrides, hydra=False):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=hydra)
-        if hydra:
-            return cfg
-    return to_config(cfg)
+    cfg = compose_dict(overrides, return_hydra_config=hydra)
+    return cfg if hydra else to_config(cfg)
 
 
 def small_plan(overrides=()):
@@ -76,6 +71,7 @@ def failing_entry(config, plan, run_dir: Path) -> dict:
 # ---- pure: config, environment, Hydra wiring ---------------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("kwargs, knob", [
     (dict(name="k8s"), "cluster="),
     (dict(backend="mpi"), "cluster.backend"),
@@ -91,6 +87,7 @@ def test_cluster_config_errors_name_the_knob(kwargs, knob):
     assert knob in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.pure
 def test_ranks_must_fill_the_nodes():
     assert ClusterConfig(name="slurm", nodes=2).tasks_per_node(16) == 8
     with pytest.raises(ValueError, match="cluster.nodes=2 x cluster.ranks_per_node=4 = 8 tasks, but pipeline.degree=16"):
@@ -99,6 +96,7 @@ def test_ranks_must_fill_the_nodes():
         ClusterConfig(name="slurm", nodes=2).check_degree(3)
 
 
+@pytest.mark.pure
 def test_first_host_of_slurm_node_lists():
     assert first_host("gpu[003-004,7],cpu1") == "gpu003"
     assert first_host("a-[1-2]-b[5,6]") == "a-1-b5"
@@ -106,6 +104,7 @@ def test_first_host_of_slurm_node_lists():
     assert first_host("n[10-11]") == "n10"
 
 
+@pytest.mark.pure
 def test_rank_env_from_slurm_and_torchrun_variables():
     env = slurm_env(env={"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
                          "SLURM_JOB_NODELIST": "gpu[003-004]", "SLURM_JOB_ID": "4242"})
@@ -119,6 +118,7 @@ def test_rank_env_from_slurm_and_torchrun_variables():
         torchrun_env({})
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("cluster, var", [("torchrun", "RANK"), ("slurm", "SLURM_PROCID"),
                                           ("submitit_local", "SUBMITIT_LOCAL_GLOBALID")])
 def test_only_rank0_writes_hydra_files_and_log(cluster, var, monkeypatch):
@@ -131,6 +131,7 @@ def test_only_rank0_writes_hydra_files_and_log(cluster, var, monkeypatch):
         assert log == (f"/run/{cfg.hydra.job.name}.log" if rank == "0" else os.devnull)
 
 
+@pytest.mark.pure
 def test_slurm_knobs_reach_the_submitit_launcher():
     cfg = compose(["cluster=slurm", "pipeline.degree=4", "model=sleep", "cluster.nodes=2", "cluster.gpus_per_node=2",
                    "cluster.partition=gpu", "cluster.account=proj", "cluster.qos=high", "cluster.time_min=30",
@@ -144,6 +145,7 @@ def test_slurm_knobs_reach_the_submitit_launcher():
     assert local._target_.endswith("submitit_launcher.LocalLauncher") and local.tasks_per_node == 3
 
 
+@pytest.mark.pure
 def test_sbatch_script_for_2_nodes_x_8_gpus():
     script = sbatch_for(["cluster=slurm", "pipeline.degree=16", "cluster.nodes=2", "cluster.gpus_per_node=8",
                          "cluster.partition=gpu", "cluster.time_min=90", "cluster.account=proj",
@@ -161,6 +163,7 @@ def test_sbatch_script_for_2_nodes_x_8_gpus():
                     "model=sleep", "model.layers=32", "pipeline.microbatches=32", "data.batch_size=32"])
 
 
+@pytest.mark.dist
 def test_shared_now_is_the_first_ranks_clock(monkeypatch):
     """Ranks composing their config a second apart still get one run directory (a real TCPStore)."""
     import torch.distributed as dist
@@ -176,6 +179,7 @@ def test_shared_now_is_the_first_ranks_clock(monkeypatch):
     assert _shared_now("%H-%M-%S.%f") != first
 
 
+@pytest.mark.pure
 def test_world_size_must_equal_pipeline_degree(monkeypatch, tmp_path):
     config, plan = small_plan(["cluster=torchrun"])
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
@@ -187,6 +191,7 @@ def test_world_size_must_equal_pipeline_degree(monkeypatch, tmp_path):
 # ---- real processes on gloo --------------------------------------------------------------
 
 
+@pytest.mark.dist
 def test_local_spawns_one_process_per_rank_and_returns_rank0(tmp_path):
     config, plan = small_plan()
     result = launch(config, plan, tmp_path, entry=allreduce_entry)
@@ -199,6 +204,7 @@ def test_local_spawns_one_process_per_rank_and_returns_rank0(tmp_path):
     assert "MALLOC_MMAP_THRESHOLD_" not in os.environ or os.environ.get("MALLOC_MMAP_THRESHOLD_") != "2000000000"
 
 
+@pytest.mark.dist
 def test_failing_rank_stops_the_others_with_its_own_one_line_message(tmp_path):
     config, plan = small_plan()
     start = time.time()
@@ -214,6 +220,7 @@ def test_failing_rank_stops_the_others_with_its_own_one_line_message(tmp_path):
         os.kill(pid0, 0)
 
 
+@pytest.mark.dist
 def test_slurm_path_with_srun_variables(tmp_path):
     """Two real processes with the variables srun gives its tasks rendezvous and agree on rank 0's run dir."""
     code = (
@@ -239,6 +246,8 @@ def test_slurm_path_with_srun_variables(tmp_path):
     assert not (tmp_path / "dir1").exists()  # rank 1 wrote into rank 0's directory
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 @needs_trainer
 def test_torchrun_ranks_share_one_run_dir(tmp_path):
     # %f: ranks that did not agree on one instant would land in two directories
@@ -260,6 +269,8 @@ def test_torchrun_ranks_share_one_run_dir(tmp_path):
     assert "- cluster=torchrun" in (run / ".hydra" / "overrides.yaml").read_text()
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 @needs_trainer
 def test_submitit_local_sweep_of_two_jobs(tmp_path):
     sweep = tmp_path / "sweep"

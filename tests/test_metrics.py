@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pipetrain.loggers.config import LoggingConfig, check_loggers
+from pipetrain.config.logs import LoggingConfig, check_loggers
 from pipetrain.loggers.console import metrics_line, rank_table
 from pipetrain.loggers.trace import measured_trace
 from pipetrain.metrics.measure import measure_step, stage_costs
@@ -16,6 +16,8 @@ from pipetrain.metrics.records import ActionTiming, CommEvent, RankSample
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Overlap
 from pipetrain.schedules.simulate import StageCosts, simulate
+
+pytestmark = pytest.mark.pure
 
 
 def samples_from_sim(sim, *, wait_ms: float = 0.0, skew_ms: float = 0.0) -> list[RankSample]:

@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_torch_free
-from pipetrain.cli import CONF_DIR
+from pipetrain.compose import CONF_DIR
 from pipetrain.config import (
     MODEL_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, MLPModelConfig, SleepModelConfig,
 )
 from pipetrain.plan import make_plan
 from pipetrain.schedules.simulate import StageCosts
+
+pytestmark = pytest.mark.pure
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "model").glob("*.yaml"))

@@ -20,6 +20,8 @@ from pipetrain.schedules.p2p import (
 )
 from pipetrain.schedules.validate import ScheduleError, validate
 
+pytestmark = pytest.mark.pure
+
 V = {"interleaved_1f1b": 2, "looped_bfs": 2}
 
 

@@ -17,6 +17,8 @@ from pipetrain.runtime.comm import P2P, P2PError
 from pipetrain.schedules.ir import Action, Op
 from pipetrain.schedules.p2p import Group, Kind, Message, RankPlan
 
+pytestmark = pytest.mark.dist
+
 ACT = Message(Kind.ACT, 0, 0, 0, 1)
 GRAD = Message(Kind.GRAD, 1, 0, 1, 0)
 N = 1 << 16  # floats: large enough that no transport could buffer it without the receive

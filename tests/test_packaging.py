@@ -9,9 +9,12 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.pure
 def test_every_package_is_listed_in_pyproject():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {
@@ -20,6 +23,8 @@ def test_every_package_is_listed_in_pyproject():
     assert found == listed
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_wheel_ships_configs_and_runs_outside_the_repo(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],

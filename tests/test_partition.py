@@ -26,6 +26,8 @@ from pipetrain.partition.strategies import (
 from pipetrain.partition.table import compact_names, human, partition_table
 from pipetrain.partition.uniform import uniform_bounds
 
+pytestmark = pytest.mark.pure
+
 REPO = Path(__file__).resolve().parents[1]
 EXACT = ("params", "flops", "time", "balanced")
 METRIC_OF = {"params": lambda l: l.params, "flops": lambda l: l.flops_per_token, "time": lambda l: l.total_ms}

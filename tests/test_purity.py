@@ -4,7 +4,11 @@ torch at all; rank 0 turns measurements into metrics and logs them from plain va
 import ast
 from pathlib import Path
 
+import pytest
+
 from conftest import assert_torch_free
+
+pytestmark = pytest.mark.pure
 
 PURE_DIRS = ["pipetrain/schedules", "pipetrain/partition", "pipetrain/metrics", "pipetrain/loggers"]
 REPO = Path(__file__).resolve().parents[1]

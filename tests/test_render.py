@@ -23,6 +23,8 @@ from pipetrain.schedules.render import (
 )
 from pipetrain.schedules.simulate import SimResult, StageCosts, simulate
 
+pytestmark = pytest.mark.pure
+
 
 def one_f_one_b(P: int, M: int, *, split_backward: bool = False) -> Schedule:
     """1F1B (warm-up P-1-r forwards, then one F one backward). With split_backward the

@@ -11,6 +11,8 @@ from pipetrain.schedules.simulate import StageCosts, simulate
 from pipetrain.schedules.spec import RankCosts, ScheduleSpec
 from pipetrain.schedules.validate import validate
 
+pytestmark = pytest.mark.pure
+
 BY_NAME = {s.name: s for s in SPECS}
 DUALPIPE, DUALPIPEV = BY_NAME["dualpipe"], BY_NAME["dualpipev"]
 

@@ -15,6 +15,8 @@ from pipetrain.schedules.simulate import StageCosts, simulate
 from pipetrain.schedules.spec import RankCosts
 from pipetrain.schedules.validate import validate
 
+pytestmark = pytest.mark.pure
+
 V = {"interleaved_1f1b": 2, "looped_bfs": 2}
 
 

@@ -13,6 +13,8 @@ from pipetrain.schedules.simulate import StageCosts, simulate
 from pipetrain.schedules.spec import RankCosts, ScheduleSpec
 from pipetrain.schedules.validate import validate
 
+pytestmark = pytest.mark.pure
+
 SPEC = {s.name: s for s in SPECS}
 RANKS = (1, 2, 4, 8)
 # (f, b, w) per stage: the brief's f=b=w, and an uneven split to catch F/BW mix-ups.

@@ -17,6 +17,8 @@ from pipetrain.schedules.spec import RankCosts, ScheduleSpec
 from pipetrain.schedules.validate import validate
 from pipetrain.schedules.zero_bubble import SPECS, zbh1, zbv
 
+pytestmark = pytest.mark.pure
+
 SPEC = {s.name: s for s in SPECS}
 RANKS = (2, 4, 8)
 MIN_M = {"zbh1": lambda P: P, "zbh2": lambda P: 2 * P - 1, "zbv": lambda P: 1}

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.e2e
+
 
 def test_quickstart_trains_with_a_falling_loss(tmp_path):
     """`pipetrain` with no arguments: GPT-2 tiny, built-in corpus, 2 ranks, 1F1B, CPU."""
@@ -46,6 +48,21 @@ def test_training_sweep_ends_with_a_summary(tmp_path):
         assert r["tokens_per_s"] > 0 and r["final_loss"] > 0
     csv = (sweep / "sweep_summary.csv").read_text().splitlines()
     assert csv[0].startswith("job,schedule,degree,microbatches,tokens_per_s") and len(csv) == 7
+    assert "sweep summary" in res.stdout
+
+
+def test_console_only_sweep_ends_with_a_full_summary_table(tmp_path):
+    """summary.json is the trainer's to write: a sweep without the jsonl logger still gets every column."""
+    sweep = tmp_path / "sweep"
+    res = run_cli(["-m", "schedule=1f1b,zbv", "model=mlp", "trainer.max_steps=2", "sim.timeline=false",
+                   "logger=[console]", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((sweep / "sweep_summary.json").read_text())
+    assert sorted(r["schedule"] for r in rows) == ["1f1b", "zbv"]
+    for r in rows:  # the training table, every column filled
+        assert {"tokens_per_s", "measured_bubble", "peak_memory_bytes", "final_loss"} <= set(r), r
+        assert all(v is not None for v in r.values()), r
+    assert not list(sweep.glob("*/metrics.jsonl"))  # no jsonl logger ran
     assert "sweep summary" in res.stdout
 
 

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pipetrain.launch.launcher import RankFailedError
+from pipetrain.launch.errors import RankFailedError
 from pipetrain.launch.local import CPU_MALLOC_ENV, inherited_environ
 from pipetrain.launch.rank import Entry, elastic_worker, resolve_backend
 

@@ -17,20 +17,11 @@ if TYPE_CHECKING:
 Entry = Callable[["Config", "Plan", Path], dict]
 
 
-class RankFailedError(RuntimeError):
-    """A rank raised (or died). The message is that rank's own one-line message; the full
-    traceback, where the rank left one, is in `traceback_file` (run_dir/error_rank<r>.txt)."""
-
-    def __init__(self, rank: int, message: str, traceback_file: Optional[Path] = None) -> None:
-        where = f" (traceback: {traceback_file})" if traceback_file else ""
-        super().__init__(f"rank {rank} failed: {message}{where}")
-        self.rank, self.rank_message, self.traceback_file = rank, message, traceback_file
-
-
 def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] = None) -> dict:
     """Run `entry(config, plan, run_dir)` (default: the trainer's rank_main) on pipeline.degree
     ranks as config.cluster says; return rank 0's result ({} on the other ranks of an
-    already-launched job). A failed rank raises with that rank's one-line message."""
+    already-launched job). A failed rank raises RankFailedError (launch/errors.py) with that
+    rank's one-line message."""
     if entry is None:
         from pipetrain.train.trainer import rank_main as entry
     cluster = config.cluster

@@ -38,22 +38,16 @@ def render_sbatch(launcher: Mapping[str, Any], *, folder: str | Path, num_jobs: 
 
 def sbatch_for(overrides: Sequence[str], *, sweep_dir: str = "multirun/SWEEP") -> str:
     """Compose pipetrain's config with these overrides (checked like a run) and render its script."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipetrain.cli import CONF_DIR, register_recipes, to_config
-    from pipetrain.config import register_configs
+    from pipetrain.compose import compose, to_config
 
-    register_configs()
-    register_recipes()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*overrides, f"hydra.sweep.dir={sweep_dir}"],
-                      return_hydra_config=True)
-        launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
-        folder = launcher["submitit_folder"]
-        OmegaConf.set_struct(cfg, False)
-        cfg.pop("hydra")
-        config = to_config(cfg)
+    cfg = compose([*overrides, f"hydra.sweep.dir={sweep_dir}"], return_hydra_config=True)
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    folder = launcher["submitit_folder"]
+    OmegaConf.set_struct(cfg, False)
+    cfg.pop("hydra")
+    config = to_config(cfg)
     if config.cluster.name != "slurm":
         raise ValueError(f"the sbatch script is for cluster=slurm (got cluster={config.cluster.name}): add cluster=slurm")
     return render_sbatch(launcher, folder=folder)

@@ -1,5 +1,6 @@
 """Where a run's metrics go: console, metrics.jsonl, trace.json, wandb, behind one protocol (base.py).
 
-Importing this package loads nothing heavy: config.py is pure (the CLI composes it without
-torch), and wandb is imported only when `logger=[..., wandb]` asks for it.
+Importing this package loads nothing heavy: their schema is pipetrain/config/logs.py (pure;
+the CLI composes it without torch), and wandb is imported only when `logger=[..., wandb]`
+asks for it.
 """

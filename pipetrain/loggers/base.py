@@ -1,27 +1,30 @@
-"""The one small protocol every logger implements, and `build_loggers` from `logger=[...]`.
+"""The one small protocol every logger implements (loggers/factory.py builds them from `logger=[...]`).
 
 Only rank 0 builds loggers (train/monitor.py gathers every rank's measurements to it first),
 so a logger never thinks about ranks. Every hook has a no-op default, the way torchtitan's
-loggers do: a logger overrides what it shows.
+loggers do: a logger overrides what it shows. A logger reads only the typed records the
+trainer produces (metrics/step.py), never the trainer.
 
     start(info)                        once, before the first step
     progress(step)                     after every step (cheap: no metrics, no collective)
-    log(step, record, measurement)     at every logged step: the flat metrics record (what
-                                       metrics.jsonl holds) and the measured step
-    note(text)                         a message for the user
-    finish(summary, last, chosen)      once, at the end: the run's summary, the last measured
-                                       step and the one chosen by logging.trace_step
+    log(record)                        at every logged step: its StepRecord (record.row() is
+                                       what metrics.jsonl holds; record.measurement the
+                                       measured step on every rank)
+    note(text)                         a message for the user (checkpoints saved or resumed, ...)
+    finish(summary, last, chosen)      once, at the end: the RunSummary (already in
+                                       summary.json), the last measured step's record and the
+                                       one chosen by logging.trace_step
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
-    from pipetrain.metrics.measure import StepMeasurement
+    from pipetrain.metrics.step import RunSummary, StepRecord
 
 
 @dataclass(frozen=True)
@@ -42,40 +45,14 @@ class Logger:
     def progress(self, step: int) -> None:
         pass
 
-    def log(self, step: int, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
+    def log(self, record: StepRecord) -> None:
         pass
 
     def note(self, text: str) -> None:
         pass
 
-    def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
-               chosen: Optional[StepMeasurement]) -> None:
+    def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
         pass
-
-
-def build_loggers(names: list[str]) -> list[Logger]:
-    """The loggers `logger=[...]` names, in that order (imports each only when asked for)."""
-    out: list[Logger] = []
-    for name in names:
-        if name == "console":
-            from pipetrain.loggers.console import ConsoleLogger
-
-            out.append(ConsoleLogger())
-        elif name == "jsonl":
-            from pipetrain.loggers.jsonl import JsonlLogger
-
-            out.append(JsonlLogger())
-        elif name == "trace":
-            from pipetrain.loggers.trace import TraceLogger
-
-            out.append(TraceLogger())
-        elif name == "wandb":
-            from pipetrain.loggers.wandb_logger import WandbLogger
-
-            out.append(WandbLogger())
-        else:  # LoggingConfig.check admits only the names above
-            raise AssertionError(name)
-    return out
 
 
 def human_bytes(n: Optional[float]) -> str:

@@ -20,11 +20,12 @@ from rich.table import Table
 
 from pipetrain.loggers.base import Logger, RunInfo, human_bytes
 from pipetrain.metrics.measure import OPS, StepMeasurement
+from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.schedules.render import render_timeline
 
 
 def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> str:
-    """The compact line: always starts with "step N/M"."""
+    """The compact line of a record's row (StepRecord.row()): always starts with "step N/M"."""
     r = record
     parts = [f"step {r['step']}/{total} loss {r['loss']:.4f}"]
     if r.get("val_loss") is not None:
@@ -81,33 +82,34 @@ class ConsoleLogger(Logger):
         if self.bar is not None:
             self.bar.update(self.task, completed=step)
 
-    def log(self, step: int, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
-        done = step - self.info.start_step
-        eta = (time.perf_counter() - self.t0) / max(1, done) * (self.info.max_steps - step)
+    def log(self, record: StepRecord) -> None:
+        done = record.step - self.info.start_step
+        eta = (time.perf_counter() - self.t0) / max(1, done) * (self.info.max_steps - record.step)
         # soft_wrap: one line per step even where the output is a narrow pipe or log file
-        self.console.print(metrics_line(record, self.info.max_steps, eta), highlight=False, soft_wrap=True)
+        self.console.print(metrics_line(record.row(), self.info.max_steps, eta), highlight=False, soft_wrap=True)
 
     def note(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        # soft_wrap: a checkpoint path stays on one line, as the plain print that showed it did
+        self.console.print(text, highlight=False, soft_wrap=True)
 
-    def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
-               chosen: Optional[StepMeasurement]) -> None:
+    def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
         if self.bar is not None:
             self.bar.stop()
-        if last is not None:
-            self.console.print(rank_table(last))
-        if chosen is not None and self.info.config.logging.timeline:
-            self.console.print(f"measured timeline of step {chosen.step} (blocks: compute; dots: idle or waiting "
+        if last is not None and last.measurement is not None:
+            self.console.print(rank_table(last.measurement))
+        if chosen is not None and chosen.measurement is not None and self.info.config.logging.timeline:
+            m = chosen.measurement
+            self.console.print(f"measured timeline of step {m.step} (blocks: compute; dots: idle or waiting "
                                f"for a peer; all ranks on one clock)", highlight=False, soft_wrap=True)
-            self.console.print(render_timeline(chosen.measured, width=self.info.config.sim.timeline_width or None))
-        first, final = summary.get("first_loss"), summary.get("final_loss")
+            self.console.print(render_timeline(m.measured, width=self.info.config.sim.timeline_width or None))
+        first, final = summary.first_loss, summary.final_loss
         if first is None or final is None:
             return
         bubble = ""
-        if summary.get("bubble_fraction_mean") is not None:
-            bubble = (f"; bubble {100 * summary['bubble_fraction_mean']:.1f}% measured vs "
-                      f"{100 * summary['simulated_bubble_fraction']:.1f}% simulated")
+        if summary.bubble_fraction_mean is not None and summary.simulated_bubble_fraction is not None:
+            bubble = (f"; bubble {100 * summary.bubble_fraction_mean:.1f}% measured vs "
+                      f"{100 * summary.simulated_bubble_fraction:.1f}% simulated")
         change = (1 - final / first) * 100 if first else 0.0
         trend = f"{change:.0f}% lower" if change >= 0 else f"{-change:.0f}% higher"
-        self.console.print(f"done: {summary['steps']} steps, loss {first:.4f} -> {final:.4f} ({trend}){bubble}; "
+        self.console.print(f"done: {summary.steps} steps, loss {first:.4f} -> {final:.4f} ({trend}){bubble}; "
                            f"{self.info.run_dir}", highlight=False, soft_wrap=True)

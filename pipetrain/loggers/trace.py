@@ -18,6 +18,8 @@ from typing import Any, Optional
 from pipetrain.loggers.base import Logger
 from pipetrain.metrics.measure import StepMeasurement
 from pipetrain.metrics.records import CommEvent
+from pipetrain.metrics.step import RunSummary, StepRecord
+from pipetrain.schedules.export import ChromeTrace, rounded
 from pipetrain.schedules.render import op_name
 from pipetrain.schedules.simulate import live_activations
 
@@ -28,22 +30,17 @@ WHAT = {"act": "activation", "grad": "input gradient"}
 class TraceLogger(Logger):
     written = False
 
-    def log(self, step: int, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
-        if measurement is not None and step == self.info.chosen_step:  # written as soon as it is measured
-            self.write(measurement)
+    def log(self, record: StepRecord) -> None:
+        if record.measurement is not None and record.step == self.info.chosen_step:  # as soon as it is measured
+            self.write(record.measurement)
 
-    def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
-               chosen: Optional[StepMeasurement]) -> None:
-        if not self.written and chosen is not None:  # a resumed run that started past trace_step
-            self.write(chosen)
+    def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
+        if not self.written and chosen is not None and chosen.measurement is not None:  # resumed past trace_step
+            self.write(chosen.measurement)
 
     def write(self, measurement: StepMeasurement) -> None:
         (self.info.run_dir / "trace.json").write_text(json.dumps(measured_trace(measurement)) + "\n")
         self.written = True
-
-
-def _us(ms: float) -> float:
-    return round(ms * 1000.0, 3)  # trace times are microseconds
 
 
 def _describe(e: CommEvent) -> str:
@@ -55,53 +52,39 @@ def _flow_id(e: CommEvent, num_microbatches: int) -> int:
     return (e.stage * num_microbatches + e.microbatch) * 2 + (e.kind == "grad") + 1
 
 
-def _rank_events(m: StepMeasurement, r: int) -> list[dict[str, Any]]:
+def _rank_events(trace: ChromeTrace, m: StepMeasurement, r: int) -> None:
     sched, sample, off = m.schedule, m.samples[r], m.offsets_ms[r]
     steps, M = sched.steps[r], sched.num_microbatches
     recv_end: dict[int, float] = {}
-    events: list[dict[str, Any]] = []
     for e in sample.comm:
         if e.direction == "recv":
             recv_end[e.action] = max(recv_end.get(e.action, 0.0), e.end_ms)
-            events.append({"name": f"wait: {_describe(e)} from rank {e.peer}", "cat": "recv", "ph": "X",
-                           "pid": 0, "tid": r, "ts": _us(off + e.start_ms), "dur": _us(e.end_ms - e.start_ms),
-                           "cname": "grey", "args": {"from_rank": e.peer, "kind": e.kind, "stage": e.stage,
-                                                     "microbatch": e.microbatch}})
-            events.append({"name": _describe(e), "cat": "p2p", "ph": "f", "bp": "e", "pid": 0, "tid": r,
-                           "ts": _us(off + e.end_ms), "id": _flow_id(e, M)})
+            trace.slice(r, f"wait: {_describe(e)} from rank {e.peer}", "recv", off + e.start_ms, e.end_ms - e.start_ms,
+                        {"from_rank": e.peer, "kind": e.kind, "stage": e.stage, "microbatch": e.microbatch},
+                        cname="grey")
+            trace.flow(r, _describe(e), off + e.end_ms, _flow_id(e, M), start=False)
         else:
-            events.append({"name": f"send {_describe(e)} to rank {e.peer}", "cat": "send", "ph": "i", "s": "t",
-                           "pid": 0, "tid": r, "ts": _us(off + e.start_ms)})
-            events.append({"name": _describe(e), "cat": "p2p", "ph": "s", "pid": 0, "tid": r,
-                           "ts": _us(off + e.start_ms), "id": _flow_id(e, M)})
+            trace.instant(r, f"send {_describe(e)} to rank {e.peer}", "send", off + e.start_ms)
+            trace.flow(r, _describe(e), off + e.start_ms, _flow_id(e, M), start=True)
     for t in sample.timings:
         step = steps[t.index]
         parts = step.parts()
         # A one-part action receives before it computes: draw it from when its input was there.
         start = recv_end.get(t.index, t.start_ms) if len(parts) == 1 else t.start_ms
         op = op_name(step)
-        events.append({"name": t.step, "cat": op, "ph": "X", "pid": 0, "tid": r, "ts": _us(off + start),
-                       "dur": _us(t.end_ms - start), "cname": CNAME[op],
-                       "args": {"stages": [a.stage for a in parts], "microbatches": [a.microbatch for a in parts],
-                                "compute_ms": round(t.compute_ms, 4), "wait_ms": round(t.wait_ms, 4)}})
-    return events
+        trace.slice(r, t.step, op, off + start, t.end_ms - start,
+                    {"stages": [a.stage for a in parts], "microbatches": [a.microbatch for a in parts],
+                     "compute_ms": rounded(t.compute_ms, 4), "wait_ms": rounded(t.wait_ms, 4)}, cname=CNAME[op])
 
 
 def measured_trace(m: StepMeasurement) -> dict[str, Any]:
     """Chrome trace event format of one measured step (see the module docstring)."""
     sched = m.schedule
-    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {
-        "name": f"pipetrain {sched.name} P={sched.num_ranks} M={sched.num_microbatches}: step {m.step} (measured)"}}]
+    trace = ChromeTrace(f"pipetrain {sched.name} P={sched.num_ranks} M={sched.num_microbatches}: step {m.step} (measured)")
     for r in range(sched.num_ranks):
-        stages = "|".join(map(str, sched.placement.stages_of(r)))
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
-                       "args": {"name": f"rank {r} (stage {stages})"}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
+        trace.thread(r, f"rank {r} (stage {'|'.join(map(str, sched.placement.stages_of(r)))})")
     for r in range(sched.num_ranks):
-        events += _rank_events(m, r)
-        for t, live in live_activations(m.measured.timeline[r]):
-            events.append({"name": f"live activations rank {r}", "ph": "C", "pid": 0, "ts": _us(t),
-                           "args": {"sets": live}})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"step": m.step, "schedule": sched.name, "bubble_fraction_mean": m.bubble_mean,
-                          "simulated_bubble_fraction": m.simulated.bubble_fraction_mean}}
+        _rank_events(trace, m, r)
+        trace.counter(f"live activations rank {r}", live_activations(m.measured.timeline[r]))
+    return trace.to_json({"step": m.step, "schedule": sched.name, "bubble_fraction_mean": m.bubble_mean,
+                          "simulated_bubble_fraction": m.simulated.bubble_fraction_mean})

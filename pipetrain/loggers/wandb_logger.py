@@ -20,7 +20,7 @@ from typing import Any, Optional
 from urllib.parse import urlparse
 
 from pipetrain.loggers.base import Logger, RunInfo
-from pipetrain.metrics.measure import StepMeasurement
+from pipetrain.metrics.step import RunSummary, StepRecord
 
 PER_RANK = {  # record key -> wandb key prefix (one scalar per rank)
     "bubble_fraction_per_rank": "bubble/rank",
@@ -77,19 +77,18 @@ class WandbLogger(Logger):
     def run_path(self) -> str:
         return os.path.dirname(self.run.dir)  # .../wandb/offline-run-<time>-<id> (run.dir is its files/)
 
-    def log(self, step: int, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
-        self.run.log(flat_metrics(record), step=step)
+    def log(self, record: StepRecord) -> None:
+        self.run.log(flat_metrics(record.row()), step=record.step)
 
-    def finish(self, summary: dict[str, Any], last: Optional[StepMeasurement],
-               chosen: Optional[StepMeasurement]) -> None:
+    def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
         tables: dict[str, Any] = {}
-        if last is not None:
+        if last is not None and last.measurement is not None:
             tables["per_rank"] = self._table(last.rank_rows())
-        if chosen is not None:
-            tables["timeline"] = self._table(chosen.timeline_rows())
+        if chosen is not None and chosen.measurement is not None:
+            tables["timeline"] = self._table(chosen.measurement.timeline_rows())
         if tables:
-            self.run.log(tables, step=summary.get("steps"), commit=True)  # before the summary, which must win
-        self.run.summary.update({k: v for k, v in summary.items() if v is not None})
+            self.run.log(tables, step=summary.steps, commit=True)  # before the summary, which must win
+        self.run.summary.update({k: v for k, v in summary.to_json().items() if v is not None})
         self.run.finish()
 
     def _table(self, rows: list[dict[str, Any]]) -> Any:

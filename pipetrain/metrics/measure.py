@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pipetrain.metrics.records import ActionTiming, RankSample
+from pipetrain.schedules.export import rounded
 from pipetrain.schedules.ir import Op, Schedule, Step
 from pipetrain.schedules.simulate import SimResult, StageCosts, TimedStep, simulate
 
 OPS = ("F", "B", "W", "BW")
-DIGITS = 6
 
 
 def parts_ms(step: Step, timing: ActionTiming) -> list[tuple[Op, int, float]]:
@@ -120,8 +120,8 @@ class StepMeasurement:
                 rows.append({
                     "rank": r, "step": t.step, "op": "F&B" if len(parts) > 1 else parts[0].op.value,
                     "stage": parts[0].stage, "microbatch": parts[0].microbatch,
-                    "start_ms": _r(off + t.start_ms), "end_ms": _r(off + t.end_ms),
-                    "compute_ms": _r(t.compute_ms), "wait_ms": _r(t.wait_ms),
+                    "start_ms": rounded(off + t.start_ms), "end_ms": rounded(off + t.end_ms),
+                    "compute_ms": rounded(t.compute_ms), "wait_ms": rounded(t.wait_ms),
                 })
         return rows
 
@@ -129,22 +129,18 @@ class StepMeasurement:
         """The JSON-ready per-step fields of metrics.jsonl (and wandb)."""
         sim, costs = self.simulated, self.measured.costs
         return {
-            "bubble_fraction_mean": _r(self.bubble_mean),
-            "bubble_fraction_per_rank": [_r(x) for x in self.bubble_per_rank],
-            "simulated_bubble_fraction": _r(sim.bubble_fraction_mean),
-            "simulated_bubble_fraction_per_rank": [_r(x) for x in sim.bubble_fraction_per_rank],
-            "makespan_ms": _r(self.makespan_ms),
-            "simulated_makespan_ms": _r(sim.makespan),
+            "bubble_fraction_mean": rounded(self.bubble_mean),
+            "bubble_fraction_per_rank": [rounded(x) for x in self.bubble_per_rank],
+            "simulated_bubble_fraction": rounded(sim.bubble_fraction_mean),
+            "simulated_bubble_fraction_per_rank": [rounded(x) for x in sim.bubble_fraction_per_rank],
+            "makespan_ms": rounded(self.makespan_ms),
+            "simulated_makespan_ms": rounded(sim.makespan),
             "peak_memory_bytes_per_rank": [s.peak_memory_bytes for s in self.samples],
             "peak_activation_bytes_per_rank": [s.peak_activation_bytes for s in self.samples],
             "peak_activation_sets_per_rank": [s.peak_activation_sets for s in self.samples],
             "static_memory_bytes_per_rank": [s.static_bytes for s in self.samples],
-            "stage_ms": {"f": [_r(x) for x in costs.f], "b": [_r(x) for x in costs.b], "w": [_r(x) for x in costs.w]},
+            "stage_ms": {k: [rounded(x) for x in v] for k, v in (("f", costs.f), ("b", costs.b), ("w", costs.w))},
         }
-
-
-def _r(x: float) -> float:
-    return round(float(x), DIGITS)
 
 
 def measured_result(schedule: Schedule, samples: Sequence[RankSample], offsets: Sequence[float],

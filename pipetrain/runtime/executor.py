@@ -28,16 +28,16 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from pipetrain.metrics.records import ActionTiming, CommEvent
 from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input, backward_weight
 from pipetrain.runtime.clock import StepClock
 from pipetrain.runtime.comm import P2P
+from pipetrain.runtime.stage_protocol import Stage
 from pipetrain.schedules.ir import Action, Op, Schedule
 from pipetrain.schedules.p2p import Message, build_plan, forward_only, needed_by, sent_by
 
@@ -85,7 +85,7 @@ class Executor:
         self,
         schedule: Schedule,
         rank: int,
-        stages: dict[int, nn.Module],
+        stages: Mapping[int, Stage],
         *,
         comm: Optional[P2P],
         recv_buffer: Optional[Callable[[Message], torch.Tensor]] = None,

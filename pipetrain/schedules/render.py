@@ -19,6 +19,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from pipetrain.schedules.export import ChromeTrace, rounded
 from pipetrain.schedules.ir import Action, Overlap, Step
 from pipetrain.schedules.simulate import SimResult, TimedStep, live_activations
 
@@ -35,7 +36,6 @@ STYLES: dict[str, tuple[str, str]] = {
 GLYPHS: dict[str, str] = {"F": "F", "B": "B", "W": "W", "BW": "X", "F&B": "&"}
 IDLE_CHAR, IDLE_STYLE = "·", "dim"
 MAX_BANDS = 12
-JSON_DIGITS = 6
 
 
 def op_name(step: Step) -> str:
@@ -221,10 +221,6 @@ def render_timeline(result: SimResult, *, width: int | None = None) -> Renderabl
 # ---- records and tables -------------------------------------------------------------------
 
 
-def _r(x: float) -> float:
-    return round(float(x), JSON_DIGITS)
-
-
 def result_record(
     result: SimResult,
     *,
@@ -239,7 +235,7 @@ def result_record(
     fraction = None
     if analytic_bubble is not None and analytic_bubble + mean_busy > 0:
         # the published bubble as a share of a rank's time: idle / (idle + work)
-        fraction = _r(analytic_bubble / (analytic_bubble + mean_busy))
+        fraction = rounded(analytic_bubble / (analytic_bubble + mean_busy))
     return {
         "schedule": schedule_name,
         "degree": sched.num_ranks,
@@ -247,17 +243,17 @@ def result_record(
         "virtual_stages": virtual_stages,
         "placement": sched.placement.kind,
         "microbatches": sched.num_microbatches,
-        "makespan": _r(result.makespan),
-        "busy_per_rank": [_r(x) for x in busy],
-        "idle_per_rank": [_r(x) for x in result.idle_per_rank],
-        "bubble_fraction_per_rank": [_r(x) for x in result.bubble_fraction_per_rank],
-        "bubble_fraction_mean": _r(result.bubble_fraction_mean),
+        "makespan": rounded(result.makespan),
+        "busy_per_rank": [rounded(x) for x in busy],
+        "idle_per_rank": [rounded(x) for x in result.idle_per_rank],
+        "bubble_fraction_per_rank": [rounded(x) for x in result.bubble_fraction_per_rank],
+        "bubble_fraction_mean": rounded(result.bubble_fraction_mean),
         "peak_activations_per_rank": list(result.peak_activations_per_rank),
         "param_copies": param_copies,
-        "analytic_bubble": None if analytic_bubble is None else _r(analytic_bubble),
+        "analytic_bubble": None if analytic_bubble is None else rounded(analytic_bubble),
         "analytic_bubble_fraction": fraction,
-        "comm_ms": _r(result.comm_ms),
-        "fb_overlap": _r(result.fb_overlap),
+        "comm_ms": rounded(result.comm_ms),
+        "fb_overlap": rounded(result.fb_overlap),
     }
 
 
@@ -289,10 +285,6 @@ def summary_table(rows: list[dict], *, title: str | None = None) -> Table:
 # ---- Chrome trace ---------------------------------------------------------------------------
 
 
-def _us(ms: float) -> float:
-    return round(ms * 1000.0, 3)  # trace times are microseconds; keep ns precision
-
-
 def _step_args(step: Step) -> dict:
     if isinstance(step, Overlap):
         parts: tuple[Action, ...] = step.parts()
@@ -304,24 +296,12 @@ def _step_args(step: Step) -> dict:
 def chrome_trace(result: SimResult) -> dict:
     """Chrome trace event format (chrome://tracing, ui.perfetto.dev): one complete ("X")
     event per step on thread `rank`, plus a live-activations counter ("C") per rank."""
-    name = result.schedule.name
-    events: list[dict] = [
-        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"pipetrain simulate {name}"}}
-    ]
+    trace = ChromeTrace(f"pipetrain simulate {result.schedule.name}")
     for r in range(result.schedule.num_ranks):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
+        trace.thread(r, f"rank {r}")
     for r, row in enumerate(result.timeline):
         for ts in row:
-            events.append({
-                "name": str(ts.step), "cat": op_name(ts.step), "ph": "X", "pid": 0, "tid": r,
-                "ts": _us(ts.start), "dur": _us(ts.end - ts.start), "args": _step_args(ts.step),
-            })
+            trace.slice(r, str(ts.step), op_name(ts.step), ts.start, ts.end - ts.start, _step_args(ts.step))
     for r, row in enumerate(result.timeline):
-        # Counters belong to a process in the trace format, so the rank goes in the name.
-        events.append({"name": f"live activations rank {r}", "ph": "C", "pid": 0, "ts": 0.0,
-                       "args": {"sets": 0}})
-        for t, live in live_activations(row):
-            events.append({"name": f"live activations rank {r}", "ph": "C", "pid": 0, "ts": _us(t),
-                           "args": {"sets": live}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+        trace.counter(f"live activations rank {r}", [(0.0, 0), *live_activations(row)])
+    return trace.to_json()

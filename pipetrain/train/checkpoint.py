@@ -23,6 +23,10 @@ On load every rank reads the key into one copy and copies it into the rest.
 Atomic: every rank writes into <run_dir>/checkpoints/.step_000123.tmp; after a barrier rank 0
 adds meta.json and renames the directory to step_000123. A crash at any point leaves either no
 step_000123 or a complete one; the newest checkpoint is the highest step_* holding meta.json.
+
+What it works on is a `Checkpointable` (the rank's GradSync, optimizer and counters), not the
+trainer: the trainer depends on this module, never the other way. Messages for the user go
+to the `note` callback the caller passes (the trainer hands them to its loggers).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import re
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -43,17 +48,41 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from pipetrain.config import Config
-from pipetrain.train.train_config import TrainerConfig
+from pipetrain.config.train import TrainerConfig
 
 if TYPE_CHECKING:
     from pipetrain.runtime.sync import GradSync
-    from pipetrain.train.trainer import Trainer
 
 FORMAT = 1
 CKPT_DIR = "checkpoints"
 META = "meta.json"
 DCP_METADATA = ".metadata"  # written by DCP's coordinator once every rank's data is on disk
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+Note = Callable[[str], None]  # where a message for the user goes
+
+
+def silent(text: str) -> None:
+    pass
+
+
+@dataclass
+class TrainState:
+    """The counters a checkpoint restores besides the tensors."""
+
+    step: int = 0  # optimizer steps done (= the data position: the batch of step k is a function of k)
+    tokens: int = 0
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class Checkpointable:
+    """What one rank saves and restores: its weights with their copies (`sync.local`: canonical
+    name -> this rank's Parameters), the optimizer holding their state, and the counters."""
+
+    sync: GradSync
+    optimizer: torch.optim.Optimizer
+    state: TrainState
 
 
 # ---- the layout on disk (pure: no process group) -----------------------------------------------
@@ -190,16 +219,20 @@ def _optimized(optimizer: torch.optim.Optimizer) -> set[int]:
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = _rank()
     out = {f"rng.cpu.rank{rank}": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
     return out
 
 
-def save_state_dict(trainer: Trainer) -> dict[str, torch.Tensor]:
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_state_dict(target: Checkpointable) -> dict[str, torch.Tensor]:
     """This rank's contribution: the keys it owns (model + optimizer) and its own RNG states."""
-    sync, opt = trainer.pipe.sync, trainer.optimizer
+    sync, opt = target.sync, target.optimizer
     optimized = _optimized(opt)
     out: dict[str, torch.Tensor] = {}
     for name in owned_names(sync):
@@ -243,34 +276,34 @@ def _commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_staged(trainer: Trainer) -> Path:
+def write_staged(target: Checkpointable, run_dir: Path) -> Path:
     """Collective: every rank writes its keys into the step's temporary directory (nothing visible yet)."""
-    final = step_dir(trainer.run_dir, trainer.state.step)
+    final = step_dir(run_dir, target.state.step)
     tmp = final.with_name(f".{final.name}.tmp")
-    if trainer.rank == 0:
+    if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     _barrier()
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(save_state_dict(trainer), checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        dcp.save(save_state_dict(target), checkpoint_id=tmp, no_dist=not dist.is_initialized())
     return tmp
 
 
-def save_checkpoint(trainer: Trainer) -> Path:
-    """Collective: save the trainer after its current step; returns the committed directory."""
+def save_checkpoint(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Path:
+    """Collective: save after the current step (target.state.step); returns the committed directory."""
     t0 = time.perf_counter()
-    tmp = write_staged(trainer)
-    final = step_dir(trainer.run_dir, trainer.state.step)
+    tmp = write_staged(target, run_dir)
+    final = step_dir(run_dir, target.state.step)
     _barrier()  # every rank's files are on disk
-    if trainer.rank == 0:
-        st = trainer.state
+    if _rank() == 0:
+        st = target.state
         meta = {"format": FORMAT, "step": st.step, "tokens": st.tokens, "skipped": st.skipped,
                 "data_position": st.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
-                "fingerprint": fingerprint(trainer.config)}
+                "fingerprint": fingerprint(config)}
         _commit(tmp, final, meta)
-        _note(trainer, f"saved {final} ({time.perf_counter() - t0:.2f} s)")
+        note(f"checkpoint: saved {final} ({time.perf_counter() - t0:.2f} s)")
     _barrier()  # no rank goes on (or exits) before the checkpoint is visible
     return final
 
@@ -278,9 +311,9 @@ def save_checkpoint(trainer: Trainer) -> Path:
 # ---- load ----------------------------------------------------------------------------------------
 
 
-def _load_targets(trainer: Trainer, available: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+def _load_targets(target: Checkpointable, available: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Tensors DCP reads into: one per canonical name this rank holds (not only the owned ones)."""
-    sync, opt = trainer.pipe.sync, trainer.optimizer
+    sync, opt = target.sync, target.optimizer
     optimized = _optimized(opt)
     targets: dict[str, torch.Tensor] = {}
     adam: dict[str, dict[str, torch.Tensor]] = {}
@@ -298,17 +331,17 @@ def _load_targets(trainer: Trainer, available: set[str]) -> tuple[dict[str, torc
     return targets, adam
 
 
-def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
-    """Collective: load `path` into the trainer (every local copy, optimizer state, RNG, step)."""
+def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note: Note = silent) -> dict[str, Any]:
+    """Collective: load `path` into the target (every local copy, optimizer state, RNG, step)."""
     path = Path(path)
     meta = read_meta(path)
-    notes = check_compatible(meta, trainer.config, path)
+    notes = check_compatible(meta, config, path)
     available = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    targets, adam = _load_targets(trainer, available)
+    targets, adam = _load_targets(target, available)
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(targets, checkpoint_id=path, no_dist=not dist.is_initialized())
-    sync, opt = trainer.pipe.sync, trainer.optimizer
+    sync, opt = target.sync, target.optimizer
     with torch.no_grad():
         for name, copies in sync.local.items():
             for p in copies[1:]:
@@ -325,23 +358,23 @@ def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
     if world > meta["world_size"]:  # RNG states are per rank; the data position is the step
         notes.append(f"saved by {meta['world_size']} rank(s): ranks {meta['world_size']}..{world - 1} "
                      f"keep their seeded RNG state")
-    st = trainer.state
+    st = target.state
     st.step, st.tokens, st.skipped = meta["step"], meta["tokens"], meta.get("skipped", 0)
     for n in notes:
-        _note(trainer, n)
+        note(f"checkpoint: {n}")
     return meta
 
 
-def resume(trainer: Trainer) -> Optional[Path]:
-    """Trainer.__init__'s hook: load what trainer.resume names (collective), or start fresh."""
-    want = trainer.config.trainer.resume
-    path = _agreed(lambda: resolve_resume(want, trainer.run_dir))
+def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Optional[Path]:
+    """Load what trainer.resume names (collective), or start fresh; returns the checkpoint loaded."""
+    want = config.trainer.resume
+    path = _agreed(lambda: resolve_resume(want, run_dir))
     if path is None:
         if want == "auto":
-            _note(trainer, f"trainer.resume=auto: no checkpoint in {trainer.run_dir / CKPT_DIR}, starting fresh")
+            note(f"checkpoint: trainer.resume=auto: no checkpoint in {Path(run_dir) / CKPT_DIR}, starting fresh")
         return None
-    meta = load_checkpoint(trainer, path)
-    _note(trainer, f"resumed from {path} at step {meta['step']}")
+    meta = load_checkpoint(target, path, config, note=note)
+    note(f"checkpoint: resumed from {path} at step {meta['step']}")
     return path
 
 
@@ -360,8 +393,3 @@ def _agreed(resolve: Callable[[], Optional[Path]]) -> Optional[Path]:
     if box[1] is not None:
         raise ValueError(box[1])
     return box[0]
-
-
-def _note(trainer: Trainer, msg: str) -> None:
-    if trainer.rank == 0:
-        print(f"checkpoint: {msg}", flush=True)

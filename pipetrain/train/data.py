@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from pipetrain.train.data_config import BYTE_VOCAB, DataConfig, find_gpt2_encoder, split_sizes
+from pipetrain.config.data import BYTE_VOCAB, DataConfig, find_gpt2_encoder, split_sizes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 SPLITS = ("train", "val")

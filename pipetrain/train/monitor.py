@@ -1,5 +1,6 @@
 """The trainer's side of metrics: measure a logged step on every rank, gather it to rank 0,
-turn it into numbers there, and hand them to the loggers `logger=[...]` names.
+turn it into numbers there, and hand the typed records (metrics/step.py) to the loggers
+`logger=[...]` names.
 
 Only logged steps cost anything beyond the executor's own timestamps: one `gather_object`
 of each rank's `RankSample` (timings, comm events, memory; a few kB), issued right after the
@@ -11,23 +12,31 @@ Memory per rank is split into activations (the bytes autograd saved for the live
 microbatches, counted by the executor's saved-tensor hooks) and the rest: on GPU the CUDA
 allocator's peak minus the activations; on CPU the parameters, gradients and optimizer
 state, counted from the tensors themselves.
+
+The monitor gets what it reads (config, plan, device, run directory; at each logged step the
+rank's parameters and optimizer), never the trainer: the trainer depends on it, not back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-from pipetrain.loggers.base import RunInfo, build_loggers
+from pipetrain.loggers.base import RunInfo
+from pipetrain.loggers.factory import build_loggers
 from pipetrain.metrics.measure import StepMeasurement, measure_step
 from pipetrain.metrics.records import RankSample
+from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.runtime.executor import StepResult
 
 if TYPE_CHECKING:
-    from pipetrain.train.trainer import Trainer
+    from pipetrain.config import Config
+    from pipetrain.plan import Plan
 
 # Dense bf16 peak TFLOP/s of one device (vendor data sheets), the default MFU denominator.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -54,54 +63,46 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, grad_bytes: int) -> 
 class Monitor:
     """Built on every rank; loggers exist on rank 0 only."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        cfg = trainer.config
-        self.trainer, self.rank = trainer, trainer.rank
+    def __init__(self, config: Config, plan: Plan, *, device: torch.device, run_dir: Path) -> None:
+        cfg = config
+        self.config, self.plan, self.run_dir = config, plan, run_dir
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.chosen_step = cfg.logging.chosen_step(cfg.trainer.max_steps)
         # Training FLOPs per token: forward + B + W = 3 x forward (the cost model's split,
         # nanoGPT's 6N + 12LCT); MFU over pipeline.degree devices.
-        self.flops_per_token = 3.0 * sum(c.flops_per_token for c in trainer.plan.layer_costs)
-        self.peak_tflops = cfg.logging.peak_tflops or auto_peak_tflops(trainer.device)
+        self.flops_per_token = 3.0 * sum(c.flops_per_token for c in plan.layer_costs)
+        self.peak_tflops = cfg.logging.peak_tflops or auto_peak_tflops(device)
         self.loggers = build_loggers(cfg.logger) if self.rank == 0 else []
         # rank 0: the last and the chosen measured step in full; of the others only what the
         # summary needs (a long run logs thousands of steps)
-        self.last: Optional[StepMeasurement] = None
-        self.chosen: Optional[StepMeasurement] = None
+        self.last: Optional[StepRecord] = None
+        self.chosen: Optional[StepRecord] = None
         self.bubbles: list[tuple[int, float, float]] = []  # (step, measured, simulated) mean bubble
         self.peak_memory: list[int] = []  # per rank, the most over the measured steps
         self.peak_activations: list[int] = []
 
     # ---- every rank -----------------------------------------------------------------------
-    def sample(self, result: StepResult) -> RankSample:
-        params = self.trainer.pipe.parameters()
+    def sample(self, result: StepResult, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> RankSample:
         grad_bytes = _nbytes(p for p in params if p.requires_grad)
         return RankSample(
             rank=self.rank, t0_wall=result.t0_wall, step_ms=result.step_ms, timings=result.timings, comm=result.comm,
             peak_activation_sets=result.peak_activation_sets, peak_activation_bytes=result.peak_activation_bytes,
             cuda_peak_bytes=result.peak_memory_bytes, param_bytes=_nbytes(params), grad_bytes=grad_bytes,
-            optimizer_bytes=optimizer_state_bytes(self.trainer.optimizer, grad_bytes),
+            optimizer_bytes=optimizer_state_bytes(optimizer, grad_bytes),
         )
 
-    def gather(self, step: int, result: StepResult) -> Optional[StepMeasurement]:
+    def gather(self, step: int, result: StepResult, *, params: list[torch.nn.Parameter],
+               optimizer: torch.optim.Optimizer) -> Optional[StepMeasurement]:
         """Collective (every rank, at logged steps only): rank 0 gets the step's measurement."""
-        sample = self.sample(result)
+        sample = self.sample(result, params, optimizer)
         samples: list[Any] = [sample]
         if self.world > 1:
             samples = [None] * self.world if self.rank == 0 else []
             dist.gather_object(sample, samples if self.rank == 0 else None, dst=0)
         if self.rank != 0:
             return None
-        m = measure_step(step, self.trainer.plan.schedule, samples, comm_ms=self.trainer.config.sim.comm_ms)
-        self.last = m
-        if step == self.chosen_step:
-            self.chosen = m
-        self.bubbles.append((step, m.bubble_mean, m.simulated.bubble_fraction_mean))
-        mem = [s.peak_memory_bytes for s in m.samples]
-        act = [s.peak_activation_bytes for s in m.samples]
-        self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, mem)] if self.peak_memory else mem
-        self.peak_activations = [max(a, b) for a, b in zip(self.peak_activations, act)] if self.peak_activations else act
-        return m
+        return measure_step(step, self.plan.schedule, samples, comm_ms=self.config.sim.comm_ms)
 
     def mfu(self, tokens_per_s: float) -> Optional[float]:
         if not self.peak_tflops or not self.flops_per_token:
@@ -109,9 +110,10 @@ class Monitor:
         return tokens_per_s * self.flops_per_token / (self.world * self.peak_tflops * 1e12)
 
     # ---- rank 0: the loggers --------------------------------------------------------------
-    def start(self) -> None:
-        t = self.trainer
-        info = RunInfo(t.config, t.run_dir, t.config.trainer.max_steps, t.state.step, self.chosen_step)
+    def start(self, start_step: int) -> None:
+        """Collective: start the loggers; `start_step` is the optimizer steps already done."""
+        cfg = self.config
+        info = RunInfo(cfg, self.run_dir, cfg.trainer.max_steps, start_step, self.chosen_step)
         for lg in self.loggers:
             lg.start(info)
         if self.world > 1:
@@ -123,42 +125,50 @@ class Monitor:
         for lg in self.loggers:
             lg.progress(step)
 
-    def log(self, record: dict[str, Any], measurement: Optional[StepMeasurement]) -> None:
-        if not self.loggers:
-            return
-        row = {k: v for k, v in record.items() if k not in ("result", "measurement")}
-        row["mfu"] = self.mfu(row["tokens_per_s"])
-        if measurement is not None:
-            row.update(measurement.record())
+    def log(self, record: StepRecord) -> None:
+        """A logged step: rank 0 keeps what the summary needs of its measurement, then every
+        logger gets the record."""
+        if record.measurement is not None:
+            self._keep(record)
         for lg in self.loggers:
-            lg.log(row["step"], row, measurement)
+            lg.log(record)
+
+    def _keep(self, record: StepRecord) -> None:
+        m = record.measurement
+        assert m is not None
+        self.last = record
+        if record.step == self.chosen_step:
+            self.chosen = record
+        self.bubbles.append((record.step, m.bubble_mean, m.simulated.bubble_fraction_mean))
+        mem = [s.peak_memory_bytes for s in m.samples]
+        act = [s.peak_activation_bytes for s in m.samples]
+        self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, mem)] if self.peak_memory else mem
+        self.peak_activations = [max(a, b) for a, b in zip(self.peak_activations, act)] if self.peak_activations else act
 
     def note(self, text: str) -> None:
         for lg in self.loggers:
             lg.note(text)
 
-    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Add the measured results to the run's summary, then close every logger."""
-        if self.rank == 0 and self.last is not None:
-            summary = {**summary, **self.summary(summary.get("tokens_per_s"))}
-        # logging.trace_step names a step this run did not take (it resumed past it): show the last
-        chosen = self.chosen or self.last
-        for lg in self.loggers:
-            lg.finish(summary, self.last, chosen)
-        return summary
-
-    def summary(self, tokens_per_s: Optional[float]) -> dict[str, Any]:
-        """Medians of the bubble over the measured steps (step 1 pays for warm-up: left out when
-        there are others), peak memory as the most any step used; per-rank bubbles of the last step."""
-        assert self.last is not None
+    def summarize(self, summary: RunSummary) -> RunSummary:
+        """The run's summary with the measured results added (rank 0, where a step was measured):
+        medians of the bubble over the measured steps (step 1 pays for warm-up: left out when
+        there are others), peak memory as the most any step used; per-rank bubbles of the last."""
+        if self.last is None or self.last.measurement is None:
+            return summary
         steady = [b for b in self.bubbles if b[0] != 1] or self.bubbles
-        last = self.last.record()
-        return {
-            "bubble_fraction_mean": statistics.median(b[1] for b in steady),
-            "simulated_bubble_fraction": statistics.median(b[2] for b in steady),
-            "bubble_fraction_per_rank": last["bubble_fraction_per_rank"],
-            "simulated_bubble_fraction_per_rank": last["simulated_bubble_fraction_per_rank"],
-            "peak_memory_bytes_per_rank": self.peak_memory,
-            "peak_activation_bytes_per_rank": self.peak_activations,
-            "mfu": self.mfu(tokens_per_s) if tokens_per_s else None,
-        }
+        last = self.last.measurement.record()
+        return dataclasses.replace(
+            summary, measured=True,
+            bubble_fraction_mean=statistics.median(b[1] for b in steady),
+            simulated_bubble_fraction=statistics.median(b[2] for b in steady),
+            bubble_fraction_per_rank=last["bubble_fraction_per_rank"],
+            simulated_bubble_fraction_per_rank=last["simulated_bubble_fraction_per_rank"],
+            peak_memory_bytes_per_rank=self.peak_memory, peak_activation_bytes_per_rank=self.peak_activations,
+            mfu=self.mfu(summary.tokens_per_s) if summary.tokens_per_s else None,
+        )
+
+    def finish(self, summary: RunSummary) -> None:
+        """Close every logger with the summary, the last measured step and the one chosen by
+        logging.trace_step (a run resumed past it: the last)."""
+        for lg in self.loggers:
+            lg.finish(summary, self.last, self.chosen or self.last)

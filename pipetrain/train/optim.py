@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.train.train_config import OptimConfig
+from pipetrain.config.train import OptimConfig
 
 
 def make_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, *, device: torch.device) -> torch.optim.AdamW:

@@ -7,14 +7,17 @@ function of (seed, k)), split into M microbatches; the executor runs this rank's
 actions; copies' gradients are summed; the global gradient norm (each weight counted
 once) is clipped; AdamW steps with the warm-up + cosine learning rate. At logged steps the
 executor's timings and memory of every rank go to rank 0 (train/monitor.py), which hands
-measured and simulated bubble, memory, loss and throughput to the loggers `logger=[...]` names.
+measured and simulated bubble, memory, loss and throughput to the loggers `logger=[...]` names,
+as one typed `StepRecord` per logged step; the run ends with a `RunSummary`, which the trainer
+writes to summary.json whatever the loggers (metrics/step.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +25,11 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.config import Config
+from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.plan import Plan, build_model
-from pipetrain.runtime.pipeline import RankPipeline, build_rank_pipeline
+from pipetrain.train.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
+from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.data import build_data, split_microbatches
 from pipetrain.train.monitor import Monitor
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
@@ -32,13 +37,6 @@ from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_opti
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite (trainer.on_nonfinite=stop)."""
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps done
-    tokens: int = 0
-    skipped: int = 0
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -82,18 +80,21 @@ class Trainer:
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         self.state = TrainState()
-        # trainer.resume: model, optimizer, step/tokens and RNG from a checkpoint (collective)
-        self.resumed_from = checkpoint.resume(self)
+        self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
-        self.monitor = Monitor(self)
+        self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
+
+    def resume(self, note: checkpoint.Note = checkpoint.silent) -> None:
+        """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh start."""
+        checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note)
 
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
         return split_microbatches(self.data.batch(step, split=split), self.config.pipeline.microbatches)
 
-    def train_step(self, *, measure: bool = False) -> dict[str, Any]:
+    def train_step(self, *, measure: bool = False) -> StepRecord:
         """One optimizer step. measure=True (a logged step; every rank alike) gathers every rank's
-        timings and memory to rank 0, whose record then carries the step's "measurement"."""
+        timings and memory to rank 0, whose record then carries the step's measurement."""
         cfg, step = self.config, self.state.step
         lr = lr_at(step, cfg.optim, cfg.trainer.max_steps)
         set_lr(self.optimizer, lr)
@@ -101,27 +102,28 @@ class Trainer:
         t0 = time.perf_counter()
         result = self.pipe.train_step(self.microbatches(step))
         # Before the grad-norm all-reduce, which absorbs rank 0's time spent on the measurement.
-        measurement = self.monitor.gather(step + 1, result) if measure else None
+        measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer)
+                       if measure else None)
         loss = result.loss if result.loss is not None else float("nan")
         norm = global_grad_norm(self.pipe.sync.owned(), device=self.device)
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm}
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        if skipped:
             if cfg.trainer.on_nonfinite == "stop":
                 raise NonFiniteLoss(
                     f"loss {loss} / grad norm {norm} at step {step + 1}: lower optim.lr, raise optim.warmup_steps, "
                     f"or set trainer.on_nonfinite=skip"
                 )
             self.state.skipped += 1
-            record["skipped"] = True
         else:
             clip_grads(self.pipe.parameters(), norm, cfg.optim.grad_clip)
             self.optimizer.step()
         step_s = time.perf_counter() - t0
         self.state.step += 1
         self.state.tokens += self.tokens_per_step
-        record.update(step_time_s=step_s, tokens_per_s=self.tokens_per_step / step_s, result=result,
-                      measurement=measurement)
-        return record
+        tokens_per_s = self.tokens_per_step / step_s
+        return StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=norm, step_time_s=step_s,
+                          tokens_per_s=tokens_per_s, skipped=skipped, mfu=self.monitor.mfu(tokens_per_s),
+                          measurement=measurement)
 
     def evaluate(self) -> float:
         losses = []
@@ -130,13 +132,24 @@ class Trainer:
         return sum(losses) / len(losses)
 
     # ---- the loop -------------------------------------------------------------------------
-    def fit(self) -> dict[str, Any]:
+    def fit(self) -> RunSummary:
+        """Resume (if asked), train to trainer.max_steps, write summary.json (rank 0), close the loggers."""
+        notes: list[str] = []
+        self.resume(note=notes.append)  # before the loggers start: they show the resumed step
+        self.monitor.start(self.state.step)
+        for text in notes:
+            self.monitor.note(text)
+        summary = self.monitor.summarize(self.loop())
+        if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
+            (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
+        self.monitor.finish(summary)
+        return summary
+
+    def loop(self) -> RunSummary:
+        """The steps still to do; returns the run's summary (before the measured part is added)."""
         cfg, monitor = self.config.trainer, self.monitor
-        monitor.start()
-        first_loss = None
-        val_loss = None
+        first_loss = final_loss = val_loss = None
         step_times: list[float] = []
-        record: dict[str, Any] = {"loss": None}
         if self.state.step >= cfg.max_steps:
             monitor.note(f"nothing to do: resumed at step {self.state.step}, trainer.max_steps={cfg.max_steps}")
         while self.state.step < cfg.max_steps:
@@ -146,21 +159,22 @@ class Trainer:
             evaluate = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or (last and step > cfg.eval_every))
             log = step == 1 or last or step % cfg.log_every == 0 or evaluate or step == monitor.chosen_step
             record = self.train_step(measure=log)
-            step_times.append(record["step_time_s"])
-            first_loss = record["loss"] if first_loss is None else first_loss
+            step_times.append(record.step_time_s)
+            first_loss = record.loss if first_loss is None else first_loss
+            final_loss = record.loss
             if evaluate:
-                val_loss = record["val_loss"] = self.evaluate()
+                val_loss = self.evaluate()
+                record = dataclasses.replace(record, val_loss=val_loss)
             monitor.progress(step)
             if log:
-                monitor.log(record, record["measurement"])
+                monitor.log(record)
             if checkpoint.due(step, cfg):
-                checkpoint.save_checkpoint(self)
+                checkpoint.save_checkpoint(self.checkpointable, self.run_dir, self.config, note=monitor.note)
         steady = sorted(step_times[1:] or step_times)  # the first step pays for warm-up
         median_s = steady[len(steady) // 2] if steady else None
-        summary = {"steps": self.state.step, "first_loss": first_loss, "final_loss": record["loss"],
-                   "final_val_loss": val_loss, "skipped_steps": self.state.skipped, "tokens": self.state.tokens,
-                   "step_time_s": median_s, "tokens_per_s": self.tokens_per_step / median_s if median_s else None}
-        return monitor.finish(summary)
+        return RunSummary(steps=self.state.step, first_loss=first_loss, final_loss=final_loss,
+                          final_val_loss=val_loss, skipped_steps=self.state.skipped, tokens=self.state.tokens,
+                          step_time_s=median_s, tokens_per_s=self.tokens_per_step / median_s if median_s else None)
 
 
 def rank_main(config: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
@@ -170,4 +184,4 @@ def rank_main(config: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(config, plan, run_dir)
     summary = trainer.fit()
-    return summary if trainer.rank == 0 else {}
+    return summary.to_json() if trainer.rank == 0 else {}

@@ -6,8 +6,12 @@ message naming the key. Cross-field rules live in `__post_init__` and raise a
 one-line `ValueError` naming the knob to change. Past the CLI layer only these
 dataclasses travel; no DictConfig.
 
-Pure Python: nothing here imports torch, so composing and checking a config (and
-simulating the sleep model) never loads it.
+Every schema of the product lives in this package (cluster.py, data.py, logs.py, train.py
+for the groups with their own rules; the root and the model schemas here), and the arrows
+point one way: launch/, train/, loggers/ import these schemas; the schemas import none of
+them, only the pure schedule registry and partition rules they check against. Pure Python:
+nothing here imports torch, so composing and checking a config (and simulating the sleep
+model) never loads it; importing it registers nothing in Hydra or OmegaConf.
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ from typing import Any, ClassVar, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pipetrain.config.cluster import ClusterConfig
+from pipetrain.config.data import DataConfig
+from pipetrain.config.logs import LoggingConfig, default_loggers
+from pipetrain.config.train import OptimConfig, TrainerConfig
 from pipetrain.partition.strategies import manual_bounds
-from pipetrain.launch.cluster_config import ClusterConfig
-from pipetrain.loggers.config import LoggingConfig, default_loggers
 from pipetrain.schedules import registry
-from pipetrain.train.data_config import DataConfig
-from pipetrain.train.train_config import OptimConfig, TrainerConfig
 
 
 class Mode(str, enum.Enum):

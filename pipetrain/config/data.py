@@ -1,6 +1,6 @@
 """Schema of the `data` config group: where batches come from, checked before any process starts.
 
-Pure Python (no torch, no numpy): pipetrain/config.py imports this and must stay importable
+Pure Python (no torch, no numpy): the root schema (pipetrain/config/) imports this and must stay importable
 without them. A missing file, a file too short for one window, or a tokenizer whose files are
 not on this machine fails here, in `__post_init__`, with a one-line error naming the knob,
 so nothing is spawned for a run that could not load its data. The loaders are in

@@ -7,22 +7,16 @@
                   (`pipetrain -m cluster=slurm ...`) or started by the user's own `srun`.
   submitit_local  the slurm path run through submitit's local executor (no cluster needed).
 
-Also the OmegaConf resolvers the cluster configs use. They are registered when this module
-is imported (config.py imports it), because a submitit task composes the config in a fresh
-process before any pipetrain function runs; importing the pickled task function is what
-loads this module there.
+The OmegaConf resolvers the cluster configs use (`${pipetrain.on_rank0:...}`, ...) are in
+pipetrain/launch/resolvers.py, registered by whoever composes a config (the CLI, the sbatch renderer, the tests),
+not by importing this schema.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any, Optional
-
-from omegaconf import OmegaConf
+from typing import Optional
 
 CLUSTERS = ("local", "torchrun", "slurm", "submitit_local")
 BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when the ranks train on CUDA, else gloo
@@ -109,56 +103,3 @@ def tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int]) -> in
             f"but pipeline.degree={degree} ranks: make nodes x ranks_per_node equal pipeline.degree"
         )
     return ranks_per_node
-
-
-# ---- the process's own rank, before any process group exists ------------------------------
-
-_RANK_VARS = {"torchrun": "RANK", "slurm": "SLURM_PROCID", "submitit_local": "SUBMITIT_LOCAL_GLOBALID"}
-
-
-def process_rank(cluster: str) -> int:
-    """This process's global rank as its launcher announced it (0 for cluster=local's main process)."""
-    var = _RANK_VARS.get(cluster)
-    return int(os.environ.get(var, "0")) if var else 0
-
-
-def _on_rank0(cluster: str, value: Any, other: Any = None) -> Any:
-    """`${pipetrain.on_rank0:${cluster.name},.hydra}`: value on rank 0, `other` on the other ranks
-    (how only rank 0 writes Hydra's .hydra/ and job log into the run directory all ranks share)."""
-    return value if process_rank(cluster) == 0 else other
-
-
-def _shared_now(pattern: str) -> str:
-    """`${pipetrain.now:%H-%M-%S}`: Hydra's `now`, but the same instant on every rank of a torchrun
-    launch. Each rank composes its own config, so `now` may differ by a second between them and
-    split the run over two directories; here the first rank to ask stores its clock in torchrun's
-    rendezvous store (TORCHELASTIC_USE_AGENT_STORE: the agent's TCPStore at MASTER_ADDR:MASTER_PORT)
-    and the others read it. The key holds the run id, so a restarted worker group (max_restarts)
-    gets the same directory back, which is where trainer.resume=auto looks."""
-    stamp = time.time()
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env:
-        import datetime as dt
-
-        import torch.distributed as dist  # only here, under torchrun: composing stays torch-free
-
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                              timeout=dt.timedelta(seconds=120))
-        key = f"pipetrain/now/{env.get('TORCHELASTIC_RUN_ID', 'none')}"
-        stamp = float(store.compare_set(key, "", repr(stamp)).decode())
-    return datetime.fromtimestamp(stamp).strftime(pattern)
-
-
-def _tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int]) -> int:
-    return tasks_per_node(int(degree), int(nodes), None if ranks_per_node is None else int(ranks_per_node))
-
-
-def register_resolvers() -> None:
-    for name, fn, cache in (("pipetrain.on_rank0", _on_rank0, False), ("pipetrain.now", _shared_now, True),
-                            ("pipetrain.tasks_per_node", _tasks_per_node, False),
-                            ("pipetrain.devnull", lambda: os.devnull, False)):
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn, use_cache=cache)
-
-
-register_resolvers()

@@ -1,0 +1,72 @@
+"""OmegaConf resolvers of the shipped cluster configs, and a process's rank before any group exists.
+
+    ${pipetrain.on_rank0:${cluster.name},.hydra}     only rank 0 writes Hydra's .hydra/ and job log
+    ${pipetrain.now:%H-%M-%S}                        Hydra's `now`, one instant for every torchrun rank
+    ${pipetrain.tasks_per_node:degree,nodes,rpn}     SLURM tasks per node (the schema's own rule)
+    ${pipetrain.devnull:}                            os.devnull
+
+`register_resolvers()` is called by whoever composes a config (the CLI, the sbatch renderer,
+the tests), never at import time. A submitit task composes its config
+in a fresh process: Hydra pickles the registered resolvers with its singleton state
+(hydra.core.singleton.Singleton.get_state) and restores them there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from pipetrain.config.cluster import tasks_per_node
+
+# ---- the process's own rank, before any process group exists ------------------------------
+
+_RANK_VARS = {"torchrun": "RANK", "slurm": "SLURM_PROCID", "submitit_local": "SUBMITIT_LOCAL_GLOBALID"}
+
+
+def process_rank(cluster: str) -> int:
+    """This process's global rank as its launcher announced it (0 for cluster=local's main process)."""
+    var = _RANK_VARS.get(cluster)
+    return int(os.environ.get(var, "0")) if var else 0
+
+
+def _on_rank0(cluster: str, value: Any, other: Any = None) -> Any:
+    """`${pipetrain.on_rank0:${cluster.name},.hydra}`: value on rank 0, `other` on the other ranks
+    (how only rank 0 writes Hydra's .hydra/ and job log into the run directory all ranks share)."""
+    return value if process_rank(cluster) == 0 else other
+
+
+def _shared_now(pattern: str) -> str:
+    """`${pipetrain.now:%H-%M-%S}`: Hydra's `now`, but the same instant on every rank of a torchrun
+    launch. Each rank composes its own config, so `now` may differ by a second between them and
+    split the run over two directories; here the first rank to ask stores its clock in torchrun's
+    rendezvous store (TORCHELASTIC_USE_AGENT_STORE: the agent's TCPStore at MASTER_ADDR:MASTER_PORT)
+    and the others read it. The key holds the run id, so a restarted worker group (max_restarts)
+    gets the same directory back, which is where trainer.resume=auto looks."""
+    stamp = time.time()
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        import datetime as dt
+
+        import torch.distributed as dist  # only here, under torchrun: composing stays torch-free
+
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                              timeout=dt.timedelta(seconds=120))
+        key = f"pipetrain/now/{env.get('TORCHELASTIC_RUN_ID', 'none')}"
+        stamp = float(store.compare_set(key, "", repr(stamp)).decode())
+    return datetime.fromtimestamp(stamp).strftime(pattern)
+
+
+def _tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int]) -> int:
+    return tasks_per_node(int(degree), int(nodes), None if ranks_per_node is None else int(ranks_per_node))
+
+
+def register_resolvers() -> None:
+    for name, fn, cache in (("pipetrain.on_rank0", _on_rank0, False), ("pipetrain.now", _shared_now, True),
+                            ("pipetrain.tasks_per_node", _tasks_per_node, False),
+                            ("pipetrain.devnull", lambda: os.devnull, False)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn, use_cache=cache)

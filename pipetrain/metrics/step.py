@@ -1,0 +1,109 @@
+"""The typed records the trainer hands out: one `StepRecord` per step, one `RunSummary` per run.
+
+The trainer produces them (train/trainer.py, with train/monitor.py for the measured part);
+every logger, summary.json and the sweep table read only these, never the trainer's
+internals. A record of a logged step on rank 0 carries the step's `StepMeasurement` (every
+rank's timings and memory, measured against simulated); its numbers are reached through the
+record's properties, and `row()` is the flat JSON object of metrics.jsonl.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pipetrain.metrics.measure import StepMeasurement
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step, as the trainer saw it."""
+
+    step: int  # counted from 1
+    loss: float  # mean over the step's microbatches (NaN on a rank without the last stage)
+    lr: float
+    grad_norm: float  # before clipping
+    step_time_s: float
+    tokens_per_s: float
+    skipped: bool = False  # non-finite loss with trainer.on_nonfinite=skip: no optimizer step
+    val_loss: Optional[float] = None  # at evaluation steps
+    mfu: Optional[float] = None  # model FLOPs utilisation where a peak is known
+    measurement: Optional[StepMeasurement] = None  # logged steps, rank 0: every rank's timings and memory
+
+    # ---- the measured part (None where the step was not measured) -------------------------
+    @property
+    def bubble_fraction_mean(self) -> Optional[float]:
+        return self.measurement.bubble_mean if self.measurement else None
+
+    @property
+    def simulated_bubble_fraction(self) -> Optional[float]:
+        return self.measurement.simulated.bubble_fraction_mean if self.measurement else None
+
+    @property
+    def peak_memory_bytes_per_rank(self) -> Optional[list[int]]:
+        return [s.peak_memory_bytes for s in self.measurement.samples] if self.measurement else None
+
+    @property
+    def peak_activation_bytes_per_rank(self) -> Optional[list[int]]:
+        return [s.peak_activation_bytes for s in self.measurement.samples] if self.measurement else None
+
+    def rank_rows(self) -> list[dict[str, Any]]:
+        """Per rank: bubble measured and simulated, memory split, ms per op and waiting ([] if unmeasured)."""
+        return self.measurement.rank_rows() if self.measurement else []
+
+    def row(self) -> dict[str, Any]:
+        """The JSON object of metrics.jsonl (and wandb's metrics): the scalars, then the measured fields."""
+        out: dict[str, Any] = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm}
+        if self.skipped:
+            out["skipped"] = True
+        out.update(step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s)
+        if self.val_loss is not None:
+            out["val_loss"] = self.val_loss
+        out["mfu"] = self.mfu
+        if self.measurement is not None:
+            out.update(self.measurement.record())
+        return out
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The run's outcome: what summary.json holds and the sweep table reads."""
+
+    steps: int
+    first_loss: Optional[float]
+    final_loss: Optional[float]
+    final_val_loss: Optional[float]
+    skipped_steps: int
+    tokens: int
+    step_time_s: Optional[float]  # median over the steps after the first (which pays for warm-up)
+    tokens_per_s: Optional[float]
+    # Over the measured steps (rank 0; `measured` is False when no step was measured)
+    measured: bool = False
+    bubble_fraction_mean: Optional[float] = None  # median over the measured steps after the first
+    simulated_bubble_fraction: Optional[float] = None
+    bubble_fraction_per_rank: list[float] = field(default_factory=list)  # of the last measured step
+    simulated_bubble_fraction_per_rank: list[float] = field(default_factory=list)
+    peak_memory_bytes_per_rank: list[int] = field(default_factory=list)  # the most any measured step used
+    peak_activation_bytes_per_rank: list[int] = field(default_factory=list)
+    mfu: Optional[float] = None
+
+    def to_json(self) -> dict[str, Any]:
+        """summary.json: the run's fields, and the measured ones where a step was measured."""
+        out: dict[str, Any] = {
+            "steps": self.steps, "first_loss": self.first_loss, "final_loss": self.final_loss,
+            "final_val_loss": self.final_val_loss, "skipped_steps": self.skipped_steps, "tokens": self.tokens,
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+        }
+        if self.measured:
+            out.update(
+                bubble_fraction_mean=self.bubble_fraction_mean,
+                simulated_bubble_fraction=self.simulated_bubble_fraction,
+                bubble_fraction_per_rank=self.bubble_fraction_per_rank,
+                simulated_bubble_fraction_per_rank=self.simulated_bubble_fraction_per_rank,
+                peak_memory_bytes_per_rank=self.peak_memory_bytes_per_rank,
+                peak_activation_bytes_per_rank=self.peak_activation_bytes_per_rank,
+                mfu=self.mfu,
+            )
+        return out

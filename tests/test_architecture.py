@@ -1,0 +1,163 @@
+"""The shape of the package, checked from its source: which module imports which.
+
+Every `import` statement counts, wherever it stands (module level, inside a function, under
+`if TYPE_CHECKING:`): a lazy import is still a dependency, it only moves the cost. An edge goes
+to the module named (`from pipetrain.launch.rank import run_rank` -> pipetrain.launch.rank;
+`from pipetrain.launch import launch` -> pipetrain.launch, its __init__).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_torch_free
+
+pytestmark = pytest.mark.pure
+
+ROOT = Path(__file__).resolve().parents[1] / "pipetrain"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def imported_modules(path: Path, name: str, mods: set[str]) -> set[str]:
+    """The pipetrain modules a file imports (relative imports resolved)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:  # `from a.b import c`: a.b.c where that is a module, else a.b
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
+    return {m for m in out if m in mods and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """pipetrain module -> the pipetrain modules it imports."""
+    mods = modules()
+    return {name: imported_modules(path, name, set(mods)) for name, path in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        v = todo.pop()
+        for w in graph.get(v, ()):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+def test_no_import_circles_among_pipetrain_modules():
+    assert cycles(import_graph()) == []
+
+
+def third_party(path: Path) -> set[str]:
+    """Top-level names of what a file imports from outside pipetrain (any import statement)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module.split(".")[0])
+    return out - {"pipetrain"}
+
+
+def closure(prefix: str) -> set[str]:
+    """The modules under `prefix` and every pipetrain module they reach."""
+    graph = import_graph()
+    roots = {m for m in graph if m == prefix or m.startswith(prefix + ".")}
+    return roots.union(*(reachable(graph, m) for m in roots))
+
+
+@pytest.mark.parametrize("prefix", ["pipetrain.schedules", "pipetrain.config"])
+def test_schedules_and_config_schemas_reach_no_torch(prefix):
+    mods = modules()
+    offenders = {m: sorted(third_party(mods[m]) & {"torch", "numpy"}) for m in closure(prefix)}
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_runtime_depends_on_the_stage_protocol_not_on_models():
+    reached = {m for m in closure("pipetrain.runtime") if m.startswith("pipetrain.models")}
+    assert reached == set()
+
+
+def test_config_schemas_import_nothing_of_the_runtime():
+    runtime = ("runtime", "train", "launch", "loggers", "metrics", "models", "cli", "compose", "plan")
+    allowed = {"pipetrain.models.costs"}  # the pure per-layer cost record the partition rules use
+    reached = {m for m in closure("pipetrain.config") - allowed if m.split(".")[1] in runtime}
+    assert reached == set()
+
+
+def test_importing_the_config_loads_no_torch_and_registers_nothing():
+    assert_torch_free(
+        "from omegaconf import OmegaConf\n"
+        "import pipetrain.config, pipetrain.config.cluster\n"
+        "assert not OmegaConf.has_resolver('pipetrain.now'), 'a resolver was registered at import'\n"
+        "from pipetrain.compose import register_all\n"
+        "register_all()\n"
+        "assert OmegaConf.has_resolver('pipetrain.now')\n"
+    )
+
+
+def test_stage_module_is_a_stage():
+    """models/split.py's StageModule satisfies the protocol the executor can depend on."""
+    from pipetrain.models.factory import build_model
+    from pipetrain.models.split import split_model
+    from pipetrain.runtime.stage_protocol import Stage
+
+    first, last = split_model(build_model("mlp", n_layer=4), [range(0, 2), range(2, 4)])
+    assert isinstance(first, Stage) and isinstance(last, Stage)
+    assert (first.is_first, first.is_last, last.is_first, last.is_last) == (True, False, False, True)
