@@ -1,0 +1,550 @@
+"""pipetrain vs torch.distributed.pipelining: the same pipeline, step for step, on CPU ranks.
+
+Both sides get the same GPT-2 (same seed, so the same initial weights), the same stage cut
+(pipetrain's layers, embedding + blocks + head, split into the schedule's number of chunks
+by pipetrain's balanced partition, --partition; with equal layer counts the V schedules'
+rank 0 would hold the two cheap ends, embedding and head, and rank 1 the four middle blocks), the same stage -> rank placement (asserted against torch's
+own mapping: loop = stage s on rank s % P, V = rank r holds stages r and 2P-1-r), the same
+data (one global batch; torch chunks it with `tensor_split`, pipetrain gets the same
+chunks as its microbatches) and the same-named schedule:
+
+    gpipe            ScheduleGPipe              interleaved_1f1b  ScheduleInterleaved1F1B
+    1f1b             Schedule1F1B               looped_bfs        ScheduleLoopedBFS
+    zbv              ScheduleZBVZeroBubble      dualpipev         ScheduleDualPipeV
+
+torch's PipelineStage wraps the very module pipetrain runs (`build_stage(...)`: the last
+stage returns logits) and its loss_fn is that stage's loss (`GPT2.loss_fn`). One step on
+either side is forward + backward of all M microbatches + the gradient sync of the tied
+embedding / head (pipetrain: inside `RankPipeline.train_step`; torch: a `GradSync` over
+the torch stage modules after `schedule.step`). Gradients are zeroed between steps and no
+optimizer runs, so every step does identical work. torch divides gradients by M after the
+step (scale_grads=True) where pipetrain divides each microbatch's loss by M: before any
+timing, one step from identical weights and data must give the same loss (|diff| <=
+--loss-tol) and the same gradients (max |diff| <= --grad-tol) on both sides, else the run
+fails.
+
+Measurement: ONE spawn of P gloo ranks (1 thread each, glibc told to keep freed memory);
+for each round, the single-process baseline first (rank 0 runs it in subprocesses while
+the other ranks wait: the whole model, the whole global batch in one forward + backward,
+at 1 and at 2 threads), then for each schedule both sides, the side that goes first
+alternating by round; per side 1 warm-up step then --steps timed steps, each after a
+barrier; a step's time is the slowest rank's (all_reduce MAX), CPU seconds per step
+are each rank's process_time delta. tokens/s = batch * seq / step time. Last, pipetrain's
+peak receive-buffer bytes per stage in one step at M=8 and at M=64 (--recv-scaling-m, same
+microbatch size): its point-to-point plan posts receives just in time, so they must not
+grow with M (torch allocates a buffer per microbatch).
+
+Usage: python bench/pipelining_vs_torch.py [--rounds 3] [--steps 3] [--degree 2] [--microbatches 8]
+         [--batch 16] [--seq 128] [--schedules gpipe,1f1b,...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.launch.local import CPU_MALLOC_ENV, spawn_local
+from pipetrain.models.gpt2 import GPT2
+from pipetrain.models.split import build_stage
+from pipetrain.partition.strategies import min_max_bounds
+from pipetrain.partition.uniform import uniform_bounds
+from pipetrain.train.pipeline import build_rank_pipeline
+from pipetrain.runtime.sync import GradSync
+from pipetrain.schedules import registry
+from pipetrain.schedules.ir import Schedule
+
+# pipetrain name -> torch.distributed.pipelining class name
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+SIDES = ("pipetrain", "torch")
+
+
+# ---- shared setup -------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace) -> GPT2:
+    torch.manual_seed(args.seed)
+    return GPT2(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab,
+                block_size=args.block_size, dropout=0.0)
+
+
+def global_batch(model: GPT2, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(args.seed + 1)
+    return model.example_batch(microbatch=args.batch, seq=args.seq, generator=g)
+
+
+def stage_cut(model: GPT2, sched: Schedule, args: argparse.Namespace) -> list[range]:
+    """The layers of each chunk, the same on both sides: pipetrain's `balanced` partition (exact
+    min-max over the analytic per-layer F+B+W times) by default, or `uniform` layer counts."""
+    chunks = sched.placement.num_chunks
+    if args.partition == "uniform":
+        return list(uniform_bounds(len(model.layers), chunks))
+    costs = model.cost_model(microbatch=args.batch // args.microbatches, seq=args.seq, tflops=1.0)
+    return list(min_max_bounds([c.total_ms for c in costs], chunks))
+
+
+def pipetrain_schedule(name: str, args: argparse.Namespace) -> Schedule:
+    fixed = registry.get(name).fixed_stages_per_rank
+    return registry.build(name, args.degree, args.microbatches, fixed or args.virtual_stages)
+
+
+# ---- the two sides ------------------------------------------------------------------------
+
+
+class PipetrainSide:
+    name = "pipetrain"
+
+    def __init__(self, model: GPT2, bounds: list[range], sched: Schedule, rank: int, batch, args) -> None:
+        self.rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=args.batch // args.microbatches,
+                                      seq_len=args.seq, timeout_s=args.p2p_timeout_s)
+        idx, tgt = batch
+        M = args.microbatches  # the same chunks torch's default TensorChunkSpec(0) makes
+        self.mbs = list(zip(idx.tensor_split(M), tgt.tensor_split(M)))
+        self.stages: dict[int, nn.Module] = self.rp.stages
+        self._loss: Optional[float] = None
+
+    def zero_grad(self) -> None:
+        for mod in self.stages.values():
+            mod.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self._loss = self.rp.train_step(self.mbs).loss  # includes GradSync.sync()
+
+    def loss(self) -> float:
+        """Mean loss of the last step (already all-reduced by the executor)."""
+        assert self._loss is not None
+        return self._loss
+
+
+class TorchSide:
+    name = "torch"
+
+    def __init__(self, model: GPT2, bounds: list[range], sched: Schedule, name: str, rank: int, batch, args) -> None:
+        from torch.distributed import pipelining as pp
+
+        pl = sched.placement
+        S, M = pl.num_stages, args.microbatches
+        mb = args.batch // M
+        self.stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s) for s in pl.stages_of(rank)}
+        # Static metadata: example input / output of ONE microbatch per stage, so torch skips its
+        # runtime shape inference (a hidden forward + backward plus object send/recv on the first
+        # step). requires_grad matters here: it is copied into the receive buffers' metadata, so a
+        # float activation must say True or no input gradient flows back; the int64 token ids of
+        # the first stage must say False.
+        specs = model.boundary_specs(microbatch=mb, seq=args.seq)
+        self.pstages = []
+        for s in sorted(self.stages):
+            rng = bounds[pl.chunk_of(s)]
+            inp, out = specs[rng.start].empty(), specs[rng.stop].empty()
+            inp.requires_grad_(inp.is_floating_point())
+            out.requires_grad_(out.is_floating_point())
+            self.pstages.append(pp.PipelineStage(self.stages[s], s, S, torch.device("cpu"),
+                                                 input_args=(inp,), output_args=(out,)))
+        cls = getattr(pp, TORCH_SCHEDULES[name])
+        # loss_fn on EVERY rank: torch only runs backwards where the schedule has a loss_fn.
+        # GPT2.loss_fn is exactly what the last StageModule.loss calls (mean CE of a microbatch);
+        # scale_grads=True divides the summed gradients by M afterwards.
+        loss_fn = type(model).loss_fn
+        if issubclass(cls, pp.schedules.PipelineScheduleSingle):
+            if len(self.pstages) != 1:
+                raise ValueError(f"{cls.__name__} takes one stage per rank, pipetrain's {name} "
+                                 f"gives {len(self.pstages)}")
+            self.schedule = cls(self.pstages[0], M, loss_fn=loss_fn, scale_grads=True)
+            mapping = self.pstages[0].stage_index_to_group_rank
+        else:
+            self.schedule = cls(self.pstages, M, loss_fn=loss_fn, scale_grads=True)
+            mapping = self.schedule.stage_index_to_group_rank
+        want = {s: pl.rank_of(s) for s in range(S)}
+        if dict(mapping) != want:
+            raise AssertionError(f"{name}: torch places stages {dict(mapping)}, pipetrain {want} ({pl.describe()})")
+        self.placement = {str(s): r for s, r in sorted(want.items())}
+        self.has_first = 0 in self.stages
+        self.has_last = any(pl.next_stage(s) is None for s in self.stages)
+        self.idx, self.tgt = batch
+        self.sync = GradSync(self.stages)  # collective: tied wte / lm_head across stages
+        self._losses: list[torch.Tensor] = []
+
+    def zero_grad(self) -> None:
+        for mod in self.stages.values():
+            mod.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        args = (self.idx,) if self.has_first else ()
+        losses: Optional[list] = [] if self.has_last else None
+        self.schedule.step(*args, target=self.tgt if self.has_last else None, losses=losses,
+                           return_outputs=False)
+        self.sync.sync()
+        self._losses = losses or []
+
+    def loss(self) -> float:
+        """Mean loss over the microbatches of the last step (collective: only one rank has them)."""
+        buf = torch.zeros(2, dtype=torch.float64)
+        if self._losses:
+            buf[0] = sum(float(x.detach()) for x in self._losses)
+            buf[1] = len(self._losses)
+        dist.all_reduce(buf)
+        return float(buf[0] / buf[1])
+
+
+def recv_buffer_scaling(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str, dict[str, int]]]:
+    """Peak receive-buffer bytes per stage of one pipetrain step, at each M of --recv-scaling-m
+    (same microbatch size, so M=64 is 8x the batch of M=8): {schedule: {M: {stage: bytes}}}.
+    The plan posts receives just in time, so this should not grow with M."""
+    mb = args.batch // args.microbatches
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for name in args.schedule_list:
+        out[name] = {}
+        for M in args.recv_scaling_m:
+            scaled = argparse.Namespace(**{**vars(args), "microbatches": M, "batch": M * mb})
+            sched = pipetrain_schedule(name, scaled)
+            model = build_model(args)
+            bounds = stage_cut(model, sched, args)
+            rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=mb, seq_len=args.seq,
+                                     timeout_s=args.p2p_timeout_s)
+            idx, tgt = global_batch(model, scaled)
+            res = rp.train_step(list(zip(idx.tensor_split(M), tgt.tensor_split(M))))
+            merged: dict[str, int] = {}
+            for peaks in gather_object(res.peak_recv_buffer_bytes, world):
+                merged.update({str(stage): int(b) for stage, b in peaks.items()})
+            out[name][str(M)] = dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
+    return out
+
+
+# ---- measurement on the ranks -------------------------------------------------------------
+
+
+def run_side(side, steps: int) -> tuple[list[float], list[float]]:
+    """1 warm-up step then `steps` timed steps; (slowest rank's step seconds, this rank's CPU seconds)."""
+    side.zero_grad()
+    dist.barrier()
+    side.step()
+    walls, cpus = [], []
+    for _ in range(steps):
+        side.zero_grad()
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        side.step()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        t = torch.tensor([wall], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
+        walls.append(t.item())
+        cpus.append(cpu)
+    return walls, cpus
+
+
+def gather_floats(values: list[float], world: int) -> list[list[float]]:
+    """Every rank's list (same length on all ranks), rank order."""
+    t = torch.tensor(values, dtype=torch.float64)
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def verify(pt: PipetrainSide, th: TorchSide, name: str, args) -> dict:
+    """One step on each side from identical weights and data: same loss, same gradients."""
+    for side in (pt, th):
+        side.zero_grad()
+        dist.barrier()
+        side.step()
+    loss_pt, loss_th = pt.loss(), th.loss()
+    diff = torch.zeros(2, dtype=torch.float64)  # max |grad_pt - grad_torch|, max |grad|
+    missing = []
+    for s, mod in pt.stages.items():
+        theirs = dict(th.stages[s].named_parameters())
+        for n, p in mod.named_parameters():
+            q = theirs[n]
+            if (p.grad is None) != (q.grad is None):
+                missing.append(f"stage {s} {n}: pipetrain grad {'None' if p.grad is None else 'set'}, "
+                               f"torch {'None' if q.grad is None else 'set'}")
+                continue
+            if p.grad is not None:
+                diff[0] = max(diff[0], (p.grad - q.grad).abs().max().double())
+                diff[1] = max(diff[1], p.grad.abs().max().double())
+    flag = torch.tensor([float(len(missing))])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    loss_diff = abs(loss_pt - loss_th)
+    if missing or flag.item() or loss_diff > args.loss_tol or diff[0].item() > args.grad_tol:
+        raise AssertionError(
+            f"{name}: pipetrain and torch disagree after one step from identical weights and data: "
+            f"loss {loss_pt:.8f} vs {loss_th:.8f} (|diff| {loss_diff:.2e}, tol {args.loss_tol:.0e}), "
+            f"max |grad diff| {diff[0].item():.2e} (tol {args.grad_tol:.0e}, max |grad| {diff[1].item():.2e})"
+            + (f"; {'; '.join(missing[:4])}" if missing else ""))
+    return {"loss_pipetrain": loss_pt, "loss_torch": loss_th, "loss_abs_diff": loss_diff,
+            "grad_max_abs_diff": diff[0].item(), "grad_max_abs": diff[1].item()}
+
+
+def run_baseline(threads: int, args: argparse.Namespace) -> dict:
+    """The whole model in a fresh process with `threads` threads (rank 0 calls this)."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop} | CPU_MALLOC_ENV
+    cmd = [sys.executable, os.path.abspath(__file__), *args.argv, "--baseline-child", "--threads", str(threads)]
+    res = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def rank_main(rank: int, world: int, out: Path, args: argparse.Namespace) -> None:
+    model = build_model(args)
+    batch = global_batch(model, args)
+    tokens = args.batch * args.seq
+    names = args.schedule_list
+    pipes: dict[str, dict[str, Any]] = {}
+    raw: dict[str, Any] = {"schedules": {}, "baseline": {"1": [], "2": []}}
+    for name in names:  # build both sides once per schedule (fresh torch stages each), verify them
+        sched = pipetrain_schedule(name, args)
+        bounds = stage_cut(model, sched, args)
+        pt = PipetrainSide(model, bounds, sched, rank, batch, args)
+        th = TorchSide(model, bounds, sched, name, rank, batch, args)
+        check = verify(pt, th, name, args)
+        pipes[name] = {"pipetrain": pt, "torch": th}
+        raw["schedules"][name] = {
+            "bounds": [[r.start, r.stop] for r in bounds], "placement": th.placement, "check": check,
+            **{s: {"step_s": [], "cpu_s": [[] for _ in range(world)]} for s in SIDES}}
+        if rank == 0:
+            print(f"[verify] {name:>16}: loss {check['loss_pipetrain']:.6f} vs {check['loss_torch']:.6f} "
+                  f"(diff {check['loss_abs_diff']:.1e}), max |grad diff| {check['grad_max_abs_diff']:.1e}",
+                  flush=True)
+    for rnd in range(args.rounds):
+        if rank == 0:  # the baseline, between rounds; the other ranks wait in the barrier
+            order = (1, 2) if rnd % 2 == 0 else (2, 1)
+            for th_count in order:
+                raw["baseline"][str(th_count)].append(run_baseline(th_count, args))
+        dist.barrier()
+        for name in names:
+            order = SIDES if rnd % 2 == 0 else SIDES[::-1]
+            for side_name in order:
+                walls, cpus = run_side(pipes[name][side_name], args.steps)
+                rec = raw["schedules"][name][side_name]
+                rec["step_s"].append(walls)
+                for r, c in enumerate(gather_floats(cpus, world)):
+                    rec["cpu_s"][r].extend(c)
+            if rank == 0:
+                rs = raw["schedules"][name]
+                pt_s, th_s = (statistics.median(rs[s]["step_s"][-1]) for s in SIDES)
+                print(f"[round {rnd}] {name:>16}: pipetrain {tokens / pt_s:8.0f} tok/s  torch "
+                      f"{tokens / th_s:8.0f} tok/s  ratio {th_s / pt_s:.3f}", flush=True)
+    raw["recv_scaling"] = recv_buffer_scaling(rank, world, args)
+    if rank == 0:
+        (out / "raw.json").write_text(json.dumps(raw))
+
+
+def gather_object(obj: Any, world: int) -> list[Any]:
+    objs: list[Any] = [None] * world
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
+# ---- single-process baseline (child process) ------------------------------------------------
+
+
+def baseline_child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)  # before any work
+    model = build_model(args)
+    idx, tgt = global_batch(model, args)
+    times = []
+    for i in range(args.steps + 1):  # the first step warms up
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = model.loss(model(idx), tgt)
+        loss.backward()
+        if i:
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    print(json.dumps({"threads": args.threads, "step_s": times, "tokens_per_s": args.batch * args.seq / step,
+                      "loss": loss.item()}))
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def summarize(raw: dict, args: argparse.Namespace) -> dict:
+    tokens = args.batch * args.seq
+    base = {}
+    for th in ("1", "2"):
+        runs = raw["baseline"][th]
+        base[th] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                    "tokens_per_s_rounds": [r["tokens_per_s"] for r in runs], "loss": runs[0]["loss"]}
+    base2 = base["2"]["tokens_per_s"]
+    rows = {}
+    for name, rs in raw["schedules"].items():
+        row: dict[str, Any] = {"torch_class": TORCH_SCHEDULES[name], "bounds": rs["bounds"],
+                               "placement": rs["placement"]}
+        per_round = {}
+        for side in SIDES:
+            rounds = [tokens / statistics.median(w) for w in rs[side]["step_s"]]
+            per_round[side] = rounds
+            row[side] = {
+                "tokens_per_s": statistics.median(rounds),
+                "tokens_per_s_rounds": rounds,
+                "step_s_rounds": rs[side]["step_s"],
+                "cpu_s_per_step_per_rank": [statistics.median(c) for c in rs[side]["cpu_s"]],
+                "loss": rs["check"][f"loss_{side}"],
+            }
+        ratios = [a / b for a, b in zip(per_round["pipetrain"], per_round["torch"])]
+        row["ratio_rounds"] = ratios
+        row["ratio_median"] = statistics.median(ratios)
+        row["loss_abs_diff"] = rs["check"]["loss_abs_diff"]
+        row["loss_diff_vs_baseline"] = abs(rs["check"]["loss_pipetrain"] - base["2"]["loss"])
+        row["grad_max_abs_diff"] = rs["check"]["grad_max_abs_diff"]
+        row["grad_max_abs"] = rs["check"]["grad_max_abs"]
+        row["pipetrain_over_baseline_2t"] = row["pipetrain"]["tokens_per_s"] / base2
+        rows[name] = row
+
+    def ratio(name: str) -> Optional[float]:
+        return rows[name]["ratio_median"] if name in rows else None
+
+    best = max(rows, key=lambda n: rows[n]["pipetrain"]["tokens_per_s"])
+    worst = min(rows, key=lambda n: rows[n]["ratio_median"])
+    summary = {
+        "min_ratio": rows[worst]["ratio_median"], "min_ratio_schedule": worst,
+        "zbv_ratio": ratio("zbv"), "dualpipev_ratio": ratio("dualpipev"),
+        "pipetrain_zbv_over_1f1b": (rows["zbv"]["pipetrain"]["tokens_per_s"] / rows["1f1b"]["pipetrain"]["tokens_per_s"]
+                                    if "zbv" in rows and "1f1b" in rows else None),
+        "best_pipetrain_schedule": best,
+        "best_pipetrain_over_baseline_2t": rows[best]["pipetrain_over_baseline_2t"],
+    }
+    lo, hi = (str(m) for m in (min(args.recv_scaling_m), max(args.recv_scaling_m)))
+    scaling = {}
+    for name, per_m in raw["recv_scaling"].items():
+        ratio_by_stage = {st: per_m[hi][st] / per_m[lo][st] for st in per_m[lo] if per_m[lo][st]}
+        scaling[name] = {"peak_recv_buffer_bytes_per_stage": per_m,
+                         f"ratio_M{hi}_over_M{lo}_max_over_stages": max(ratio_by_stage.values(), default=None)}
+    summary["recv_buffer_ratio_max"] = max(
+        (v[f"ratio_M{hi}_over_M{lo}_max_over_stages"] for v in scaling.values()
+         if v[f"ratio_M{hi}_over_M{lo}_max_over_stages"] is not None), default=None)
+    return {"baseline": {"tokens_per_s_1thread": base["1"]["tokens_per_s"], "tokens_per_s_2threads": base2,
+                         "runs": base}, "schedules": rows, "recv_buffer_scaling": scaling, "summary": summary}
+
+
+def print_table(res: dict, args: argparse.Namespace) -> None:
+    P = args.degree
+    cpu_hdr = "  ".join(f"{'cpu r' + str(r) + ' pt/th':>15}" for r in range(P))
+    print(f"\n{'schedule':>16} {'pipetrain':>10} {'torch':>10} {'ratio':>6} {'rounds':>20}  {cpu_hdr}"
+          f"  {'loss diff':>9} {'grad diff':>9} {'pt/base2':>8}")
+    for name, r in res["schedules"].items():
+        rounds = ",".join(f"{x:.2f}" for x in r["ratio_rounds"])
+        cpus = "  ".join(f"{a:7.3f}/{b:<7.3f}" for a, b in zip(r["pipetrain"]["cpu_s_per_step_per_rank"],
+                                                            r["torch"]["cpu_s_per_step_per_rank"]))
+        print(f"{name:>16} {r['pipetrain']['tokens_per_s']:10.0f} {r['torch']['tokens_per_s']:10.0f} "
+              f"{r['ratio_median']:6.3f} {rounds:>20}  {cpus}  {r['loss_abs_diff']:9.1e} "
+              f"{r['grad_max_abs_diff']:9.1e} {r['pipetrain_over_baseline_2t']:8.3f}")
+    b = res["baseline"]
+    print(f"\nsingle process, whole batch: {b['tokens_per_s_1thread']:.0f} tok/s at 1 thread, "
+          f"{b['tokens_per_s_2threads']:.0f} tok/s at 2 threads")
+    s = res["summary"]
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    print(f"min ratio {s['min_ratio']:.3f} ({s['min_ratio_schedule']}); zbv ratio {fmt(s['zbv_ratio'])}; "
+          f"dualpipev ratio {fmt(s['dualpipev_ratio'])}; pipetrain zbv/1f1b {fmt(s['pipetrain_zbv_over_1f1b'])}; "
+          f"best pipetrain ({s['best_pipetrain_schedule']}) / 2-thread baseline "
+          f"{s['best_pipetrain_over_baseline_2t']:.3f}")
+    print("(ratio = pipetrain tok/s / torch tok/s, median over rounds; cpu = CPU s per step per rank)")
+
+
+def pipetrain_source() -> dict:
+    """Where the measured pipetrain came from: its path, and git HEAD / local changes if in a checkout."""
+    import pipetrain
+
+    path = Path(pipetrain.__file__).resolve().parent
+    info: dict[str, Any] = {"path": str(path)}
+    try:
+        git = ["git", "-C", str(path.parent)]
+        info["git_head"] = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                                          text=True).stdout.strip()
+        info["modified"] = subprocess.run([*git, "status", "--porcelain", "--", "pipetrain"], check=True,
+                                          capture_output=True, text=True).stdout.split("\n")
+        info["modified"] = [m.strip() for m in info["modified"] if m.strip()]
+    except (OSError, subprocess.CalledProcessError):
+        pass  # not a git checkout (e.g. an exported snapshot on PYTHONPATH)
+    return info
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side per round (after 1 warm-up)")
+    ap.add_argument("--degree", type=int, default=2, help="pipeline ranks P")
+    ap.add_argument("--microbatches", type=int, default=8, help="M")
+    ap.add_argument("--batch", type=int, default=16, help="global batch (microbatch = batch / M)")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--virtual-stages", type=int, default=2, help="stages per rank of interleaved_1f1b, looped_bfs")
+    ap.add_argument("--n-layer", type=int, default=8)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schedules", default=",".join(TORCH_SCHEDULES))
+    ap.add_argument("--p2p-timeout-s", type=float, default=300.0, help="pipetrain's P2P wait limit")
+    ap.add_argument("--partition", choices=["balanced", "uniform"], default="balanced",
+                    help="stage cut for both sides: pipetrain's balanced partition or equal layer counts")
+    ap.add_argument("--recv-scaling-m", type=lambda t: [int(x) for x in t.split(",")], default=[8, 64],
+                    help="microbatch counts at which to measure pipetrain's peak receive-buffer bytes per stage")
+    ap.add_argument("--loss-tol", type=float, default=1e-5)
+    ap.add_argument("--grad-tol", type=float, default=1e-5)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipelining_vs_torch.json"))
+    ap.add_argument("--note", default="", help="free text stored in the JSON (e.g. which pipetrain was measured)")
+    ap.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.argv = sys.argv[1:]
+    if args.baseline_child:
+        baseline_child(args)
+        return
+    args.schedule_list = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    for s in args.schedule_list:
+        if s not in TORCH_SCHEDULES:
+            ap.error(f"--schedules: {s!r} has no torch counterpart here; choose from {', '.join(TORCH_SCHEDULES)}")
+    if args.batch % args.microbatches:
+        ap.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}")
+    for s in args.schedule_list:  # fail here, not inside the ranks
+        pipetrain_schedule(s, args)
+    work = Path(tempfile.mkdtemp(prefix="pipetrain-bench-"))
+    spawn_local(rank_main, args.degree, work, args)
+    raw = json.loads((work / "raw.json").read_text())
+    res = summarize(raw, args)
+    config = {k: v for k, v in vars(args).items() if k not in ("argv", "baseline_child", "threads", "out", "note")}
+    config["microbatch"] = args.batch // args.microbatches
+    config["tokens_per_step"] = args.batch * args.seq
+    config["threads_per_rank"] = 1
+    config["backend"] = "gloo"
+    config["malloc_env"] = CPU_MALLOC_ENV
+    doc = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+           "cpu": cpu_model(), "pipetrain_source": pipetrain_source(), "note": args.note, "config": config, **res}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print_table(res, args)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
