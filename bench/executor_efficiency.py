@@ -45,13 +45,13 @@ def layers_for(P: int) -> int:
     return 2 * P  # two layers per stage with one stage per rank, one with two (V, mirror)
 
 
-def rank_main(rank: int, world: int, out: Path, M: int, layer_ms: float, steps: int) -> None:
+def rank_main(rank: int, world: int, out: Path, M: int, layer_ms: float, steps: int, lookahead: int = 1) -> None:
     rows = {}
     for name in SCHEDULES:
         sched = registry.build(name, world, M, spec(name))
         model = SleepModel(layers=layers_for(world), f_ms=layer_ms, b_ms=layer_ms, w_ms=layer_ms, hidden=HIDDEN)
         bounds = uniform_bounds(len(model.layers), sched.placement.num_chunks)
-        rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=1, timeout_s=120)
+        rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=1, timeout_s=120, p2p_lookahead=lookahead)
         g = torch.Generator().manual_seed(0)
         mbs = [model.example_batch(microbatch=1, seq=1, generator=g) for _ in range(M)]
         times = []
@@ -79,12 +79,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layer-ms", type=float, default=10.0, help="F, B and W time of one sleep layer")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lookahead", type=int, default=1, help="pipeline.p2p_lookahead: receives posted this many actions early")
+    ap.add_argument("--cases", default=",".join(f"{P}x{M}" for P, M in CASES), help="PxM pairs, comma separated")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "executor_efficiency.json"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pipetrain-bench-"))
     results = []
-    for P, M in CASES:
-        spawn_local(rank_main, P, work, M, args.layer_ms, args.steps)
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    for P, M in cases:
+        spawn_local(rank_main, P, work, M, args.layer_ms, args.steps, args.lookahead)
         measured = json.loads((work / f"measured_P{P}_M{M}.json").read_text())
         for name in SCHEDULES:
             med = statistics.median(measured[name])
@@ -97,7 +100,7 @@ def main() -> None:
                   f"{r['simulated_ms']:8.1f} ms  ratio {r['ratio']:.3f}", flush=True)
     worst = max(r["ratio"] for r in results)
     out = Path(args.out)
-    out.write_text(json.dumps({"layer_ms": args.layer_ms, "python": platform.python_version(),
+    out.write_text(json.dumps({"layer_ms": args.layer_ms, "p2p_lookahead": args.lookahead, "python": platform.python_version(),
                                "torch": torch.__version__, "cpus": __import__("os").cpu_count(),
                                "worst_ratio": worst, "target": 1.10, "results": results}, indent=2) + "\n")
     print(f"worst ratio {worst:.3f} (target <= 1.10); wrote {out}")
