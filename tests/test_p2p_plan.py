@@ -16,7 +16,7 @@ import pytest
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.p2p import (
-    Kind, Message, PlanError, build_plans, check_plan, forward_only, needed_by, sent_by,
+    Kind, Message, PlanError, build_plans, check_plan, forward_plan, needed_by, sent_by,
 )
 from pipetrain.schedules.validate import ScheduleError, validate
 
@@ -38,7 +38,7 @@ def cases():
 def test_every_schedule_passes_the_nccl_order_check(name, P, M, spr):
     sched = registry.build(name, P, M, spr)
     for lookahead in (0, 1, 2):
-        check_plan(sched, lookahead=lookahead)
+        check_plan(sched, lookahead=lookahead, run=True)
         plans = build_plans(sched, lookahead=lookahead)
         # every cross-rank message is sent once and received once, by the ranks the placement says
         sent, got = [], []
@@ -63,12 +63,16 @@ def test_every_receive_is_posted_before_its_consumer_and_no_earlier_than_the_loo
                 assert i - 2 <= posted[msg] <= i, (plan.rank, str(a))
 
 
-def test_validation_forward_pass_has_its_own_plan():
+def test_validation_forward_pass_uses_the_training_plan_without_its_backward():
     sched = registry.build("1f1b", 4, 8, 1)
-    fwd = forward_only(sched)
-    assert all(a.op.value == "F" for r in range(4) for a in fwd.actions(r))
-    plans = build_plans(fwd)
-    assert all(m.kind is Kind.ACT for p in plans for gs in p.issue for g in gs for m in g.sends + g.recvs)
+    for plan in build_plans(sched):
+        fwd = forward_plan(plan)
+        assert [str(a) for a in fwd.parts] == [str(a) for a in plan.parts if a.op.value == "F"]
+        for peer in range(4):  # per peer, every activation message of the training plan, in its order
+            msgs = [m for gs in fwd.issue for g in gs if g.peer == peer for m in g.sends + g.recvs]
+            assert all(m.kind is Kind.ACT for m in msgs)
+            assert msgs == [m for gs in plan.issue for g in gs if g.peer == peer
+                            for m in g.sends + g.recvs if m.kind is Kind.ACT]
 
 
 GOOD = """\

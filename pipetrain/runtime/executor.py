@@ -39,7 +39,7 @@ from pipetrain.runtime.clock import StepClock
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.stage_protocol import Stage
 from pipetrain.schedules.ir import Action, Op, Schedule
-from pipetrain.schedules.p2p import Message, build_plan, forward_only, needed_by, sent_by
+from pipetrain.schedules.p2p import Message, build_plan, forward_plan, needed_by, sent_by
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Executor:
         # The point-to-point plans (pure; validated before any process started): training, and
         # the forward-only pass of evaluate().
         self._plan = build_plan(schedule, rank, lookahead=lookahead)
-        self._eval_plan = build_plan(forward_only(schedule), rank, lookahead=lookahead)
+        self._eval_plan = forward_plan(self._plan)
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in stages.items()}
         self._forward_only = False
         self.autocast: Optional[torch.dtype] = None  # e.g. torch.bfloat16 on GPU
