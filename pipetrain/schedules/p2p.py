@@ -10,8 +10,10 @@ the k-th send of a to b with the k-th receive of b from a. So a plan is safe onl
 (1) per direction, the sender sends in the order the receiver receives, (2) per pair, both
 ranks issue their messages in one order (operations posted together in one group, as
 `batch_isend_irecv` does, count as one step of it), and (3) no operation waits on one
-issued after it. `check_plan` proves all three (pure, no torch) by running every rank's
-plan under those rules; the validator calls it before any process starts.
+issued after it. `check_plan` (pure, no torch) checks (1) and (2) for every plan, and (3)
+by running every rank's plan under those rules: always for hand-written plans, and for
+derived ones in the tests (they are safe by construction, below). The validator calls it
+before any process starts.
 
 The plan is derived, just in time and in schedule order. Number a rank's atomic actions
 (an F&B pair counts as its two parts) 0..n-1; boundary i is the moment before part i
