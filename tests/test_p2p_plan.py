@@ -16,8 +16,9 @@ import pytest
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.p2p import (
-    Kind, Message, PlanError, build_plans, check_plan, forward_plan, needed_by, sent_by,
+    Kind, Message, build_plans, forward_plan, needed_by, sent_by,
 )
+from pipetrain.schedules.p2p_check import check_plan
 from pipetrain.schedules.validate import ScheduleError, validate
 
 pytestmark = pytest.mark.pure

@@ -19,7 +19,8 @@ from collections import Counter
 
 from pipetrain.schedules.deps import Key, Walk, walk
 from pipetrain.schedules.ir import Op, Schedule
-from pipetrain.schedules.p2p import PlanError, check_plan
+from pipetrain.schedules.p2p import PlanError
+from pipetrain.schedules.p2p_check import check_plan
 
 
 class ScheduleError(ValueError):
