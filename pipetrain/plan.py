@@ -26,6 +26,7 @@ from pipetrain.partition.plan import PartitionPlan, require_chunks
 from pipetrain.partition.strategies import partition
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.simulate import StageCosts
 from pipetrain.schedules.spec import RankCosts
 from pipetrain.schedules.validate import validate
@@ -61,6 +62,8 @@ def build_schedule(config: Config) -> Schedule:
         )
     else:
         schedule = registry.build(s.name, p.degree, p.microbatches, s.virtual_stages)
+    if config.layout.dp > 1:  # each stage's gradients reduced over dp once, after its last W
+        schedule = add_reduces(schedule)
     validate(schedule, p2p_lookahead=p.p2p_lookahead)
     return schedule
 

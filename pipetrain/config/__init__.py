@@ -27,7 +27,9 @@ from omegaconf import MISSING
 from pipetrain.config.cluster import ClusterConfig
 from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
+from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
 from pipetrain.config.train import OptimConfig, TrainerConfig
+from pipetrain.parallel.layout import Layout
 from pipetrain.partition.strategies import manual_bounds
 from pipetrain.schedules import registry
 
@@ -236,6 +238,7 @@ class SimConfig:
 class Config:
     mode: Mode = Mode.simulate
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     model: Any = MISSING  # one of the model schemas (SleepModelConfig, GPT2ModelConfig, ...)
     data: DataConfig = field(default_factory=DataConfig)
@@ -254,9 +257,14 @@ class Config:
         if s.name != registry.CUSTOM:
             registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
         self._check_layers()
+        if self.parallel.dp_shard == -1:
+            world = self.cluster.fixed_world() or launched_world(self.cluster.name)
+            self.parallel.dp_shard = fill_dp_shard(self.parallel, degree=p.degree, world=world,
+                                                   where=f"cluster={self.cluster.name}")
         self._check_data()
         self.logging.check(self.logger, max_steps=self.trainer.max_steps)
-        self.cluster.check_degree(p.degree)  # nodes x ranks per node must be pipeline.degree
+        # SLURM: nodes x ranks per node must be the world
+        self.cluster.check_world(self.layout.world, world_text(*self.layout.shape))
         if self.partition.name == "manual":  # the strategy's own message, with an example for this model
             manual_bounds(self.model.num_layers, self.num_chunks, self.partition.boundaries)
 
@@ -269,10 +277,15 @@ class Config:
         ).num_chunks
 
     @property
+    def layout(self) -> Layout:
+        """The parallel layout: pipeline.degree x parallel.dp_replicate x parallel.dp_shard ranks."""
+        return Layout(self.pipeline.degree, self.parallel.dp_replicate, self.parallel.dp_shard)
+
+    @property
     def microbatch_size(self) -> int:
-        """Sequences in one microbatch: data.batch_size / pipeline.microbatches (at least 1:
-        model=sleep in mode=simulate does not require the batch to divide)."""
-        return max(1, self.data.batch_size // self.pipeline.microbatches)
+        """Sequences in one microbatch of one pipeline: data.batch_size / (dp x pipeline.microbatches)
+        (at least 1: model=sleep in mode=simulate does not require the batch to divide)."""
+        return max(1, self.data.batch_size // (self.parallel.dp * self.pipeline.microbatches))
 
     def _check_layers(self) -> None:
         s, m, chunks = self.schedule, self.model, self.num_chunks
@@ -288,12 +301,19 @@ class Config:
         )
 
     def _check_data(self) -> None:
-        d, m, mb = self.data, self.model, self.pipeline.microbatches
-        if (m.needs_batch or self.mode is Mode.train) and d.batch_size % mb:
-            up = -(-d.batch_size // mb) * mb
+        d, m, mb, dp = self.data, self.model, self.pipeline.microbatches, self.parallel.dp
+        if (m.needs_batch or self.mode is Mode.train) and d.batch_size % (mb * dp):
+            up = -(-d.batch_size // (mb * dp)) * mb * dp
+            if dp == 1:
+                raise ValueError(
+                    f"data.batch_size={d.batch_size} does not split into pipeline.microbatches={mb} equal "
+                    f"microbatches: set data.batch_size to a multiple of {mb} (e.g. {up}) or pipeline.microbatches "
+                    f"to a divisor of it"
+                )
             raise ValueError(
-                f"data.batch_size={d.batch_size} does not split into pipeline.microbatches={mb} equal microbatches: "
-                f"set data.batch_size to a multiple of {mb} (e.g. {up}) or pipeline.microbatches to a divisor of it"
+                f"data.batch_size={d.batch_size} (the global batch) does not split into dp={dp} pipelines x "
+                f"pipeline.microbatches={mb} equal microbatches: set data.batch_size to a multiple of {mb * dp} "
+                f"(e.g. {up}), or lower pipeline.microbatches or the dp degrees"
             )
         if m.has_seq and d.seq_len > m.block_size:
             raise ValueError(

@@ -79,27 +79,34 @@ class ClusterConfig:
                     f"drop cluster.{f.name} or choose one of those clusters"
                 )
 
-    def tasks_per_node(self, degree: int) -> int:
-        """SLURM tasks (= pipeline ranks) per node; raises if the ranks do not fill the nodes evenly."""
-        return tasks_per_node(degree, self.nodes, self.ranks_per_node)
+    def tasks_per_node(self, world: int, what: str = "") -> int:
+        """SLURM tasks (= ranks) per node; raises if the ranks do not fill the nodes evenly."""
+        return tasks_per_node(world, self.nodes, self.ranks_per_node, what)
 
-    def check_degree(self, degree: int) -> None:
-        """Cross-check with pipeline.degree: one SLURM task per pipeline rank, filling the nodes evenly."""
+    def check_world(self, world: int, what: str = "") -> None:
+        """Cross-check with the world size: one SLURM task per rank, filling the nodes evenly."""
         if self.name in ("slurm", "submitit_local"):
-            self.tasks_per_node(degree)
+            self.tasks_per_node(world, what)
+
+    def fixed_world(self) -> Optional[int]:
+        """The world size this cluster option fixes before pipetrain decides (None: pipetrain decides)."""
+        if self.name in ("slurm", "submitit_local") and self.ranks_per_node is not None:
+            return self.nodes * self.ranks_per_node
+        return None
 
 
-def tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int]) -> int:
+def tasks_per_node(world: int, nodes: int, ranks_per_node: Optional[int], what: str = "") -> int:
+    what = what or f"pipeline.degree={world}"
     if ranks_per_node is None:
-        if degree % nodes:
+        if world % nodes:
             raise ValueError(
-                f"pipeline.degree={degree} ranks do not split evenly over cluster.nodes={nodes}: "
-                f"set cluster.nodes to a divisor of {degree}"
+                f"{what} ranks do not split evenly over cluster.nodes={nodes}: "
+                f"set cluster.nodes to a divisor of {world}"
             )
-        return degree // nodes
-    if nodes * ranks_per_node != degree:
+        return world // nodes
+    if nodes * ranks_per_node != world:
         raise ValueError(
             f"cluster.nodes={nodes} x cluster.ranks_per_node={ranks_per_node} = {nodes * ranks_per_node} tasks, "
-            f"but pipeline.degree={degree} ranks: make nodes x ranks_per_node equal pipeline.degree"
+            f"but {what} ranks: make nodes x ranks_per_node equal {world}"
         )
     return ranks_per_node

@@ -30,14 +30,14 @@ if TYPE_CHECKING:
 
 
 def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dict:
-    """Start pipeline.degree workers running `entry`; return rank 0's result."""
+    """Start the world's workers (pipeline.degree x dp degrees) running `entry`; return rank 0's result."""
     backend = resolve_backend(config.cluster.backend, config.trainer.device)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     env = CPU_MALLOC_ENV if backend == "gloo" else {}
     with tempfile.TemporaryDirectory(prefix="pipetrain-elastic-") as logs, inherited_environ(env), \
             _quiet("torch.distributed.elastic", "torch.multiprocessing"):
         launch_config = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=config.pipeline.degree,
+            min_nodes=1, max_nodes=1, nproc_per_node=config.layout.world,
             run_id=f"pipetrain-{uuid.uuid4().hex[:12]}",
             rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{config.cluster.master_port or 0}",  # 0: a free port
             max_restarts=0,  # a failed rank ends the run (continue with trainer.resume=auto)

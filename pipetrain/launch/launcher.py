@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
+from pipetrain.config.parallel import world_text
+
 if TYPE_CHECKING:
     from pipetrain.config import Config
     from pipetrain.plan import Plan
@@ -18,14 +20,15 @@ Entry = Callable[["Config", "Plan", Path], dict]
 
 
 def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] = None) -> dict:
-    """Run `entry(config, plan, run_dir)` (default: the trainer's rank_main) on pipeline.degree
-    ranks as config.cluster says; return rank 0's result ({} on the other ranks of an
+    """Run `entry(config, plan, run_dir)` (default: the trainer's rank_main) on the world's
+    ranks (pipeline.degree x parallel.dp_replicate x parallel.dp_shard) as config.cluster says; return rank 0's result ({} on the other ranks of an
     already-launched job). A failed rank raises RankFailedError (launch/errors.py) with that
     rank's one-line message."""
     if entry is None:
         from pipetrain.train.trainer import rank_main as entry
     cluster = config.cluster
-    cluster.check_degree(config.pipeline.degree)
+    layout = config.layout
+    cluster.check_world(layout.world, world_text(*layout.shape))
     run_dir = Path(run_dir).resolve()
     if cluster.name == "local":
         from pipetrain.launch.elastic import launch_local

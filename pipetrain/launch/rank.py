@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from pipetrain.config.parallel import world_text
 from pipetrain.launch.env import RankEnv, torchrun_env
 
 if TYPE_CHECKING:
@@ -63,13 +64,16 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
     agree=True (ranks that composed their own config: torchrun, slurm, submitit): rank 0's plan
     and run directory are broadcast, so every rank cuts the model alike (partition=profile
     measures per process) and writes under one directory."""
-    degree = config.pipeline.degree
+    layout = config.layout
+    world, what = layout.world, world_text(*layout.shape)
     owns_group = not dist.is_initialized()
     try:
-        if env.world_size != degree:
+        if env.world_size != world:
+            fix = (f"set pipeline.degree={env.world_size}" if layout.dp == 1
+                   else "change pipeline.degree or the parallel.dp_* degrees (parallel.dp_shard=-1 fills the world)")
             raise ValueError(
-                f"{env.world_size} ranks were started but pipeline.degree={degree}: start {degree} ranks "
-                f"(e.g. torchrun --nproc_per_node={degree}) or set pipeline.degree={env.world_size}"
+                f"{env.world_size} ranks were started but {what}: start {world} ranks "
+                f"(e.g. torchrun --nproc_per_node={world}) or {fix}"
             )
         backend = resolve_backend(config.cluster.backend, config.trainer.device)
         os.environ.update(env.exported())  # the trainer (and torch) read LOCAL_RANK, RANK, ...
@@ -79,8 +83,8 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
             init = "env://" if env.use_env_store else f"tcp://{env.master_addr}:{env.master_port}"
             dist.init_process_group(backend, init_method=init, rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(seconds=max(300.0, config.pipeline.p2p_timeout_s)))
-        elif dist.get_world_size() != degree:
-            raise ValueError(f"the process group has {dist.get_world_size()} ranks but pipeline.degree={degree}")
+        elif dist.get_world_size() != world:
+            raise ValueError(f"the process group has {dist.get_world_size()} ranks but {what}")
         if agree:
             plan, run_dir = _agree_with_rank0(plan, Path(run_dir))
         return entry(config, plan, Path(run_dir))

@@ -2,7 +2,7 @@
 
     ${pipetrain.on_rank0:${cluster.name},.hydra}     only rank 0 writes Hydra's .hydra/ and job log
     ${pipetrain.now:%H-%M-%S}                        Hydra's `now`, one instant for every torchrun rank
-    ${pipetrain.tasks_per_node:degree,nodes,rpn}     SLURM tasks per node (the schema's own rule)
+    ${pipetrain.tasks_per_node:degree,nodes,rpn,dpr,dps} SLURM tasks per node (the schema's own rule)
     ${pipetrain.devnull:}                            os.devnull
 
 `register_resolvers()` is called by whoever composes a config (the CLI, the sbatch renderer,
@@ -21,6 +21,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from pipetrain.config.cluster import tasks_per_node
+from pipetrain.config.parallel import world_text
 
 # ---- the process's own rank, before any process group exists ------------------------------
 
@@ -60,8 +61,16 @@ def _shared_now(pattern: str) -> str:
     return datetime.fromtimestamp(stamp).strftime(pattern)
 
 
-def _tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int]) -> int:
-    return tasks_per_node(int(degree), int(nodes), None if ranks_per_node is None else int(ranks_per_node))
+def _tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int], dp_replicate: int = 1,
+                    dp_shard: int = 1) -> int:
+    rpn = None if ranks_per_node is None else int(ranks_per_node)
+    if int(dp_shard) == -1:  # fills the world: nodes x ranks_per_node (the schema says so when unset)
+        if rpn is None:
+            raise ValueError("parallel.dp_shard=-1 fills the world, which cluster.nodes x cluster.ranks_per_node "
+                             "fixes: set cluster.ranks_per_node (or parallel.dp_shard to a number)")
+        return rpn
+    world = int(degree) * int(dp_replicate) * int(dp_shard)
+    return tasks_per_node(world, int(nodes), rpn, world_text(int(degree), int(dp_replicate), int(dp_shard)))
 
 
 def register_resolvers() -> None:

@@ -60,6 +60,7 @@ class RankSample:
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0
+    reduce_exposed_ms: float = 0.0  # data parallel: waiting for the gradient reductions after the last action
 
     @property
     def static_bytes(self) -> int:

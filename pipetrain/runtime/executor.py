@@ -14,8 +14,12 @@ comes from the schedule's placement. Per action:
   F&B        its forward, then its backward (on one CPU stream they cannot overlap; the
              simulator's sim.fb_overlap models the overlap DualPipe gets on GPUs).
 
+Under data parallel the schedule carries `{stage}REDUCE_GRAD` marks (schedules/reduce.py):
+there the stage's gradient reduction is started (runtime/grad_reduce.py), and after the
+last action the executor waits for all of them; that wait is the step's exposed reduce time.
+
 After the last action, the summed loss is all-reduced so every rank (rank 0 logs it)
-holds the mean loss of the step.
+holds the mean loss of the step (over every pipeline's microbatches under data parallel).
 
 Every training step is timed (runtime/clock.py: perf_counter on CPU, CUDA events on GPU
 with no per-action synchronisation): each action's start and end, each part of an F&B
@@ -37,6 +41,7 @@ from pipetrain.metrics.records import ActionTiming, CommEvent
 from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input, backward_weight
 from pipetrain.runtime.clock import StepClock
 from pipetrain.runtime.comm import P2P
+from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.stage_protocol import Stage
 from pipetrain.schedules.ir import Action, Op, Schedule
 from pipetrain.schedules.p2p import Message, build_plan, forward_plan, needed_by, sent_by
@@ -53,6 +58,8 @@ class StepResult:
     peak_activation_bytes: int = 0  # bytes autograd saved for them, at that peak
     peak_memory_bytes: Optional[int] = None  # torch.cuda.max_memory_allocated on GPU
     peak_recv_buffer_bytes: dict[int, int] = field(default_factory=dict)  # stage -> most bytes of posted receives
+    reduce_exposed_ms: float = 0.0  # end of the last action -> every gradient reduction done (data parallel)
+    reduce_issued_ms: dict[int, float] = field(default_factory=dict)  # stage -> when its reduction started
 
 
 class _SavedBytes:
@@ -92,6 +99,7 @@ class Executor:
         device: torch.device | str = "cpu",
         loss_group: Optional[dist.ProcessGroup] = None,
         lookahead: int = 1,
+        reducer: Optional[GradReducer] = None,
     ) -> None:
         pl = schedule.placement
         want = set(pl.stages_of(rank))
@@ -107,6 +115,13 @@ class Executor:
         self._plan = build_plan(schedule, rank, lookahead=lookahead)
         self._eval_plan = forward_plan(self._plan)
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in stages.items()}
+        self.reducer = reducer
+        self._reduces_at: dict[int, list[int]] = defaultdict(list)  # boundary -> stages reduced there
+        if reducer is not None:
+            for b, red in (schedule.reduces[rank] if schedule.reduces else ()):
+                self._reduces_at[b].append(red.stage)
+            if not self._reduces_at:
+                raise ValueError("a gradient reducer needs a schedule with REDUCE_GRAD marks (schedules/reduce.py)")
         self._forward_only = False
         self.autocast: Optional[torch.dtype] = None  # e.g. torch.bfloat16 on GPU
         self._clock = StepClock(self.device)
@@ -138,6 +153,9 @@ class Executor:
             self._issue(boundary)
             if self.comm is not None:
                 self.comm.finish()
+            compute_end = clock.mark()
+            if self.reducer is not None:
+                self.reducer.finish()
             end = clock.mark()
         finally:
             self._recording = False
@@ -154,11 +172,17 @@ class Executor:
             peak_activation_bytes=self._peak_bytes,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
             peak_recv_buffer_bytes=dict(self.comm.peak_recv_bytes) if self.comm is not None else {},
+            reduce_exposed_ms=times[end] - times[compute_end],
+            reduce_issued_ms={s: times[m] for s, m in self._reduce_marks.items()},
         )
 
     def _issue(self, boundary: int) -> None:
         if self.comm is not None:
             self.comm.issue(boundary)
+        if self._recording and boundary in self._reduces_at:
+            for s in self._reduces_at[boundary]:
+                self._reduce_marks[s] = self._clock.mark()
+                self.reducer.reduce(s)  # type: ignore[union-attr]
 
     def _timings(self, spans: list[list[int]], times: list[float]) -> tuple[list[ActionTiming], list[CommEvent]]:
         """Marks -> per-step timings (span, receive waits, compute per part) and comm events."""
@@ -215,6 +239,7 @@ class Executor:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._losses = 0
         self._comm_marks: list[tuple[str, Message, int, int, int, int]] = []  # (direction, msg, step, part, mark, mark)
+        self._reduce_marks: dict[int, int] = {}  # stage -> clock mark when its reduction was issued
 
     def _run(self, a: Action, step_text: str) -> None:
         if a.op is Op.F:

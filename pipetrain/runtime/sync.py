@@ -10,6 +10,11 @@ the sum over copies (each copy saw a different part of the work). Per rank: sum 
 copies, all-reduce over the ranks that hold one (a subgroup per distinct set of
 holders, gradients flattened into one buffer per set), write the sum back to every copy.
 Identical gradients + identical optimizer state keep the copies identical step after step.
+
+Under data parallel each pipeline does this among its own ranks (`group`: the pipeline's
+group, `pipelines`: every pipeline's global ranks, so every rank creates every pipeline's
+subgroups in one order), after each stage's gradients were reduced over data parallel
+(runtime/grad_reduce.py): reduce over dp, then sum the copies.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ def canonical_params(stages: dict[int, nn.Module]) -> dict[str, list[nn.Paramete
 class GradSync:
     """Built once per job (collectively: every rank calls the constructor)."""
 
-    def __init__(self, stages: dict[int, nn.Module], *, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, stages: dict[int, nn.Module], *, group: Optional[dist.ProcessGroup] = None,
+                 pipelines: Optional[list[list[int]]] = None) -> None:
         self.local = canonical_params(stages)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         names_per_rank: list[list[str]] = [sorted(self.local)]
@@ -58,10 +64,15 @@ class GradSync:
         for n in sorted(holders):
             if len(holders[n]) > 1:
                 by_set[holders[n]].append(n)
+        pipelines = pipelines or [list(range(world))]
         for ranks in sorted(by_set):
-            pg = dist.new_group(list(ranks)) if world > 1 else None
+            mine = None
+            for pipeline in pipelines:  # pipeline ranks -> global ranks, one subgroup per pipeline
+                pg = dist.new_group([pipeline[r] for r in ranks]) if world > 1 else None
+                if dist.is_initialized() and dist.get_rank() in pipeline:
+                    mine = pg
             if me in ranks:
-                self.sets.append((ranks, pg, by_set[ranks]))
+                self.sets.append((ranks, mine, by_set[ranks]))
         self.local_only = [n for n, ps in self.local.items() if len(ps) > 1 and len(holders[n]) == 1]
 
     def owned(self) -> list[nn.Parameter]:

@@ -19,6 +19,10 @@ its point-to-point plan with torch.distributed.pipelining's communication action
 ``0SEND_F3``, ``1RECV_F3``, ``1SEND_B3``, ``0RECV_B3`` (see schedules/p2p.py); without
 them the plan is derived.
 
+Under data parallel, ``{stage}REDUCE_GRAD`` (torch's name too) marks where a rank reduces
+stage s's gradients over its data-parallel group: once per step, after the stage's last
+weight gradient (reduce.py derives the places; validate.py checks hand-written ones).
+
 This module imports no torch (a test enforces it for all of `schedules/`).
 """
 
@@ -80,6 +84,7 @@ Step = Union[Action, Overlap]
 
 _ACTION_RE = re.compile(r"^(\d+)(BW|F|B|W)(\d+)$")
 _COMM_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
+_REDUCE_RE = re.compile(r"^(\d+)REDUCE_GRAD$")
 
 
 class CommOp(str, enum.Enum):
@@ -101,6 +106,20 @@ class Comm:
 
     def __str__(self) -> str:
         return f"{self.stage}{self.op.value}{self.microbatch}"
+
+
+@dataclass(frozen=True, slots=True)
+class Reduce:
+    """`3REDUCE_GRAD`: reduce stage 3's gradients over the data-parallel group (issued here,
+    waited for at the end of the step, so it overlaps what the rank does after it)."""
+
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}REDUCE_GRAD"
+
+
+Marker = Union[Comm, Reduce]  # cells that stand between steps and take no compute
 
 
 def parse_comm(text: str) -> Comm | None:
@@ -129,15 +148,21 @@ def parse_step(text: str) -> Step:
     return parse_action(text)
 
 
-def parse_cell(text: str) -> Step | Comm:
-    """A step (`0F3`, `0F3&7BW1`) or an explicit communication (`0SEND_F3`, `1RECV_B2`)."""
+def parse_cell(text: str) -> Step | Marker:
+    """A step (`0F3`, `0F3&7BW1`), an explicit communication (`0SEND_F3`, `1RECV_B2`) or a
+    gradient reduction (`3REDUCE_GRAD`)."""
     comm = parse_comm(text)
     if comm is not None:
         return comm
+    reduce = _REDUCE_RE.match(text.strip())
+    if reduce is not None:
+        return Reduce(int(reduce.group(1)))
     try:
         return parse_step(text)
     except ValueError as e:
-        raise ValueError(f"{e}, or a communication {{stage}}{{SEND_F|RECV_F|SEND_B|RECV_B}}{{microbatch}}") from None
+        raise ValueError(
+            f"{e}, or a communication {{stage}}{{SEND_F|RECV_F|SEND_B|RECV_B}}{{microbatch}}, or {{stage}}REDUCE_GRAD"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -151,6 +176,9 @@ class Schedule:
     # Hand-written point-to-point plan, if the file spells one out: per rank, (boundary, op)
     # with boundary = the number of atomic actions before it. Empty: derived (schedules/p2p.py).
     comms: tuple[tuple[tuple[int, Comm], ...], ...] = ()
+    # Gradient reductions over the data-parallel group, per rank (boundary, Reduce); empty
+    # when the schedule has none (no data parallel, or not yet placed: schedules/reduce.py).
+    reduces: tuple[tuple[tuple[int, Reduce], ...], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.steps) != self.placement.num_ranks:
@@ -161,36 +189,44 @@ class Schedule:
 
     @classmethod
     def build(
-        cls, name: str, placement: Placement, num_microbatches: int, steps: Sequence[Sequence[Step | Comm]]
+        cls, name: str, placement: Placement, num_microbatches: int, steps: Sequence[Sequence[Step | Marker]]
     ) -> "Schedule":
-        """Rows of steps; `Comm` cells, if any, become the schedule's explicit point-to-point plan."""
-        rows, comms = [], []
+        """Rows of steps; `Comm` cells, if any, become the schedule's explicit point-to-point
+        plan, `Reduce` cells its gradient reductions."""
+        rows, comms, reduces = [], [], []
         for row in steps:
             kept: list[Step] = []
             mine: list[tuple[int, Comm]] = []
+            red: list[tuple[int, Reduce]] = []
             parts = 0
             for cell in row:
                 if isinstance(cell, Comm):
                     mine.append((parts, cell))
+                elif isinstance(cell, Reduce):
+                    red.append((parts, cell))
                 else:
                     kept.append(cell)
                     parts += len(cell.parts())
             rows.append(tuple(kept))
             comms.append(tuple(mine))
-        explicit = tuple(comms) if any(comms) else ()
-        return cls(name, placement, num_microbatches, tuple(rows), explicit)
+            reduces.append(tuple(red))
+        return cls(name, placement, num_microbatches, tuple(rows), tuple(comms) if any(comms) else (),
+                   tuple(reduces) if any(reduces) else ())
 
-    def cells(self, rank: int) -> list[Step | Comm]:
-        """The rank's list as written: steps with explicit communication in its places."""
-        comms = list(self.comms[rank]) if self.comms else []
-        out: list[Step | Comm] = []
+    def cells(self, rank: int) -> list[Step | Marker]:
+        """The rank's list as written: steps with explicit communication and reductions in their
+        places (at one boundary: reductions first, they belong to the step before)."""
+        markers: list[tuple[int, int, Marker]] = [(b, 0, r) for b, r in (self.reduces[rank] if self.reduces else ())]
+        markers += [(b, 1, c) for b, c in (self.comms[rank] if self.comms else ())]
+        markers.sort(key=lambda t: (t[0], t[1]))
+        out: list[Step | Marker] = []
         parts = 0
         for step in self.steps[rank]:
-            while comms and comms[0][0] <= parts:
-                out.append(comms.pop(0)[1])
+            while markers and markers[0][0] <= parts:
+                out.append(markers.pop(0)[2])
             out.append(step)
             parts += len(step.parts())
-        out += [c for _, c in comms]
+        out += [m for _, _, m in markers]
         return out
 
     @property
@@ -216,7 +252,7 @@ class Schedule:
     def from_text(
         cls, text: str, *, name: str, placement: Placement, num_microbatches: int
     ) -> "Schedule":
-        rows: list[list[Step | Comm]] = []
+        rows: list[list[Step | Marker]] = []
         for line in text.splitlines():
             line = line.strip()
             if not line or line.startswith("#"):
@@ -239,7 +275,7 @@ class Schedule:
         cls, text: str, *, name: str, placement: Placement, num_microbatches: int
     ) -> "Schedule":
         """Parse the CSV form. Blank cells are ignored; lines starting with '#' are comments."""
-        rows: list[list[Step | Comm]] = []
+        rows: list[list[Step | Marker]] = []
         for lineno, line in enumerate(text.splitlines(), start=1):
             if line.strip().startswith("#"):
                 continue

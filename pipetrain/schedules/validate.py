@@ -6,6 +6,9 @@ that holds its stage, on a stage of its microbatch's chain. Deadlock-free: the
 dependency walk (`deps.walk`, blocking receives) runs every step; a B before its
 W and each input before its consumer are part of that.
 
+Reduced once: a schedule carrying gradient reductions (data parallel) has one per stage
+per holding rank, after that stage's last weight gradient (schedules/reduce.py).
+
 NCCL-safe: the point-to-point plan (schedules/p2p.py) issues, per pair of ranks, its
 messages in one order on both sides and never waits on an operation issued after it.
 
@@ -21,6 +24,7 @@ from pipetrain.schedules.deps import Key, Walk, walk
 from pipetrain.schedules.ir import Op, Schedule
 from pipetrain.schedules.p2p import PlanError
 from pipetrain.schedules.p2p_check import check_plan
+from pipetrain.schedules.reduce import ReduceError, check_reduces
 
 
 class ScheduleError(ValueError):
@@ -151,3 +155,7 @@ def validate(schedule: Schedule, *, p2p_lookahead: int = 1) -> None:
     check_complete(schedule)
     unit_walk = check_deadlock_free(schedule)
     check_p2p(schedule, lookahead=p2p_lookahead, unit_walk=unit_walk)
+    try:
+        check_reduces(schedule)
+    except ReduceError as e:
+        raise ScheduleError(f"schedule {schedule.name!r}: {e}") from None

@@ -89,7 +89,7 @@ class Monitor:
             rank=self.rank, t0_wall=result.t0_wall, step_ms=result.step_ms, timings=result.timings, comm=result.comm,
             peak_activation_sets=result.peak_activation_sets, peak_activation_bytes=result.peak_activation_bytes,
             cuda_peak_bytes=result.peak_memory_bytes, param_bytes=_nbytes(params), grad_bytes=grad_bytes,
-            optimizer_bytes=optimizer_state_bytes(optimizer, grad_bytes),
+            optimizer_bytes=optimizer_state_bytes(optimizer, grad_bytes), reduce_exposed_ms=result.reduce_exposed_ms,
         )
 
     def gather(self, step: int, result: StepResult, *, params: list[torch.nn.Parameter],
@@ -102,7 +102,11 @@ class Monitor:
             dist.gather_object(sample, samples if self.rank == 0 else None, dst=0)
         if self.rank != 0:
             return None
-        return measure_step(step, self.plan.schedule, samples, comm_ms=self.config.sim.comm_ms)
+        # Under data parallel every pipeline runs the same schedule: the measurement is pipeline
+        # 0's (rank 0's own), by pipeline rank; the others' rows only add their exposed reduce.
+        layout = self.config.layout
+        first = [dataclasses.replace(samples[g], rank=p) for p, g in enumerate(layout.pipelines()[0])]
+        return measure_step(step, self.plan.schedule, first, comm_ms=self.config.sim.comm_ms)
 
     def mfu(self, tokens_per_s: float) -> Optional[float]:
         if not self.peak_tflops or not self.flops_per_token:

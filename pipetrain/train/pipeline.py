@@ -9,7 +9,7 @@ of its chunk's first layer boundary, the gradient sent back to it the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from pipetrain.models.base import LayeredModel
 from pipetrain.models.split import build_stage
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor, StepResult
+from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.p2p import Kind, Message
@@ -65,8 +66,16 @@ def build_rank_pipeline(
     activation_checkpointing: bool = False,
     p2p_lookahead: int = 1,
     p2p_in_order: bool = False,
+    group_ranks: Optional[list[int]] = None,
+    pipelines: Optional[list[list[int]]] = None,
+    reducer: Optional[Callable[[dict[int, nn.Module]], GradReducer]] = None,
 ) -> RankPipeline:
-    """Collective when the schedule has several ranks: every rank must call it."""
+    """Collective when the schedule has several ranks: every rank must call it.
+
+    `rank` is the pipeline rank; under data parallel `group` is this pipeline's process group,
+    `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `reducer`
+    builds the data-parallel gradient reducer of the rank's stages (the schedule then carries
+    REDUCE_GRAD marks)."""
     pl = schedule.placement
     if len(bounds) != pl.num_chunks:
         raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
@@ -88,8 +97,10 @@ def build_rank_pipeline(
     comm = None
     if schedule.num_ranks > 1:
         comm = P2P(rank, num_microbatches=schedule.num_microbatches, timeout_s=timeout_s, group=group,
-                   in_order=p2p_in_order, consumer_stage=consumer_stage)
+                   group_ranks=group_ranks, in_order=p2p_in_order, consumer_stage=consumer_stage)
+    # The loss is averaged over every rank's microbatches: the whole world (every pipeline).
     executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
-                        loss_group=group, lookahead=p2p_lookahead)
-    sync = GradSync(stages, group=group)
+                        loss_group=group if pipelines is None else None, lookahead=p2p_lookahead,
+                        reducer=reducer(stages) if reducer is not None else None)
+    sync = GradSync(stages, group=group, pipelines=pipelines)
     return RankPipeline(rank, schedule, stages, executor, sync)

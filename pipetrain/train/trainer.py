@@ -26,11 +26,13 @@ import torch.distributed as dist
 
 from pipetrain.config import Config
 from pipetrain.metrics.step import RunSummary, StepRecord
+from pipetrain.parallel.mesh import build_groups
+from pipetrain.parallel.dp import data_parallel_reducer
 from pipetrain.plan import Plan, build_model
 from pipetrain.train.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
-from pipetrain.train.data import build_data, split_microbatches
+from pipetrain.train.data import build_data, local_rows, split_microbatches
 from pipetrain.train.monitor import Monitor
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
 
@@ -64,14 +66,19 @@ class Trainer:
         self.device = resolve_device(config.trainer.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.trainer.threads_per_rank)
+        self.groups = build_groups(config.layout, self.device.type)  # the one DeviceMesh (under dp)
         torch.manual_seed(config.trainer.seed)  # every rank builds the same initial model
         model = build_model(config.model)
+        dp = config.layout.dp > 1
         self.pipe: RankPipeline = build_rank_pipeline(
-            model, plan.chunk_bounds, plan.schedule, self.rank,
+            model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank,
             microbatch_size=config.microbatch_size, seq_len=config.data.seq_len,
             timeout_s=config.pipeline.p2p_timeout_s, device=self.device,
             p2p_lookahead=config.pipeline.p2p_lookahead, p2p_in_order=config.pipeline.p2p_in_order,
             activation_checkpointing=config.trainer.activation_checkpointing,
+            group=self.groups.pp_group, group_ranks=self.groups.pipeline_ranks if dp else None,
+            pipelines=config.layout.pipelines() if dp else None,
+            reducer=data_parallel_reducer(config, self.groups) if dp else None,
         )
         if self.device.type == "cuda" and config.trainer.bf16:
             self.pipe.executor.autocast = torch.bfloat16
@@ -90,7 +97,9 @@ class Trainer:
 
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return split_microbatches(self.data.batch(step, split=split), self.config.pipeline.microbatches)
+        """This pipeline's microbatches of step `step`: its 1/dp rows of the global batch, split in M."""
+        rows = local_rows(self.data.batch(step, split=split), self.groups.dp_index, self.config.layout.dp)
+        return split_microbatches(rows, self.config.pipeline.microbatches)
 
     def train_step(self, *, measure: bool = False) -> StepRecord:
         """One optimizer step. measure=True (a logged step; every rank alike) gathers every rank's
@@ -105,7 +114,10 @@ class Trainer:
         measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer)
                        if measure else None)
         loss = result.loss if result.loss is not None else float("nan")
-        norm = global_grad_norm(self.pipe.sync.owned(), device=self.device)
+        # Each weight counted once: the pipeline's owner of each copy, one replica (dp_replicate
+        # index 0; the shards of FSDP2 stages are distinct parts and all count).
+        owned = self.pipe.sync.owned() if self.groups.coords.dp_replicate == 0 else []
+        norm = global_grad_norm(owned, device=self.device)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if skipped:
             if cfg.trainer.on_nonfinite == "stop":

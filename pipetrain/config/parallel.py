@@ -1,0 +1,79 @@
+"""Schema of the `parallel` config group: data parallel around the pipeline (pure: no torch).
+
+world = pipeline.degree x parallel.dp_replicate x parallel.dp_shard, one DeviceMesh
+("pp", "dp_replicate", "dp_shard") with pp outermost (pipetrain/parallel/layout.py).
+
+  dp_replicate  full replicas of every stage; a stage's gradients are all-reduced once per
+                step (one bucketed all-reduce, issued right after its last backward).
+  dp_shard      FSDP2 `fully_shard` over this many ranks: parameters, gradients and optimizer
+                state sharded; gradients reduce-scattered once per step. -1: fill the world
+                (torchrun / SLURM, where the world is known before the ranks start).
+  both > 1      HSDP: shard within a group of dp_shard ranks, replicate across dp_replicate groups.
+
+`param_dtype` is the dtype FSDP2 all-gathers parameters in and computes with (None: follow
+trainer.precision); `reduce_dtype` the dtype gradients are reduced in. Gradients are always
+accumulated over microbatches in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = 1  # -1: world / (pipeline.degree x dp_replicate)
+    param_dtype: Optional[str] = None  # float32 | bfloat16; None: bfloat16 under trainer.precision=bf16
+    reduce_dtype: str = "float32"  # float32 | bfloat16
+
+    def __post_init__(self) -> None:
+        if self.dp_replicate < 1:
+            raise ValueError(f"parallel.dp_replicate must be >= 1 (got {self.dp_replicate})")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ValueError(f"parallel.dp_shard must be >= 1, or -1 to fill the world (got {self.dp_shard})")
+        for knob in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, knob)
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"parallel.{knob}={value!r} is unknown: choose one of {', '.join(DTYPES)}")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def fill_dp_shard(parallel: ParallelConfig, *, degree: int, world: Optional[int], where: str) -> int:
+    """The dp_shard that -1 stands for: world / (pipeline.degree x dp_replicate)."""
+    if world is None:
+        raise ValueError(
+            f"parallel.dp_shard=-1 fills the world, but {where} does not fix the world size: "
+            f"set parallel.dp_shard to a number"
+        )
+    other = degree * parallel.dp_replicate
+    if world % other:
+        raise ValueError(
+            f"parallel.dp_shard=-1: the world of {world} ranks is not a multiple of pipeline.degree={degree} x "
+            f"parallel.dp_replicate={parallel.dp_replicate} = {other}: change one of them"
+        )
+    return world // other
+
+
+def launched_world(cluster_name: str) -> Optional[int]:
+    """The world size a launcher outside pipetrain already fixed (torchrun), else None."""
+    if cluster_name == "torchrun" and os.environ.get("WORLD_SIZE", "").isdigit():
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def world_text(degree: int, dp_replicate: int, dp_shard: int) -> str:
+    """How error messages name the world: `the world of 8 ranks (pipeline.degree=2 x parallel.dp_shard=4)`."""
+    if dp_replicate == dp_shard == 1:
+        return f"pipeline.degree={degree}"
+    parts = [f"pipeline.degree={degree}"]
+    parts += [f"parallel.dp_replicate={dp_replicate}"] if dp_replicate > 1 else []
+    parts += [f"parallel.dp_shard={dp_shard}"] if dp_shard > 1 else []
+    return f"the world of {degree * dp_replicate * dp_shard} ranks ({' x '.join(parts)})"

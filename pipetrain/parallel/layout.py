@@ -1,0 +1,102 @@
+"""One description of the parallel layout: world = pp x dp_replicate x dp_shard, pp outermost.
+
+A rank's coordinates are those of the DeviceMesh `("pp", "dp_replicate", "dp_shard")` built
+from it (mesh.py): global rank = (pp * dp_replicate + r) * dp_shard + s. Ranks that share
+(r, s) form one pipeline (they exchange activations); ranks that share pp form one data-
+parallel group (they hold the same stages and reduce their gradients). pp outermost keeps
+the data-parallel groups, which move the most bytes, on neighbouring ranks (one host).
+
+Pure Python: `mode=simulate` prints the rank table without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+DIMS = ("pp", "dp_replicate", "dp_shard")
+
+
+@dataclass(frozen=True)
+class Coords:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+
+    def __post_init__(self) -> None:
+        for name in DIMS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"layout degree {name} must be >= 1 (got {getattr(self, name)})")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many pipelines (each takes 1/dp of the global batch)."""
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is outside a world of {self.world}")
+        rest, s = divmod(rank, self.dp_shard)
+        p, r = divmod(rest, self.dp_replicate)
+        return Coords(p, r, s)
+
+    def rank_of(self, pp: int, dp_replicate: int = 0, dp_shard: int = 0) -> int:
+        return (pp * self.dp_replicate + dp_replicate) * self.dp_shard + dp_shard
+
+    def dp_index(self, rank: int) -> int:
+        """Which 1/dp slice of the global batch this rank's pipeline takes (replica-major)."""
+        c = self.coords(rank)
+        return c.dp_replicate * self.dp_shard + c.dp_shard
+
+    def pp_rank(self, rank: int) -> int:
+        return self.coords(rank).pp
+
+    def pipeline_ranks(self, rank: int) -> list[int]:
+        """Global ranks of this rank's pipeline, by pipeline rank."""
+        c = self.coords(rank)
+        return [self.rank_of(p, c.dp_replicate, c.dp_shard) for p in range(self.pp)]
+
+    def pipelines(self) -> list[list[int]]:
+        """Every pipeline's global ranks (by pipeline rank), by dp index."""
+        return [self.pipeline_ranks(self.rank_of(0, d // self.dp_shard, d % self.dp_shard)) for d in range(self.dp)]
+
+    def dp_ranks(self, rank: int) -> list[int]:
+        """Global ranks holding the same stages as `rank` (its data-parallel group), by dp index."""
+        p = self.coords(rank).pp
+        return [self.rank_of(p, d // self.dp_shard, d % self.dp_shard) for d in range(self.dp)]
+
+    def describe(self) -> str:
+        parts = [f"pp={self.pp}"]
+        if self.dp_replicate > 1:
+            parts.append(f"dp_replicate={self.dp_replicate}")
+        if self.dp_shard > 1:
+            parts.append(f"dp_shard={self.dp_shard}")
+        return " x ".join(parts) + f" = {self.world} ranks"
+
+    @property
+    def dp_mode(self) -> str:
+        """none | replicate | shard | hsdp: how the gradients of one stage are reduced."""
+        if self.dp_shard > 1:
+            return "hsdp" if self.dp_replicate > 1 else "shard"
+        return "replicate" if self.dp_replicate > 1 else "none"
+
+
+def rank_rows(layout: Layout, stages_of: Sequence[Sequence[int]]) -> list[tuple[int, Coords, tuple[int, ...]]]:
+    """(global rank, coordinates, stages it holds) for every rank; `stages_of[p]`: the
+    placement's stages of pipeline rank p."""
+    return [(r, layout.coords(r), tuple(stages_of[layout.coords(r).pp])) for r in range(layout.world)]

@@ -1,0 +1,69 @@
+"""The one DeviceMesh of a run, built from its Layout, and what a rank takes from it.
+
+`init_device_mesh(device, (pp, dp_replicate, dp_shard), mesh_dim_names=("pp", "dp_replicate",
+"dp_shard"))` is collective: every rank of the world builds it, in the same order, before
+anything else creates a process group. A rank then reads its pipeline group (pp: point-to-
+point between stages), its data-parallel group (the ranks that hold its stages) and, for
+FSDP2, the sub-mesh its stages are sharded (and replicated) over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pipetrain.parallel.layout import DIMS, Coords, Layout
+
+
+@dataclass
+class RankGroups:
+    layout: Layout
+    rank: int  # global rank
+    mesh: Optional[DeviceMesh]  # None: a single process without a process group
+    pp_group: Optional[dist.ProcessGroup]  # this rank's pipeline (None: the default group / no group)
+    pipeline_ranks: list[int]  # global ranks of this rank's pipeline, by pipeline rank
+    dp_group: Optional[dist.ProcessGroup]  # ranks holding the same stages (None when dp = 1)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.pp_rank(self.rank)
+
+    @property
+    def coords(self) -> Coords:
+        return self.layout.coords(self.rank)
+
+    @property
+    def dp_index(self) -> int:
+        return self.layout.dp_index(self.rank)
+
+    @property
+    def fsdp_mesh(self) -> Optional[DeviceMesh]:
+        """The mesh FSDP2 shards over: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP."""
+        if self.mesh is None or self.layout.dp_shard == 1:
+            return None
+        return self.mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else self.mesh["dp_shard"]
+
+
+def build_groups(layout: Layout, device_type: str) -> RankGroups:
+    """Collective over the world (when a process group exists): the mesh and this rank's groups."""
+    if not dist.is_initialized():
+        if layout.world != 1:
+            raise ValueError(f"a layout of {layout.world} ranks needs a process group")
+        return RankGroups(layout, 0, None, None, [0], None)
+    if dist.get_world_size() != layout.world:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks but the layout needs {layout.world}")
+    rank = dist.get_rank()
+    if layout.dp == 1:  # exactly as before data parallel: the pipeline is the default group
+        return RankGroups(layout, rank, None, None, list(range(layout.world)), None)
+    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=DIMS)
+    pp_group = mesh["pp"].get_group()
+    if layout.dp_shard == 1:
+        dp_group = mesh["dp_replicate"].get_group()
+    elif layout.dp_replicate == 1:
+        dp_group = mesh["dp_shard"].get_group()
+    else:
+        dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+    return RankGroups(layout, rank, mesh, pp_group, layout.pipeline_ranks(rank), dp_group)
