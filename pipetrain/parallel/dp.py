@@ -1,13 +1,22 @@
-"""How one rank's stages become data parallel: the gradient reducer the executor calls at
-each REDUCE_GRAD (replicas: runtime/grad_reduce.py's bucketed all-reduce)."""
+"""How one rank's stages become data parallel, from the config and the rank's groups.
+
+  dp_replicate only   stages stay plain modules; the reducer is one bucketed all-reduce per
+                      stage per step (runtime/grad_reduce.py).
+  dp_shard (or HSDP)  every stage is FSDP2-sharded (parallel/fsdp.py) and reduce-scattered
+                      once per stage per step.
+
+Either way the executor calls the reducer at the schedule's REDUCE_GRAD marks.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
+from pipetrain.parallel.fsdp import FsdpReduce, shard_stage
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.runtime.grad_reduce import BucketAllReduce, GradReducer
 
@@ -17,14 +26,35 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def data_parallel_reducer(config: Config, groups: RankGroups) -> Callable[[dict[int, nn.Module]], GradReducer]:
-    """A factory: the rank's stages -> their reducer over the rank's data-parallel group."""
-    layout = groups.layout
-    reduce_dtype = DTYPES[config.parallel.reduce_dtype]
-    if layout.dp_shard > 1:
-        raise NotImplementedError("parallel.dp_shard > 1 (FSDP2) is not wired yet")
+@dataclass(frozen=True)
+class DataParallel:
+    groups: RankGroups
+    reduce_dtype: torch.dtype
+    param_dtype: Optional[torch.dtype]  # FSDP2's compute / all-gather dtype (None: the parameters')
 
-    def build(stages: dict[int, nn.Module]) -> GradReducer:
-        return BucketAllReduce(stages, group=groups.dp_group, size=layout.dp, reduce_dtype=reduce_dtype)
+    @property
+    def sharded(self) -> bool:
+        return self.groups.layout.dp_shard > 1
 
-    return build
+    def wrap(self, stage: nn.Module) -> nn.Module:
+        """The stage as the executor runs it: FSDP2-sharded under dp_shard, else itself."""
+        if not self.sharded:
+            return stage
+        mesh = self.groups.fsdp_mesh
+        assert mesh is not None
+        return shard_stage(stage, mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+    def reducer(self, stages: dict[int, nn.Module]) -> GradReducer:
+        if self.sharded:
+            return FsdpReduce(stages)
+        return BucketAllReduce(stages, group=self.groups.dp_group, size=self.groups.layout.dp,
+                               reduce_dtype=self.reduce_dtype)
+
+
+def data_parallel(config: Config, groups: RankGroups) -> Optional[DataParallel]:
+    """None without data parallel (dp = 1: everything as a single pipeline)."""
+    if groups.layout.dp == 1:
+        return None
+    par = config.parallel
+    param = par.param_dtype or ("bfloat16" if getattr(config.trainer, "precision", "fp32") == "bf16" else None)
+    return DataParallel(groups, DTYPES[par.reduce_dtype], DTYPES[param] if param else None)

@@ -114,7 +114,6 @@ class Executor:
         # the forward-only pass of evaluate().
         self._plan = build_plan(schedule, rank, lookahead=lookahead)
         self._eval_plan = forward_plan(self._plan)
-        self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in stages.items()}
         self.reducer = reducer
         self._reduces_at: dict[int, list[int]] = defaultdict(list)  # boundary -> stages reduced there
         if reducer is not None:
@@ -134,6 +133,8 @@ class Executor:
         self._reset(microbatches)
         if self.comm is not None:
             self.comm.begin(self._plan, self.recv_buffer)
+        if self.reducer is not None:
+            self.reducer.begin()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         clock, spans = self._clock, []  # spans: per step, its marks at the start and after each part
@@ -230,6 +231,8 @@ class Executor:
         if len(microbatches) != M:
             raise ValueError(f"expected {M} microbatches (pipeline.microbatches), got {len(microbatches)}")
         self._batch = microbatches
+        # Per step: an FSDP2 stage's parameters are the unsharded tensors only after its first forward.
+        self._params: dict[int, list[torch.nn.Parameter]] = {}
         self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._wstore: dict[tuple[int, int], WeightGradWork] = {}
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -288,13 +291,18 @@ class Executor:
         nxt = pl.next_stage(s)
         grad = None if nxt is None else self._take("grad", nxt, m, a, step_text)
         if a.op is Op.B:
-            grads, work = backward_input([out], [grad], [x], self._params[s])
+            grads, work = backward_input([out], [grad], [x], self._weights(s))
             self._wstore[(s, m)] = work
         else:
-            grads = backward_full([out], [grad], [x], self._params[s])
+            grads = backward_full([out], [grad], [x], self._weights(s))
             self._free(s, m)
         if pl.prev_stage(s) is not None:
             self._give("grad", s, m, grads[0], a)
+
+    def _weights(self, s: int) -> list[torch.nn.Parameter]:
+        if s not in self._params:
+            self._params[s] = [p for p in self.stages[s].parameters() if p.requires_grad]
+        return self._params[s]
 
     # ---- data movement: local hand-off or point-to-point ------------------------------
     def _give(self, kind: str, s: int, m: int, tensor: torch.Tensor, a: Action) -> None:

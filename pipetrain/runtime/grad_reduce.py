@@ -25,6 +25,10 @@ from torch import nn
 class GradReducer(Protocol):
     counts: Counter  # stage -> reductions issued since the counter was reset (tests read it)
 
+    def begin(self) -> None:
+        """Start of a step, before its first forward."""
+        ...
+
     def reduce(self, stage: int) -> None:
         """Start reducing `stage`'s gradients (asynchronous); called once per stage per step."""
         ...
@@ -60,6 +64,9 @@ class BucketAllReduce:
         }
         self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
         self.counts: Counter = Counter()
+
+    def begin(self) -> None:
+        pass
 
     def reduce(self, stage: int) -> None:
         self.counts[stage] += 1

@@ -25,6 +25,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: an FSDP2 DTensor's local shard, a plain tensor itself.
+    Tied or mirrored copies are sharded alike (same shape, same mesh), so their local shards
+    correspond element by element."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def canonical_params(stages: dict[int, nn.Module]) -> dict[str, list[nn.Parameter]]:
@@ -99,15 +107,16 @@ class GradSync:
 
     def _local_sum(self, name: str) -> torch.Tensor:
         ps = self.local[name]
-        total = torch.zeros_like(ps[0])
+        total = torch.zeros_like(local_tensor(ps[0]))
         for p in ps:
             if p.grad is not None:
-                total += p.grad
+                total += local_tensor(p.grad)
         return total
 
     def _write(self, name: str, value: torch.Tensor) -> None:
         for p in self.local[name]:
             if p.grad is None:
-                p.grad = value.clone()
+                p.grad = (DTensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False)
+                          if isinstance(p, DTensor) else value.clone())
             else:
-                p.grad.copy_(value)
+                local_tensor(p.grad).copy_(value)

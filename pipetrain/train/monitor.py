@@ -33,6 +33,7 @@ from pipetrain.metrics.measure import StepMeasurement, measure_step
 from pipetrain.metrics.records import RankSample
 from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.runtime.executor import StepResult
+from pipetrain.runtime.sync import local_tensor
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -50,7 +51,8 @@ def auto_peak_tflops(device: torch.device) -> Optional[float]:
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds (an FSDP2 shard: its local part)."""
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, grad_bytes: int) -> int:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.config.train import OptimConfig
+from pipetrain.runtime.sync import local_tensor
 
 
 def make_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, *, device: torch.device) -> torch.optim.AdamW:
@@ -40,11 +41,13 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def global_grad_norm(owned: Iterable[nn.Parameter], *, group: Optional[dist.ProcessGroup] = None,
                      device: torch.device) -> float:
     """L2 norm of the whole model's gradient: each rank sums squares over the parameters it
-    owns (every tied or mirrored weight is owned by exactly one rank), then one all-reduce."""
+    owns (every tied or mirrored weight is owned by exactly one rank of a pipeline; FSDP2
+    shards: the local part), then one all-reduce (data parallel: the caller passes no
+    parameters on every replica but one)."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in owned:
         if p.grad is not None:
-            total += p.grad.detach().double().pow(2).sum()
+            total += local_tensor(p.grad).detach().double().pow(2).sum()
     if dist.is_initialized():
         dist.all_reduce(total, group=group)
     return math.sqrt(total.item())

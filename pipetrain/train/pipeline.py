@@ -9,7 +9,7 @@ of its chunk's first layer boundary, the gradient sent back to it the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from pipetrain.models.base import LayeredModel
 from pipetrain.models.split import build_stage
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor, StepResult
-from pipetrain.runtime.grad_reduce import GradReducer
+from pipetrain.parallel.dp import DataParallel
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.p2p import Kind, Message
@@ -68,14 +68,14 @@ def build_rank_pipeline(
     p2p_in_order: bool = False,
     group_ranks: Optional[list[int]] = None,
     pipelines: Optional[list[list[int]]] = None,
-    reducer: Optional[Callable[[dict[int, nn.Module]], GradReducer]] = None,
+    dp: Optional[DataParallel] = None,
 ) -> RankPipeline:
     """Collective when the schedule has several ranks: every rank must call it.
 
     `rank` is the pipeline rank; under data parallel `group` is this pipeline's process group,
-    `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `reducer`
-    builds the data-parallel gradient reducer of the rank's stages (the schedule then carries
-    REDUCE_GRAD marks)."""
+    `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `dp` wraps
+    the stages (FSDP2 under dp_shard) and builds their gradient reducer (the schedule then
+    carries REDUCE_GRAD marks)."""
     pl = schedule.placement
     if len(bounds) != pl.num_chunks:
         raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
@@ -83,6 +83,8 @@ def build_rank_pipeline(
     stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s).to(device) for s in pl.stages_of(rank)}
     for mod in stages.values():
         mod.checkpoint_layers = activation_checkpointing
+    if dp is not None:
+        stages = {s: dp.wrap(mod) for s, mod in stages.items()}
     specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
 
     def recv_buffer(msg: Message) -> torch.Tensor:
@@ -101,6 +103,6 @@ def build_rank_pipeline(
     # The loss is averaged over every rank's microbatches: the whole world (every pipeline).
     executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
                         loss_group=group if pipelines is None else None, lookahead=p2p_lookahead,
-                        reducer=reducer(stages) if reducer is not None else None)
+                        reducer=dp.reducer(stages) if dp is not None else None)
     sync = GradSync(stages, group=group, pipelines=pipelines)
     return RankPipeline(rank, schedule, stages, executor, sync)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from pipetrain.config import Config
 from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.parallel.mesh import build_groups
-from pipetrain.parallel.dp import data_parallel_reducer
+from pipetrain.parallel.dp import data_parallel
 from pipetrain.plan import Plan, build_model
 from pipetrain.train.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
@@ -78,7 +78,7 @@ class Trainer:
             activation_checkpointing=config.trainer.activation_checkpointing,
             group=self.groups.pp_group, group_ranks=self.groups.pipeline_ranks if dp else None,
             pipelines=config.layout.pipelines() if dp else None,
-            reducer=data_parallel_reducer(config, self.groups) if dp else None,
+            dp=data_parallel(config, self.groups),
         )
         if self.device.type == "cuda" and config.trainer.bf16:
             self.pipe.executor.autocast = torch.bfloat16

@@ -1,0 +1,81 @@
+"""FSDP2 stages under the pipeline: sharded parameters, one reduce-scatter per stage per step.
+
+`shard_stage` applies `fully_shard` to each layer of a stage (one all-gather / reduce-scatter
+group per transformer block) and to the stage itself (the rest: norms, layers holding a
+weight tied inside the stage), over the dp_shard mesh (HSDP: the 2-D ("dp_replicate",
+"dp_shard") mesh), with `reshard_after_forward=False`: a stage's parameters are gathered at
+its first forward of the step and stay whole until its gradients are reduced, so the step's
+many microbatches never all-gather again (what torchtitan does under PP).
+
+`FsdpReduce` is the executor's reducer (runtime/grad_reduce.py: GradReducer). At the start
+of a step it turns FSDP's own gradient sync off (no communication in any B or W: FSDP's hooks
+only accumulate, in fp32 under mixed precision); at the stage's REDUCE_GRAD it runs the
+post-backward of every parameter group of the stage once (reduce-scatter; HSDP adds the
+all-reduce over replicas), which reshards; at the end of the step it waits for all of them.
+These are the calls torch.distributed.pipelining's `perform_reduce_grad` makes (torch 2.13).
+FSDP2 averages over the data-parallel ranks, which with each pipeline's loss = mean over its
+microbatches gives the mean over the global batch.
+
+After the first forward of a step a stage's `parameters()` are the unsharded tensors the
+graph uses (the executor reads them per step); between steps they are the sharded DTensors
+the optimizer holds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, param_dtype: Optional[torch.dtype],
+                reduce_dtype: torch.dtype) -> nn.Module:
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    tied = set(getattr(stage, "tied", {}))
+    layers = getattr(stage, "layers", {})
+    for name, layer in layers.items():
+        own = [n for n, _ in layer.named_parameters()]
+        # A weight tied to another layer of this stage is one Parameter in two layers: the
+        # stage's own group (below) must hold it, not either layer's.
+        if own and not any(f"layers.{name}.{n}" in tied for n in own):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    return stage
+
+
+class FsdpReduce:
+    """Reduce-scatter each FSDP2 stage's gradients once per step, where the schedule says."""
+
+    def __init__(self, stages: Mapping[int, nn.Module]) -> None:
+        for s, mod in stages.items():
+            if not isinstance(mod, FSDPModule):
+                raise TypeError(f"stage {s} is not sharded (parallel/fsdp.py: shard_stage)")
+        self.stages = stages
+        self.counts: Counter = Counter()
+        self._reduced: list[int] = []
+
+    def begin(self) -> None:
+        for mod in self.stages.values():
+            mod.set_requires_gradient_sync(False)
+            mod.set_reshard_after_backward(False)
+            mod.set_is_last_backward(False)
+
+    def reduce(self, stage: int) -> None:
+        self.counts[stage] += 1
+        mod = self.stages[stage]
+        mod.set_is_last_backward(True)
+        mod.set_reshard_after_backward(True)
+        mod.set_requires_gradient_sync(True)
+        for state in fully_shard.state(mod)._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        self._reduced.append(stage)
+
+    def finish(self) -> None:
+        reduced, self._reduced = self._reduced, []
+        for s in reduced:
+            fully_shard.state(self.stages[s])._root_post_backward_final_callback()
