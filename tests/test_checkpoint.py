@@ -33,7 +33,11 @@ BASE = ["mode=train", "model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32",
         f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=0", "trainer.device=cpu"]
 LAYOUTS = {"1f1b-P2": ["pipeline.degree=2", "schedule=1f1b"],
            "zbv-P4": ["pipeline.degree=4", "schedule=zbv"],
-           "dualpipe-P2": ["pipeline.degree=2", "schedule=dualpipe"]}
+           "dualpipe-P2": ["pipeline.degree=2", "schedule=dualpipe"],
+           # data parallel: the same global batch of 4 in 2 pipelines x 2 microbatches
+           "shard2-P1": ["pipeline.degree=1", "parallel.dp_shard=2", "pipeline.microbatches=2"],
+           "replicate2-P2": ["pipeline.degree=2", "parallel.dp_replicate=2", "pipeline.microbatches=2"]}
+WORLD = {"1f1b-P2": 2, "zbv-P4": 4, "dualpipe-P2": 2, "shard2-P1": 2, "replicate2-P2": 4}
 
 
 def crash_mid_save(rank: int, world: int, out: Path, config, plan, run_dir: Path) -> None:
@@ -55,7 +59,7 @@ def train(compose, run_dir: Path, layout: str, *extra: str, fn=None) -> Path:
     if fn is None:
         launch(config, make_plan(config), run_dir)
     else:
-        spawn(fn, config.pipeline.degree, run_dir / "spawn", config, make_plan(config), run_dir)
+        spawn(fn, config.layout.world, run_dir / "spawn", config, make_plan(config), run_dir)
     return run_dir
 
 
@@ -105,7 +109,7 @@ def test_resume_same_layout_is_bitwise(compose, reference, tmp_path):
     assert ckpt.read_meta(ckpt.step_dir(run, STEPS))["tokens"] == STEPS * 4 * 32
 
 
-@pytest.mark.parametrize("layout", ["zbv-P4", "dualpipe-P2"])
+@pytest.mark.parametrize("layout", ["zbv-P4", "dualpipe-P2", "shard2-P1", "replicate2-P2"])
 def test_resume_other_layout_within_1e4(compose, reference, tmp_path, layout):
     src = ckpt.step_dir(reference, EVERY)
     run = train(compose, tmp_path / "run", layout, f"trainer.resume={src}")
@@ -119,11 +123,14 @@ def test_resume_other_layout_within_1e4(compose, reference, tmp_path, layout):
     md = dcp.FileSystemReader(path).read_metadata()
     ref_keys = set(dcp.FileSystemReader(ckpt.step_dir(reference, STEPS)).read_metadata().state_dict_metadata)
     keys = set(md.state_dict_metadata)
-    P = 4 if layout == "zbv-P4" else 2
-    assert keys - {f"rng.cpu.rank{r}" for r in range(P)} == ref_keys - {"rng.cpu.rank0", "rng.cpu.rank1"}
+    assert keys - {f"rng.cpu.rank{r}" for r in range(WORLD[layout])} == ref_keys - {"rng.cpu.rank0", "rng.cpu.rank1"}
     writers: dict[str, list[str]] = {}
     for index, info in md.storage_data.items():
         writers.setdefault(index.fqn, []).append(info.relative_path)
+    if layout == "shard2-P1":  # FSDP2: a matrix's two halves come from its two shards
+        assert len(writers["model.layers.1.attn.c_attn.weight"]) == 2
+        return
+    # replicas write each key once (DCP drops the duplicates)
     assert all(len(files) == 1 for files in writers.values())
     if layout == "dualpipe-P2":
         assert {writers[k][0] for k in keys if not k.startswith("rng.")} == {"__0_0.distcp"}

@@ -2,7 +2,9 @@
 
 Why DCP and unsplit names: a stage keeps the unsplit parameter names ("layers.3.attn.c_attn.weight",
 models/split.py), so the union over ranks of what they save IS the unsplit model's state dict.
-A run saved at one pipeline degree / schedule / partition therefore loads at another: each rank
+A run saved at one pipeline degree / data-parallel degree / schedule / partition therefore
+loads at another (FSDP2 shards are DTensors: DCP writes each shard and re-shards on load;
+replicas write the same key and DCP keeps one): each rank
 asks DCP for the keys of the parameters it holds now, wherever they were written from
 (torchtitan keeps FQNs stable across parallelisms for the same reason).
 
@@ -160,7 +162,8 @@ def fingerprint(config: Config) -> dict[str, dict[str, Any]]:
     model = _flat("model", {"name": config.model.name, **config.model.knobs()})
     layout = {"pipeline.degree": p.degree, "pipeline.microbatches": p.microbatches, "schedule.name": s.name,
               "schedule.virtual_stages": s.virtual_stages, "partition.name": part.name,
-              "partition.boundaries": part.boundaries}
+              "partition.boundaries": part.boundaries, "parallel.dp_replicate": config.parallel.dp_replicate,
+              "parallel.dp_shard": config.parallel.dp_shard}
     training = {"trainer.seed": t.seed, "trainer.max_steps": t.max_steps, **_flat("data", config.data),
                 **_flat("optim", config.optim)}
     return {"model": model, "layout": json.loads(json.dumps(layout)), "training": training}
