@@ -38,7 +38,7 @@ def test_defaults_are_typed(compose):
     assert isinstance(cfg.model, GPT2ModelConfig) and cfg.model.name == "gpt2-tiny"
     assert cfg.pipeline.degree == 2 and cfg.cluster.name == "local"
     assert cfg.schedule.name == "1f1b"
-    assert isinstance(cfg.data, DataConfig) and (cfg.data.batch_size, cfg.data.seq_len) == (8, 128)
+    assert isinstance(cfg.data, DataConfig) and (cfg.data.batch_size, cfg.data.seq_len) == (16, 64)
     assert isinstance(cfg.partition, PartitionConfig) and cfg.partition.name == "uniform"
     assert cfg.sim.tflops > 0
 

@@ -248,7 +248,7 @@ def test_every_data_option_composes(compose, tmp_path, name):
         extra = [f"data.path={write_bin(tmp_path / 'a.bin', range(2000))}"]
     cfg = compose([f"data={name}", *extra])
     assert isinstance(cfg.data, DataConfig) and cfg.data.name == name
-    assert (cfg.data.batch_size, cfg.data.seq_len) == (8, 128)
+    assert (cfg.data.batch_size, cfg.data.seq_len) == (16, 64)
 
 
 def test_missing_file_fails_in_the_config(compose, tmp_path):

@@ -262,6 +262,7 @@ class Config:
             self.parallel.dp_shard = fill_dp_shard(self.parallel, degree=p.degree, world=world,
                                                    where=f"cluster={self.cluster.name}")
         self._check_data()
+        self._check_parallel()
         self.logging.check(self.logger, max_steps=self.trainer.max_steps)
         # SLURM: nodes x ranks per node must be the world
         self.cluster.check_world(self.layout.world, world_text(*self.layout.shape))
@@ -299,6 +300,19 @@ class Config:
             f"but model={m.name} has {m.num_layers} layers: lower {lower}, or raise {m.layer_knob} "
             f"to >= {chunks - extra}"
         )
+
+    def _check_parallel(self) -> None:
+        par = self.parallel
+        if par.param_dtype is not None and par.dp_shard == 1:
+            raise ValueError(
+                f"parallel.param_dtype={par.param_dtype} is read only by FSDP2 (parallel.dp_shard > 1): "
+                f"drop it, or use trainer.precision for the compute dtype"
+            )
+        if par.reduce_dtype != "float32" and par.dp == 1:
+            raise ValueError(
+                f"parallel.reduce_dtype={par.reduce_dtype} does nothing without data parallel: drop it or set "
+                f"parallel.dp_replicate / parallel.dp_shard > 1"
+            )
 
     def _check_data(self) -> None:
         d, m, mb, dp = self.data, self.model, self.pipeline.microbatches, self.parallel.dp

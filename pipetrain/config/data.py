@@ -40,8 +40,8 @@ class DataConfig:
     (trainer.seed, k, split): a resumed run sees exactly the data it would have seen."""
 
     name: str = "builtin"  # builtin | text | tokens | synthetic
-    batch_size: int = 8  # sequences per optimizer step, split into pipeline.microbatches microbatches
-    seq_len: int = 128  # tokens per sequence (GPT-2: <= model.block_size); short enough for a CPU step
+    batch_size: int = 16  # the global batch: sequences per optimizer step, split over dp pipelines x pipeline.microbatches
+    seq_len: int = 64  # tokens per sequence (GPT-2: <= model.block_size); short enough for a CPU step
     path: Optional[str] = None  # data=text: a text file; data=tokens: a uint16 .bin file (nanoGPT's format)
     tokenizer: str = "byte"  # byte (vocab 256, needs nothing) | gpt2 (tiktoken + GPT-2's files on this machine)
     tokenizer_dir: Optional[str] = None  # data.tokenizer=gpt2: a folder with GPT-2's encoder.json
