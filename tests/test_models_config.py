@@ -120,9 +120,11 @@ def test_costs_follow_microbatch_seq_and_tflops(compose):
     def head_ms(*over):
         return make_plan(compose(["model=gpt2", *over])).layer_costs[-1].f_ms
 
-    base = head_ms()  # batch 8 / 8 microbatches = 1 sequence of 128 tokens per microbatch
-    assert head_ms("data.batch_size=16") == pytest.approx(2 * base)
-    assert head_ms("data.seq_len=256") == pytest.approx(2 * base)
+    base = head_ms()  # batch 16 / 8 microbatches = 2 sequences of 64 tokens per microbatch
+    assert head_ms("data.batch_size=32") == pytest.approx(2 * base)
+    assert head_ms("data.seq_len=128") == pytest.approx(2 * base)
+    # data parallel: each pipeline's microbatch is 1/dp of it
+    assert head_ms("data.batch_size=32", "parallel.dp_replicate=2") == pytest.approx(base)
     assert head_ms("sim.tflops=200") == pytest.approx(base / 2)
 
 
@@ -206,4 +208,4 @@ def test_typed_config_without_hydra():
                                        block_size=8), data=DataConfig(seq_len=8))
     assert cfg.model.num_layers == 4 and cfg.num_chunks == 2
     with pytest.raises(ValueError, match="data.seq_len"):
-        Config(model=GPT2ModelConfig(block_size=64))  # default seq_len 128
+        Config(model=GPT2ModelConfig(block_size=32))  # default seq_len 64
