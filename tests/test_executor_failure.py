@@ -37,7 +37,13 @@ def die_mid_step(rank: int, world: int, out, victim: int, how: str) -> None:
                 if how == "kill":
                     (out / "victim_died.txt").write_text(repr(time.time()))
                     os._exit(17)
-                time.sleep(4 * TIMEOUT_S)  # stuck: alive but silent for longer than the timeout
+                # stuck: alive but silent for longer than the timeout, until every other rank
+                # has reported (at most 4 x the timeout), then gone without a word
+                others = [out / f"error{r}.txt" for r in range(world) if r != rank]
+                deadline = time.monotonic() + 4 * TIMEOUT_S
+                while time.monotonic() < deadline and not all(p.exists() for p in others):
+                    time.sleep(0.1)
+                os._exit(0)
 
         next(iter(rp.stages.values())).register_forward_pre_hook(hook)
     rp.train_step(mbs)
@@ -83,7 +89,7 @@ def test_killed_rank_makes_every_rank_exit_with_a_clear_error(tmp_path):
     assert detected - died < 4 * TIMEOUT_S, (detected - died, elapsed)
 
 
-@pytest.mark.slow  # the stuck rank sleeps 4 x the timeout before the run can end
+@pytest.mark.slow  # the survivors wait out the timeout
 def test_stuck_rank_times_out_with_the_knob_named(tmp_path):
     elapsed, codes, victim = run(tmp_path, "stuck")
     check_survivors(tmp_path, codes, victim)

@@ -37,7 +37,7 @@ def test_gpt2_recipe_with_dualpipe_runs_as_written(tmp_path):
 
 def test_training_sweep_ends_with_a_summary(tmp_path):
     sweep = tmp_path / "sweep"
-    res = run_cli(["-m", "schedule=1f1b,zbv,dualpipev", "pipeline.microbatches=8,16", "data.batch_size=16",
+    res = run_cli(["-m", "schedule=1f1b,zbv,dualpipev", "pipeline.microbatches=8,16", "model=mlp", "sim.timeline=false",
                    "trainer.max_steps=3", "trainer.eval_every=0", "trainer.ckpt_at_end=false",
                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
