@@ -100,7 +100,8 @@ def layer_costs(config: Config) -> list[LayerCost]:
         device = profile_device()
         return profile_layers(build_model(m, device=device), batch=config.microbatch_size, seq=seq, device=device)
     if isinstance(m, SleepModelConfig):
-        return sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden)
+        return sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
+                                 params_per_layer=m.params_per_layer)
     model = build_model(m, device="meta")  # shapes and dtypes only: no parameter memory
     return model.cost_model(microbatch=config.microbatch_size, seq=seq, tflops=config.sim.tflops)
 

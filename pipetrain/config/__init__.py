@@ -119,12 +119,15 @@ class SleepModelConfig(ModelConfig):
     b_ms: float = 2.0  # input-gradient (B) time
     w_ms: float = 2.0  # weight-gradient (W) time
     hidden: int = 1024  # floats of activation each layer saves per sample
+    # fp32 weights per layer: 1 keeps the model weightless in effect; millions give data
+    # parallel real gradient bytes to reduce (bench/data_parallel_reduce.py)
+    params_per_layer: int = 1
     family: ClassVar[str] = "sleep"
     layer_knob: ClassVar[str] = "model.layers"
     needs_batch: ClassVar[bool] = False  # a layer sleeps the same whatever the batch
 
     def __post_init__(self) -> None:
-        self._at_least_one("layers", "hidden")
+        self._at_least_one("layers", "hidden", "params_per_layer")
         for knob in ("f_ms", "b_ms", "w_ms"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"model.{knob} must be >= 0 ms (got {getattr(self, knob)})")

@@ -9,10 +9,11 @@ from __future__ import annotations
 from pipetrain.models.costs import LayerCost
 
 
-def sleep_layer_costs(*, layers: int, f_ms: float, b_ms: float, w_ms: float, hidden: int) -> list[LayerCost]:
-    # Each layer holds one scalar weight (sleep_module.SleepLayer: y = x * (1 + w)) and saves
-    # one activation of `hidden` fp32 values per sample.
+def sleep_layer_costs(*, layers: int, f_ms: float, b_ms: float, w_ms: float, hidden: int,
+                      params_per_layer: int = 1) -> list[LayerCost]:
+    # Each layer holds `params_per_layer` fp32 weights (sleep_module.SleepLayer: y = x * (1 + mean(w)))
+    # and saves one activation of `hidden` fp32 values per sample.
     return [
-        LayerCost(f"layers.{i}", f_ms, b_ms, w_ms, params=1, activation_bytes_per_token=4 * hidden)
+        LayerCost(f"layers.{i}", f_ms, b_ms, w_ms, params=params_per_layer, activation_bytes_per_token=4 * hidden)
         for i in range(layers)
     ]

@@ -1,12 +1,13 @@
 """The `sleep` model in torch: layers that take their configured times in F, B and W.
 
-Each layer computes y = x * (1 + w) with one scalar weight w (initialised to 0, so y = x)
-and sleeps f_ms in forward. The backward is split across two autograd nodes so that the
+Each layer computes y = x * (1 + mean(w)) with `params_per_layer` weights w (1 by default;
+initialised to 0, so y = x) and sleeps f_ms in forward. More weights change nothing but the
+gradient's size, which data parallel then really reduces. The backward is split across two autograd nodes so that the
 autograd engine itself decides which sleep runs:
 
     x --SleepB(b_ms)--> x1 --+
                              +--> addcmul(x1, x1, w1) = x1 + x1 * w1 --> y
-    w --SleepW(w_ms)--> w1 --+
+    w --mean--SleepW(w_ms)--> w1 --+
 
 SleepB and SleepW are identity functions whose backward sleeps, then passes the gradient
 through. The engine only runs nodes on a path from the outputs to the requested inputs:
@@ -75,31 +76,35 @@ class _SleepOnBackward(torch.autograd.Function):
 
 
 class SleepLayer(nn.Module):
-    def __init__(self, *, f_ms: float, b_ms: float, w_ms: float) -> None:
+    def __init__(self, *, f_ms: float, b_ms: float, w_ms: float, params: int = 1) -> None:
         super().__init__()
         self.f_ms, self.b_ms, self.w_ms = f_ms, b_ms, w_ms
-        self.weight = nn.Parameter(torch.zeros(1))  # y = x * (1 + w): identity at init
+        self.weight = nn.Parameter(torch.zeros(params))  # y = x * (1 + mean(w)): identity at init
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sleep_ms(self.f_ms)
         x1 = _SleepOnBackward.apply(x, self.b_ms)  # (B, hidden); B's sleep lives on this path
-        w1 = _SleepOnBackward.apply(self.weight, self.w_ms)  # (1,); W's sleep lives on this path
+        # (); W's sleep lives on this path. The mean before the sleep: only a scalar is copied.
+        w1 = _SleepOnBackward.apply(self.weight.mean(), self.w_ms)
         return torch.addcmul(x1, x1, w1)  # x1 + x1 * w1 -> (B, hidden)
 
 
 class SleepModel(LayeredModel):
-    """Knobs named as SleepModelConfig: layers, f_ms, b_ms, w_ms, hidden."""
+    """Knobs named as SleepModelConfig: layers, f_ms, b_ms, w_ms, hidden, params_per_layer."""
 
     def __init__(self, *, layers: int = 16, f_ms: float = 2.0, b_ms: float = 2.0, w_ms: float = 2.0,
-                 hidden: int = 1024) -> None:
+                 hidden: int = 1024, params_per_layer: int = 1) -> None:
         super().__init__()
-        if layers < 1 or hidden < 1:
-            raise ValueError(f"model.layers and model.hidden must be >= 1 (got {layers}, {hidden})")
+        if min(layers, hidden, params_per_layer) < 1:
+            raise ValueError(f"model.layers, model.hidden and model.params_per_layer must be >= 1 "
+                             f"(got {layers}, {hidden}, {params_per_layer})")
         for knob, value in (("f_ms", f_ms), ("b_ms", b_ms), ("w_ms", w_ms)):
             if value < 0:
                 raise ValueError(f"model.{knob} must be >= 0 ms (got {value})")
-        self._config = dict(layers=layers, f_ms=f_ms, b_ms=b_ms, w_ms=w_ms, hidden=hidden)
-        self.layers = nn.ModuleList(SleepLayer(f_ms=f_ms, b_ms=b_ms, w_ms=w_ms) for _ in range(layers))
+        self._config = dict(layers=layers, f_ms=f_ms, b_ms=b_ms, w_ms=w_ms, hidden=hidden,
+                            params_per_layer=params_per_layer)
+        self.layers = nn.ModuleList(SleepLayer(f_ms=f_ms, b_ms=b_ms, w_ms=w_ms, params=params_per_layer)
+                                    for _ in range(layers))
         self.layer_names = [f"layers.{i}" for i in range(layers)]  # as sleep.sleep_layer_costs
 
     @staticmethod
