@@ -27,6 +27,7 @@ from pipetrain.partition.strategies import partition
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.reduce import add_reduces
+from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts
 from pipetrain.schedules.spec import RankCosts
 from pipetrain.schedules.validate import validate
@@ -43,6 +44,9 @@ class Plan:
     rank_costs: RankCosts  # one microbatch through the heaviest rank's share
     analytic_bubble: float | None  # published idle time per rank (ms), where a formula exists
     cost_source: str  # "sleep" (configured), "analytic" (FLOPs at sim.tflops) or "measured:<device>"
+    # Data parallel: per stage id, the ms its gradient reduction keeps a rank's communication
+    # lane busy (bytes over cluster.dp_bandwidth_gbs, schedules/reduce_cost.py); None when dp = 1.
+    reduce_ms: tuple[float, ...] | None = None
 
     @property
     def layer_costs(self) -> tuple[LayerCost, ...]:
@@ -62,8 +66,8 @@ def build_schedule(config: Config) -> Schedule:
         )
     else:
         schedule = registry.build(s.name, p.degree, p.microbatches, s.virtual_stages)
-    if config.layout.dp > 1:  # each stage's gradients reduced over dp once, after its last W
-        schedule = add_reduces(schedule)
+    if config.layout.dp > 1:  # each stage's gradients reduced over dp once, after its last W (or at the end)
+        schedule = add_reduces(schedule, at_end=not config.parallel.overlap_reduce)
     validate(schedule, p2p_lookahead=p.p2p_lookahead)
     return schedule
 
@@ -128,4 +132,14 @@ def make_plan(config: Config) -> Plan:
         formula = registry.get(config.schedule.name).analytic_bubble
         if formula is not None:
             analytic = formula(schedule.num_ranks, schedule.placement.stages_per_rank, rc)
-    return Plan(schedule, part, stage_costs, rc, analytic, cost_source(config))
+    return Plan(schedule, part, stage_costs, rc, analytic, cost_source(config), plan_reduce_ms(config, schedule, part))
+
+
+def plan_reduce_ms(config: Config, schedule: Schedule, part: PartitionPlan) -> tuple[float, ...] | None:
+    """Per stage, the simulated ms of its data-parallel gradient reduction (None without data parallel)."""
+    layout = config.layout
+    if layout.dp == 1:
+        return None
+    return reduce_ms(stage_params(schedule, part.chunk_params()), dp_replicate=layout.dp_replicate,
+                     dp_shard=layout.dp_shard, bandwidth_gbs=config.cluster.dp_bandwidth_gbs,
+                     reduce_dtype=config.parallel.reduce_dtype)

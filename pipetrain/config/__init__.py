@@ -311,11 +311,13 @@ class Config:
                 f"parallel.param_dtype={par.param_dtype} is read only by FSDP2 (parallel.dp_shard > 1): "
                 f"drop it, or use trainer.precision for the compute dtype"
             )
-        if par.reduce_dtype != "float32" and par.dp == 1:
-            raise ValueError(
-                f"parallel.reduce_dtype={par.reduce_dtype} does nothing without data parallel: drop it or set "
-                f"parallel.dp_replicate / parallel.dp_shard > 1"
-            )
+        for knob, value, default in (("reduce_dtype", par.reduce_dtype, "float32"),
+                                     ("overlap_reduce", par.overlap_reduce, True)):
+            if value != default and par.dp == 1:
+                raise ValueError(
+                    f"parallel.{knob}={str(value).lower() if isinstance(value, bool) else value} does nothing without "
+                    f"data parallel: drop it or set parallel.dp_replicate / parallel.dp_shard > 1"
+                )
 
     def _check_data(self) -> None:
         d, m, mb, dp = self.data, self.model, self.pipeline.microbatches, self.parallel.dp

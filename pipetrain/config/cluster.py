@@ -52,6 +52,10 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start (module load, ...)
     master_port: Optional[int] = None  # rendezvous port; None: a free one (local) or one derived from the job id
     backend: str = "auto"  # auto | gloo | nccl
+    # GB/s (1e9 bytes) one rank reaches in a data-parallel collective: what the simulator divides
+    # a stage's gradient bytes by (every cluster option reads it). 50: about a 400 Gb/s NIC per
+    # GPU; NVLink within a node reaches more, gloo over loopback far less (bench/data_parallel_reduce.py).
+    dp_bandwidth_gbs: float = 50.0
 
     def __post_init__(self) -> None:
         if self.name not in CLUSTERS:
@@ -64,6 +68,9 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{knob} must be >= 1 (got {value})")
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
             raise ValueError(f"cluster.gpus_per_node must be >= 0 (got {self.gpus_per_node})")
+        if not self.dp_bandwidth_gbs > 0:
+            raise ValueError(f"cluster.dp_bandwidth_gbs must be > 0 GB/s (got {self.dp_bandwidth_gbs}): "
+                             f"the bandwidth one rank reaches in data-parallel collectives")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ValueError(f"cluster.master_port must be a port in 1..65535 (got {self.master_port})")
         self._check_knobs_are_read()

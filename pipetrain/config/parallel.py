@@ -10,6 +10,10 @@ world = pipeline.degree x parallel.dp_replicate x parallel.dp_shard, one DeviceM
                 (torchrun / SLURM, where the world is known before the ranks start).
   both > 1      HSDP: shard within a group of dp_shard ranks, replicate across dp_replicate groups.
 
+`overlap_reduce` (Megatron's --overlap-grad-reduce): true reduces each stage right after its
+last weight gradient, overlapping the pipeline's drain; false reduces every stage at the end of
+the step (schedules/reduce.py: add_reduces).
+
 `param_dtype` is the dtype FSDP2 all-gathers parameters in and computes with (None: follow
 trainer.precision); `reduce_dtype` the dtype gradients are reduced in. Gradients are always
 accumulated over microbatches in fp32.
@@ -30,6 +34,7 @@ class ParallelConfig:
     dp_shard: int = 1  # -1: world / (pipeline.degree x dp_replicate)
     param_dtype: Optional[str] = None  # float32 | bfloat16; None: bfloat16 under trainer.precision=bf16
     reduce_dtype: str = "float32"  # float32 | bfloat16
+    overlap_reduce: bool = True  # false: every stage's reduction at the end of the step
 
     def __post_init__(self) -> None:
         if self.dp_replicate < 1:

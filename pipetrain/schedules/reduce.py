@@ -8,6 +8,10 @@ stream / thread while the rank drains the rest of its list (torch.distributed.pi
 `_add_reduce_grad` places its REDUCE_GRAD the same way). Megatron and DDP bucket the same
 idea by parameter; here the unit is the stage, which is what the schedule knows.
 
+Megatron's `--overlap-grad-reduce` off is the other choice (`at_end=True`, from
+`parallel.overlap_reduce=false`): every stage's reduction after the rank's last action, so
+none overlaps compute.
+
 `add_reduces` places them; `check_reduces` checks a schedule that carries some (derived or
 hand-written `{stage}REDUCE_GRAD` cells): one per stage per holding rank, after the stage's
 last weight gradient. Pure Python, no torch.
@@ -34,31 +38,40 @@ def last_weight_grad(schedule: Schedule, rank: int) -> dict[int, int]:
     return out
 
 
-def add_reduces(schedule: Schedule) -> Schedule:
+def add_reduces(schedule: Schedule, *, at_end: bool = False) -> Schedule:
     """The schedule with one `{stage}REDUCE_GRAD` per local stage, right after the stage's last
-    weight gradient (at one boundary, in stage order). Idempotent: a schedule that already
-    has reductions is checked and returned as is."""
+    weight gradient (at one boundary, in stage order), or with `at_end` all of them after the
+    rank's last action. Idempotent: a schedule that already has reductions (hand-written ones
+    included) is checked and returned as is."""
     if schedule.reduces:
         check_reduces(schedule)
         return schedule
     rows = []
     for r in range(schedule.num_ranks):
         places = last_weight_grad(schedule, r)
+        if at_end:
+            end = sum(1 for _ in schedule.actions(r))
+            places = dict.fromkeys(places, end)
         rows.append(tuple(sorted(((b, Reduce(s)) for s, b in places.items()), key=lambda t: (t[0], t[1].stage))))
     return dataclasses.replace(schedule, reduces=tuple(rows))
 
 
 def check_reduces(schedule: Schedule) -> None:
     """Raise ReduceError unless every rank reduces each of its stages exactly once, after that
-    stage's last weight gradient. A schedule without reductions passes (no data parallel)."""
+    stage's last weight gradient (at the latest after the rank's last action). A schedule without
+    reductions passes (no data parallel)."""
     if not schedule.reduces:
         return
     pl = schedule.placement
     for r in range(schedule.num_ranks):
         places = last_weight_grad(schedule, r)
+        end = sum(1 for _ in schedule.actions(r))
         seen: dict[int, int] = {}
         for boundary, red in schedule.reduces[r]:
             s = red.stage
+            if boundary > end:
+                raise ReduceError(f"rank {r} has {red} after {boundary} actions but runs only {end}: "
+                                  f"move it to at most {end}")
             if s not in places:
                 held = ", ".join(str(x) for x in pl.stages_of(r))
                 raise ReduceError(

@@ -4,7 +4,14 @@ Every step starts when its rank is free and its inputs exist (`deps.walk`), a
 cross-rank input arriving `comm_ms` after it was produced. An `F&B` pair costs
 (F + its backward) * (1 - fb_overlap). An activation set (stage, microbatch)
 is live from the start of its F to the end of its W or BW; at equal times frees
-come first. Pure Python, no torch.
+come first.
+
+Under data parallel (a schedule with `REDUCE_GRAD` marks, schedules/reduce.py) each rank also
+has one serial communication lane: a stage's reduction starts when the step before its mark
+has ended and the lane is free, and keeps the lane `reduce_ms[stage]` busy
+(schedules/reduce_cost.py). The bubble stays a compute measure (busy / makespan); what the
+lane adds is the exposed reduce time of each rank (its lane's end past its last compute) and
+the step time with it, `makespan_with_reduce`. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -62,6 +69,15 @@ class TimedStep:
 
 
 @dataclass(frozen=True)
+class ReduceSpan:
+    """One stage's gradient reduction on a rank's communication lane (ms)."""
+
+    stage: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class SimResult:
     schedule: Schedule
     costs: StageCosts
@@ -72,6 +88,24 @@ class SimResult:
     busy_per_rank: tuple[float, ...]
     peak_activations_per_rank: tuple[int, ...]
     extra: dict = field(default_factory=dict)
+    reductions: tuple[tuple[ReduceSpan, ...], ...] = ()  # per rank, in lane order; () without data parallel
+
+    @property
+    def compute_end_per_rank(self) -> tuple[float, ...]:
+        return tuple(row[-1].end if row else 0.0 for row in self.timeline)
+
+    @property
+    def reduce_exposed_ms(self) -> tuple[float, ...]:
+        """Per rank, how long its lane runs past its last compute: the reduce time the step waits for."""
+        if not self.reductions:
+            return tuple(0.0 for _ in self.timeline)
+        return tuple(max(0.0, max((sp.end for sp in lane), default=0.0) - end)
+                     for lane, end in zip(self.reductions, self.compute_end_per_rank))
+
+    @property
+    def makespan_with_reduce(self) -> float:
+        """The step time when it ends with every reduction done (= makespan without data parallel)."""
+        return max([self.makespan, *(sp.end for lane in self.reductions for sp in lane)])
 
     @property
     def idle_per_rank(self) -> tuple[float, ...]:
@@ -115,6 +149,26 @@ def peak_live_activations(timeline: Sequence[TimedStep]) -> int:
     return max((live for _, live in live_activations(timeline)), default=0)
 
 
+def reduce_lanes(schedule: Schedule, timeline: Sequence[Sequence[TimedStep]],
+                 reduce_ms: Sequence[float]) -> tuple[tuple[ReduceSpan, ...], ...]:
+    """Per rank, its reductions on one serial lane: each starts at max(end of the step holding
+    the action before its mark, lane free) and takes `reduce_ms[stage]`."""
+    if len(reduce_ms) != schedule.placement.num_stages:
+        raise ValueError(f"reduce_ms covers {len(reduce_ms)} stages but the schedule has {schedule.placement.num_stages}")
+    if min(reduce_ms, default=0.0) < 0:
+        raise ValueError("reduce times must be >= 0 ms")
+    lanes = []
+    for r, row in enumerate(timeline):
+        ends = [ts.end for ts in row for _ in ts.step.parts()]  # atomic action k -> end of its step
+        free, spans = 0.0, []
+        for boundary, red in sorted(schedule.reduces[r] if schedule.reduces else (), key=lambda t: t[0]):
+            start = max(ends[boundary - 1] if boundary > 0 else 0.0, free)
+            free = start + reduce_ms[red.stage]
+            spans.append(ReduceSpan(red.stage, start, free))
+        lanes.append(tuple(spans))
+    return tuple(lanes)
+
+
 def simulate(
     schedule: Schedule,
     costs: StageCosts | None = None,
@@ -122,8 +176,10 @@ def simulate(
     comm_ms: float = 0.0,
     fb_overlap: float = 0.0,
     check: bool = True,
+    reduce_ms: Sequence[float] | None = None,
 ) -> SimResult:
-    """Validate (unless check=False), then time the schedule under `costs` (default: 1 ms each op)."""
+    """Validate (unless check=False), then time the schedule under `costs` (default: 1 ms each op).
+    `reduce_ms` (per stage) puts the schedule's REDUCE_GRAD marks on each rank's communication lane."""
     if not 0.0 <= fb_overlap < 1.0:
         raise ValueError(f"sim.fb_overlap must be in [0, 1), got {fb_overlap}")
     if comm_ms < 0:
@@ -143,4 +199,5 @@ def simulate(
     makespan = max((row[-1].end for row in timeline if row), default=0.0)
     busy = tuple(sum(ts.end - ts.start for ts in row) for row in timeline)
     peaks = tuple(peak_live_activations(row) for row in timeline)
-    return SimResult(schedule, costs, comm_ms, fb_overlap, makespan, timeline, busy, peaks)
+    lanes = reduce_lanes(schedule, timeline, reduce_ms) if reduce_ms is not None and schedule.reduces else ()
+    return SimResult(schedule, costs, comm_ms, fb_overlap, makespan, timeline, busy, peaks, reductions=lanes)
