@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pipetrain.config import Config
+from pipetrain.parallel.table import rank_table
 from pipetrain.partition.plan import PartitionPlan
 from pipetrain.partition.table import compact_names, partition_table
 from pipetrain.plan import Plan, make_plan
@@ -40,6 +41,31 @@ def partition_record(part: PartitionPlan, *, model: str, cost_source: str) -> di
     }
 
 
+def data_parallel_record(config: Config, plan: Plan) -> dict:
+    """The "data_parallel" object of simulate.json: the layout and what each stage's reduction costs."""
+    lay, par = config.layout, config.parallel
+    assert plan.reduce_ms is not None
+    return {
+        "dp_replicate": lay.dp_replicate,
+        "dp_shard": lay.dp_shard,
+        "mode": lay.dp_mode,
+        "reduce_dtype": par.reduce_dtype,
+        "overlap_reduce": par.overlap_reduce,
+        "dp_bandwidth_gbs": rounded(config.cluster.dp_bandwidth_gbs),
+        "reduce_ms": [rounded(x) for x in plan.reduce_ms],  # per stage id
+    }
+
+
+def _reduce_note(config: Config, plan: Plan, result: SimResult) -> str:
+    par = config.parallel
+    where = "after each stage's last W" if par.overlap_reduce else "all at the step's end"
+    per_stage = ", ".join(f"{x:.2f}" for x in plan.reduce_ms or ())
+    exposed = ", ".join(f"{x:.2f}" for x in result.reduce_exposed_ms)
+    return (f"data parallel: reduce {per_stage} ms per stage ({config.layout.dp_mode} in {par.reduce_dtype} at "
+            f"cluster.dp_bandwidth_gbs={config.cluster.dp_bandwidth_gbs:g}), {where} "
+            f"(parallel.overlap_reduce={str(par.overlap_reduce).lower()}); exposed per rank {exposed} ms")
+
+
 def _cost_note(config: Config, plan: Plan) -> str:
     mb, seq = config.microbatch_size, config.data.seq_len
     shape = f"{mb} x {seq} tokens" if config.model.has_seq else f"{mb} samples"
@@ -63,7 +89,8 @@ def plan_and_simulate(
         console.print(f"partition=profile: timing every layer of model={config.model.name} (cached after the first run)")
     plan = make_plan(config)
     result: SimResult = simulate(
-        plan.schedule, plan.stage_costs, comm_ms=config.sim.comm_ms, fb_overlap=config.sim.fb_overlap, check=False
+        plan.schedule, plan.stage_costs, comm_ms=config.sim.comm_ms, fb_overlap=config.sim.fb_overlap, check=False,
+        reduce_ms=plan.reduce_ms,
     )
     record = render.result_record(
         result,
@@ -73,15 +100,23 @@ def plan_and_simulate(
         virtual_stages=plan.schedule.placement.stages_per_rank,
     )
     record["partition"] = partition_record(plan.partition, model=config.model.name, cost_source=plan.cost_source)
+    if plan.reduce_ms is not None:
+        record["data_parallel"] = data_parallel_record(config, plan)
     part = plan.partition
     title = f"model={config.model.name} partition={part.strategy}: {part.num_layers} layers in {part.num_chunks} stages"
     table = partition_table(part, title=title)
     table.min_width = len(title)  # keep the title on one line above a narrow table
     console.print(table)
     console.print(_cost_note(config, plan), style="dim")
+    layout = config.layout
+    if layout.dp > 1:
+        pl = plan.schedule.placement
+        console.print(rank_table(layout, [pl.stages_of(p) for p in range(layout.pp)]))
     if timeline:
         console.print(render.render_timeline(result, width=config.sim.timeline_width or None))
     console.print(render.summary_table([record]))
+    if plan.reduce_ms is not None:
+        console.print(_reduce_note(config, plan, result), highlight=False)
     if not write:
         return plan, record
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,9 @@ pipetrain writes (simulate.json, metrics.jsonl, summary.json, the traces) is rou
 
 Chrome trace event format (chrome://tracing, ui.perfetto.dev): one process (pid 0), one
 thread per rank (tid = rank); "X" slices, "i" instants, "s"/"f" flow arrows, "C" counters,
-"M" metadata. Times come in as milliseconds and go out as microseconds.
+"M" metadata. Times come in as milliseconds and go out as microseconds. Under data parallel
+each rank's gradient reductions get a row of their own (`reductions`), sorted under the rank's
+(rank rows take sort index 2 x rank).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ class ChromeTrace:
         self.events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": process_name}}]
 
-    def thread(self, tid: int, name: str) -> None:
-        """Name a rank's row and keep the rows in rank order."""
+    def thread(self, tid: int, name: str, *, sort_index: Optional[int] = None) -> None:
+        """Name a row and place it (default: rows in tid order)."""
         self.events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}})
-        self.events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
+        self.events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid,
+                            "args": {"sort_index": tid if sort_index is None else sort_index}})
 
     def slice(self, tid: int, name: str, cat: str, start_ms: float, dur_ms: float, args: dict[str, Any], *,
               cname: Optional[str] = None) -> None:
@@ -47,6 +50,14 @@ class ChromeTrace:
             event["cname"] = cname
         event["args"] = args
         self.events.append(event)
+
+    def reductions(self, rank: int, num_ranks: int, spans: Iterable[tuple[int, float, float]], *,
+                   cname: Optional[str] = None) -> None:
+        """A rank's gradient reductions, (stage, start ms, end ms), on a row right under the rank's."""
+        tid = num_ranks + rank
+        self.thread(tid, f"rank {rank} gradient reduction", sort_index=2 * rank + 1)
+        for stage, start, end in spans:
+            self.slice(tid, f"{stage}REDUCE_GRAD", "reduce", start, end - start, {"stage": stage}, cname=cname)
 
     def instant(self, tid: int, name: str, cat: str, at_ms: float) -> None:
         self.events.append({"name": name, "cat": cat, "ph": "i", "s": "t", "pid": 0, "tid": tid, "ts": us(at_ms)})

@@ -4,8 +4,9 @@ the JSON record written to simulate.json, and a Chrome trace (Perfetto).
 The timeline draws time left to right, one row per rank, the way the pipeline
 papers draw their schedules (GPipe Fig. 2, zero-bubble Fig. 3, DualPipe's README):
 each step is a coloured block with its microbatch inside where it fits, idle time
-is dim dots. A long schedule wraps into bands (windows of time, all ranks each)
-instead of dropping steps. Pure Python + rich, no torch.
+is dim dots. Under data parallel each rank's communication lane is a row of its own under
+the rank ("dp"), each gradient reduction a block `R{stage}`. A long schedule wraps into bands
+(windows of time, all ranks each) instead of dropping steps. Pure Python + rich, no torch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rich.text import Text
 
 from pipetrain.schedules.export import ChromeTrace, rounded
 from pipetrain.schedules.ir import Action, Overlap, Step
-from pipetrain.schedules.simulate import SimResult, TimedStep, live_activations
+from pipetrain.schedules.simulate import ReduceSpan, SimResult, TimedStep, live_activations
 
 # op -> (style on a rank's 1st/3rd.. stage, style on its 2nd/4th.. stage). The later
 # stage is bold on a darker shade so a V or mirror rank's two legs read apart.
@@ -35,6 +36,8 @@ STYLES: dict[str, tuple[str, str]] = {
 # One character per op for blocks too narrow for a microbatch number (plain-text readable).
 GLYPHS: dict[str, str] = {"F": "F", "B": "B", "W": "W", "BW": "X", "F&B": "&"}
 IDLE_CHAR, IDLE_STYLE = "·", "dim"
+REDUCE_STYLES = ("white on purple4", "bold bright_white on dark_violet")  # a rank's 1st / later stage
+LANE_LABEL = "dp"
 MAX_BANDS = 12
 
 
@@ -56,7 +59,7 @@ def _local_stage(result: SimResult, rank: int, step: Step) -> int:
 class _Block:
     c0: int  # first column (inclusive)
     c1: int  # last column (exclusive)
-    timed: TimedStep
+    timed: TimedStep | ReduceSpan
     later_stage: bool  # odd local stage index: drawn bold / lowercase
 
 
@@ -64,38 +67,53 @@ def _choose_scale(result: SimResult, avail: int, max_bands: int) -> float:
     """Columns per ms. Prefer the shortest step wide enough for "F12" (op + microbatch),
     then for "12", then 1 column, as long as it fits in `max_bands` bands; else compress."""
     durs = [ts.end - ts.start for row in result.timeline for ts in row if ts.end > ts.start]
-    if not durs or result.makespan <= 0:
+    span = result.makespan_with_reduce  # the timeline runs until the last reduction is done
+    if not durs or span <= 0:
         return 1.0
     unit, digits = min(durs), len(str(max(result.schedule.num_microbatches - 1, 0)))
     budget = avail * max_bands
     for target in (digits + 1, digits, 1):
-        cols = math.ceil(result.makespan * target / unit)
+        cols = math.ceil(span * target / unit)
         if cols <= budget:
             # Small schedules: stretch by a whole factor (<= 3) if it still fits on one line.
             stretch = max(1, min(3, avail // max(cols, 1))) if target == digits + 1 else 1
             return target * stretch / unit
-    return budget / result.makespan
+    return budget / span
 
 
-def _blocks(result: SimResult, rank: int, scale: float, ncols: int) -> tuple[list[_Block], int]:
-    """Snap a rank's steps to columns: [round(start*scale), round(end*scale)). A step that
-    rounds to zero width takes one column if that column is free, else it is not drawn
-    (counted). Adjacent steps share boundaries, so blocks never overlap or drift."""
-    row, out, dropped, last = result.timeline[rank], [], 0, 0
-    for i, ts in enumerate(row):
-        c0 = max(round(ts.start * scale), last)
-        c1 = min(round(ts.end * scale), ncols)
+def _snap(spans: Sequence[tuple[float, float]], scale: float, ncols: int) -> tuple[list[tuple[int, int, int]], int]:
+    """Snap one row's consecutive spans (ms) to columns: (index, c0, c1) with [round(start*scale),
+    round(end*scale)). A span that rounds to zero width takes one column if that column is free,
+    else it is not drawn (counted). Adjacent spans share boundaries, so blocks never overlap or drift."""
+    out, dropped, last = [], 0, 0
+    for i, (start, end) in enumerate(spans):
+        c0 = max(round(start * scale), last)
+        c1 = min(round(end * scale), ncols)
         if c1 <= c0:
             c0 = min(c0, ncols - 1)  # a step ending the makespan still gets the last column
-            nxt = round(row[i + 1].start * scale) if i + 1 < len(row) else ncols
+            nxt = round(spans[i + 1][0] * scale) if i + 1 < len(spans) else ncols
             if c0 < last or c0 >= min(nxt, ncols):
                 dropped += 1
                 continue
             c1 = c0 + 1
-        later = _local_stage(result, rank, ts.step) % 2 == 1
-        out.append(_Block(c0, c1, ts, later))
+        out.append((i, c0, c1))
         last = c1
     return out, dropped
+
+
+def _blocks(result: SimResult, rank: int, scale: float, ncols: int) -> tuple[list[_Block], int]:
+    """A rank's steps as blocks of columns (see `_snap`)."""
+    row = result.timeline[rank]
+    snapped, dropped = _snap([(ts.start, ts.end) for ts in row], scale, ncols)
+    return [_Block(c0, c1, row[i], _local_stage(result, rank, row[i].step) % 2 == 1) for i, c0, c1 in snapped], dropped
+
+
+def _lane_blocks(result: SimResult, rank: int, scale: float, ncols: int) -> list[_Block]:
+    """A rank's gradient reductions as blocks of columns (its communication lane)."""
+    lane = result.reductions[rank]
+    stages = result.schedule.placement.stages_of(rank)
+    snapped, _ = _snap([(sp.start, sp.end) for sp in lane], scale, ncols)
+    return [_Block(c0, c1, lane[i], stages.index(lane[i].stage) % 2 == 1) for i, c0, c1 in snapped]
 
 
 def _label(step: Step, width: int, later: bool, *, continued: bool = False) -> str:
@@ -113,6 +131,14 @@ def _label(step: Step, width: int, later: bool, *, continued: bool = False) -> s
         if len(text) <= width:
             return text.ljust(width)
     return " " * width if continued else choices[-1][:width]
+
+
+def _reduce_label(stage: int, width: int, *, continued: bool = False) -> str:
+    """"R3" (stage 3's gradient reduction) where it fits, else "R"."""
+    for text in ([f"R{stage}"] if continued else [f"R{stage}", "R"]):
+        if len(text) <= width:
+            return text.ljust(width)
+    return " " * width
 
 
 def _ruler(b0: int, b1: int, scale: float, label_w: int) -> Text:
@@ -138,9 +164,13 @@ def _band_row(blocks: Sequence[_Block], b0: int, b1: int) -> Text:
         c0, c1 = max(blk.c0, b0), min(blk.c1, b1)
         if c0 > col:
             text.append(IDLE_CHAR * (c0 - col), style=IDLE_STYLE)
-        step = blk.timed.step
-        label = _label(step, c1 - c0, blk.later_stage, continued=blk.c0 < b0)
-        text.append(label, style=STYLES[op_name(step)][blk.later_stage])
+        if isinstance(blk.timed, ReduceSpan):
+            label = _reduce_label(blk.timed.stage, c1 - c0, continued=blk.c0 < b0)
+            text.append(label, style=REDUCE_STYLES[blk.later_stage])
+        else:
+            step = blk.timed.step
+            label = _label(step, c1 - c0, blk.later_stage, continued=blk.c0 < b0)
+            text.append(label, style=STYLES[op_name(step)][blk.later_stage])
         col = c1
     if b1 > col:
         text.append(IDLE_CHAR * (b1 - col), style=IDLE_STYLE)
@@ -155,6 +185,9 @@ def _legend(result: SimResult, scale: float, bands: int, dropped: int) -> list[T
         if op in present:
             legend.append(f" {op} ", style=style)
             legend.append(" ")
+    if result.reductions:
+        legend.append(" R ", style=REDUCE_STYLES[0])
+        legend.append(" gradient reduction (dp row)  ")
     legend.append(f"{IDLE_CHAR * 3} idle", style=IDLE_STYLE)
     glyphs = [f"{GLYPHS[op]} = {op}" for op in ("BW", "F&B") if op in present]
     if glyphs:
@@ -166,7 +199,9 @@ def _legend(result: SimResult, scale: float, bands: int, dropped: int) -> list[T
                            for r in range(min(sched.num_ranks, 2)))
         more = ", ..." if sched.num_ranks > 2 else ""
         lines.append(Text(f"{v} stages per rank ({stages}{more}): later ones bold, ops lower case"))
-    scale_line = (f"1 column = {1 / scale:.4g} ms   makespan {result.makespan:.3f} ms   "
+    with_reduce = (f" ({result.makespan_with_reduce:.3f} with reduce)"
+                   if result.makespan_with_reduce > result.makespan else "")
+    scale_line = (f"1 column = {1 / scale:.4g} ms   makespan {result.makespan:.3f} ms{with_reduce}   "
                   f"{sched.name}: P={sched.num_ranks} v={v} M={sched.num_microbatches}   "
                   f"{bands} band{'s' if bands != 1 else ''}")
     if dropped:
@@ -181,8 +216,9 @@ def timeline_lines(result: SimResult, width: int, *, max_bands: int = MAX_BANDS)
     label_w = len(f"rank {P - 1} ") + 2  # "rank 7 │"
     avail = max(width - label_w, 8)
     scale = _choose_scale(result, avail, max_bands)
-    ncols = max(1, math.ceil(result.makespan * scale - 1e-9))
+    ncols = max(1, math.ceil(result.makespan_with_reduce * scale - 1e-9))
     per_rank = [_blocks(result, r, scale, ncols) for r in range(P)]
+    lanes = [_lane_blocks(result, r, scale, ncols) for r in range(P)] if result.reductions else []
     nbands = math.ceil(ncols / avail)
     band_w = math.ceil(ncols / nbands)  # equal bands read better than a full one and a stub
     lines: list[Text] = []
@@ -195,6 +231,9 @@ def timeline_lines(result: SimResult, width: int, *, max_bands: int = MAX_BANDS)
         for r, (blocks, _) in enumerate(per_rank):
             row = Text(f"rank {r}".rjust(label_w - 2) + " │", no_wrap=True)
             lines.append(row + _band_row(blocks, b0, b1))
+            if lanes:
+                lane = Text(LANE_LABEL.rjust(label_w - 2) + " │", style="dim", no_wrap=True)
+                lines.append(lane + _band_row(lanes[r], b0, b1))
     return lines + _legend(result, scale, nbands, sum(d for _, d in per_rank))
 
 
@@ -229,14 +268,16 @@ def result_record(
     param_copies: int,
     virtual_stages: int,
 ) -> dict:
-    """The JSON-ready record of one simulation (a row of simulate.json and of `summary_table`)."""
+    """The JSON-ready record of one simulation (a row of simulate.json and of `summary_table`);
+    with gradient reductions simulated, also the exposed reduce time per rank and the step time
+    with it (`makespan_with_reduce`, ms)."""
     sched, busy = result.schedule, result.busy_per_rank
     mean_busy = sum(busy) / len(busy) if busy else 0.0
     fraction = None
     if analytic_bubble is not None and analytic_bubble + mean_busy > 0:
         # the published bubble as a share of a rank's time: idle / (idle + work)
         fraction = rounded(analytic_bubble / (analytic_bubble + mean_busy))
-    return {
+    record = {
         "schedule": schedule_name,
         "degree": sched.num_ranks,
         "stages": sched.placement.num_stages,
@@ -255,18 +296,33 @@ def result_record(
         "comm_ms": rounded(result.comm_ms),
         "fb_overlap": rounded(result.fb_overlap),
     }
+    if result.reductions:
+        exposed = result.reduce_exposed_ms
+        record.update(reduce_exposed_ms_per_rank=[rounded(x) for x in exposed],
+                      reduce_exposed_ms_max=rounded(max(exposed)),
+                      makespan_with_reduce=rounded(result.makespan_with_reduce))
+    return record
 
 
 def summary_table(rows: list[dict], *, title: str | None = None) -> Table:
-    """One line per `result_record` row: the single-run summary or a multirun comparison."""
+    """One line per `result_record` row: the single-run summary or a multirun comparison.
+    Where a row has gradient reductions (data parallel), the step time with the exposed reduce
+    and the largest exposed reduce of any rank take the analytic bubble's place (the published
+    formulas know no reduction; simulate.json keeps both), so the table still fits 80 columns."""
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    dp = any("makespan_with_reduce" in row for row in rows)
+    tail = ("step\nms", "exposed\nreduce") if dp else ("analytic\nbubble ms",)
     # Short headers so the table fits an 80-column terminal without truncating values.
     for name in ("schedule", "P", "v", "M", "makespan\nms", "bubble\nmean %", "bubble\nmax %",
-                 "peak\nact", "param\ncopies", "analytic\nbubble ms"):
+                 "peak\nact", "param\ncopies", *tail):
         table.add_column(name, justify="left" if name == "schedule" else "right", no_wrap=True)
     for row in rows:
         fractions = row["bubble_fraction_per_rank"] or [0.0]
         analytic = row.get("analytic_bubble")
+        if dp:
+            last = (f"{row.get('makespan_with_reduce', row['makespan']):.2f}", f"{row.get('reduce_exposed_ms_max', 0.0):.2f}")
+        else:
+            last = ("-" if analytic is None else f"{analytic:.2f}",)
         table.add_row(
             str(row["schedule"]),
             str(row["degree"]),
@@ -277,7 +333,7 @@ def summary_table(rows: list[dict], *, title: str | None = None) -> Table:
             f"{100 * max(fractions):.1f}",
             str(max(row["peak_activations_per_rank"], default=0)),
             str(row["param_copies"]),
-            "-" if analytic is None else f"{analytic:.2f}",
+            *last,
         )
     return table
 
@@ -295,13 +351,17 @@ def _step_args(step: Step) -> dict:
 
 def chrome_trace(result: SimResult) -> dict:
     """Chrome trace event format (chrome://tracing, ui.perfetto.dev): one complete ("X")
-    event per step on thread `rank`, plus a live-activations counter ("C") per rank."""
+    event per step on thread `rank`, plus a live-activations counter ("C") per rank; under data
+    parallel each rank's gradient reductions on a track of their own under it."""
+    P = result.schedule.num_ranks
     trace = ChromeTrace(f"pipetrain simulate {result.schedule.name}")
-    for r in range(result.schedule.num_ranks):
-        trace.thread(r, f"rank {r}")
+    for r in range(P):
+        trace.thread(r, f"rank {r}", sort_index=2 * r)
     for r, row in enumerate(result.timeline):
         for ts in row:
             trace.slice(r, str(ts.step), op_name(ts.step), ts.start, ts.end - ts.start, _step_args(ts.step))
+    for r, lane in enumerate(result.reductions):
+        trace.reductions(r, P, [(sp.stage, sp.start, sp.end) for sp in lane])
     for r, row in enumerate(result.timeline):
         trace.counter(f"live activations rank {r}", [(0.0, 0), *live_activations(row)])
     return trace.to_json()
