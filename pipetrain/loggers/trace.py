@@ -7,7 +7,9 @@ B green, W orange, BW dark green, F&B red, as far as the viewer honours `cname`)
 the action computed; before it, a grey "wait" slice for the time it sat blocked in a
 receive; each send is an instant event with a flow arrow to the receive that took it.
 A counter per rank shows the live activation sets, as schedule_trace.json does for the
-simulated schedule.
+simulated schedule. Under data parallel each rank's gradient reductions get a row under the
+rank, each drawn from its issue to when the executor saw it done (between actions, or in
+the step's final wait).
 """
 
 from __future__ import annotations
@@ -81,10 +83,13 @@ def measured_trace(m: StepMeasurement) -> dict[str, Any]:
     """Chrome trace event format of one measured step (see the module docstring)."""
     sched = m.schedule
     trace = ChromeTrace(f"pipetrain {sched.name} P={sched.num_ranks} M={sched.num_microbatches}: step {m.step} (measured)")
-    for r in range(sched.num_ranks):
-        trace.thread(r, f"rank {r} (stage {'|'.join(map(str, sched.placement.stages_of(r)))})")
-    for r in range(sched.num_ranks):
+    P = sched.num_ranks
+    for r in range(P):
+        trace.thread(r, f"rank {r} (stage {'|'.join(map(str, sched.placement.stages_of(r)))})", sort_index=2 * r)
+    for r in range(P):
         _rank_events(trace, m, r)
         trace.counter(f"live activations rank {r}", live_activations(m.measured.timeline[r]))
+    for r, lane in enumerate(m.measured.reductions):
+        trace.reductions(r, P, [(sp.stage, sp.start, sp.end) for sp in lane], cname="generic_work")
     return trace.to_json({"step": m.step, "schedule": sched.name, "bubble_fraction_mean": m.bubble_mean,
                           "simulated_bubble_fraction": m.simulated.bubble_fraction_mean})

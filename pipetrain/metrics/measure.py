@@ -10,6 +10,10 @@
     compute time of each op (F, B, W, BW) on each stage, simulated with the one simulator
     that `mode=simulate` uses (schedules/simulate.py), so the two numbers differ only by
     what the model of the schedule leaves out (overheads, jitter, communication).
+  - Under data parallel, the exposed reduce time of each rank (the executor's wait for its
+    gradient reductions after its last action) beside the simulator's, whose communication
+    lane takes each stage's reduction as bytes over `cluster.dp_bandwidth_gbs` (plan.reduce_ms),
+    and the step time with it (`makespan_with_reduce`) measured and simulated.
 
 Pure Python, no torch: rank 0 runs this on gathered `RankSample`s.
 """
@@ -24,7 +28,7 @@ from typing import Any, Sequence
 from pipetrain.metrics.records import ActionTiming, RankSample
 from pipetrain.schedules.export import rounded
 from pipetrain.schedules.ir import Op, Schedule, Step
-from pipetrain.schedules.simulate import SimResult, StageCosts, TimedStep, simulate
+from pipetrain.schedules.simulate import ReduceSpan, SimResult, StageCosts, TimedStep, simulate
 
 OPS = ("F", "B", "W", "BW")
 
@@ -96,6 +100,16 @@ class StepMeasurement:
     def wait_ms(self, rank: int) -> float:
         return sum(t.wait_ms for t in self.samples[rank].timings)
 
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the step reduced gradients over data parallel (the schedule has REDUCE_GRAD marks)."""
+        return bool(self.schedule.reduces)
+
+    @property
+    def reduce_exposed_ms(self) -> tuple[float, ...]:
+        """Per rank, the measured wait for its gradient reductions after its last action."""
+        return tuple(s.reduce_exposed_ms for s in self.samples)
+
     def rank_rows(self) -> list[dict[str, Any]]:
         """Per rank: measured and simulated bubble, peak memory split, ms in each op and waiting."""
         rows = []
@@ -108,6 +122,9 @@ class StepMeasurement:
                 "other_bytes": s.peak_memory_bytes - s.peak_activation_bytes,
                 **{f"{op.lower()}_ms": ops[op] for op in OPS}, "wait_ms": self.wait_ms(r),
             })
+            if self.data_parallel:
+                rows[-1].update(reduce_exposed_ms=s.reduce_exposed_ms,
+                                simulated_reduce_exposed_ms=self.simulated.reduce_exposed_ms[r])
         return rows
 
     def timeline_rows(self) -> list[dict[str, Any]]:
@@ -128,7 +145,7 @@ class StepMeasurement:
     def record(self) -> dict[str, Any]:
         """The JSON-ready per-step fields of metrics.jsonl (and wandb)."""
         sim, costs = self.simulated, self.measured.costs
-        return {
+        out = {
             "bubble_fraction_mean": rounded(self.bubble_mean),
             "bubble_fraction_per_rank": [rounded(x) for x in self.bubble_per_rank],
             "simulated_bubble_fraction": rounded(sim.bubble_fraction_mean),
@@ -141,14 +158,25 @@ class StepMeasurement:
             "static_memory_bytes_per_rank": [s.static_bytes for s in self.samples],
             "stage_ms": {k: [rounded(x) for x in v] for k, v in (("f", costs.f), ("b", costs.b), ("w", costs.w))},
         }
+        if self.data_parallel:
+            out.update(
+                reduce_exposed_ms_per_rank=[rounded(x) for x in self.reduce_exposed_ms],
+                simulated_reduce_exposed_ms_per_rank=[rounded(x) for x in sim.reduce_exposed_ms],
+                makespan_with_reduce_ms=rounded(self.measured.makespan_with_reduce),
+                simulated_makespan_with_reduce_ms=rounded(sim.makespan_with_reduce),
+            )
+        return out
 
 
 def measured_result(schedule: Schedule, samples: Sequence[RankSample], offsets: Sequence[float],
                     costs: StageCosts) -> SimResult:
     """The measured step in the simulator's shape. Each step is drawn where it computed:
-    [end - compute, end], so time blocked in a receive shows as idle, as in the papers' figures."""
-    timeline, busy, ends = [], [], []
+    [end - compute, end], so time blocked in a receive shows as idle, as in the papers' figures.
+    Each gradient reduction runs on the rank's lane from its issue to when it was seen done."""
+    timeline, busy, ends, lanes = [], [], [], []
     for s, off in zip(samples, offsets):
+        lanes.append(tuple(sorted((ReduceSpan(st, off + t, off + s.reduce_done_ms.get(st, s.step_ms))
+                                   for st, t in s.reduce_issued_ms.items()), key=lambda sp: (sp.start, sp.stage))))
         row = schedule.steps[s.rank]
         timed = tuple(TimedStep(row[t.index], off + t.end_ms - max(t.compute_ms, 0.0), off + t.end_ms)
                       for t in s.timings)
@@ -157,12 +185,14 @@ def measured_result(schedule: Schedule, samples: Sequence[RankSample], offsets: 
         ends.append(off + max((t.end_ms for t in s.timings), default=0.0))
     makespan = max(ends, default=0.0)
     peaks = tuple(s.peak_activation_sets for s in samples)
-    return SimResult(schedule, costs, 0.0, 0.0, makespan, tuple(timeline), tuple(busy), peaks)
+    return SimResult(schedule, costs, 0.0, 0.0, makespan, tuple(timeline), tuple(busy), peaks,
+                     reductions=tuple(lanes) if any(lanes) else ())
 
 
 def measure_step(step: int, schedule: Schedule, samples: Sequence[RankSample], *,
-                 comm_ms: float = 0.0) -> StepMeasurement:
-    """Combine every rank's sample of one step (one per rank, any order)."""
+                 comm_ms: float = 0.0, reduce_ms: Sequence[float] | None = None) -> StepMeasurement:
+    """Combine every rank's sample of one step (one per rank, any order); `reduce_ms` (per stage,
+    plan.reduce_ms) puts the simulated gradient reductions on the communication lanes."""
     samples = tuple(sorted(samples, key=lambda s: s.rank))
     if [s.rank for s in samples] != list(range(schedule.num_ranks)):
         raise ValueError(f"need one sample per rank 0..{schedule.num_ranks - 1}, got ranks {[s.rank for s in samples]}")
@@ -170,5 +200,5 @@ def measure_step(step: int, schedule: Schedule, samples: Sequence[RankSample], *
     offsets = tuple((s.t0_wall - base) * 1e3 for s in samples)
     costs = stage_costs(schedule, samples)
     measured = measured_result(schedule, samples, offsets, costs)
-    simulated = simulate(schedule, costs, comm_ms=comm_ms, check=False)
+    simulated = simulate(schedule, costs, comm_ms=comm_ms, check=False, reduce_ms=reduce_ms)
     return StepMeasurement(step, schedule, samples, offsets, measured, simulated)

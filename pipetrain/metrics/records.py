@@ -61,6 +61,8 @@ class RankSample:
     grad_bytes: int = 0
     optimizer_bytes: int = 0
     reduce_exposed_ms: float = 0.0  # data parallel: waiting for the gradient reductions after the last action
+    reduce_issued_ms: dict[int, float] = field(default_factory=dict)  # stage -> when its reduction was issued
+    reduce_done_ms: dict[int, float] = field(default_factory=dict)  # stage -> when the executor saw it done
 
     @property
     def static_bytes(self) -> int:

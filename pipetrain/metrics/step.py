@@ -88,6 +88,9 @@ class RunSummary:
     peak_memory_bytes_per_rank: list[int] = field(default_factory=list)  # the most any measured step used
     peak_activation_bytes_per_rank: list[int] = field(default_factory=list)
     mfu: Optional[float] = None
+    # Data parallel: the most exposed reduce ms of any rank, median over the measured steps after the first
+    reduce_exposed_ms: Optional[float] = None
+    simulated_reduce_exposed_ms: Optional[float] = None
 
     def to_json(self) -> dict[str, Any]:
         """summary.json: the run's fields, and the measured ones where a step was measured."""
@@ -106,4 +109,7 @@ class RunSummary:
                 peak_activation_bytes_per_rank=self.peak_activation_bytes_per_rank,
                 mfu=self.mfu,
             )
+            if self.reduce_exposed_ms is not None:
+                out.update(reduce_exposed_ms=self.reduce_exposed_ms,
+                           simulated_reduce_exposed_ms=self.simulated_reduce_exposed_ms)
         return out

@@ -24,7 +24,7 @@ the optimizer holds.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -75,7 +75,11 @@ class FsdpReduce:
                 group.post_backward()
         self._reduced.append(stage)
 
-    def finish(self) -> None:
+    def poll(self) -> list[int]:
+        return []  # FSDP2 keeps its reduce-scatter's completion to itself: reported by finish
+
+    def finish(self, done: Callable[[int], None] = lambda stage: None) -> None:
         reduced, self._reduced = self._reduced, []
         for s in reduced:
             fully_shard.state(self.stages[s])._root_post_backward_final_callback()
+            done(s)

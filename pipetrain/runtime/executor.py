@@ -17,6 +17,8 @@ comes from the schedule's placement. Per action:
 Under data parallel the schedule carries `{stage}REDUCE_GRAD` marks (schedules/reduce.py):
 there the stage's gradient reduction is started (runtime/grad_reduce.py), and after the
 last action the executor waits for all of them; that wait is the step's exposed reduce time.
+When each one was issued and when it was seen done (polled between actions, then in the final
+wait) is kept per stage, for the measured trace's reduction rows.
 
 After the last action, the summed loss is all-reduced so every rank (rank 0 logs it)
 holds the mean loss of the step (over every pipeline's microbatches under data parallel).
@@ -60,6 +62,8 @@ class StepResult:
     peak_recv_buffer_bytes: dict[int, int] = field(default_factory=dict)  # stage -> most bytes of posted receives
     reduce_exposed_ms: float = 0.0  # end of the last action -> every gradient reduction done (data parallel)
     reduce_issued_ms: dict[int, float] = field(default_factory=dict)  # stage -> when its reduction started
+    # stage -> when the executor saw its reduction done: between actions (polled), or in the final wait
+    reduce_done_ms: dict[int, float] = field(default_factory=dict)
 
 
 class _SavedBytes:
@@ -150,13 +154,15 @@ class Executor:
                     self._run(action, str(step))
                     boundary += 1
                     marks.append(clock.mark())
+                    if len(self._reduce_done) < len(self._reduce_marks):  # reductions in flight
+                        self._poll_reductions()
                 spans.append(marks)
             self._issue(boundary)
             if self.comm is not None:
                 self.comm.finish()
             compute_end = clock.mark()
             if self.reducer is not None:
-                self.reducer.finish()
+                self.reducer.finish(self._reduction_done)
             end = clock.mark()
         finally:
             self._recording = False
@@ -175,7 +181,16 @@ class Executor:
             peak_recv_buffer_bytes=dict(self.comm.peak_recv_bytes) if self.comm is not None else {},
             reduce_exposed_ms=times[end] - times[compute_end],
             reduce_issued_ms={s: times[m] for s, m in self._reduce_marks.items()},
+            reduce_done_ms={s: times[m] for s, m in self._reduce_done.items()},
         )
+
+    def _poll_reductions(self) -> None:
+        for s in self.reducer.poll():  # type: ignore[union-attr]
+            self._reduction_done(s)
+
+    def _reduction_done(self, stage: int) -> None:
+        if stage not in self._reduce_done:
+            self._reduce_done[stage] = self._clock.mark()
 
     def _issue(self, boundary: int) -> None:
         if self.comm is not None:
@@ -243,6 +258,7 @@ class Executor:
         self._losses = 0
         self._comm_marks: list[tuple[str, Message, int, int, int, int]] = []  # (direction, msg, step, part, mark, mark)
         self._reduce_marks: dict[int, int] = {}  # stage -> clock mark when its reduction was issued
+        self._reduce_done: dict[int, int] = {}  # stage -> clock mark when it was seen done
 
     def _run(self, a: Action, step_text: str) -> None:
         if a.op is Op.F:

@@ -15,7 +15,7 @@ FSDP2 stages reduce-scatter instead (parallel/fsdp.py provides that reducer).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,14 @@ class GradReducer(Protocol):
         """Start reducing `stage`'s gradients (asynchronous); called once per stage per step."""
         ...
 
-    def finish(self) -> None:
-        """Wait for every reduction of the step and leave the reduced gradients in `.grad`."""
+    def poll(self) -> list[int]:
+        """Stages whose reductions completed since the last call, without waiting (a reducer that
+        cannot tell returns [] and reports them in `finish`)."""
+        ...
+
+    def finish(self, done: Callable[[int], None] = lambda stage: None) -> None:
+        """Wait for every reduction of the step and leave the reduced gradients in `.grad`;
+        `done(stage)` as each stage's is complete (in the order they were issued)."""
         ...
 
 
@@ -62,7 +68,8 @@ class BucketAllReduce:
             s: buckets([p for p in mod.parameters() if p.requires_grad], int(bucket_mb * 2**20))
             for s, mod in stages.items()
         }
-        self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
+        self._pending: list[tuple[int, dist.Work, torch.Tensor, list[nn.Parameter]]] = []  # (stage, ...)
+        self._polled: set[int] = set()  # stages poll() already reported done this step
         self.counts: Counter = Counter()
 
     def begin(self) -> None:
@@ -73,18 +80,27 @@ class BucketAllReduce:
         for bucket in self._buckets[stage]:
             flat = torch.cat([_grad(p).reshape(-1) for p in bucket]).to(self.reduce_dtype)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._pending.append((work, flat, bucket))
+            self._pending.append((stage, work, flat, bucket))
 
-    def finish(self) -> None:
+    def poll(self) -> list[int]:
+        busy = {s for s, work, _, _ in self._pending if not work.is_completed()}
+        new = [s for s in dict.fromkeys(s for s, *_ in self._pending) if s not in busy and s not in self._polled]
+        self._polled.update(new)
+        return new
+
+    def finish(self, done: Callable[[int], None] = lambda stage: None) -> None:
         pending, self._pending = self._pending, []
-        for work, flat, bucket in pending:
+        for i, (stage, work, flat, bucket) in enumerate(pending):
             work.wait()
+            if i + 1 == len(pending) or pending[i + 1][0] != stage:  # the stage's last bucket
+                done(stage)
             flat = flat.float().div_(self.size) if flat.dtype != torch.float32 else flat.div_(self.size)
             offset = 0
             for p in bucket:
                 n = p.numel()
                 p.grad = flat[offset: offset + n].view_as(p).to(p.dtype)
                 offset += n
+        self._polled.clear()
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:

@@ -81,6 +81,7 @@ class Monitor:
         self.last: Optional[StepRecord] = None
         self.chosen: Optional[StepRecord] = None
         self.bubbles: list[tuple[int, float, float]] = []  # (step, measured, simulated) mean bubble
+        self.reduces: list[tuple[int, float, float]] = []  # data parallel: (step, measured, simulated) most exposed
         self.peak_memory: list[int] = []  # per rank, the most over the measured steps
         self.peak_activations: list[int] = []
 
@@ -92,6 +93,7 @@ class Monitor:
             peak_activation_sets=result.peak_activation_sets, peak_activation_bytes=result.peak_activation_bytes,
             cuda_peak_bytes=result.peak_memory_bytes, param_bytes=_nbytes(params), grad_bytes=grad_bytes,
             optimizer_bytes=optimizer_state_bytes(optimizer, grad_bytes), reduce_exposed_ms=result.reduce_exposed_ms,
+            reduce_issued_ms=result.reduce_issued_ms, reduce_done_ms=result.reduce_done_ms,
         )
 
     def gather(self, step: int, result: StepResult, *, params: list[torch.nn.Parameter],
@@ -108,7 +110,8 @@ class Monitor:
         # 0's (rank 0's own), by pipeline rank; the others' rows only add their exposed reduce.
         layout = self.config.layout
         first = [dataclasses.replace(samples[g], rank=p) for p, g in enumerate(layout.pipelines()[0])]
-        return measure_step(step, self.plan.schedule, first, comm_ms=self.config.sim.comm_ms)
+        return measure_step(step, self.plan.schedule, first, comm_ms=self.config.sim.comm_ms,
+                            reduce_ms=self.plan.reduce_ms)
 
     def mfu(self, tokens_per_s: float) -> Optional[float]:
         if not self.peak_tflops or not self.flops_per_token:
@@ -146,6 +149,8 @@ class Monitor:
         if record.step == self.chosen_step:
             self.chosen = record
         self.bubbles.append((record.step, m.bubble_mean, m.simulated.bubble_fraction_mean))
+        if m.data_parallel:
+            self.reduces.append((record.step, max(m.reduce_exposed_ms), max(m.simulated.reduce_exposed_ms)))
         mem = [s.peak_memory_bytes for s in m.samples]
         act = [s.peak_activation_bytes for s in m.samples]
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, mem)] if self.peak_memory else mem
@@ -162,6 +167,7 @@ class Monitor:
         if self.last is None or self.last.measurement is None:
             return summary
         steady = [b for b in self.bubbles if b[0] != 1] or self.bubbles
+        reduces = [b for b in self.reduces if b[0] != 1] or self.reduces
         last = self.last.measurement.record()
         return dataclasses.replace(
             summary, measured=True,
@@ -171,6 +177,8 @@ class Monitor:
             simulated_bubble_fraction_per_rank=last["simulated_bubble_fraction_per_rank"],
             peak_memory_bytes_per_rank=self.peak_memory, peak_activation_bytes_per_rank=self.peak_activations,
             mfu=self.mfu(summary.tokens_per_s) if summary.tokens_per_s else None,
+            reduce_exposed_ms=statistics.median(b[1] for b in reduces) if reduces else None,
+            simulated_reduce_exposed_ms=statistics.median(b[2] for b in reduces) if reduces else None,
         )
 
     def finish(self, summary: RunSummary) -> None:
