@@ -1,6 +1,7 @@
 """End-to-end: the `pipetrain` command as a user types it (real subprocesses, real files)."""
 
 import json
+import re
 
 import pytest
 
@@ -27,6 +28,24 @@ def test_simulate_writes_json_and_trace(tmp_path):
     assert len(xs) == 8 * 2 * 32 * 3  # every F, B, W of 2 stages per rank
     # the timeline and the summary table were printed
     assert "rank 7" in res.stdout and "zbv" in res.stdout
+
+
+def test_simulate_under_data_parallel_prints_ranks_and_reductions(tmp_path):
+    # 16 sleep layers of 1M fp32 weights, 4 per stage of zbv at P=2: 16 MB per stage, 16 ms at 1 GB/s
+    res = run_cli(["mode=simulate", "model=sleep", "schedule=zbv", "parallel.dp_replicate=2",
+                   "model.params_per_layer=1000000", "cluster.dp_bandwidth_gbs=1", f"hydra.run.dir={tmp_path}"],
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = re.findall(r"^\s*(\d)\s+(\d)\s+(\d)\s+(\d)\s+(\d\|\d)\s+(\d,\d)\s*$", res.stdout, re.M)
+    assert rows == [("0", "0", "0", "0", "0|3", "0,1"), ("1", "0", "1", "0", "0|3", "0,1"),
+                    ("2", "1", "0", "0", "1|2", "2,3"), ("3", "1", "1", "0", "1|2", "2,3")]
+    assert "pp=2 x dp_replicate=2 = 4 ranks" in res.stdout and "dp │" in res.stdout
+    rec = json.loads((tmp_path / "simulate.json").read_text())
+    assert rec["data_parallel"]["reduce_ms"] == [16.0] * 4 and rec["data_parallel"]["overlap_reduce"] is True
+    assert len(rec["reduce_exposed_ms_per_rank"]) == 2 and rec["makespan_with_reduce"] > rec["makespan"]
+    trace = json.loads((tmp_path / "schedule_trace.json").read_text())
+    assert sum(e.get("cat") == "reduce" for e in trace["traceEvents"]) == 4
+    assert "REDUCE_GRAD" in (tmp_path / "schedule.csv").read_text()
 
 
 def test_default_simulate_from_any_directory(tmp_path):

@@ -2,8 +2,8 @@
 
 pp=2 x dp_replicate=2 (bucketed all-reduce) and pp=2 x dp_shard=2 (FSDP2), GPT-2 tiny (tied
 embedding and head), for 1f1b, zbh1, interleaved_1f1b, zbv, dualpipev and dualpipe (mirrored
-copies: reduced over dp, then summed across the pipeline), and gpipe, zbh2, looped_bfs under
-FSDP2: the losses of steps 1-3 equal a single
+copies: reduced over dp, then summed across the pipeline), gpipe, zbh2, looped_bfs under
+FSDP2, and zbv with every reduction at the end of the step (parallel.overlap_reduce=false): the losses of steps 1-3 equal a single
 process training on the same global batches within 1e-5, the parameters after 3 AdamW steps
 within 5e-5 (Adam divides by sqrt(v): a gradient element that is ~0 turns float-summation
 noise into up to lr-sized steps; one element in 16k moves 1.8e-5 at lr 3e-3, the rest < 1e-5;
@@ -27,10 +27,12 @@ BASE = ["mode=train", "model=gpt2-tiny", "data.batch_size=16", "data.seq_len=16"
         "trainer.device=cpu", "logger=[jsonl]", "trainer.eval_every=0", "optim.warmup_steps=0"]
 SCHEDULES = {"1f1b": [], "zbh1": [], "interleaved_1f1b": ["schedule.virtual_stages=2"], "zbv": [], "dualpipev": [],
              "dualpipe": []}
-MODES = {"replicate": ["parallel.dp_replicate=2"], "shard": ["parallel.dp_shard=2"]}
+MODES = {"replicate": ["parallel.dp_replicate=2"], "shard": ["parallel.dp_shard=2"],
+         "replicate_at_end": ["parallel.dp_replicate=2", "parallel.overlap_reduce=false"]}
 # every other schedule once, under FSDP2 (the mode with more to go wrong)
 OTHERS = {"gpipe": [], "zbh2": [], "looped_bfs": ["schedule.virtual_stages=2"]}
-CASES = [(m, s) for m in MODES for s in SCHEDULES] + [("shard", s) for s in OTHERS]
+CASES = ([(m, s) for m in ("replicate", "shard") for s in SCHEDULES] + [("shard", s) for s in OTHERS]
+         + [("replicate_at_end", "zbv")])
 
 
 def full_parameters(trainer) -> dict[str, torch.Tensor]:
