@@ -107,3 +107,13 @@ def test_weight_grads_accumulate_over_microbatches():
         model(x).backward(g)
     for a, b in zip(split, (p.grad for p in model.parameters())):
         torch.testing.assert_close(a, b)
+
+
+def test_full_backward_accumulates_into_a_broadcast_gradient():
+    # w.sum()'s backward is the gradient expanded (stride 0): .grad must get its own memory
+    w = nn.Parameter(torch.zeros(5))
+    for _ in range(3):
+        x = torch.ones(2, 3, requires_grad=True)
+        y = x * (1 + w.sum())
+        backward_full([y], [torch.ones_like(y)], [x], [w])
+    torch.testing.assert_close(w.grad, torch.full((5,), 18.0))

@@ -354,7 +354,9 @@ def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.T
             if g is None:
                 continue
             if p.grad is None:
-                p.grad = g  # autograd.grad returns a fresh tensor: no copy needed
+                # Usually a fresh tensor, kept as is; but a sum's backward hands back the gradient
+                # broadcast (stride 0), which later add_()s cannot write into: own memory then.
+                p.grad = g if g.is_contiguous() else g.contiguous()
             else:
                 p.grad.add_(g)
 
