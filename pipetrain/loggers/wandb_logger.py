@@ -27,6 +27,8 @@ PER_RANK = {  # record key -> wandb key prefix (one scalar per rank)
     "simulated_bubble_fraction_per_rank": "bubble_simulated/rank",
     "peak_memory_bytes_per_rank": "memory/peak_rank",
     "peak_activation_bytes_per_rank": "memory/activations_rank",
+    "reduce_exposed_ms_per_rank": "reduce_exposed_ms/rank",  # data parallel
+    "simulated_reduce_exposed_ms_per_rank": "reduce_exposed_ms_simulated/rank",
 }
 
 
