@@ -149,3 +149,30 @@ def test_bf16_crosses_between_ranks_and_matches_single_process_autocast(tmp_path
             else:
                 assert_grads_close(grads, ref_grads, REL, f"{name} bf16")
             assert set(grads) == set(ref_grads)
+
+
+TRAIN = ["model=gpt2-tiny", "pipeline.degree=1", "pipeline.microbatches=1", "trainer.max_steps=50",
+         "trainer.eval_every=0", "trainer.ckpt_at_end=false", "trainer.device=cpu", "logger=[jsonl]"]
+
+
+@pytest.mark.pure
+@pytest.mark.slow
+def test_bf16_training_loss_falls_and_ends_within_2_percent_of_fp32(compose, tmp_path):
+    """Issue 12's check, in this process (pipeline.degree=1, no process group): 50 steps of GPT-2
+    tiny on the built-in corpus, the same data and initialisation at both precisions."""
+    from pipetrain.plan import make_plan
+    from pipetrain.train.trainer import Trainer
+
+    threads = torch.get_num_threads()  # the trainer sets trainer.threads_per_rank for its process
+    final = {}
+    try:
+        for precision in ("fp32", "bf16"):
+            config = compose([*TRAIN, f"trainer.precision={precision}"])
+            (run_dir := tmp_path / precision).mkdir()
+            summary = Trainer(config, make_plan(config), run_dir).fit()
+            assert summary.steps == 50 and summary.skipped_steps == 0
+            assert summary.final_loss < 0.7 * summary.first_loss, (precision, summary)
+            final[precision] = summary.final_loss
+    finally:
+        torch.set_num_threads(threads)
+    assert final["bf16"] == pytest.approx(final["fp32"], rel=0.02), final
