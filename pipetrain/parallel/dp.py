@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
-from pipetrain.parallel.fsdp import FsdpReduce, shard_stage
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.runtime.grad_reduce import BucketAllReduce, GradReducer
 
@@ -40,12 +39,16 @@ class DataParallel:
         """The stage as the executor runs it: FSDP2-sharded under dp_shard, else itself."""
         if not self.sharded:
             return stage
+        from pipetrain.parallel.fsdp import shard_stage  # torch's FSDP2 costs ~0.5 s to import
+
         mesh = self.groups.fsdp_mesh
         assert mesh is not None
         return shard_stage(stage, mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
     def reducer(self, stages: dict[int, nn.Module]) -> GradReducer:
         if self.sharded:
+            from pipetrain.parallel.fsdp import FsdpReduce
+
             return FsdpReduce(stages)
         return BucketAllReduce(stages, group=self.groups.dp_group, size=self.groups.layout.dp,
                                reduce_dtype=self.reduce_dtype)

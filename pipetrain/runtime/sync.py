@@ -22,17 +22,26 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Optional
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+
+def _dtensor_type() -> Optional[type]:
+    """torch's DTensor class if torch.distributed.tensor is loaded (FSDP2 loads it), else None:
+    importing it costs ~0.5 s per rank, which a run without FSDP2 need not pay."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: an FSDP2 DTensor's local shard, a plain tensor itself.
     Tied or mirrored copies are sharded alike (same shape, same mesh), so their local shards
     correspond element by element."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
 
 def canonical_params(stages: dict[int, nn.Module]) -> dict[str, list[nn.Parameter]]:
@@ -116,7 +125,8 @@ class GradSync:
     def _write(self, name: str, value: torch.Tensor) -> None:
         for p in self.local[name]:
             if p.grad is None:
-                p.grad = (DTensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False)
-                          if isinstance(p, DTensor) else value.clone())
+                dtensor = _dtensor_type()
+                p.grad = (dtensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False)
+                          if dtensor is not None and isinstance(p, dtensor) else value.clone())
             else:
                 local_tensor(p.grad).copy_(value)

@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from pipetrain.config import Config
 from pipetrain.config.train import TrainerConfig
@@ -289,6 +288,8 @@ def write_staged(target: Checkpointable, run_dir: Path) -> Path:
     _barrier()
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        import torch.distributed.checkpoint as dcp  # ~0.5 s to import: only runs that save pay it
+
         dcp.save(save_state_dict(target), checkpoint_id=tmp, no_dist=not dist.is_initialized())
     return tmp
 
@@ -339,6 +340,8 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
     path = Path(path)
     meta = read_meta(path)
     notes = check_compatible(meta, config, path)
+    import torch.distributed.checkpoint as dcp
+
     available = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     targets, adam = _load_targets(target, available)
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
