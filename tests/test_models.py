@@ -232,10 +232,14 @@ def test_split_rejects_bounds_that_do_not_tile(bounds):
         split_model(tiny(), bounds)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "mlp", "sleep"])
+SMALL = {"sleep": {"layers": 3, "f_ms": 0, "b_ms": 0, "w_ms": 0, "hidden": 8},
+         "llama": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}}
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama", "mlp", "sleep"])
 def test_boundary_specs_match_real_tensors(name):
-    knobs = {"layers": 3, "f_ms": 0, "b_ms": 0, "w_ms": 0, "hidden": 8} if name == "sleep" else {}
-    model = build_model(name, **knobs)
+    model = build_model(name, **SMALL.get(name, {}))
     x, target = model.example_batch(microbatch=3, seq=16)
     specs = model.boundary_specs(microbatch=3, seq=16)
     assert len(specs) == len(model.layers) + 1 == len(model.layer_names) + 1
