@@ -26,9 +26,7 @@ from omegaconf import MISSING
 from pipetrain.config.cluster import ClusterConfig
 from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
-from pipetrain.config.models import (  # noqa: F401  (re-exported: the schemas' public home)
-    GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, RopeScalingConfig, SleepModelConfig,
-)
+from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
 from pipetrain.config.train import OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout

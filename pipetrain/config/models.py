@@ -198,8 +198,9 @@ class LlamaModelConfig(CausalLMConfig):
                            "num_attention_heads", "max_position_embeddings")
         h, kv = self.num_attention_heads, self.kv_heads
         if self.head_dim is None and self.hidden_size % h:
-            raise ValueError(f"model.hidden_size={self.hidden_size} must be divisible by model.num_attention_heads={h}: "
-                             f"change model.num_attention_heads to a divisor of {self.hidden_size}, or set model.head_dim")
+            raise ValueError(f"model.hidden_size={self.hidden_size} must be divisible by "
+                             f"model.num_attention_heads={h}: change model.num_attention_heads to a divisor of "
+                             f"{self.hidden_size}, or set model.head_dim")
         if kv < 1 or h % kv:
             raise ValueError(f"model.num_attention_heads={h} must be a multiple of model.num_key_value_heads={kv} "
                              f"(each key/value head serves H/KV query heads): set model.num_key_value_heads to a "
