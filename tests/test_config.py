@@ -117,3 +117,20 @@ def test_every_shipped_config_composes(compose, tmp_path, monkeypatch):
             extra = extra + ["data.batch_size=32"]  # p8: 32 microbatches
         cfg = compose([f"{group}={name}", *extra])
         assert isinstance(cfg, Config), (group, name)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_precision_choices_compose(compose, precision):
+    assert compose([f"trainer.precision={precision}"]).trainer.precision == precision
+    assert compose([]).trainer.precision == "fp32"  # the default
+
+
+@pytest.mark.parametrize("precision", ["fp16", "BF16", "float32"])
+def test_other_precisions_are_refused_in_one_line(compose, precision):
+    with pytest.raises(ValueError) as info:
+        compose([f"trainer.precision={precision}"])
+    err = info.value
+    while err.__cause__ is not None:  # OmegaConf may wrap the __post_init__ error
+        err = err.__cause__
+    text = str(err)
+    assert "\n" not in text and "trainer.precision" in text and "fp32 or bf16" in text and precision in text

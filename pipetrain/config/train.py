@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+PRECISIONS = ("fp32", "bf16")  # trainer.precision; train/pipeline.py maps each to a torch dtype
 
 @dataclass
 class TrainerConfig:
@@ -20,7 +21,10 @@ class TrainerConfig:
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
     threads_per_rank: int = 1  # torch.set_num_threads per rank on CPU
     activation_checkpointing: bool = False  # recompute each stage's forward in its backward
-    bf16: bool = True  # autocast to bf16 on GPU (ignored on CPU)
+    # fp32 | bf16. bf16: parameters, gradients and optimizer state stay fp32; stages compute under
+    # bf16 autocast and the tensors crossing between stages are bf16 (half the bytes); loss and
+    # reductions in fp32. On CPU too (slower there than fp32 unless the CPU has bf16 matmuls).
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         for knob in ("max_steps", "log_every", "eval_batches", "threads_per_rank"):
@@ -33,6 +37,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.on_nonfinite must be stop or skip (got {self.on_nonfinite!r})")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"trainer.precision must be {' or '.join(PRECISIONS)} (got {self.precision!r})")
 
 
 @dataclass

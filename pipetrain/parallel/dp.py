@@ -56,5 +56,5 @@ def data_parallel(config: Config, groups: RankGroups) -> Optional[DataParallel]:
     if groups.layout.dp == 1:
         return None
     par = config.parallel
-    param = par.param_dtype or ("bfloat16" if getattr(config.trainer, "precision", "fp32") == "bf16" else None)
+    param = par.param_dtype or ("bfloat16" if config.trainer.precision == "bf16" else None)
     return DataParallel(groups, DTYPES[par.reduce_dtype], DTYPES[param] if param else None)

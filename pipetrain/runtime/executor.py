@@ -21,6 +21,15 @@ last action the executor waits for all of them; that wait is the step's exposed 
 After the last action, the summed loss is all-reduced so every rank (rank 0 logs it)
 holds the mean loss of the step (over every pipeline's microbatches under data parallel).
 
+Mixed precision (`compute_dtype`, e.g. bf16 for trainer.precision=bf16): parameters and
+their gradients stay fp32; every stage runs under torch.autocast, and a floating-point
+output is cast to compute_dtype before it goes to the next stage, by P2P or by local
+hand-off, so activations and, through the cast's autograd node, their gradients cross in
+compute_dtype (the node turns the returning gradient back into the producer's dtype).
+Receive buffers must be allocated in compute_dtype for floating-point boundaries
+(train/pipeline.py does). The loss is fp32 (autocast runs cross-entropy and MSE in fp32),
+and it is summed and all-reduced in fp64.
+
 Every training step is timed (runtime/clock.py: perf_counter on CPU, CUDA events on GPU
 with no per-action synchronisation): each action's start and end, each part of an F&B
 pair, and the time each cross-rank receive kept the action waiting, so compute and
@@ -100,6 +109,7 @@ class Executor:
         loss_group: Optional[dist.ProcessGroup] = None,
         lookahead: int = 1,
         reducer: Optional[GradReducer] = None,
+        compute_dtype: Optional[torch.dtype] = None,
     ) -> None:
         pl = schedule.placement
         want = set(pl.stages_of(rank))
@@ -122,7 +132,7 @@ class Executor:
             if not self._reduces_at:
                 raise ValueError("a gradient reducer needs a schedule with REDUCE_GRAD marks (schedules/reduce.py)")
         self._forward_only = False
-        self.autocast: Optional[torch.dtype] = None  # e.g. torch.bfloat16 on GPU
+        self.compute_dtype = compute_dtype  # None: the parameters' dtype throughout; else autocast to it
         self._clock = StepClock(self.device)
         self._recording = False  # inside step(): sends and receives are timed
         self._index = self._part = 0  # the step (and part of an F&B pair) being run
@@ -274,6 +284,7 @@ class Executor:
                 self._losses += 1
                 out = loss / self.schedule.num_microbatches
         if pl.next_stage(s) is not None:
+            out = self._to_boundary(out)
             self._give("act", s, m, out.detach(), a)
         if self._forward_only:
             return
@@ -281,15 +292,27 @@ class Executor:
         self._alloc(s, m, counter.bytes)
 
     def _autocast(self):
-        if self.autocast is None:
+        if self.compute_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast)
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _to_boundary(self, out: torch.Tensor) -> torch.Tensor:
+        """A stage output as it crosses to the next stage: in compute_dtype when floating.
+
+        The cast stays in the graph (kept in `_ctx` as the output B/BW start from): the
+        gradient coming back is then in compute_dtype too, and the cast's backward turns it
+        into the dtype the stage produced (fp32 where a residual stream is fp32).
+        """
+        if self.compute_dtype is None or not out.is_floating_point():
+            return out
+        return out.to(self.compute_dtype)
 
     def _backward(self, a: Action, step_text: str) -> None:
         pl, s, m = self.schedule.placement, a.stage, a.microbatch
         x, out = self._ctx.pop((s, m))
         nxt = pl.next_stage(s)
         grad = None if nxt is None else self._take("grad", nxt, m, a, step_text)
+        assert grad is None or grad.dtype == out.dtype, f"{step_text}: gradient {grad.dtype} for output {out.dtype}"
         if a.op is Op.B:
             grads, work = backward_input([out], [grad], [x], self._weights(s))
             self._wstore[(s, m)] = work

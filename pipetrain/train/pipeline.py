@@ -4,13 +4,15 @@ Every rank is handed the same model, usually built on the meta device (shapes on
 materializes the stages its placement gives it: each parameter initialised from (seed, its
 name), so a layer's initial weights do not depend on the partition or the rank, and no rank
 holds more than its own stages (models/init.py). A model built for real is copied instead.
-Receive buffers get their shape
-and dtype from the model's boundary specs: an activation entering stage s has the spec
-of its chunk's first layer boundary, the gradient sent back to it the same.
+Receive buffers get their shape and dtype from the model's boundary specs: an activation
+entering stage s has the spec of its chunk's first layer boundary, the gradient sent back to
+it the same. Under `precision="bf16"` a floating-point boundary crosses in bf16 (the executor
+casts what it sends), so its buffers are bf16; integer boundaries (token ids) keep their dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -26,6 +28,9 @@ from pipetrain.parallel.dp import DataParallel
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.p2p import Kind, Message
+
+# trainer.precision -> the executor's compute dtype (None: no autocast, boundaries in the parameters' dtype)
+COMPUTE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -72,6 +77,7 @@ def build_rank_pipeline(
     group_ranks: Optional[list[int]] = None,
     pipelines: Optional[list[list[int]]] = None,
     dp: Optional[DataParallel] = None,
+    precision: str = "fp32",
     seed: Optional[int] = None,
 ) -> RankPipeline:
     """Collective when the schedule has several ranks: every rank must call it.
@@ -79,7 +85,11 @@ def build_rank_pipeline(
     `rank` is the pipeline rank; under data parallel `group` is this pipeline's process group,
     `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `dp` wraps
     the stages (FSDP2 under dp_shard) and builds their gradient reducer (the schedule then
-    carries REDUCE_GRAD marks). `seed` initialises the stages of a model built on meta."""
+    carries REDUCE_GRAD marks). `precision` is trainer.precision (fp32 | bf16); `seed`
+    initialises the stages of a model built on meta."""
+    if precision not in COMPUTE_DTYPES:
+        raise ValueError(f"precision must be {' or '.join(COMPUTE_DTYPES)} (got {precision!r})")
+    compute_dtype = COMPUTE_DTYPES[precision]
     pl = schedule.placement
     if len(bounds) != pl.num_chunks:
         raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
@@ -91,6 +101,8 @@ def build_rank_pipeline(
     if dp is not None:
         stages = {s: dp.wrap(mod) for s, mod in stages.items()}
     specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
+    if compute_dtype is not None:
+        specs = [dataclasses.replace(t, dtype=compute_dtype) if t.dtype.is_floating_point else t for t in specs]
 
     def recv_buffer(msg: Message) -> torch.Tensor:
         rng = bounds[pl.chunk_of(msg.stage)]
@@ -108,6 +120,6 @@ def build_rank_pipeline(
     # The loss is averaged over every rank's microbatches: the whole world (every pipeline).
     executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
                         loss_group=group if pipelines is None else None, lookahead=p2p_lookahead,
-                        reducer=dp.reducer(stages) if dp is not None else None)
+                        reducer=dp.reducer(stages) if dp is not None else None, compute_dtype=compute_dtype)
     sync = GradSync(stages, group=group, pipelines=pipelines)
     return RankPipeline(rank, schedule, stages, executor, sync)

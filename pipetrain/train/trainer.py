@@ -78,10 +78,9 @@ class Trainer:
             activation_checkpointing=config.trainer.activation_checkpointing,
             group=self.groups.pp_group, group_ranks=self.groups.pipeline_ranks if dp else None,
             pipelines=config.layout.pipelines() if dp else None,
-            dp=data_parallel(config, self.groups), seed=config.trainer.seed,
+            dp=data_parallel(config, self.groups),
+            precision=config.trainer.precision, seed=config.trainer.seed,
         )
-        if self.device.type == "cuda" and config.trainer.bf16:
-            self.pipe.executor.autocast = torch.bfloat16
         self.data = build_data(config.data, seed=config.trainer.seed,
                                vocab_size=getattr(config.model, "vocab_size", 0), model=model)
         del model
