@@ -178,3 +178,20 @@ def test_presets_are_the_documented_options(compose):
     for name in LLAMA_OPTIONS:
         cfg = compose([f"model={name}"]).model
         assert type(cfg) is LlamaModelConfig and cfg.name == name and name in EXACT
+
+
+def test_bf16_pipeline_matches_fp32_within_bf16_rounding(compose):
+    """trainer.precision=bf16 on one rank holding two stages (interleaved 1F1B at P=1, v=2): the
+    RoPE tables follow q's dtype, RMSNorm computes in fp32, bf16 crosses the cut."""
+    from pipetrain.train.pipeline import build_rank_pipeline
+
+    model = build_model(compose(["model=llama-tiny"]).model, device="meta")
+    sched = registry.build("interleaved_1f1b", 1, 4, 2)
+    g = torch.Generator().manual_seed(0)
+    batch = [model.example_batch(microbatch=2, seq=16, generator=g) for _ in range(4)]
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        rp = build_rank_pipeline(model, [range(0, 5), range(5, 10)], sched, 0, microbatch_size=2, seq_len=16,
+                                 precision=precision, seed=0)
+        losses[precision] = rp.train_step(batch).loss
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=1e-2)
