@@ -24,9 +24,11 @@ V = {"interleaved_1f1b": 2, "looped_bfs": 2}
 M, MB, SEQ, STEPS, LR = 8, 2, 16, 3, 0.1
 
 
-def make_model(name: str):
-    torch.manual_seed(0)
-    return build_model("gpt2-tiny", dropout=0.0) if name == "gpt2-tiny" else build_model("mlp", n_layer=8)
+def make_model(name: str, device: str = "cpu"):
+    """Seed 0 (init.py): the reference is built for real, the pipelines on meta and
+    materialized stage by stage, as the trainer builds them; the weights are the same."""
+    with torch.device(device):
+        return build_model("gpt2-tiny", dropout=0.0) if name == "gpt2-tiny" else build_model("mlp", n_layer=8)
 
 
 def batches(model, step: int):
@@ -41,11 +43,11 @@ def schedule_names(P: int) -> list[str]:
 def run_all_schedules(rank: int, world: int, out, model_name: str) -> None:
     results = {}
     for name in schedule_names(world):
-        model = make_model(model_name)
+        model = make_model(model_name, device="meta")
         sched = registry.build(name, world, M, V.get(name, registry.get(name).fixed_stages_per_rank or 1))
         bounds = uniform_bounds(len(model.layers), sched.placement.num_chunks)
         rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=MB, seq_len=SEQ, timeout_s=60,
-                                 p2p_in_order=True)
+                                 p2p_in_order=True, seed=0)
         opt = torch.optim.SGD(rp.parameters(), lr=LR, momentum=0.9)
         first = None
         for step in range(STEPS):

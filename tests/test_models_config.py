@@ -12,7 +12,8 @@ import pytest
 from conftest import assert_torch_free
 from pipetrain.compose import CONF_DIR
 from pipetrain.config import (
-    MODEL_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, MLPModelConfig, SleepModelConfig,
+    LLAMA_OPTIONS, MODEL_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, LlamaModelConfig, MLPModelConfig,
+    SleepModelConfig,
 )
 from pipetrain.plan import make_plan
 from pipetrain.schedules.simulate import StageCosts
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "model").glob("*.yaml"))
 PARTITION_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "partition").glob("*.yaml"))
 GPT2_OPTIONS = [m for m in MODEL_OPTIONS if m.startswith("gpt2")]
-SCHEMA = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, **{m: GPT2ModelConfig for m in GPT2_OPTIONS}}
+SCHEMA = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, **{m: GPT2ModelConfig for m in GPT2_OPTIONS},
+          **{m: LlamaModelConfig for m in LLAMA_OPTIONS}}
 
 
 def root_cause(err: BaseException) -> BaseException:
@@ -80,7 +82,7 @@ def test_every_model_and_partition_compose(compose, model, part):
 
 
 @pytest.mark.parametrize("part", [p for p in PARTITIONS if p != "profile"])
-@pytest.mark.parametrize("model", ["mlp", "gpt2-tiny", "gpt2"])
+@pytest.mark.parametrize("model", ["mlp", "gpt2-tiny", "gpt2", "llama-tiny", "llama3.1-8b"])
 def test_every_model_and_partition_plan(compose, model, part):
     plan = make_plan(compose(_valid_overrides(model, part)))
     assert plan.partition.num_chunks == 4 and plan.partition.strategy == part
@@ -177,6 +179,14 @@ def test_sleep_plan_never_imports_torch():
         (["partition=balanced", "partition.boundaries=[8]"], ["partition=manual"]),
         (["partition.name=greedy"], ["partition=", "balanced"]),
         (["sim.tflops=0"], ["sim.tflops"]),
+        (["model=llama-tiny", "model.num_key_value_heads=3"],
+         ["model.num_attention_heads", "model.num_key_value_heads"]),
+        (["model=llama-tiny", "model.hidden_size=130"], ["model.hidden_size", "model.num_attention_heads"]),
+        (["model=llama-tiny", "model.hidden_size=100"], ["model.hidden_size / model.num_attention_heads = 25", "even"]),
+        (["model=llama3.1-8b", "model.rope_scaling.rope_type=yarn"], ["model.rope_scaling.rope_type", "null"]),
+        (["model=llama-tiny", "data.seq_len=512"], ["data.seq_len", "model.max_position_embeddings"]),
+        (["model=llama-tiny", "schedule=zbv", "pipeline.degree=8", "pipeline.microbatches=16"],
+         ["pipeline.degree", "model.num_hidden_layers", ">= 14"]),
     ],
 )
 def test_bad_input_names_the_knob(compose, overrides, knobs):
@@ -188,9 +198,10 @@ def test_bad_input_names_the_knob(compose, overrides, knobs):
         assert knob in msg, msg
 
 
-@pytest.mark.parametrize("override", ["model.n_embed=64", "model.layer=4", "data.batch=4", "partition.boundary=[1]"])
+@pytest.mark.parametrize("override", ["model.n_embed=64", "model.layer=4", "data.batch=4", "partition.boundary=[1]",
+                                      "model.rope_scaling.factr=4"])
 def test_misspelled_keys_fail(compose, override):
-    model = "model=gpt2" if override.startswith("model.n_") else "model=sleep"
+    model = {"model.n_": "model=gpt2", "model.rope": "model=llama3.2-1b"}.get(override[:8], "model=sleep")
     with pytest.raises(Exception, match=override.split("=")[0].split(".")[-1]):
         compose([model, override])
 

@@ -25,6 +25,19 @@ def test_quickstart_trains_with_a_falling_loss(tmp_path):
     assert (tmp_path / "run" / "simulate.json").exists()  # simulated before it launched
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_llama_tiny_trains_with_a_falling_loss(tmp_path, schedule):
+    """`pipetrain model=llama-tiny`: the Llama family (GQA, RoPE, SwiGLU, tied head across ranks),
+    built on meta and materialized per rank, trains on the built-in corpus."""
+    res = run_cli(["model=llama-tiny", f"schedule={schedule}", "trainer.max_steps=40", "trainer.eval_every=0",
+                   "trainer.ckpt_at_end=false", "sim.timeline=false", f"hydra.run.dir={tmp_path / 'run'}"],
+                  cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["final_loss"] <= 0.6 * summary["first_loss"], summary
+
+
 def test_gpt2_recipe_with_dualpipe_runs_as_written(tmp_path):
     res = run_cli(["+recipe=gpt2", "schedule=dualpipe", "trainer.max_steps=1", "data.batch_size=8", "data.seq_len=128",
                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=900)

@@ -7,7 +7,7 @@ one-line `ValueError` naming the knob to change. Past the CLI layer only these
 dataclasses travel; no DictConfig.
 
 Every schema of the product lives in this package (cluster.py, data.py, logs.py, train.py
-for the groups with their own rules; the root and the model schemas here), and the arrows
+for the groups with their own rules, models.py for the model families; the root here), and the arrows
 point one way: launch/, train/, loggers/ import these schemas; the schemas import none of
 them, only the pure schedule registry and partition rules they check against. Pure Python:
 nothing here imports torch, so composing and checking a config (and simulating the sleep
@@ -16,10 +16,9 @@ model) never loads it; importing it registers nothing in Hydra or OmegaConf.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -27,6 +26,7 @@ from omegaconf import MISSING
 from pipetrain.config.cluster import ClusterConfig
 from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
+from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
 from pipetrain.config.train import OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
@@ -77,116 +77,6 @@ class ScheduleConfig:
             registry.get(self.name)  # unknown names fail here with the list of choices
         if self.virtual_stages < 1:
             raise ValueError(f"schedule.virtual_stages must be >= 1 (got {self.virtual_stages})")
-
-
-# ---- models -------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    """Base of the model schemas. `knobs()` are the model constructor's keyword arguments
-    (pipetrain.models.factory.build_model(family, **knobs)); `num_layers` is how many
-    pipeline layers the model has, known without building it."""
-
-    name: str = MISSING
-    family: ClassVar[str] = ""  # factory name: "sleep", "mlp" or "gpt2" (every GPT-2 size)
-    layer_knob: ClassVar[str] = ""  # the knob that sets the layer count, for error messages
-    # Costs depend on data.batch_size (and data.seq_len where `has_seq`): the batch must then
-    # split evenly into pipeline.microbatches even in mode=simulate.
-    needs_batch: ClassVar[bool] = True
-    has_seq: ClassVar[bool] = False
-
-    def knobs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
-
-    @property
-    def num_layers(self) -> int:
-        raise NotImplementedError
-
-    def _at_least_one(self, *knobs: str) -> None:
-        for knob in knobs:
-            if getattr(self, knob) < 1:
-                raise ValueError(f"model.{knob} must be >= 1 (got {getattr(self, knob)})")
-
-
-@dataclass
-class SleepModelConfig(ModelConfig):
-    """Layers that take fixed times: the yardstick for schedule efficiency."""
-
-    name: str = "sleep"
-    layers: int = 16
-    f_ms: float = 2.0  # forward time of one layer, one microbatch
-    b_ms: float = 2.0  # input-gradient (B) time
-    w_ms: float = 2.0  # weight-gradient (W) time
-    hidden: int = 1024  # floats of activation each layer saves per sample
-    # fp32 weights per layer: 1 keeps the model weightless in effect; millions give data
-    # parallel real gradient bytes to reduce (bench/data_parallel_reduce.py)
-    params_per_layer: int = 1
-    family: ClassVar[str] = "sleep"
-    layer_knob: ClassVar[str] = "model.layers"
-    needs_batch: ClassVar[bool] = False  # a layer sleeps the same whatever the batch
-
-    def __post_init__(self) -> None:
-        self._at_least_one("layers", "hidden", "params_per_layer")
-        for knob in ("f_ms", "b_ms", "w_ms"):
-            if getattr(self, knob) < 0:
-                raise ValueError(f"model.{knob} must be >= 0 ms (got {getattr(self, knob)})")
-
-    @property
-    def num_layers(self) -> int:
-        return self.layers
-
-
-@dataclass
-class MLPModelConfig(ModelConfig):
-    """A small stack of linear layers (tanh between them): real gradients, fastest to run."""
-
-    name: str = "mlp"
-    n_layer: int = 4  # linear layers (one pipeline layer each)
-    d_in: int = 16  # input features
-    d_hidden: int = 32  # width between layers
-    d_out: int = 8  # regression outputs
-    family: ClassVar[str] = "mlp"
-    layer_knob: ClassVar[str] = "model.n_layer"
-
-    def __post_init__(self) -> None:
-        self._at_least_one("n_layer", "d_in", "d_hidden", "d_out")
-
-    @property
-    def num_layers(self) -> int:
-        return self.n_layer
-
-
-@dataclass
-class GPT2ModelConfig(ModelConfig):
-    """GPT-2 (knobs named as nanoGPT's GPTConfig). Defaults are the 124M model; the
-    conf/model/gpt2*.yaml files carry pipetrain.models.gpt2.PRESETS (a test keeps them equal)."""
-
-    name: str = "gpt2"
-    n_layer: int = 12  # transformer blocks
-    n_head: int = 12  # attention heads per block
-    n_embd: int = 768  # width C
-    vocab_size: int = 50257  # GPT-2's BPE vocabulary (unpadded, so parameter counts are the published ones)
-    block_size: int = 1024  # longest sequence (learned position embeddings)
-    dropout: float = 0.0  # 0 for pretraining, as nanoGPT; GPT-2 itself used 0.1
-    bias: bool = True  # biases in Linears and LayerNorms, as GPT-2
-    family: ClassVar[str] = "gpt2"
-    layer_knob: ClassVar[str] = "model.n_layer"
-    has_seq: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        self._at_least_one("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}: "
-                f"change model.n_head to a divisor of {self.n_embd}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1) (got {self.dropout})")
-
-    @property
-    def num_layers(self) -> int:
-        return self.n_layer + 2  # embedding, n_layer blocks, head (final norm + output projection)
 
 
 # ---- data, partition, simulator -----------------------------------------------------------
@@ -297,7 +187,7 @@ class Config:
             return
         free_v = s.name == registry.CUSTOM or registry.get(s.name).fixed_stages_per_rank is None
         lower = "pipeline.degree or schedule.virtual_stages" if free_v and s.virtual_stages > 1 else "pipeline.degree"
-        extra = 2 if isinstance(m, GPT2ModelConfig) else 0  # GPT-2's embedding and head are layers too
+        extra = m.extra_layers  # GPT-2's and Llama's embedding and head are layers too
         raise ValueError(
             f"schedule {s.name} with pipeline.degree={self.pipeline.degree} cuts the model into {chunks} stages "
             f"but model={m.name} has {m.num_layers} layers: lower {lower}, or raise {m.layer_knob} "
@@ -334,17 +224,22 @@ class Config:
                 f"pipeline.microbatches={mb} equal microbatches: set data.batch_size to a multiple of {mb * dp} "
                 f"(e.g. {up}), or lower pipeline.microbatches or the dp degrees"
             )
-        if m.has_seq and d.seq_len > m.block_size:
+        longest = getattr(m, m.seq_knob) if m.has_seq else None
+        if longest is not None and d.seq_len > longest:
             raise ValueError(
-                f"data.seq_len={d.seq_len} exceeds model.block_size={m.block_size} of model={m.name}: "
-                f"set data.seq_len <= {m.block_size}"
+                f"data.seq_len={d.seq_len} exceeds model.{m.seq_knob}={longest} of model={m.name}: "
+                f"set data.seq_len <= {longest}"
             )
 
 
 # Schemas by ConfigStore name (`<name>_schema` in group `model`): every conf/model/gpt2*.yaml
-# composes on gpt2_schema and sets its size.
-MODEL_SCHEMAS: dict[str, type] = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, "gpt2": GPT2ModelConfig}
-MODEL_OPTIONS = ("sleep", "mlp", "gpt2-tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # conf/model/*.yaml
+# composes on gpt2_schema and sets its size; the Llama-family presets compose on llama_schema.
+MODEL_SCHEMAS: dict[str, type] = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, "gpt2": GPT2ModelConfig,
+                                  "llama": LlamaModelConfig}
+LLAMA_OPTIONS = ("llama-tiny", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3.1-70b", "qwen2.5-0.5b",
+                 "qwen2.5-7b", "qwen3-0.6b", "mistral-7b-v0.3")
+MODEL_OPTIONS = ("sleep", "mlp", "gpt2-tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl",
+                 *LLAMA_OPTIONS)  # conf/model/*.yaml
 
 
 def register_configs() -> None:

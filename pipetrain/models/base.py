@@ -13,7 +13,10 @@ Besides the layers, a model tells the executor (runtime/) and the partitioners:
   - `cost_model`: analytic per-layer `LayerCost` (params, forward FLOPs, activation bytes,
     estimated ms); profile.py replaces the estimated ms by measured ones;
   - `example_batch`: random tensors of the right shapes, dtypes and ranges (for profiling
-    and tests; real data lives in train/).
+    and tests; real data lives in train/);
+  - `init_parameter`: the initial value of one parameter, by its unsplit name, drawn from a
+    generator seeded by (seed, name) (init.py): built on the meta device, a model is
+    materialized stage by stage with the same weights as the unsplit model built for real.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from pipetrain.models.costs import LayerCost
+from pipetrain.models.init import init_parameters
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,19 @@ class LayeredModel(nn.Module):
         """(input, target) with random values of the right shapes, dtypes and ranges."""
         raise NotImplementedError
 
+    def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill `value` (fp32, CPU, the parameter's shape) with the initial value of the
+        parameter `name` (unsplit name, `layers.{i}.{rest}`), drawing only from `generator`.
+        May look the owning module up with `self.get_submodule` (it exists on meta too)."""
+        raise NotImplementedError
+
     # -- shared ------------------------------------------------------------------------
+    def reset_parameters(self, seed: int) -> None:
+        """Initialise every parameter from (seed, its name); a model on meta stays on meta
+        (its stages are materialized by split.build_stage with the same seed)."""
+        if all(p.device.type != "meta" for p in self.parameters()):
+            init_parameters(self, self, seed=seed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)

@@ -13,9 +13,8 @@ Two deliberate details:
     published ones: 124,439,808 / 354,823,168 / 774,030,080 / 1,557,611,200, the sizes
     OpenAI named its checkpoints by (124M, 355M, 774M, 1558M).
 
-Layers: 0 = Embedding (idx (B, T) int64 -> (B, T, C)), 1..n_layer = Block ((B, T, C) ->
-(B, T, C)), n_layer + 1 = Head ((B, T, C) -> logits (B, T, V)); the loss (cross-entropy)
-is computed where the head lives.
+Layers (causal_lm.py): 0 = Embedding (idx (B, T) int64 -> (B, T, C)), 1..n_layer = Block
+((B, T, C) -> (B, T, C)), n_layer + 1 = Head ((B, T, C) -> logits (B, T, V)).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipetrain.models.base import LayeredModel, TensorSpec, ms_from_flops
+from pipetrain.models.causal_lm import CausalLM, layer_cost
 from pipetrain.models.costs import LayerCost
 
 # Knob values per preset; every preset uses dropout 0.0 and bias True unless overridden.
@@ -126,7 +125,7 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, C) -> (B, T, V)
 
 
-class GPT2(LayeredModel):
+class GPT2(CausalLM):
     def __init__(
         self,
         *,
@@ -137,19 +136,22 @@ class GPT2(LayeredModel):
         block_size: int,
         dropout: float = 0.0,  # 0 for pretraining (nanoGPT); GPT-2 itself trained with 0.1
         bias: bool = True,  # GPT-2 has biases in Linears and LayerNorms
+        seed: int = 0,  # initial weights (init.py); nothing is drawn on the meta device
     ) -> None:
         super().__init__()
         _check_config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
                       block_size=block_size, dropout=dropout)
         self._config = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
                             block_size=block_size, dropout=dropout, bias=bias)
+        self._set_shape(width=n_embd, vocab=vocab_size, blocks=n_layer, max_seq=block_size,
+                        max_seq_knob="block_size")
         embed = Embedding(vocab_size=vocab_size, block_size=block_size, n_embd=n_embd, dropout=dropout)
         blocks = [Block(n_embd=n_embd, n_head=n_head, dropout=dropout, bias=bias) for _ in range(n_layer)]
         head = Head(n_embd=n_embd, vocab_size=vocab_size, bias=bias)
         head.lm_head.weight = embed.wte.weight  # weight tying (Press & Wolf 2017), as GPT-2
         self.layers = nn.ModuleList([embed, *blocks, head])
         self.layer_names = ["embed", *(f"h.{i}" for i in range(n_layer)), "head"]
-        self._init_weights()
+        self.reset_parameters(seed)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> GPT2:
@@ -157,52 +159,24 @@ class GPT2(LayeredModel):
             raise ValueError(f"unknown GPT-2 preset {name!r}: choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
-    def _init_weights(self) -> None:
+    def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
         # GPT-2 / nanoGPT init: N(0, 0.02) for every matmul and embedding weight, zero biases,
         # LayerNorm (1, 0); the projections that write into the residual stream (c_proj) get
         # std 0.02 / sqrt(2 * n_layer) so the residual's variance does not grow with depth
         # (two residual additions per block).
-        proj_std = INIT_STD / math.sqrt(2 * self._config["n_layer"])
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = proj_std if name.endswith("c_proj") else INIT_STD
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-
-    @staticmethod
-    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # Mean cross-entropy over all tokens of the microbatch; -1 marks ignored targets.
-        v = output.size(-1)
-        return F.cross_entropy(output.view(-1, v), target.view(-1), ignore_index=-1)  # (B*T, V) vs (B*T,)
-
-    def _seq(self, seq: int) -> int:
-        if not 1 <= seq <= self._config["block_size"]:
-            raise ValueError(f"seq={seq} must be in 1..model.block_size={self._config['block_size']}")
-        return seq
-
-    def boundary_specs(self, *, microbatch: int, seq: int) -> list[TensorSpec]:
-        t, c, v = self._seq(seq), self._config["n_embd"], self._config["vocab_size"]
-        hidden = TensorSpec((microbatch, t, c), self.param_dtype)
-        return [TensorSpec((microbatch, t), torch.long), *[hidden] * (self._config["n_layer"] + 1),
-                TensorSpec((microbatch, t, v), self.param_dtype)]
-
-    def target_spec(self, *, microbatch: int, seq: int) -> TensorSpec:
-        return TensorSpec((microbatch, self._seq(seq)), torch.long)
-
-    def example_batch(
-        self, *, microbatch: int, seq: int, generator: torch.Generator | None = None, device: Any = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        shape, v = (microbatch, self._seq(seq)), self._config["vocab_size"]
-        idx = torch.randint(0, v, shape, generator=generator).to(device)
-        return idx, torch.randint(0, v, shape, generator=generator).to(device)
+        module = self.get_submodule(name.rpartition(".")[0])
+        if name.endswith(".bias"):
+            nn.init.zeros_(value)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(value)
+        else:
+            proj = name.endswith("c_proj.weight")
+            std = INIT_STD / math.sqrt(2 * self._config["n_layer"]) if proj else INIT_STD
+            nn.init.normal_(value, mean=0.0, std=std, generator=generator)
 
     def cost_model(self, *, microbatch: int, seq: int, tflops: float) -> list[LayerCost]:
-        bytes_per_value = torch.empty((), dtype=self.param_dtype, device="meta").element_size()
         return gpt2_layer_costs(**self._config, microbatch=microbatch, seq=self._seq(seq), tflops=tflops,
-                                bytes_per_value=bytes_per_value)
+                                bytes_per_value=self._bytes_per_value())
 
 
 def _check_config(*, n_layer: int, n_head: int, n_embd: int, vocab_size: int, block_size: int,
@@ -262,10 +236,7 @@ def gpt2_layer_costs(
     attn = 2 * 2 * t * c
 
     def cost(name: str, stored: int, matmul: int, attn_f: int, act: int) -> LayerCost:
-        f, b, w = 2 * matmul + attn_f, 2 * matmul + 2 * attn_f, 2 * matmul
-        return LayerCost(name, ms_from_flops(f * tokens, tflops), ms_from_flops(b * tokens, tflops),
-                         ms_from_flops(w * tokens, tflops), params=stored, flops_per_token=float(f),
-                         activation_bytes_per_token=act)
+        return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops)
 
     out = [cost("embed", params[0], 0, 0, 8 + mask * c)]
     block_act = 17 * c * bytes_per_value + mask * 2 * c

@@ -9,6 +9,7 @@ accepted for the common interface and ignored (one sample = one token).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -31,7 +32,8 @@ class Dense(nn.Module):
 
 
 class MLPModel(LayeredModel):
-    def __init__(self, *, n_layer: int = 4, d_in: int = 16, d_hidden: int = 32, d_out: int = 8) -> None:
+    def __init__(self, *, n_layer: int = 4, d_in: int = 16, d_hidden: int = 32, d_out: int = 8,
+                 seed: int = 0) -> None:
         super().__init__()
         for knob, value in (("n_layer", n_layer), ("d_in", d_in), ("d_hidden", d_hidden), ("d_out", d_out)):
             if value < 1:
@@ -42,6 +44,14 @@ class MLPModel(LayeredModel):
             Dense(self._widths[i], self._widths[i + 1], activation=i < n_layer - 1) for i in range(n_layer)
         )
         self.layer_names = [f"fc.{i}" for i in range(n_layer)]
+        self.reset_parameters(seed)
+
+    def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
+        # nn.Linear's own default: weight and bias U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        # (kaiming_uniform with a = sqrt(5)), drawn from the parameter's generator.
+        fan_in = self.get_submodule(name.rpartition(".")[0]).in_features
+        bound = 1.0 / math.sqrt(fan_in)
+        nn.init.uniform_(value, -bound, bound, generator=generator)
 
     @staticmethod
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ class SleepModel(LayeredModel):
     """Knobs named as SleepModelConfig: layers, f_ms, b_ms, w_ms, hidden, params_per_layer."""
 
     def __init__(self, *, layers: int = 16, f_ms: float = 2.0, b_ms: float = 2.0, w_ms: float = 2.0,
-                 hidden: int = 1024, params_per_layer: int = 1) -> None:
+                 hidden: int = 1024, params_per_layer: int = 1, seed: int = 0) -> None:
         super().__init__()
         if min(layers, hidden, params_per_layer) < 1:
             raise ValueError(f"model.layers, model.hidden and model.params_per_layer must be >= 1 "
@@ -111,6 +111,10 @@ class SleepModel(LayeredModel):
         self.layers = nn.ModuleList(SleepLayer(f_ms=f_ms, b_ms=b_ms, w_ms=w_ms, params=params_per_layer)
                                     for _ in range(layers))
         self.layer_names = [f"layers.{i}" for i in range(layers)]  # as sleep.sleep_layer_costs
+        self.reset_parameters(seed)
+
+    def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
+        nn.init.zeros_(value)  # y = x * (1 + w): every layer starts as the identity, whatever the seed
 
     @staticmethod
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,14 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipetrain.models.base import LayeredModel, LossFn
+from pipetrain.models.init import init_parameters
 
 
 class StageModule(nn.Module):
@@ -85,17 +87,31 @@ def tie_groups(model: nn.Module) -> dict[str, str]:
     return {n: names[0] for names in by_param.values() if len(names) > 1 for n in names}
 
 
-def build_stage(model: LayeredModel, layer_range: range, *, stage_id: int) -> StageModule:
-    """One stage: deep copies of `model.layers[layer_range]` (only what this rank needs)."""
+def build_stage(model: LayeredModel, layer_range: range, *, stage_id: int, seed: int | None = None,
+                device: Any = None) -> StageModule:
+    """One stage: deep copies of `model.layers[layer_range]` (only what this rank needs), on `device`.
+
+    A model built on the meta device (shapes only) gives a stage materialized here: each
+    parameter allocated on `device` and initialised from (seed, its unsplit name), a tied
+    copy under its tie group's name, so the stage holds exactly the weights the unsplit model
+    built for real with the same seed holds (init.py), and no rank ever holds the whole model.
+    """
     n = len(model.layers)
     if layer_range.step != 1 or len(layer_range) == 0 or layer_range.start < 0 or layer_range.stop > n:
         raise ValueError(f"stage {stage_id}: layer range {layer_range} must be a non-empty step-1 range in 0..{n}")
     picked = copy.deepcopy([model.layers[i] for i in layer_range])  # one memo: ties inside the stage survive
-    return StageModule(dict(zip(layer_range, picked)), stage_id=stage_id, num_layers=n,
-                       loss_fn=type(model).loss_fn, tie_groups=tie_groups(model))
+    stage = StageModule(dict(zip(layer_range, picked)), stage_id=stage_id, num_layers=n,
+                        loss_fn=type(model).loss_fn, tie_groups=tie_groups(model))
+    if any(p.device.type == "meta" for p in stage.parameters()):
+        if seed is None:
+            raise ValueError(f"stage {stage_id}: the model was built on the meta device: pass seed= to initialise it")
+        init_parameters(stage, model, seed=seed, device=device, canonical=stage.tied)
+    elif device is not None:
+        stage.to(device)
+    return stage
 
 
-def split_model(model: LayeredModel, bounds: Sequence[range]) -> list[StageModule]:
+def split_model(model: LayeredModel, bounds: Sequence[range], *, seed: int | None = None) -> list[StageModule]:
     """All stages of a partition; `bounds` must tile 0..len(model.layers) in order."""
     n, expected = len(model.layers), 0
     for s, rng in enumerate(bounds):
@@ -107,4 +123,4 @@ def split_model(model: LayeredModel, bounds: Sequence[range]) -> list[StageModul
         expected = rng.stop
     if expected != n:
         raise ValueError(f"bounds cover layers 0..{expected - 1} but the model has {n} layers (0..{n - 1})")
-    return [build_stage(model, rng, stage_id=s) for s, rng in enumerate(bounds)]
+    return [build_stage(model, rng, stage_id=s, seed=seed) for s, rng in enumerate(bounds)]

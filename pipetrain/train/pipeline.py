@@ -1,11 +1,13 @@
 """Assemble one rank's pipeline: its stage modules, P2P buffers, executor and grad sync.
 
-Every rank builds the same initialised model (same seed), keeps copies of the layers of
-the stages its placement gives it, and drops the rest. Receive buffers get their shape
-and dtype from the model's boundary specs: an activation entering stage s has the spec
-of its chunk's first layer boundary, the gradient sent back to it the same. Under
-`precision="bf16"` a floating-point boundary crosses in bf16 (the executor casts what it
-sends), so its buffers are bf16; integer boundaries (GPT-2's token ids) keep their dtype.
+Every rank is handed the same model, usually built on the meta device (shapes only), and
+materializes the stages its placement gives it: each parameter initialised from (seed, its
+name), so a layer's initial weights do not depend on the partition or the rank, and no rank
+holds more than its own stages (models/init.py). A model built for real is copied instead.
+Receive buffers get their shape and dtype from the model's boundary specs: an activation
+entering stage s has the spec of its chunk's first layer boundary, the gradient sent back to
+it the same. Under `precision="bf16"` a floating-point boundary crosses in bf16 (the executor
+casts what it sends), so its buffers are bf16; integer boundaries (token ids) keep their dtype.
 """
 
 from __future__ import annotations
@@ -76,13 +78,15 @@ def build_rank_pipeline(
     pipelines: Optional[list[list[int]]] = None,
     dp: Optional[DataParallel] = None,
     precision: str = "fp32",
+    seed: Optional[int] = None,
 ) -> RankPipeline:
     """Collective when the schedule has several ranks: every rank must call it.
 
     `rank` is the pipeline rank; under data parallel `group` is this pipeline's process group,
     `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `dp` wraps
     the stages (FSDP2 under dp_shard) and builds their gradient reducer (the schedule then
-    carries REDUCE_GRAD marks). `precision` is trainer.precision (fp32 | bf16)."""
+    carries REDUCE_GRAD marks). `precision` is trainer.precision (fp32 | bf16); `seed`
+    initialises the stages of a model built on meta."""
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision must be {' or '.join(COMPUTE_DTYPES)} (got {precision!r})")
     compute_dtype = COMPUTE_DTYPES[precision]
@@ -90,7 +94,8 @@ def build_rank_pipeline(
     if len(bounds) != pl.num_chunks:
         raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
     device = torch.device(device)
-    stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s).to(device) for s in pl.stages_of(rank)}
+    stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s, seed=seed, device=device)
+              for s in pl.stages_of(rank)}
     for mod in stages.values():
         mod.checkpoint_layers = activation_checkpointing
     if dp is not None:

@@ -67,8 +67,8 @@ class Trainer:
         if self.device.type == "cpu":
             torch.set_num_threads(config.trainer.threads_per_rank)
         self.groups = build_groups(config.layout, self.device.type)  # the one DeviceMesh (under dp)
-        torch.manual_seed(config.trainer.seed)  # every rank builds the same initial model
-        model = build_model(config.model)
+        torch.manual_seed(config.trainer.seed)  # dropout; weights come from (seed, name) below
+        model = build_model(config.model, device="meta")  # shapes only: each rank materializes its stages
         dp = config.layout.dp > 1
         self.pipe: RankPipeline = build_rank_pipeline(
             model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank,
@@ -79,7 +79,7 @@ class Trainer:
             group=self.groups.pp_group, group_ranks=self.groups.pipeline_ranks if dp else None,
             pipelines=config.layout.pipelines() if dp else None,
             dp=data_parallel(config, self.groups),
-            precision=config.trainer.precision,
+            precision=config.trainer.precision, seed=config.trainer.seed,
         )
         self.data = build_data(config.data, seed=config.trainer.seed,
                                vocab_size=getattr(config.model, "vocab_size", 0), model=model)

@@ -1,0 +1,70 @@
+"""Initial weights that depend on (seed, parameter name) alone, not on who builds them.
+
+Every parameter is drawn from its own generator, seeded by a hash of the run's seed and the
+parameter's unsplit name (`layers.{i}.{rest}`, so the layer index is part of it). A layer
+therefore gets the same initial weights whether the unsplit model is built in one process,
+or a stage holding it is materialized on any rank of any partition, in any order: nothing
+is drawn from a shared stream whose position would depend on what was drawn before.
+
+A tied copy (GPT-2's head, a tied Llama head) is initialised under its canonical name (the
+embedding's), so both copies start equal wherever they live. Why one generator per
+parameter rather than one per layer: a stage holding only the head must reproduce the
+embedding's draw without replaying the embedding layer's other parameters (GPT-2's wpe).
+
+Models built on torch's meta device hold shapes only; `init_parameters` allocates each
+parameter on the target device as it initialises it (values are drawn on the CPU in fp32,
+so they do not depend on the device or dtype either), keeping ties inside the module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class InitRule(Protocol):
+    """What a model provides: fill `value` (fp32, CPU) with the initial value of the parameter
+    named `name` in the unsplit model, drawing only from `generator`."""
+
+    def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None: ...
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded by (seed, unsplit parameter name), the same in every process."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()  # not hash(): salted per process
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)  # 63 bits
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, rule: InitRule, *, seed: int, device: Any = None,
+                    canonical: Mapping[str, str] | None = None) -> None:
+    """Give every parameter of `module` its initial value from (seed, canonical name).
+
+    `canonical` maps a local name to the unsplit name it is a copy of (split.StageModule.tied);
+    other names are their own. Parameters on the meta device are replaced by new ones on
+    `device` (default cpu), one per original Parameter, so a tie inside `module` stays one
+    Parameter; real parameters are overwritten in place (and moved to `device` if given).
+    """
+    canonical = canonical or {}
+    done: dict[int, nn.Parameter] = {}
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        if id(p) not in done:
+            key = canonical.get(name, name)
+            value = torch.empty(p.shape, dtype=torch.float32, device="cpu")
+            rule.init_parameter(key, value, param_generator(seed, key))
+            if p.device.type == "meta" or (device is not None and torch.device(device) != p.device):
+                target = device if device is not None else ("cpu" if p.device.type == "meta" else p.device)
+                done[id(p)] = nn.Parameter(value.to(device=target, dtype=p.dtype), requires_grad=p.requires_grad)
+            else:
+                p.copy_(value)
+                done[id(p)] = p
+        if done[id(p)] is not p:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, done[id(p)])
+    meta = [n for n, b in module.named_buffers() if b.device.type == "meta"]
+    if meta:  # pipetrain's models derive constants in forward; a buffer would need its own rule
+        raise RuntimeError(f"{type(module).__name__} keeps buffers {meta} that materializing cannot fill")

@@ -1,0 +1,285 @@
+"""The Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3) as an ordered list of pipeline layers.
+
+Maths as Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM compute it
+(our own code; tests/test_llama_hf.py compares logits with transformers within 1e-5):
+  - pre-norm blocks, x + attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x));
+    RMSNorm (Zhang & Sennrich 2019) computed in fp32, scaled by its weight;
+  - attention with grouped-query heads (Ainslie et al. 2023, num_key_value_heads), an explicit
+    head_dim (Qwen3: head_dim != hidden_size / heads), rotary position embeddings (Su et al.
+    2021) in HF's half-split layout (rotate_half), optionally with Llama 3's frequency scaling
+    (rope_scaling rope_type "llama3"); optional biases on q, k, v (`qkv_bias`, Qwen2) or on
+    q, k, v and o (`attention_bias`, HF Llama's knob); optional QK-norm (Qwen3: RMSNorm over
+    head_dim on q and k before RoPE); causal scaled_dot_product_attention, no dropout;
+  - SwiGLU MLP (Shazeer 2020): down_proj(silu(gate_proj(x)) * up_proj(x)), no biases;
+  - a final RMSNorm and an lm_head, tied to the token embedding or not (tie_word_embeddings).
+
+Layers (causal_lm.py): 0 = embedding, 1..L = decoder blocks, L + 1 = head (norm + lm_head).
+Parameter names are HF's shifted by the embedding's layer (`hf_name` / `pipetrain_name`):
+`layers.{i+1}.self_attn.q_proj.weight` is HF's `model.layers.{i}.self_attn.q_proj.weight`,
+`layers.0.embed_tokens.weight` is `model.embed_tokens.weight`, `layers.{L+1}.norm.weight`
+is `model.norm.weight` and `layers.{L+1}.lm_head.weight` is `lm_head.weight`. Knobs are
+named as HF's config.json (pipetrain.config.LlamaModelConfig checks them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.config.models import LlamaModelConfig
+from pipetrain.models.causal_lm import CausalLM, layer_cost
+from pipetrain.models.costs import LayerCost
+
+INIT_STD = 0.02  # HF's initializer_range for every Llama-family config
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))  # ones (Llama.init_parameter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In fp32 whatever the input dtype, cast back before the weight, as HF and Meta's reference.
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., dim)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) fp32 on CPU: theta^(-2i/d), and with rope_type
+    "llama3" (Llama 3.1's long-context recipe) wavelengths longer than
+    original_max_position_embeddings / low_freq_factor divided by `factor`, shorter than
+    .../high_freq_factor kept, and a smooth interpolation between the two."""
+    # device="cpu" even inside torch.device("meta"): a meta-built model's stages need real tables
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if scaling is None or scaling.get("rope_type", "default") == "default":
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """cos and sin tables per (length, device, dtype), shared by a stage's blocks. A plain
+    object, not a buffer: nothing to materialize on a meta-built model, nothing in checkpoints."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> None:
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self._cache: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, t: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (t, str(device), dtype)
+        if key not in self._cache:
+            pos = torch.arange(t, dtype=torch.float32, device=device)
+            freqs = torch.outer(pos, self.inv_freq.to(device))  # (T, hd/2), fp32 as HF
+            emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd): the half-split layout
+            self._cache[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._cache[key]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, h, T, hd) rotated pairwise (i, i + hd/2) by position: x*cos + rotate_half(x)*sin."""
+    x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, h, T, hd/2)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, attention_bias: bool,
+                 qkv_bias: bool, qk_norm: bool, eps: float, rotary: Rotary) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.rotary = heads, kv_heads, head_dim, rotary
+        qkv = attention_bias or qkv_bias
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=attention_bias)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape  # (B, T, C)
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)  # (B, T, H, hd)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)  # (B, T, KV, hd)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary.tables(t, x.device, q.dtype)  # (T, hd) each
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
+        # Query head i reads key/value head i // (H / KV), as HF's repeat_kv, without copying k and v.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, *, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C) -> (B, T, I) -> (B, T, C)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, *, hidden: int, intermediate: int, eps: float, **attn: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(hidden=hidden, eps=eps, **attn)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(hidden=hidden, intermediate=intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, *, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(idx)  # (B, T) -> (B, T, C); positions enter through RoPE
+
+
+class Head(nn.Module):
+    def __init__(self, *, hidden: int, vocab_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps)
+        self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))  # (B, T, C) -> (B, T, V)
+
+
+class Llama(CausalLM):
+    """Knobs as LlamaModelConfig (HF config.json names); `seed` draws the initial weights."""
+
+    def __init__(self, *, seed: int = 0, **knobs: Any) -> None:
+        super().__init__()
+        args = LlamaModelConfig(name="llama", **knobs)  # the schema's checks: one-line errors naming the knob
+        cfg = args.knobs()
+        cfg.update(num_key_value_heads=args.kv_heads, head_dim=args.head_size)  # resolved defaults
+        self._config = cfg
+        c, v, n = args.hidden_size, args.vocab_size, args.num_hidden_layers
+        self._set_shape(width=c, vocab=v, blocks=n, max_seq=args.max_position_embeddings,
+                        max_seq_knob="max_position_embeddings")
+        rotary = Rotary(args.head_size, args.rope_theta, cfg["rope_scaling"])
+        embed = Embedding(vocab_size=v, hidden=c)
+        blocks = [DecoderLayer(hidden=c, intermediate=args.intermediate_size, eps=args.rms_norm_eps,
+                               heads=args.num_attention_heads, kv_heads=args.kv_heads, head_dim=args.head_size,
+                               attention_bias=args.attention_bias, qkv_bias=args.qkv_bias, qk_norm=args.qk_norm,
+                               rotary=rotary) for _ in range(n)]
+        head = Head(hidden=c, vocab_size=v, eps=args.rms_norm_eps)
+        if args.tie_word_embeddings:
+            head.lm_head.weight = embed.embed_tokens.weight  # one weight; split.py keeps cross-stage copies equal
+        self.layers = nn.ModuleList([embed, *blocks, head])
+        self.layer_names = ["embed", *(f"layers.{i}" for i in range(n)), "head"]  # HF's block names
+        self.reset_parameters(seed)
+
+    def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
+        # HF's Llama init (N(0, initializer_range) for matmuls and the embedding, zero biases,
+        # unit norms), with nanoGPT's depth scaling for the two projections that write into
+        # the residual stream (o_proj, down_proj): std / sqrt(2 L), as gpt2.py does.
+        if isinstance(self.get_submodule(name.rpartition(".")[0]), RMSNorm):
+            nn.init.ones_(value)
+        elif name.endswith(".bias"):
+            nn.init.zeros_(value)
+        else:
+            residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+            std = INIT_STD / math.sqrt(2 * self._config["num_hidden_layers"]) if residual else INIT_STD
+            nn.init.normal_(value, mean=0.0, std=std, generator=generator)
+
+    def cost_model(self, *, microbatch: int, seq: int, tflops: float) -> list[LayerCost]:
+        return llama_layer_costs(self._config, microbatch=microbatch, seq=self._seq(seq), tflops=tflops,
+                                 bytes_per_value=self._bytes_per_value())
+
+
+# ---- names: pipetrain <-> Hugging Face (pure) -----------------------------------------------
+
+
+def hf_name(name: str, *, num_hidden_layers: int) -> str:
+    """pipetrain's unsplit parameter name -> the HF (Llama/Mistral/Qwen2/Qwen3)ForCausalLM key."""
+    head = num_hidden_layers + 1
+    parts = name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) > head:
+        raise ValueError(f"{name!r} is not a parameter of a {num_hidden_layers}-block Llama model "
+                         f"(names are layers.<0..{head}>.<rest>)")
+    i, rest = int(parts[1]), parts[2]
+    if i == head and rest.startswith("lm_head."):
+        return rest
+    return f"model.{rest}" if i in (0, head) else f"model.layers.{i - 1}.{rest}"
+
+
+def pipetrain_name(key: str, *, num_hidden_layers: int) -> str:
+    """The HF key -> pipetrain's unsplit parameter name (the inverse of `hf_name`)."""
+    head = num_hidden_layers + 1
+    if key.startswith("lm_head."):
+        return f"layers.{head}.{key}"
+    if key.startswith(("model.embed_tokens.", "model.norm.")):
+        return f"layers.{0 if key.startswith('model.embed_tokens.') else head}.{key[len('model.'):]}"
+    parts = key.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
+            and int(parts[2]) < num_hidden_layers:
+        return f"layers.{int(parts[2]) + 1}.{parts[3]}"
+    raise ValueError(f"{key!r} is not a key of a {num_hidden_layers}-layer HF Llama-family checkpoint")
+
+
+# ---- sizes and costs (pure arithmetic over the resolved config) ------------------------------
+
+
+def llama_layer_params(cfg: dict[str, Any]) -> list[int]:
+    """Parameters each pipeline layer stores. A tied head counts its copy of the embedding
+    (V*C), what it stores when it sits on another stage: sum(...) = total + V*C then."""
+    c, v, i = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    qkv_bias = cfg["attention_bias"] or cfg["qkv_bias"]
+    attn = c * (q + 2 * kv) + q * c + qkv_bias * (q + 2 * kv) + cfg["attention_bias"] * c
+    block = attn + 3 * c * i + 2 * c + cfg["qk_norm"] * 2 * cfg["head_dim"]
+    return [v * c, *[block] * cfg["num_hidden_layers"], c + v * c]
+
+
+def llama_param_count(cfg: dict[str, Any]) -> int:
+    """Distinct parameters of the unsplit model (a tied embedding counted once), as published."""
+    tied = cfg["vocab_size"] * cfg["hidden_size"] if cfg["tie_word_embeddings"] else 0
+    return sum(llama_layer_params(cfg)) - tied
+
+
+def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops: float,
+                      bytes_per_value: int = 4) -> list[LayerCost]:
+    """Per-layer costs of one microbatch (causal_lm.layer_cost's FLOP model, as GPT-2's).
+
+    Attention's matmuls are 2 * 2 * T * (H * hd) FLOPs per token. Activation values kept per
+    token by a block (what autograd saves; tests/test_llama.py measures it): each RMSNorm
+    keeps its input and normalized value and hands a new tensor to the projections (3C, twice),
+    SDPA keeps q, k, v and its output (2 H hd + 2 KV hd; o_proj's input is a view of that
+    output), the MLP gate, silu(gate), up and their product (4I); QK-norm adds its inputs and
+    normalized values (2 H hd + 2 KV hd). Left out: one value per token per norm and per head
+    (rsqrt, log-sum-exp) and the (T, hd) RoPE tables. The embedding keeps the int64 ids; the
+    head its norm (3C), the log-softmax of the logits (V) and the int64 targets.
+    """
+    c, v, t, tokens = cfg["hidden_size"], cfg["vocab_size"], seq, microbatch * seq
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    params = llama_layer_params(cfg)
+    block_values = 6 * c + 2 * q + 2 * kv + 4 * cfg["intermediate_size"] + cfg["qk_norm"] * 2 * (q + kv)
+
+    def cost(name: str, stored: int, matmul: int, attn_f: int, act: int) -> LayerCost:
+        return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops)
+
+    out = [cost("embed", params[0], 0, 0, 8)]
+    out += [cost(f"layers.{i}", params[1 + i], params[1 + i], 2 * 2 * t * q, block_values * bytes_per_value)
+            for i in range(cfg["num_hidden_layers"])]
+    out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
+    return out
