@@ -152,6 +152,7 @@ def test_bf16_crosses_between_ranks_and_matches_single_process_autocast(tmp_path
 
 
 TRAIN = ["model=gpt2-tiny", "pipeline.degree=1", "pipeline.microbatches=1", "trainer.max_steps=50",
+         "data.batch_size=8", "data.seq_len=32",
          "trainer.eval_every=0", "trainer.ckpt_at_end=false", "trainer.device=cpu", "logger=[jsonl]"]
 
 

@@ -31,6 +31,7 @@ def test_llama_tiny_trains_with_a_falling_loss(tmp_path, schedule):
     """`pipetrain model=llama-tiny`: the Llama family (GQA, RoPE, SwiGLU, tied head across ranks),
     built on meta and materialized per rank, trains on the built-in corpus."""
     res = run_cli(["model=llama-tiny", f"schedule={schedule}", "trainer.max_steps=40", "trainer.eval_every=0",
+                   "data.batch_size=8", "data.seq_len=32",
                    "trainer.ckpt_at_end=false", "sim.timeline=false", f"hydra.run.dir={tmp_path / 'run'}"],
                   cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
