@@ -285,7 +285,7 @@ def test_bad_data_config_names_the_knob(knobs, words):
 def test_bad_files_name_the_knob(tmp_path):
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x00" * 301)
-    with pytest.raises(ValueError, match=r"data.path=.*odd number of bytes"):
+    with pytest.raises(ValueError, match=r"data.path: .*odd number of bytes"):
         DataConfig(name="tokens", path=str(odd))
     short = write_bin(tmp_path / "short.bin", range(1000))  # val 100 tokens < seq_len + 1
     with pytest.raises(ValueError) as info:
@@ -307,7 +307,7 @@ def test_gpt2_tokenizer_without_its_files_is_a_one_line_error(tmp_path, monkeypa
 def _tiny_gpt2_vocab(folder: Path) -> None:
     """encoder.json in GPT-2's format: the 256 bytes (in GPT-2's printable alphabet and
     order), a few merges, then <|endoftext|>."""
-    from pipetrain.train.data import _gpt2_byte_alphabet
+    from pipetrain.train.tokenizer import _gpt2_byte_alphabet
 
     char = {b: c for c, b in _gpt2_byte_alphabet().items()}
     order = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
@@ -321,7 +321,7 @@ def _tiny_gpt2_vocab(folder: Path) -> None:
 
 def test_gpt2_tokenizer_from_a_local_folder(tmp_path):
     tiktoken = pytest.importorskip("tiktoken")
-    from pipetrain.train.data import gpt2_encoding
+    from pipetrain.train.tokenizer import gpt2_encoding
 
     _tiny_gpt2_vocab(tmp_path)
     text = "in the theatre a thing, in the end. " * 200

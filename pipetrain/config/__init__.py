@@ -224,6 +224,9 @@ class Config:
                 f"pipeline.microbatches={mb} equal microbatches: set data.batch_size to a multiple of {mb * dp} "
                 f"(e.g. {up}), or lower pipeline.microbatches or the dp degrees"
             )
+        vocab = getattr(m, "vocab_size", None)
+        if vocab is not None and self.mode is not Mode.simulate:  # a simulation reads no tokens
+            d.check_vocab_fits(vocab)
         longest = getattr(m, m.seq_knob) if m.has_seq else None
         if longest is not None and d.seq_len > longest:
             raise ValueError(

@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pipetrain.config.shards import Shard, find_shards
+
 # builtin: the corpus shipped in the package (pipetrain/train/corpus/); text: any text file;
-# tokens: nanoGPT's .bin (a flat array of uint16 token ids); synthetic: random data, for benchmarks.
+# tokens: token shards (nanoGPT's or llm.c's .bin, .npy; a file, folder or glob, see shards.py);
+# synthetic: random data, for benchmarks.
 DATA_SOURCES = ("builtin", "text", "tokens", "synthetic")
-TOKENIZERS = ("byte", "gpt2")  # byte: one token per UTF-8 byte; gpt2: GPT-2's BPE through tiktoken
+# byte: one token per UTF-8 byte; gpt2: GPT-2's BPE through tiktoken; hf: a Hugging Face
+# tokenizer.json through the `tokenizers` package (Llama 3, Qwen, Mistral, ...).
+TOKENIZERS = ("byte", "gpt2", "hf")
+HF_TOKENIZER = "tokenizer.json"
 BYTE_VOCAB = 256
 GPT2_VOCAB = 50257  # 50,000 merges + 256 bytes + <|endoftext|>
 # GPT-2's released vocabulary: token (in GPT-2's byte-to-unicode alphabet) -> id. Its ids are the
@@ -42,9 +49,12 @@ class DataConfig:
     name: str = "builtin"  # builtin | text | tokens | synthetic
     batch_size: int = 16  # the global batch: sequences per optimizer step, split over dp pipelines x pipeline.microbatches
     seq_len: int = 64  # tokens per sequence (GPT-2: <= model.block_size); short enough for a CPU step
-    path: Optional[str] = None  # data=text: a text file; data=tokens: a uint16 .bin file (nanoGPT's format)
-    tokenizer: str = "byte"  # byte (vocab 256, needs nothing) | gpt2 (tiktoken + GPT-2's files on this machine)
-    tokenizer_dir: Optional[str] = None  # data.tokenizer=gpt2: a folder with GPT-2's encoder.json
+    path: Optional[str] = None  # data=text: a text file; data=tokens: a token file, a folder of shards or a glob
+    # data=tokens: validation shards (a file, folder or glob); then nothing of data.path is held out
+    val_path: Optional[str] = None
+    # byte (vocab 256, needs nothing) | gpt2 (tiktoken + GPT-2's files) | hf (a tokenizer.json)
+    tokenizer: str = "byte"
+    tokenizer_dir: Optional[str] = None  # gpt2: a folder with GPT-2's encoder.json; hf: a folder with tokenizer.json
     val_fraction: float = 0.1  # the last 10% of the tokens are held out for the validation loss
 
     def __post_init__(self) -> None:
@@ -57,13 +67,17 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in [0, 1) (got {self.val_fraction}): e.g. 0.1 holds out 10%")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"data.tokenizer={self.tokenizer!r} is unknown: choose one of {', '.join(TOKENIZERS)}")
-        if self.tokenizer_dir is not None and self.tokenizer != "gpt2":
-            raise ValueError(
-                "data.tokenizer_dir is only read by data.tokenizer=gpt2: set it or drop data.tokenizer_dir"
-            )
+        if self.tokenizer_dir is not None and self.tokenizer == "byte":
+            raise ValueError("data.tokenizer_dir is only read by data.tokenizer=gpt2 or data.tokenizer=hf: "
+                             "set one of them or drop data.tokenizer_dir")
+        if self.val_path is not None and self.name != "tokens":
+            raise ValueError(f"data.val_path is only read by data=tokens (got data={self.name}): "
+                             "set data=tokens or drop data.val_path")
         self._check_path()
         if self.uses_tokenizer and self.tokenizer == "gpt2":
             find_gpt2_encoder(self.tokenizer_dir)  # raises, saying what to install and where the file goes
+        if self.uses_tokenizer and self.tokenizer == "hf":
+            find_hf_tokenizer(self.tokenizer_dir)
 
     @property
     def uses_tokenizer(self) -> bool:
@@ -86,34 +100,67 @@ class DataConfig:
                 )
             return
         if not self.path:
-            kind = "a text file" if self.name == "text" else "a uint16 token file (nanoGPT's .bin)"
+            kind = "a text file" if self.name == "text" else "token shards (a .bin / .npy file, a folder or a glob)"
             raise ValueError(f"data={self.name} needs {kind}: add data.path=/path/to/file")
+        if self.name == "tokens":
+            train, val = self.token_shards()
+            self.check_length(sum(s.count for s in train), sum(s.count for s in val) if val else None)
+            return
         path = self.file
         if not path.is_file():
             why = "it is a folder" if path.is_dir() else "no such file"
             where = "" if path.is_absolute() else f" (relative to {os.getcwd()})"
             raise FileNotFoundError(f"data.path={self.path} does not exist: {why}{where}")
         size = path.stat().st_size
-        if self.name == "tokens":
-            if size % 2:
-                raise ValueError(
-                    f"data.path={self.path} has an odd number of bytes ({size}): data=tokens reads uint16 token "
-                    "ids (nanoGPT's .bin); for a text file use data=text"
-                )
-            self.check_length(size // 2)
-        elif self.tokenizer == "byte":  # one token per byte; BPE lengths are known only after encoding
+        if self.tokenizer == "byte":  # one token per byte; BPE lengths are known only after encoding
             self.check_length(size)
         elif size == 0:
             raise ValueError(f"data.path={self.path} is empty")
 
-    def check_length(self, num_tokens: int) -> None:
+    def token_shards(self) -> tuple[list[Shard], list[Shard]]:
+        """data=tokens: (training shards, validation shards), in order. The validation shards are
+        data.val_path's, else a data.path folder's val-named ones (val.bin, *_val_*.bin), else none
+        (then data.val_fraction of the training stream is held out)."""
+        assert self.name == "tokens" and self.path, "token_shards is for data=tokens"
+        train, val = find_shards(self.path, knob="data.path")
+        if self.val_path is not None:
+            val_train, val_val = find_shards(self.val_path, knob="data.val_path")
+            val = val_train + val_val
+        return train, val
+
+    def tokenizer_vocab(self) -> Optional[int]:
+        """Token ids a BPE tokenizer (gpt2, hf) can produce: the model's vocabulary must hold them.
+        None for byte tokens (checked against the ids actually read) and for token data."""
+        if not self.uses_tokenizer or self.tokenizer == "byte":
+            return None
+        if self.tokenizer == "gpt2":
+            return GPT2_VOCAB
+        return hf_vocab_size(find_hf_tokenizer(self.tokenizer_dir))
+
+    def check_vocab_fits(self, vocab_size: int) -> None:
+        """A one-line error when the tokenizer's ids do not all fit model.vocab_size."""
+        need = self.tokenizer_vocab()
+        if need is not None and need > vocab_size:
+            where = f" ({self.tokenizer_dir})" if self.tokenizer_dir else ""
+            raise ValueError(f"data.tokenizer={self.tokenizer}{where} has {need:,} tokens but model.vocab_size="
+                             f"{vocab_size}: set model.vocab_size >= {need} or use a tokenizer that fits the model")
+
+    def check_length(self, num_tokens: int, val_tokens: Optional[int] = None) -> None:
         """Both splits must hold at least one window of seq_len + 1 tokens (inputs and the
-        target shifted by one); a one-line error naming the knobs otherwise."""
-        train, val = split_sizes(num_tokens, self.val_fraction)
+        target shifted by one); a one-line error naming the knobs otherwise. `val_tokens`:
+        the size of separate validation shards (then nothing of the `num_tokens` is held out)."""
         need = self.seq_len + 1
+        what = f"data.path={self.path}" if self.path else f"data={self.name}"
+        if val_tokens is not None:
+            for knob, spec, n in (("data.path", self.path, num_tokens), ("data.val_path", self.val_path, val_tokens)):
+                if n < need:
+                    shards = f"{knob}={spec}" if spec else f"the validation shards of data.path={self.path}"
+                    raise ValueError(f"{shards} holds {n:,} tokens, too few for one window of data.seq_len="
+                                     f"{self.seq_len} (needs >= {need:,}): lower data.seq_len or use more data")
+            return
+        train, val = split_sizes(num_tokens, self.val_fraction)
         if train >= need and (self.val_fraction == 0 or val >= need):
             return
-        what = f"data.path={self.path}" if self.path else f"data={self.name}"
         raise ValueError(
             f"{what} holds {num_tokens:,} tokens, too few for data.seq_len={self.seq_len} with "
             f"data.val_fraction={self.val_fraction} (train {train:,}, val {val:,}; each split needs >= {need:,}): "
@@ -163,3 +210,30 @@ def find_gpt2_encoder(tokenizer_dir: Optional[str] = None) -> Path:
         f"tiktoken's cache: {looked}): put it in a folder and set data.tokenizer_dir=FOLDER, or set "
         "TIKTOKEN_CACHE_DIR to a copied tiktoken cache that holds the gpt2 encoding, or use data.tokenizer=byte"
     )
+
+
+def find_hf_tokenizer(tokenizer_dir: Optional[str]) -> Path:
+    """Local path of a Hugging Face tokenizer.json in `data.tokenizer_dir`; a one-line error
+    saying what to install or set when the package or the file is missing."""
+    if importlib.util.find_spec("tokenizers") is None:
+        raise ValueError("data.tokenizer=hf needs the tokenizers package: pip install tokenizers")
+    if tokenizer_dir is None:
+        raise ValueError(f"data.tokenizer=hf needs a folder with {HF_TOKENIZER}: add data.tokenizer_dir=DIR "
+                         "(e.g. a Hugging Face model folder)")
+    path = Path(os.path.expanduser(tokenizer_dir)) / HF_TOKENIZER
+    if not path.is_file():
+        raise FileNotFoundError(f"data.tokenizer_dir={tokenizer_dir} must hold {HF_TOKENIZER} (no {path}): "
+                                "point it at a Hugging Face model folder")
+    return path
+
+
+def hf_vocab_size(tokenizer_json: Path) -> int:
+    """Ids a tokenizer.json can produce (its largest id + 1, added tokens included), read as
+    plain JSON: the `tokenizers` package is not needed to check a config."""
+    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    vocab = (spec.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # Unigram: a list
+    ids += [t["id"] for t in spec.get("added_tokens") or []]
+    if not ids:
+        raise ValueError(f"data.tokenizer_dir: {tokenizer_json} has no vocabulary: is it a tokenizer.json?")
+    return max(ids) + 1

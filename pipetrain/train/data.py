@@ -8,9 +8,12 @@ microbatches. Nothing is stateful: the batch of step k is drawn by a generator s
 would have seen, and every rank can draw step k itself and feed the microbatches it needs.
 
 Token data follow nanoGPT's `get_batch` (train.py): batch_size random windows of seq_len + 1
-tokens, inputs the first seq_len and targets the same window shifted by one. The stream is
-cut once, the last data.val_fraction held out, so train and validation windows never share
-a token. Models that do not read token ids (mlp, sleep) get their own `example_batch`.
+tokens, inputs the first seq_len and targets the same window shifted by one. Validation
+windows come from separate validation shards (data.val_path, or a folder's val-named shards)
+or else from the last data.val_fraction of the stream, cut once, so train and validation
+windows never share a token. Shards are memory-mapped and read as one stream without being
+concatenated (`ShardStream`). `eval_tokens` is the token stream mode=eval reads. Models
+that do not read token ids (mlp, sleep) get their own `example_batch`.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.resources
-import json
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol, Union
 
 import numpy as np
 import torch
 
-from pipetrain.config.data import BYTE_VOCAB, DataConfig, find_gpt2_encoder, split_sizes
+from pipetrain.config.data import BYTE_VOCAB, DataConfig, split_sizes
+from pipetrain.config.shards import Shard
+from pipetrain.train.tokenizer import load_tokenizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 SPLITS = ("train", "val")
@@ -51,29 +55,66 @@ def step_generator(seed: int, step: int, split: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)  # 63 bits: a valid seed
 
 
-class TokenWindows:
-    """Random windows over one token stream (a numpy array or memory map of token ids)."""
+class ShardStream:
+    """Memory-mapped shards read as one 1-D token stream, in order, never concatenated in memory:
+    index i of the stream is index i - starts[s] of shard s, starts[s] <= i < starts[s + 1]."""
 
-    def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, val_fraction: float, seed: int,
-                 vocab_size: int, what: str) -> None:
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        self.arrays = arrays
+        self.starts = np.cumsum([0, *(len(a) for a in arrays)])  # (S + 1,)
+        self.dtype = np.result_type(*(a.dtype for a in arrays))
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, idx: Union[slice, np.ndarray]) -> np.ndarray:
+        """Tokens at integer positions `idx` (any shape) or a slice, as an array of the same shape."""
+        if isinstance(idx, slice):
+            idx = np.arange(*idx.indices(len(self)))
+        idx = np.asarray(idx)
+        out = np.empty(idx.shape, dtype=self.dtype)
+        which = np.searchsorted(self.starts, idx, side="right") - 1  # the shard of every position
+        for s in np.unique(which):
+            sel = which == s
+            out[sel] = self.arrays[s][idx[sel] - self.starts[s]]
+        return out
+
+    def max(self) -> int:
+        return max(int(a.max()) for a in self.arrays)
+
+
+Tokens = Union[np.ndarray, ShardStream]  # a 1-D token stream: len(), [index array], [slice], .max()
+
+
+class TokenWindows:
+    """Random windows over a token stream; validation windows from `val_tokens` when given,
+    else from the last `val_fraction` of `tokens`."""
+
+    def __init__(self, tokens: Tokens, *, batch_size: int, seq_len: int, val_fraction: float, seed: int,
+                 vocab_size: int, what: str, val_tokens: Optional[Tokens] = None) -> None:
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
         self.vocab_size, self.what = vocab_size, what
-        train, val = split_sizes(len(tokens), val_fraction)
-        self.bounds = {"train": (0, train), "val": (train, len(tokens))}  # [lo, hi) token ranges
-        self.description = f"{what}: {len(tokens):,} tokens (train {train:,}, val {val:,})"
-        if len(tokens) <= _FULL_SCAN_TOKENS:  # else each batch is checked as it is drawn
-            _check_vocab(int(np.max(tokens)), vocab_size, what=what)
+        if val_tokens is None:
+            train, val = split_sizes(len(tokens), val_fraction)
+            self.parts = {"train": (tokens, 0, train), "val": (tokens, train, len(tokens))}  # [lo, hi) ranges
+            self.description = f"{what}: {len(tokens):,} tokens (train {train:,}, val {val:,})"
+        else:
+            self.parts = {"train": (tokens, 0, len(tokens)), "val": (val_tokens, 0, len(val_tokens))}
+            self.description = f"{what}: train {len(tokens):,} tokens, val {len(val_tokens):,} (separate shards)"
+        for stream in {id(t): t for t, _, _ in self.parts.values()}.values():
+            if len(stream) <= _FULL_SCAN_TOKENS:  # else each batch is checked as it is drawn
+                _check_vocab(int(stream.max()), vocab_size, what=what)
 
     def batch(self, step: int, *, split: str = "train") -> Batch:
         g = step_generator(self.seed, step, split)
-        lo, hi = self.bounds[split]
+        tokens, lo, hi = self.parts[split]
         if hi - lo < self.seq_len + 1:
             raise ValueError(f"{self.what} has no {split} split: set data.val_fraction > 0 (e.g. 0.1) "
                              "or trainer.eval_every=0")
         # A window [s, s + seq_len] lies inside [lo, hi): s in [lo, hi - seq_len).
         starts = torch.randint(lo, hi - self.seq_len, (self.batch_size,), generator=g).numpy()
         idx = starts[:, None] + np.arange(self.seq_len + 1)  # (B, T + 1)
-        window = torch.from_numpy(self.tokens[idx].astype(np.int64))  # (B, T + 1)
+        window = torch.from_numpy(tokens[idx].astype(np.int64))  # (B, T + 1)
         _check_vocab(int(window.max()), self.vocab_size, what=self.what, step=step)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # (B, T) each
 
@@ -115,13 +156,15 @@ def build_data(cfg: DataConfig, *, seed: int, vocab_size: int, model: Any = None
         raise ValueError(f"model.vocab_size must be >= 1 (got {vocab_size})")
     if cfg.name == "synthetic":
         return SyntheticTokens(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed, vocab_size=vocab_size)
-    tokens = load_tokens(cfg)
-    cfg.check_length(len(tokens))  # BPE lengths are known only now; byte and .bin lengths were checked already
+    cfg.check_vocab_fits(vocab_size)
+    tokens, val_tokens = load_tokens(cfg), load_val_tokens(cfg)
+    if cfg.uses_tokenizer:  # BPE lengths are known only now; byte and token-file lengths were checked already
+        cfg.check_length(len(tokens))
     what = f"data.path={cfg.path}" if cfg.path else f"data={cfg.name}"
     if cfg.uses_tokenizer:
         what += f" ({cfg.tokenizer} tokens)"
     return TokenWindows(tokens, batch_size=cfg.batch_size, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction,
-                        seed=seed, vocab_size=vocab_size, what=what)
+                        seed=seed, vocab_size=vocab_size, what=what, val_tokens=val_tokens)
 
 
 def local_rows(batch: Batch, dp_index: int, dp: int) -> Batch:
@@ -163,48 +206,49 @@ def builtin_corpus() -> bytes:
     return gzip.decompress(importlib.resources.files("pipetrain.train").joinpath(CORPUS_FILE).read_bytes())
 
 
-def load_tokens(cfg: DataConfig) -> np.ndarray:
-    """The token stream of `cfg` as a 1-D array: memory-mapped for data=tokens and for byte
-    tokens of a text file (nothing read until a batch needs it), in memory otherwise."""
+def open_shards(shards: list[Shard]) -> Tokens:
+    """Shards as one token stream, each memory-mapped where its header says its tokens lie."""
+    arrays = [np.memmap(s.path, dtype=np.dtype(s.dtype), mode="r", offset=s.offset, shape=(s.count,))
+              for s in shards]
+    return arrays[0] if len(arrays) == 1 else ShardStream(arrays)
+
+
+def load_tokens(cfg: DataConfig) -> Tokens:
+    """The (training) token stream of `cfg`: memory-mapped for data=tokens and for byte tokens
+    of a text file (nothing read until a batch needs it), in memory otherwise."""
     if cfg.name == "tokens":
-        return np.memmap(cfg.file, dtype=np.uint16, mode="r")  # nanoGPT's .bin: raw uint16, no header
+        return open_shards(cfg.token_shards()[0])
     if cfg.tokenizer == "byte":
         if cfg.name == "text":
             return np.memmap(cfg.file, dtype=np.uint8, mode="r")
         return np.frombuffer(builtin_corpus(), dtype=np.uint8)
     text = cfg.file.read_text(encoding="utf-8", errors="replace") if cfg.name == "text" else builtin_corpus().decode()
-    ids = gpt2_encoding(cfg.tokenizer_dir).encode_ordinary(text)
-    return np.asarray(ids, dtype=np.uint16)  # GPT-2's 50,257 ids fit in 16 bits, as in nanoGPT's .bin
+    tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_dir)
+    return np.asarray(tok.encode(text), dtype=np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
 
 
-# GPT-2's pre-tokenisation pattern (openai/gpt-2 src/encoder.py; tiktoken's gpt2 encoding uses the same).
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-GPT2_EOT = "<|endoftext|>"
+def load_val_tokens(cfg: DataConfig) -> Optional[Tokens]:
+    """data=tokens: the separate validation shards (data.val_path, or a data.path folder's
+    val-named shards) as one stream; None when the validation split is cut from the stream."""
+    if cfg.name != "tokens":
+        return None
+    val = cfg.token_shards()[1]
+    return open_shards(val) if val else None
 
 
-def _gpt2_byte_alphabet() -> dict[str, int]:
-    """GPT-2's encoder.json writes each byte as a printable character: the 188 printable
-    Latin-1 bytes as themselves, the other 68 as chr(256 + n) in byte order (encoder.py,
-    bytes_to_unicode). Returns character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    alphabet = {chr(b): b for b in printable}
-    others = [b for b in range(BYTE_VOCAB) if b not in set(printable)]
-    alphabet.update({chr(BYTE_VOCAB + n): b for n, b in enumerate(others)})
-    return alphabet
-
-
-def gpt2_encoding(tokenizer_dir: str | None = None) -> Any:
-    """A tiktoken Encoding built from GPT-2's encoder.json found on this machine (see
-    find_gpt2_encoder): the same ids as tiktoken.get_encoding("gpt2"), without its download."""
-    import tiktoken  # optional: find_gpt2_encoder has checked it is installed
-
-    path = find_gpt2_encoder(tokenizer_dir)
-    alphabet = _gpt2_byte_alphabet()
-    vocab = json.loads(path.read_text(encoding="utf-8"))
-    eot = vocab.pop(GPT2_EOT, None)
-    ranks = {bytes(alphabet[c] for c in token): rank for token, rank in vocab.items()}
-    special = {GPT2_EOT: eot if eot is not None else len(ranks)}
-    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+def eval_tokens(cfg: DataConfig, *, vocab_size: int) -> Tokens:
+    """The token stream mode=eval reads, whole: the validation shards (data.val_path, or a
+    data.path folder's val-named shards), else all of data.path (or the text's tokens). Every
+    id is checked against `vocab_size` (model.vocab_size) up to 128 Mi tokens."""
+    cfg.check_vocab_fits(vocab_size)
+    tokens = load_val_tokens(cfg)
+    what = f"data.val_path={cfg.val_path}" if cfg.val_path else f"data.path={cfg.path}"
+    if tokens is None:
+        tokens = load_tokens(cfg)
+        what = f"data.path={cfg.path}" if cfg.path else f"data={cfg.name}"
+    if len(tokens) <= _FULL_SCAN_TOKENS:
+        _check_vocab(int(tokens.max()), vocab_size, what=what)
+    return tokens
 
 
 def _check_vocab(max_id: int, vocab_size: int, *, what: str, step: int | None = None) -> None:
