@@ -19,6 +19,7 @@ import gzip
 import hashlib
 import importlib.resources
 import json
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -167,7 +168,7 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
     """The token stream of `cfg` as a 1-D array: memory-mapped for data=tokens and for byte
     tokens of a text file (nothing read until a batch needs it), in memory otherwise."""
     if cfg.name == "tokens":
-        return np.memmap(cfg.file, dtype=np.uint16, mode="r")  # nanoGPT's .bin: raw uint16, no header
+        return read_token_file(cfg.file)
     if cfg.tokenizer == "byte":
         if cfg.name == "text":
             return np.memmap(cfg.file, dtype=np.uint8, mode="r")
@@ -175,6 +176,11 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
     text = cfg.file.read_text(encoding="utf-8", errors="replace") if cfg.name == "text" else builtin_corpus().decode()
     ids = gpt2_encoding(cfg.tokenizer_dir).encode_ordinary(text)
     return np.asarray(ids, dtype=np.uint16)  # GPT-2's 50,257 ids fit in 16 bits, as in nanoGPT's .bin
+
+
+def read_token_file(path: Path) -> np.ndarray:
+    """A token file (data=tokens, mode=eval) as a 1-D memory map: nanoGPT's .bin, raw uint16, no header."""
+    return np.memmap(path, dtype=np.uint16, mode="r")
 
 
 # GPT-2's pre-tokenisation pattern (openai/gpt-2 src/encoder.py; tiktoken's gpt2 encoding uses the same).
