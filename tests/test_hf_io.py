@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import run_cli
+from test_llama_hf import CASES as HF_CASES
 from pipetrain.models.hf import PretrainedWeights, check_pretrained
 from pipetrain.models.llama import hf_name
 from pipetrain.models.split import split_model
@@ -23,17 +24,9 @@ from pipetrain.plan import build_model, make_plan
 transformers = pytest.importorskip("transformers", reason="the test extra: pip install -e '.[test]'")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=64)
-CASES = {
-    "llama-untied": ("LlamaForCausalLM", "LlamaConfig",
-                     dict(SHAPE, rope_theta=100.0, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False)),
-    "llama-tied": ("LlamaForCausalLM", "LlamaConfig",
-                   dict(SHAPE, rope_theta=100.0, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True)),
-    "qwen2-tied": ("Qwen2ForCausalLM", "Qwen2Config", dict(SHAPE, rope_theta=10000.0, tie_word_embeddings=True)),
-}
+# The tiny shapes test_llama_hf.py checks in memory: GQA, Llama 3 RoPE scaling, tied and untied, Qwen2 biases.
+CASES = {case: HF_CASES[case] for case in ("llama-gqa-llama3-untied", "llama-llama3-tied", "qwen2-qkv-bias-tied")}
+UNTIED, TIED = "llama-gqa-llama3-untied", "llama-llama3-tied"
 TOKENS, T = 1000, 16  # (1000 - 1) // 16 = 62 windows: batch_size 4 leaves a short last batch of 2
 BASE = ["model=llama-tiny", "data=tokens", "data.val_fraction=0", f"data.seq_len={T}", "data.batch_size=4",
         "pipeline.microbatches=2", "trainer.device=cpu", "logger=[]"]
@@ -108,7 +101,7 @@ def test_each_rank_opens_only_the_files_holding_its_keys(folders, compose, tmp_p
     """Two real ranks build their stages through the trainer; each opened exactly the shards its keys live in."""
     from _dist import spawn
 
-    folder = folders["llama-untied"]
+    folder = folders[UNTIED]
     config = compose(["mode=train", *BASE, f"model.pretrained={folder}", f"data.path={folder}.bin"])
     spawn(_opened, 2, tmp_path, config, make_plan(config), tmp_path)
     weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
@@ -125,9 +118,9 @@ def test_each_rank_opens_only_the_files_holding_its_keys(folders, compose, tmp_p
 def test_missing_extra_and_misshaped_keys_fail_in_one_line(folders, compose, tmp_path):
     def broken(edit) -> str:
         folder = tmp_path / f"f{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(folders["llama-untied"], folder)
+        shutil.copytree(folders[UNTIED], folder)
         edit(folder)
-        config = compose(["mode=train", *BASE, f"model.pretrained={folder}", f"data.path={folders['llama-untied']}.bin"])
+        config = compose(["mode=train", *BASE, f"model.pretrained={folder}", f"data.path={folders[UNTIED]}.bin"])
         with pytest.raises(ValueError) as err:
             check_pretrained(config.model)
         assert "\n" not in str(err.value)
@@ -166,7 +159,7 @@ def read_folder(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.e2e
 def test_export_without_training_gives_identical_tensors(folders, tmp_path):
-    src = folders["llama-tied"]
+    src = folders[TIED]
     run = cli(["mode=export", "model=llama-tiny", f"model.pretrained={src}", "export.max_shard_gb=0.0001"],
               tmp_path, "export")
     out = run / "hf"
@@ -183,7 +176,7 @@ def test_export_without_training_gives_identical_tensors(folders, tmp_path):
 def test_hf_train_two_ranks_export_from_pretrained_equal_logits(folders, tmp_path):
     """HF -> pipetrain (2 ranks, 1 step) -> mode=export -> from_pretrained: logits equal pipetrain's
     model loaded from the same checkpoint."""
-    src = folders["llama-untied"]
+    src = folders[UNTIED]
     common = [*BASE, f"model.pretrained={src}", f"data.path={src}.bin"]
     train = cli(["mode=train", *common, "trainer.max_steps=1", "trainer.eval_every=0"], tmp_path, "train")
     ckpt = sorted((train / "checkpoints").glob("step_*"))[-1]
