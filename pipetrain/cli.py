@@ -35,13 +35,31 @@ def run(config: Config, run_dir: Path) -> Any:
 
     if config.mode is Mode.simulate:
         return run_simulate(config, run_dir)
-    # Train: everything is checked and simulated here, before any process starts.
-    from pipetrain.train.checkpoint import preflight  # imports torch: only on the training path
+    # Train, eval, export: everything is checked (and simulated) here, before any process starts.
+    from pipetrain.models.hf import check_pretrained
+    from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
 
-    preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
     # Under torchrun / SLURM every process is a rank and composes the config: one of them reports.
     quiet = process_rank(config.cluster.name) != 0
-    plan, _ = plan_and_simulate(config, run_dir, Console(quiet=quiet), timeline=False, write=not quiet)
+    console = Console(quiet=quiet)
+    preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
+    check_pretrained(config.model)  # a missing, extra or mis-shaped key too
+    changes = getattr(config.model, "pretrained_changes", None)
+    if changes:
+        console.print(f"model.pretrained={config.model.pretrained}: its config.json sets {', '.join(changes)}",
+                      markup=False, highlight=False)
+    if config.mode is Mode.export:
+        from pipetrain.train.export import run_export
+
+        return run_export(config, run_dir, note=lambda text: console.print(text, markup=False, highlight=False))
+    plan, _ = plan_and_simulate(config, run_dir, console, timeline=False, write=not quiet)
+    if config.mode is Mode.eval:
+        from pipetrain.train.evaluate import EVAL_FILE, rank_eval
+
+        result = launch(config, plan, run_dir, entry=rank_eval)
+        console.print(f"eval: loss {result['loss']:.6f} over {result['tokens']:,} tokens of {result['file']} "
+                      f"({result['tokens_per_s']:,.0f} tokens/s) -> {run_dir / EVAL_FILE}", markup=False, highlight=False)
+        return result
     return launch(config, plan, run_dir)
 
 

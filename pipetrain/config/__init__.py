@@ -28,7 +28,7 @@ from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
-from pipetrain.config.train import OptimConfig, TrainerConfig
+from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
 from pipetrain.partition.strategies import manual_bounds
 from pipetrain.schedules import registry
@@ -37,6 +37,8 @@ from pipetrain.schedules import registry
 class Mode(str, enum.Enum):
     train = "train"
     simulate = "simulate"
+    eval = "eval"  # mean next-token loss on a token file, on the pipeline ranks (train/evaluate.py)
+    export = "export"  # the model as a Hugging Face folder, in this process (train/export.py)
 
 
 @dataclass
@@ -139,6 +141,7 @@ class Config:
     sim: SimConfig = field(default_factory=SimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: list[str] = field(default_factory=default_loggers)  # logger=[console,jsonl,trace,wandb]
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -211,7 +214,7 @@ class Config:
 
     def _check_data(self) -> None:
         d, m, mb, dp = self.data, self.model, self.pipeline.microbatches, self.parallel.dp
-        if (m.needs_batch or self.mode is Mode.train) and d.batch_size % (mb * dp):
+        if (m.needs_batch or self.mode in (Mode.train, Mode.eval)) and d.batch_size % (mb * dp):
             up = -(-d.batch_size // (mb * dp)) * mb * dp
             if dp == 1:
                 raise ValueError(

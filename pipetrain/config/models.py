@@ -9,7 +9,10 @@ Pure Python: nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
@@ -190,6 +193,10 @@ class LlamaModelConfig(CausalLMConfig):
     qkv_bias: bool = False  # biases on q, k, v only (Qwen2 / 2.5)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     max_position_embeddings: int = 131072  # longest sequence (bounds data.seq_len)
+    # A Hugging Face folder (config.json + safetensors): its config.json sets every knob above
+    # (it wins over the preset and the command line; `pretrained_changes` lists what it changed)
+    # and each rank reads its stages' weights from its safetensors (models/hf.py).
+    pretrained: Optional[str] = None
     family: ClassVar[str] = "llama"
     layer_knob: ClassVar[str] = "model.num_hidden_layers"
     seq_knob: ClassVar[str] = "max_position_embeddings"
@@ -197,6 +204,9 @@ class LlamaModelConfig(CausalLMConfig):
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # built from keyword arguments (models/llama.py)
             self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
+        self.pretrained_changes: list[str] = []  # knobs config.json changed: "hidden_size=64 (was 128)"
+        if self.pretrained is not None:
+            self._take_pretrained_shape()
         self._at_least_one("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "max_position_embeddings")
         h, kv = self.num_attention_heads, self.kv_heads
@@ -220,6 +230,21 @@ class LlamaModelConfig(CausalLMConfig):
                              "drop model.qkv_bias")
         if self.rope_scaling is not None:
             self.rope_scaling.check()
+
+    def _take_pretrained_shape(self) -> None:
+        """Every knob from the folder's config.json; what that changes is kept for one note."""
+        path = Path(os.path.expanduser(str(self.pretrained))) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model.pretrained={self.pretrained} must be a Hugging Face folder holding "
+                                    f"config.json and *.safetensors (no {path})")
+        hf = LlamaModelConfig.from_hf(json.loads(path.read_text()), name=self.name)
+        for f in dataclasses.fields(self):
+            if f.name in ("name", "pretrained"):
+                continue
+            mine, theirs = getattr(self, f.name), getattr(hf, f.name)
+            if mine != theirs:
+                self.pretrained_changes.append(f"{f.name}={_plain(theirs)} (was {_plain(mine)})")
+                setattr(self, f.name, theirs)
 
     @property
     def kv_heads(self) -> int:
@@ -265,6 +290,12 @@ class LlamaModelConfig(CausalLMConfig):
 
     def knobs(self) -> dict[str, Any]:
         out = super().knobs()
+        del out["pretrained"]  # where the weights come from, not the model's shape
         if self.rope_scaling is not None:  # a plain dict for the model (its config stays JSON-able)
             out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
         return out
+
+
+def _plain(value: Any) -> Any:
+    """A knob's value as config.json would spell it (rope_scaling: a dict)."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value

@@ -1,4 +1,4 @@
-"""Schemas of the training loop (`trainer.*`) and the optimizer (`optim.*`). Pure: no torch."""
+"""Schemas of the training loop (`trainer.*`), the optimizer (`optim.*`) and mode=export (`export.*`). Pure: no torch."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 PRECISIONS = ("fp32", "bf16")  # trainer.precision; train/pipeline.py maps each to a torch dtype
+
 
 @dataclass
 class TrainerConfig:
@@ -63,3 +64,22 @@ class OptimConfig:
             raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1) (got {self.beta1}, {self.beta2})")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("optim.grad_clip and optim.weight_decay must be >= 0")
+
+
+EXPORT_DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class ExportConfig:
+    """mode=export: the model (trainer.resume's checkpoint, else model.pretrained, else the seeded
+    initial weights) written as a Hugging Face folder that transformers' from_pretrained loads."""
+
+    dir: Optional[str] = None  # the folder to write; null = <run directory>/hf
+    max_shard_gb: float = 5.0  # largest safetensors file, in GB (10^9 bytes), as save_pretrained's max_shard_size
+    dtype: str = "fp32"  # fp32 | bf16: the dtype of the written tensors (and config.json's torch_dtype)
+
+    def __post_init__(self) -> None:
+        if not self.max_shard_gb > 0:
+            raise ValueError(f"export.max_shard_gb must be > 0 (got {self.max_shard_gb})")
+        if self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"export.dtype must be {' or '.join(EXPORT_DTYPES)} (got {self.dtype!r})")

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipetrain.models.base import LayeredModel, LossFn
-from pipetrain.models.init import init_parameters
+from pipetrain.models.init import InitRule, init_parameters
 
 
 class StageModule(nn.Module):
@@ -88,13 +88,14 @@ def tie_groups(model: nn.Module) -> dict[str, str]:
 
 
 def build_stage(model: LayeredModel, layer_range: range, *, stage_id: int, seed: int | None = None,
-                device: Any = None) -> StageModule:
+                device: Any = None, rule: InitRule | None = None) -> StageModule:
     """One stage: deep copies of `model.layers[layer_range]` (only what this rank needs), on `device`.
 
     A model built on the meta device (shapes only) gives a stage materialized here: each
     parameter allocated on `device` and initialised from (seed, its unsplit name), a tied
     copy under its tie group's name, so the stage holds exactly the weights the unsplit model
     built for real with the same seed holds (init.py), and no rank ever holds the whole model.
+    `rule` fills the values instead of the model's own init (models/hf.py: from safetensors files).
     """
     n = len(model.layers)
     if layer_range.step != 1 or len(layer_range) == 0 or layer_range.start < 0 or layer_range.stop > n:
@@ -105,13 +106,14 @@ def build_stage(model: LayeredModel, layer_range: range, *, stage_id: int, seed:
     if any(p.device.type == "meta" for p in stage.parameters()):
         if seed is None:
             raise ValueError(f"stage {stage_id}: the model was built on the meta device: pass seed= to initialise it")
-        init_parameters(stage, model, seed=seed, device=device, canonical=stage.tied)
+        init_parameters(stage, rule or model, seed=seed, device=device, canonical=stage.tied)
     elif device is not None:
         stage.to(device)
     return stage
 
 
-def split_model(model: LayeredModel, bounds: Sequence[range], *, seed: int | None = None) -> list[StageModule]:
+def split_model(model: LayeredModel, bounds: Sequence[range], *, seed: int | None = None,
+                rule: InitRule | None = None) -> list[StageModule]:
     """All stages of a partition; `bounds` must tile 0..len(model.layers) in order."""
     n, expected = len(model.layers), 0
     for s, rng in enumerate(bounds):
@@ -123,4 +125,4 @@ def split_model(model: LayeredModel, bounds: Sequence[range], *, seed: int | Non
         expected = rng.stop
     if expected != n:
         raise ValueError(f"bounds cover layers 0..{expected - 1} but the model has {n} layers (0..{n - 1})")
-    return [build_stage(model, rng, stage_id=s, seed=seed) for s, rng in enumerate(bounds)]
+    return [build_stage(model, rng, stage_id=s, seed=seed, rule=rule) for s, rng in enumerate(bounds)]

@@ -231,6 +231,10 @@ class Executor:
     def evaluate(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]:
         """Forward only (validation): this rank's F actions in schedule order, no graph kept.
 
+        The loss returned is the mean over every counted target of every microbatch (token ids
+        of -1 are padding, not counted; mode=eval pads its last batch so), each microbatch's
+        mean weighted by its count; with full microbatches, the mean of their means.
+
         Dropping the backward actions from a deadlock-free schedule keeps it deadlock-free:
         a forward only ever waits for forwards, in the same per-rank order as in training.
         """
@@ -296,8 +300,13 @@ class Executor:
             out = self.stages[s](x)
             if pl.next_stage(s) is None:
                 loss = self.stages[s].loss(out, self._batch[m][1].to(self.device))
-                self._loss_sum += loss.detach().double()
-                self._losses += 1
+                if self._forward_only:  # evaluate(): weighted by its targets, so the mean is per token
+                    n = _counted_targets(self._batch[m][1])
+                    self._loss_sum += loss.detach().double() * n if n else 0.0
+                    self._losses += n
+                else:
+                    self._loss_sum += loss.detach().double()
+                    self._losses += 1
                 out = loss / self.schedule.num_microbatches
         if pl.next_stage(s) is not None:
             out = self._to_boundary(out)
@@ -389,3 +398,9 @@ class Executor:
 
     def _reduce_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+def _counted_targets(target: torch.Tensor) -> int:
+    """Targets a microbatch's loss averages over: token ids other than -1 (the loss's
+    ignore_index); a regression target (floats) counts as one."""
+    return 1 if target.is_floating_point() else int((target != -1).sum())

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.models.base import LayeredModel
+from pipetrain.models.init import InitRule
 from pipetrain.models.split import build_stage
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor, StepResult
@@ -79,6 +80,7 @@ def build_rank_pipeline(
     dp: Optional[DataParallel] = None,
     precision: str = "fp32",
     seed: Optional[int] = None,
+    init_rule: Optional[InitRule] = None,
 ) -> RankPipeline:
     """Collective when the schedule has several ranks: every rank must call it.
 
@@ -86,7 +88,8 @@ def build_rank_pipeline(
     `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `dp` wraps
     the stages (FSDP2 under dp_shard) and builds their gradient reducer (the schedule then
     carries REDUCE_GRAD marks). `precision` is trainer.precision (fp32 | bf16); `seed`
-    initialises the stages of a model built on meta."""
+    initialises the stages of a model built on meta, or `init_rule` gives their values
+    (model.pretrained: models/hf.PretrainedWeights reads them from the folder's files)."""
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision must be {' or '.join(COMPUTE_DTYPES)} (got {precision!r})")
     compute_dtype = COMPUTE_DTYPES[precision]
@@ -94,7 +97,7 @@ def build_rank_pipeline(
     if len(bounds) != pl.num_chunks:
         raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
     device = torch.device(device)
-    stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s, seed=seed, device=device)
+    stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s, seed=seed, device=device, rule=init_rule)
               for s in pl.stages_of(rank)}
     for mod in stages.values():
         mod.checkpoint_layers = activation_checkpointing

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from pipetrain.config import Config
 from pipetrain.metrics.step import RunSummary, StepRecord
+from pipetrain.models.hf import pretrained_rule
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.dp import data_parallel
 from pipetrain.plan import Plan, build_model
@@ -69,6 +70,7 @@ class Trainer:
         self.groups = build_groups(config.layout, self.device.type)  # the one DeviceMesh (under dp)
         torch.manual_seed(config.trainer.seed)  # dropout; weights come from (seed, name) below
         model = build_model(config.model, device="meta")  # shapes only: each rank materializes its stages
+        weights = pretrained_rule(config.model)  # model.pretrained: values from its files, not the seeded init
         dp = config.layout.dp > 1
         self.pipe: RankPipeline = build_rank_pipeline(
             model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank,
@@ -79,8 +81,11 @@ class Trainer:
             group=self.groups.pp_group, group_ranks=self.groups.pipeline_ranks if dp else None,
             pipelines=config.layout.pipelines() if dp else None,
             dp=data_parallel(config, self.groups),
-            precision=config.trainer.precision, seed=config.trainer.seed,
+            precision=config.trainer.precision, seed=config.trainer.seed, init_rule=weights,
         )
+        self.pretrained_files = [] if weights is None else weights.opened  # the files this rank read
+        if weights is not None:
+            weights.close()
         self.data = build_data(config.data, seed=config.trainer.seed,
                                vocab_size=getattr(config.model, "vocab_size", 0), model=model)
         del model

@@ -1,0 +1,179 @@
+"""Hugging Face folders in and out: config.json, and safetensors in one file (model.safetensors)
+or in shards listed by model.safetensors.index.json; keys are HF's names (llama.hf_name).
+
+In (`model.pretrained=DIR`): `check_folder` runs once before any rank starts and reads only
+the files' headers (the first bytes: key, dtype, shape), so a missing, extra or mis-shaped key
+fails in one line naming it. Each rank then materializes its stages from `PretrainedWeights`,
+an init rule (models/init.py) that reads one tensor at a time with safetensors' `safe_open`,
+opening a file only when one of the rank's own keys lives in it (the index's weight_map says
+which): a rank holding blocks 0-3 of a 16-shard checkpoint opens the shards holding those.
+
+A tied head (tie_word_embeddings) is the embedding: a folder has no lm_head.weight then (as
+save_pretrained writes it); one that has it anyway has it ignored. Out (`mode=export`):
+`hf_config` is the config.json transformers reads back; train/export.py writes the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pipetrain.config.models import LlamaModelConfig
+from pipetrain.models.llama import Llama, hf_name
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+# Tokenizer (and generation) files copied into an exported folder when the source holds them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+LEGACY_KEYS = (".rotary_emb.inv_freq",)  # RoPE tables older checkpoints saved: derived, not weights
+HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def folder_of(pretrained: str) -> Path:
+    return Path(os.path.expanduser(pretrained))
+
+
+def weight_map(folder: Path) -> dict[str, str]:
+    """HF key -> the file (name inside `folder`) holding it: the index's weight_map, or every
+    key of the single model.safetensors (its header)."""
+    if (folder / INDEX).is_file():
+        return dict(json.loads((folder / INDEX).read_text())["weight_map"])
+    if (folder / WEIGHTS).is_file():
+        return {k: WEIGHTS for k in read_header(folder / WEIGHTS)}
+    raise FileNotFoundError(f"model.pretrained={folder} has no {WEIGHTS} and no {INDEX}: save the model with "
+                            f"save_pretrained(..., safe_serialization=True) (pipetrain reads safetensors only)")
+
+
+def read_header(path: Path) -> dict[str, dict[str, Any]]:
+    """key -> {"dtype", "shape", "data_offsets"} of a safetensors file, reading only its header
+    (an 8-byte little-endian length, then that many bytes of JSON)."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def expected_shapes(model: Llama) -> dict[str, tuple[int, ...]]:
+    """HF key -> shape of every distinct weight of `model` (built on meta is enough); a tied
+    head is the embedding, so lm_head.weight is absent then."""
+    n = model.config["num_hidden_layers"]
+    return {hf_name(name, num_hidden_layers=n): tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def check_folder(pretrained: str, model: Llama) -> dict[str, str]:
+    """Before any rank starts: the folder's keys are exactly the model's and of its shapes.
+    Returns the weight map. Errors are one line naming the key and what to change."""
+    folder, want = folder_of(pretrained), expected_shapes(model)
+    files = weight_map(folder)
+    have = {k for k in files if not k.endswith(LEGACY_KEYS)}
+    if model.config["tie_word_embeddings"]:
+        have.discard("lm_head.weight")  # a tied head is the embedding, whatever the folder also holds
+    where = f"model.pretrained={pretrained}"
+    missing, extra = sorted(set(want) - have), sorted(have - set(want))
+    if missing:
+        raise ValueError(f"{where} lacks {missing[0]} ({len(missing)} key(s) missing): its safetensors do not "
+                         f"match its config.json; re-save the folder with save_pretrained")
+    if extra:
+        raise ValueError(f"{where} holds {extra[0]} ({len(extra)} key(s) extra), not a weight of the model its "
+                         f"config.json describes: fix config.json (e.g. tie_word_embeddings, the layer count) "
+                         f"or re-save the folder")
+    wrong = []  # (key, file, shape found)
+    for name in sorted(set(files.values())):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{where}: {name} is listed in {INDEX} but is not in the folder")
+        wrong += [(key, name, entry["shape"]) for key, entry in read_header(folder / name).items()
+                  if key in want and tuple(entry["shape"]) != want[key]]
+    if wrong:
+        key, name, shape = min(wrong)
+        raise ValueError(f"{where}: {key} in {name} has shape {list(shape)} but config.json's model needs "
+                         f"{list(want[key])} ({len(wrong)} key(s) mis-shaped): the weights and config.json disagree")
+    return files
+
+
+class PretrainedWeights:
+    """An init rule (models/init.py) giving each parameter its value from the folder's
+    safetensors. Opens a file the first time one of the asked keys lives in it; `opened`
+    lists the files this process opened, in order."""
+
+    def __init__(self, pretrained: str, *, num_hidden_layers: int) -> None:
+        self.folder, self.num_hidden_layers = folder_of(pretrained), num_hidden_layers
+        self.files = weight_map(self.folder)
+        self.opened: list[str] = []
+        self._handles: dict[str, Any] = {}
+
+    def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
+        key = hf_name(name, num_hidden_layers=self.num_hidden_layers)
+        if key not in self.files:
+            raise ValueError(f"model.pretrained={self.folder} lacks {key} (pipetrain's {name})")
+        tensor = self._open(self.files[key]).get_tensor(key)
+        if tuple(tensor.shape) != tuple(value.shape):
+            raise ValueError(f"model.pretrained={self.folder}: {key} has shape {list(tensor.shape)} but the model "
+                             f"needs {list(value.shape)}")
+        value.copy_(tensor)  # cast to the fp32 the rule fills
+
+    def _open(self, file: str) -> Any:
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(str(self.folder / file), framework="pt", device="cpu")
+            self.opened.append(file)
+        return self._handles[file]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def pretrained_rule(model: Any) -> Optional[PretrainedWeights]:
+    """The init rule of a model config with model.pretrained set (None: seeded initial weights)."""
+    if getattr(model, "pretrained", None) is None:
+        return None
+    return PretrainedWeights(model.pretrained, num_hidden_layers=model.num_hidden_layers)
+
+
+def hf_config(cfg: LlamaModelConfig, *, dtype: str) -> dict[str, Any]:
+    """config.json for `cfg`: the pretrained folder's own (shapes equal: it set them) or one
+    written for the HF class computing the same maths: Qwen3 (QK-norm), Qwen2 (q, k, v biases)
+    or Llama (everything else, Mistral's shapes included: no sliding window)."""
+    if cfg.pretrained is not None:
+        out = json.loads((folder_of(cfg.pretrained) / CONFIG).read_text())
+        out["dtype" if "dtype" in out else "torch_dtype"] = HF_DTYPES[dtype]  # "dtype": transformers 5's spelling
+        return out
+    if cfg.qk_norm and (cfg.qkv_bias or cfg.attention_bias):
+        raise ValueError("mode=export: no Hugging Face class has both QK-norm and attention biases: "
+                         "set model.qk_norm=false or drop the biases")
+    kind, arch = (("qwen3", "Qwen3ForCausalLM") if cfg.qk_norm else ("qwen2", "Qwen2ForCausalLM") if cfg.qkv_bias
+                  else ("llama", "LlamaForCausalLM"))
+    rope = None if cfg.rope_scaling is None else cfg.knobs()["rope_scaling"]
+    out: dict[str, Any] = dict(
+        architectures=[arch], model_type=kind, hidden_act="silu", initializer_range=0.02, use_cache=True,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, rope_scaling=rope, tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings, attention_dropout=0.0, torch_dtype=HF_DTYPES[dtype],
+    )
+    if kind == "llama":
+        out.update(attention_bias=cfg.attention_bias, mlp_bias=False)
+    else:  # Qwen2 / Qwen3: full attention in every layer
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers)
+        if kind == "qwen3":
+            out.update(attention_bias=False)
+    return out
+
+
+def check_pretrained(cfg: Any) -> Optional[dict[str, str]]:
+    """check_folder for a model config with model.pretrained set (the CLI calls it before
+    launching); None when there is nothing to check."""
+    if getattr(cfg, "pretrained", None) is None:
+        return None
+    with torch.device("meta"):
+        model = Llama(**cfg.knobs())
+    return check_folder(cfg.pretrained, model)

@@ -1,0 +1,96 @@
+"""mode=eval: the mean next-token loss of the model on a whole token file, on the pipeline ranks.
+
+Windows (issue 13): with N tokens and T = data.seq_len, window i (i = 0, 1, ... while
+i*T + T < N) holds tokens [i*T, i*T + T], inputs its first T and targets its last T, so
+(N - 1) // T windows cover every token but the last partial window's. They are taken in order,
+data.batch_size to a batch (split over dp pipelines x pipeline.microbatches as training
+does); the last batch is padded with rows whose targets are -1, which the loss ignores and the
+executor's evaluate() does not count, so the result is the exact mean over every target.
+
+The model is the run's: the seeded initial weights, model.pretrained, or trainer.resume's
+checkpoint. Rank 0 writes eval.json (loss, tokens, windows, file) in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipetrain.config import Config
+from pipetrain.config.data import DataConfig
+from pipetrain.plan import Plan
+from pipetrain.train.data import eval_tokens, local_rows, split_microbatches
+from pipetrain.train.trainer import Trainer
+
+EVAL_FILE = "eval.json"
+PAD = -1  # the loss's ignore_index (models/causal_lm.py)
+
+
+def eval_token_file(data: DataConfig) -> str:
+    """What mode=eval reads, as eval.json names it: data.val_path when set, else data.path
+    (train/data.py: eval_tokens reads it: a file, a folder or glob of shards)."""
+    if data.name != "tokens":
+        raise ValueError(f"mode=eval reads token files: set data=tokens data.path=FILE (got data={data.name})")
+    return str(data.val_path or data.path)
+
+
+def num_windows(num_tokens: int, seq_len: int) -> int:
+    """Windows i with i*T + T < N: i <= (N - 1 - T) / T, so (N - 1) // T of them."""
+    return max(0, (num_tokens - 1) // seq_len)
+
+
+def eval_batches(tokens: np.ndarray, *, seq_len: int, rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(inputs, targets, counted targets) per batch of `rows` windows, in order; the last batch
+    padded with rows of input 0 and target -1."""
+    t, total = seq_len, num_windows(len(tokens), seq_len)
+    for first in range(0, total, rows):
+        count = min(rows, total - first)
+        # Window i is tokens [i*T, i*T + T]: one (count, T + 1) array read from the file.
+        windows = np.asarray(tokens[first * t: (first + count) * t + 1], dtype=np.int64)
+        idx = np.arange(count)[:, None] * t + np.arange(t + 1)  # (count, T + 1)
+        w = torch.from_numpy(windows[idx])
+        x = torch.zeros((rows, t), dtype=torch.int64)
+        y = torch.full((rows, t), PAD, dtype=torch.int64)
+        x[:count], y[:count] = w[:, :-1], w[:, 1:]  # (count, T) each
+        yield x, y, count * t
+
+
+def evaluate_file(trainer: Trainer, path: str) -> dict[str, Any]:
+    """Collective over every rank: the exact mean loss over the windows of the eval tokens."""
+    cfg = trainer.config
+    vocab = getattr(cfg.model, "vocab_size", 0)
+    tokens = eval_tokens(cfg.data, vocab_size=vocab)  # ids checked against model.vocab_size
+    t = cfg.data.seq_len
+    windows = num_windows(len(tokens), t)
+    if windows == 0:
+        raise ValueError(f"mode=eval: {path} holds {len(tokens):,} tokens, fewer than data.seq_len + 1 = {t + 1}: "
+                         f"lower data.seq_len or use a longer file")
+    total, counted, t0 = 0.0, 0, time.perf_counter()
+    for x, y, n in eval_batches(tokens, seq_len=t, rows=cfg.data.batch_size):
+        rows = local_rows((x, y), trainer.groups.dp_index, cfg.layout.dp)
+        loss = trainer.pipe.executor.evaluate(split_microbatches(rows, cfg.pipeline.microbatches))
+        assert loss is not None  # every rank gets the all-reduced mean
+        total += loss * n
+        counted += n
+    seconds = time.perf_counter() - t0
+    return {"loss": total / counted, "tokens": counted, "windows": windows, "file": str(path), "seq_len": t,
+            "seconds": seconds, "tokens_per_s": counted / seconds}
+
+
+def rank_eval(config: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
+    """Entry point of one rank under mode=eval (the launcher's `entry`)."""
+    run_dir = Path(run_dir)
+    trainer = Trainer(config, plan, run_dir)
+    trainer.resume()
+    result = evaluate_file(trainer, eval_token_file(config.data))
+    if trainer.rank != 0:
+        return {}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / EVAL_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    return result
