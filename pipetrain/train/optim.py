@@ -40,25 +40,25 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def global_grad_norm(owned: Iterable[nn.Parameter], *, group: Optional[dist.ProcessGroup] = None,
                      device: torch.device) -> float:
-    """L2 norm of the whole model's gradient: each rank sums squares over the parameters it
-    owns (every tied or mirrored weight is owned by exactly one rank of a pipeline; FSDP2
-    shards: the local part), then one all-reduce (data parallel: the caller passes no
-    parameters on every replica but one)."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for p in owned:
-        if p.grad is not None:
-            total += local_tensor(p.grad).detach().double().pow(2).sum()
+    """L2 norm of the whole model's gradient: each rank takes the norm of the parameters it
+    owns with torch's foreach kernels (every tied or mirrored weight is owned by exactly one
+    rank of a pipeline; FSDP2 shards: the local part), squares it in fp64, then one
+    all-reduce sums the squares (data parallel: the caller passes no parameters on every
+    replica but one)."""
+    grads = [local_tensor(p.grad).detach() for p in owned if p.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
+    total = local.to(device=device, dtype=torch.float64).square()
     if dist.is_initialized():
         dist.all_reduce(total, group=group)
     return math.sqrt(total.item())
 
 
 def clip_grads(params: Iterable[nn.Parameter], norm: float, max_norm: float) -> None:
-    """Scale every local gradient (all copies alike, so copies stay identical) to max_norm."""
+    """Scale every local gradient (all copies alike, so copies stay identical) to max_norm,
+    with one foreach multiply (FSDP2 DTensor grads: their local shards, in place)."""
     if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
         return
-    scale = max_norm / (norm + 1e-6)
-    with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    if grads:
+        with torch.no_grad():
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))

@@ -1,0 +1,65 @@
+"""Global grad norm and clipping (train/optim.py) against a plain per-parameter reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.train.optim import clip_grads, global_grad_norm
+
+pytestmark = pytest.mark.pure
+CPU = torch.device("cpu")
+
+
+def params(*grads):
+    out = []
+    for g in grads:
+        p = nn.Parameter(torch.zeros_like(g) if g is not None else torch.zeros(3))
+        p.grad = None if g is None else g.clone()
+        out.append(p)
+    return out
+
+
+def reference(ps):
+    """The loop the foreach version replaces: squares summed in fp64."""
+    return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ps if p.grad is not None))
+
+
+def test_norm_matches_the_plain_reference_over_mixed_shapes_and_missing_grads():
+    torch.manual_seed(0)
+    ps = params(torch.randn(4, 5), None, torch.randn(7), torch.randn(2, 3, 2) * 1e3, torch.randn(1))
+    assert global_grad_norm(ps, device=CPU) == pytest.approx(reference(ps), rel=1e-6)
+
+
+def test_norm_of_nothing_is_zero():
+    assert global_grad_norm([], device=CPU) == 0.0
+    assert global_grad_norm(params(None, None), device=CPU) == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_grads_give_a_non_finite_norm_and_clipping_leaves_them(bad):
+    ps = params(torch.ones(3), torch.tensor([1.0, bad]))
+    norm = global_grad_norm(ps, device=CPU)
+    assert not math.isfinite(norm) and math.isnan(norm) == math.isnan(reference(ps))
+    before = [p.grad.clone() for p in ps]
+    clip_grads(ps, norm, max_norm=1.0)
+    for p, g in zip(ps, before):
+        assert torch.equal(p.grad.nan_to_num(), g.nan_to_num())
+
+
+def test_clipping_scales_every_grad_to_max_norm_and_leaves_small_ones():
+    torch.manual_seed(1)
+    ps = params(torch.randn(10) * 5, None, torch.randn(3, 3) * 5)
+    norm = global_grad_norm(ps, device=CPU)
+    expected = [p.grad * (1.0 / (norm + 1e-6)) if p.grad is not None else None for p in ps]
+    clip_grads(ps, norm, max_norm=1.0)
+    assert global_grad_norm(ps, device=CPU) == pytest.approx(1.0, rel=1e-5)
+    for p, e in zip(ps, expected):
+        assert (p.grad is None and e is None) or torch.allclose(p.grad, e)
+    small = [p.grad.clone() for p in ps if p.grad is not None]
+    clip_grads(ps, 1.0, max_norm=2.0)  # under max_norm: untouched
+    clip_grads(ps, 5.0, max_norm=0.0)  # clipping off
+    assert all(torch.equal(a, p.grad) for a, p in zip(small, [p for p in ps if p.grad is not None]))
