@@ -161,17 +161,23 @@ def wandb_records(path: Path):
             yield record
 
 
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_wandb_offline_logs_loss_and_bubble_readable_from_the_run_file(tmp_path):
+def train_offline(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """The MLP for a few steps with `logger=[console,jsonl,wandb]` and no credentials anywhere."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "no-netrc"))  # no credentials anywhere
-    args = ["model=mlp", "data=synthetic", "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0",
-            "trainer.ckpt_at_end=false", "trainer.device=cpu", "logger=[console,jsonl,wandb]",
-            "logging.wandb_project=pipetrain-test", "logging.wandb_tags=[ci,p2]", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = ["model=mlp", "data=synthetic", "trainer.log_every=1", "trainer.eval_every=0", "trainer.device=cpu",
+            "logger=[console,jsonl,wandb]", "logging.wandb_project=pipetrain-test", *overrides,
+            f"hydra.run.dir={tmp_path / 'run'}"]
     res = subprocess.run([sys.executable, "-m", "pipetrain.cli", *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_wandb_offline_logs_loss_and_bubble_readable_from_the_run_file(tmp_path):
+    res = train_offline(tmp_path, "trainer.max_steps=3", "trainer.ckpt_at_end=false", "logging.wandb_tags=[ci,p2]")
     assert "logged offline" in res.stdout and "wandb sync" in res.stdout and "step 3/3" in res.stdout
     files = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
@@ -192,3 +198,22 @@ def test_wandb_offline_logs_loss_and_bubble_readable_from_the_run_file(tmp_path)
         assert history[step]["bubble/rank1"] == pytest.approx(row["bubble_fraction_per_rank"][1])
     tables = {k.split("/")[0]: h[k] for h in history.values() for k in h if k.endswith("/_type")}
     assert tables == {"timeline": "table-file", "per_rank": "table-file"}  # measured timeline, per-rank table
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_wandb_run_marked_resumed(tmp_path):
+    train_offline(tmp_path, "trainer.max_steps=2")  # a checkpoint at the end (step 2)
+    train_offline(tmp_path, "trainer.max_steps=4", "trainer.resume=auto")
+    runs = {}  # offline-run directory -> (run id, resume flag, logged steps)
+    for path in sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")):
+        records = list(wandb_records(path))
+        run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        steps = sorted(json.loads(it.value_json) for r in records if r.WhichOneof("record_type") == "history"
+                       for it in r.history.item if (it.key or "/".join(it.nested_key)) == "_step")
+        runs[path.parent.name] = (run.run_id, run.resume, steps)
+    assert len(runs) == 2, runs
+    (first_id, first_resume, first_steps), (second_id, second_resume, second_steps) = runs.values()
+    assert first_id == second_id == (tmp_path / "run" / "wandb_id.txt").read_text().strip()
+    assert not first_resume and second_resume  # wandb's own mark: resume requested for this id
+    assert first_steps[:2] == [1, 2] and second_steps[:2] == [3, 4]

@@ -9,6 +9,10 @@ every rank's measurements).
 With no credentials (WANDB_MODE unset, no WANDB_API_KEY, no `wandb login` entry in
 ~/.netrc) the run goes offline by itself and says how to sync it later, so a first run
 never stops at a login prompt.
+
+The run id is kept in the run directory (`wandb_id.txt`): a run resumed from a checkpoint
+(trainer.resume) continues that same wandb run, with `resume="allow"` (wandb marks it
+resumed); a fresh start opens a new run and writes its id there.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import netrc
 import os
+from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
 
 from pipetrain.loggers.base import Logger, RunInfo
 from pipetrain.metrics.step import RunSummary, StepRecord
 
+ID_FILE = "wandb_id.txt"  # in the run directory, next to checkpoints/
 PER_RANK = {  # record key -> wandb key prefix (one scalar per rank)
     "bubble_fraction_per_rank": "bubble/rank",
     "simulated_bubble_fraction_per_rank": "bubble_simulated/rank",
@@ -56,6 +62,14 @@ def flat_metrics(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_identity(info: RunInfo) -> tuple[Optional[str], Optional[str]]:
+    """(id, resume) for wandb.init: the id kept in the run directory when this run resumed from a
+    checkpoint (start_step > 0), else (None, None): wandb picks a new id."""
+    path = Path(info.run_dir) / ID_FILE
+    kept = path.read_text().strip() if info.start_step > 0 and path.is_file() else ""
+    return (kept, "allow") if kept else (None, None)
+
+
 class WandbLogger(Logger):
     def start(self, info: RunInfo) -> None:
         super().start(info)
@@ -68,10 +82,13 @@ class WandbLogger(Logger):
             self.offline = True
         cfg, log = info.config, info.config.logging
         name = log.wandb_name or f"{cfg.schedule.name}-p{cfg.pipeline.degree}-m{cfg.pipeline.microbatches}"
+        run_id, resume = run_identity(info)
         self.run = wandb.init(
             project=log.wandb_project, entity=log.wandb_entity, name=name, tags=list(log.wandb_tags),
             config=dataclasses.asdict(cfg), dir=str(info.run_dir), settings=wandb.Settings(console="off"),
+            id=run_id, resume=resume,
         )
+        (Path(info.run_dir) / ID_FILE).write_text(self.run.id + "\n")
         if self.offline:
             print(f"wandb: no credentials (WANDB_API_KEY or `wandb login`), so this run is logged offline to "
                   f"{self.run_path()}; sync it later with: wandb sync {self.run_path()}", flush=True)
