@@ -93,6 +93,11 @@ def _opened(rank, world, out, config, plan, run_dir):
     trainer = Trainer(config, plan, run_dir)
     keys = [hf_name(n, num_hidden_layers=3) for _, n, _ in trainer.pipe.named_parameters()]
     (out / f"opened{rank}.json").write_text(json.dumps({"opened": trainer.pretrained_files, "keys": keys}))
+    # Leave together: a rank that tears its process group down while its peer is still in the
+    # constructor's last collective can abort in gloo ("terminate called without an active exception").
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 @pytest.mark.dist
