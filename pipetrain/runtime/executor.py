@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from pipetrain.metrics.records import ActionTiming, CommEvent
+from pipetrain.runtime.step_result import SavedBytes, StepResult
 from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input, backward_weight
 from pipetrain.runtime.clock import StepClock
 from pipetrain.runtime.comm import P2P
@@ -56,46 +56,6 @@ from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.stage_protocol import Stage
 from pipetrain.schedules.ir import Action, Op, Schedule
 from pipetrain.schedules.p2p import Message, build_plan, forward_plan, needed_by, sent_by
-
-
-@dataclass
-class StepResult:
-    loss: Optional[float]  # mean loss over the step's microbatches (None without a process group and no last stage)
-    timings: list[ActionTiming] = field(default_factory=list)  # one per step of the rank's list, with receive waits
-    comm: list[CommEvent] = field(default_factory=list)  # every cross-rank send and receive of the step
-    step_ms: float = 0.0
-    t0_wall: float = 0.0  # time.time() when the step began: puts the ranks' timings on one axis
-    peak_activation_sets: int = 0  # most (stage, microbatch) sets alive at once
-    peak_activation_bytes: int = 0  # bytes autograd saved for them, at that peak
-    peak_memory_bytes: Optional[int] = None  # torch.cuda.max_memory_allocated on GPU
-    peak_recv_buffer_bytes: dict[int, int] = field(default_factory=dict)  # stage -> most bytes of posted receives
-    reduce_exposed_ms: float = 0.0  # end of the last action -> every gradient reduction done (data parallel)
-    reduce_issued_ms: dict[int, float] = field(default_factory=dict)  # stage -> when its reduction started
-    # stage -> when the executor saw its reduction done: between actions (polled), or in the final wait
-    reduce_done_ms: dict[int, float] = field(default_factory=dict)
-
-
-class _SavedBytes:
-    """Counts the bytes autograd saves during one forward (saved_tensors_hooks)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._seen: set[int] = set()
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
-        if key not in self._seen:
-            self._seen.add(key)
-            self.bytes += t.untyped_storage().nbytes()
-        # A detached alias (same storage and version counter): returning t itself ties a node
-        # that saves its own output (attention, layer norm, log-softmax) to itself through C++,
-        # a cycle Python's GC cannot see; the split backward's retained graphs then leaked
-        # ~11 MB per microbatch, and every new allocation page-faulted (zbv ran 1.4x slower).
-        return t.detach()
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
 
 
 class Executor:
@@ -295,7 +255,7 @@ class Executor:
             # The first stage also asks for its input grad (and drops it) so that B does B's
             # share of the work, as the schedule and the simulator assume.
             x = x.detach().requires_grad_(True)
-        counter = _SavedBytes()
+        counter = SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast():
             out = self.stages[s](x)
             if pl.next_stage(s) is None:

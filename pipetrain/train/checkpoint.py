@@ -26,6 +26,8 @@ Atomic: every rank writes into <run_dir>/checkpoints/.step_000123.tmp; after a b
 adds meta.json and renames the directory to step_000123. A crash at any point leaves either no
 step_000123 or a complete one; the newest checkpoint is the highest step_* holding meta.json.
 
+meta.json's fingerprint and the resume rules: train/checkpoint_meta.py.
+
 What it works on is a `Checkpointable` (the rank's GradSync, optimizer and counters), not the
 trainer: the trainer depends on this module, never the other way. Messages for the user go
 to the `note` callback the caller passes (the trainer hands them to its loggers).
@@ -33,7 +35,6 @@ to the `note` callback the caller passes (the trainer hands them to its loggers)
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -50,11 +51,11 @@ import torch.distributed as dist
 
 from pipetrain.config import Config
 from pipetrain.config.train import TrainerConfig
+from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
 
 if TYPE_CHECKING:
     from pipetrain.runtime.sync import GradSync
 
-FORMAT = 1
 CKPT_DIR = "checkpoints"
 META = "meta.json"
 DCP_METADATA = ".metadata"  # written by DCP's coordinator once every rank's data is on disk
@@ -144,50 +145,6 @@ def preflight(config: Config, run_dir: Path) -> Optional[Path]:
 
 def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / META).read_text())
-
-
-# ---- what may change on resume --------------------------------------------------------------------
-
-
-def _flat(prefix: str, obj: Any) -> dict[str, Any]:
-    d = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(obj)
-    return json.loads(json.dumps({f"{prefix}.{k}": v for k, v in d.items()}, default=str))
-
-
-def fingerprint(config: Config) -> dict[str, dict[str, Any]]:
-    """model: must match to load. layout: free to change (the point of unsplit names). training:
-    may change, but then the run no longer continues the uninterrupted one, so a change is reported."""
-    p, s, part, t = config.pipeline, config.schedule, config.partition, config.trainer
-    model = _flat("model", {"name": config.model.name, **config.model.knobs()})
-    layout = {"pipeline.degree": p.degree, "pipeline.microbatches": p.microbatches, "schedule.name": s.name,
-              "schedule.virtual_stages": s.virtual_stages, "partition.name": part.name,
-              "partition.boundaries": part.boundaries, "parallel.dp_replicate": config.parallel.dp_replicate,
-              "parallel.dp_shard": config.parallel.dp_shard}
-    training = {"trainer.seed": t.seed, "trainer.max_steps": t.max_steps, **_flat("data", config.data),
-                **_flat("optim", config.optim)}
-    return {"model": model, "layout": json.loads(json.dumps(layout)), "training": training}
-
-
-def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-
-
-def check_compatible(meta: dict[str, Any], config: Config, path: Path) -> list[str]:
-    """Raise (one line) if the model differs; return notes on changed layout / training knobs."""
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"trainer.resume: {path} has checkpoint format {meta.get('format')!r}, "
-                         f"this pipetrain reads {FORMAT}: resume with the version that wrote it or set trainer.resume=null")
-    old, new = meta["fingerprint"], fingerprint(config)
-    model = _changes(old["model"], new["model"])
-    if model:
-        raise ValueError(f"trainer.resume: {path} was saved for another model ({'; '.join(model)}): "
-                         f"set the model knobs back or set trainer.resume=null")
-    notes = []
-    if layout := _changes(old["layout"], new["layout"]):
-        notes.append("new layout (weights re-split by name): " + "; ".join(layout))
-    if training := _changes(old["training"], new["training"]):
-        notes.append("changed training knobs, the run will not repeat an uninterrupted one: " + "; ".join(training))
-    return notes
 
 
 def due(step: int, cfg: TrainerConfig) -> bool:

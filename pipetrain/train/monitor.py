@@ -32,7 +32,7 @@ from pipetrain.loggers.factory import build_loggers
 from pipetrain.metrics.measure import StepMeasurement, measure_step
 from pipetrain.metrics.records import RankSample
 from pipetrain.metrics.step import RunSummary, StepRecord
-from pipetrain.runtime.executor import StepResult
+from pipetrain.runtime.step_result import StepResult
 from pipetrain.runtime.sync import local_tensor
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ from pipetrain.models.base import LayeredModel
 from pipetrain.models.init import InitRule
 from pipetrain.models.split import build_stage
 from pipetrain.runtime.comm import P2P
-from pipetrain.runtime.executor import Executor, StepResult
+from pipetrain.runtime.executor import Executor
+from pipetrain.runtime.step_result import StepResult
 from pipetrain.parallel.dp import DataParallel
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule

@@ -1,0 +1,51 @@
+"""What one executor step reports (StepResult), and how it counts the bytes autograd saves
+for a forward (SavedBytes, a saved_tensors_hooks pair)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from pipetrain.metrics.records import ActionTiming, CommEvent
+
+
+@dataclass
+class StepResult:
+    loss: Optional[float]  # mean loss over the step's microbatches (None without a process group and no last stage)
+    timings: list[ActionTiming] = field(default_factory=list)  # one per step of the rank's list, with receive waits
+    comm: list[CommEvent] = field(default_factory=list)  # every cross-rank send and receive of the step
+    step_ms: float = 0.0
+    t0_wall: float = 0.0  # time.time() when the step began: puts the ranks' timings on one axis
+    peak_activation_sets: int = 0  # most (stage, microbatch) sets alive at once
+    peak_activation_bytes: int = 0  # bytes autograd saved for them, at that peak
+    peak_memory_bytes: Optional[int] = None  # torch.cuda.max_memory_allocated on GPU
+    peak_recv_buffer_bytes: dict[int, int] = field(default_factory=dict)  # stage -> most bytes of posted receives
+    reduce_exposed_ms: float = 0.0  # end of the last action -> every gradient reduction done (data parallel)
+    reduce_issued_ms: dict[int, float] = field(default_factory=dict)  # stage -> when its reduction started
+    # stage -> when the executor saw its reduction done: between actions (polled), or in the final wait
+    reduce_done_ms: dict[int, float] = field(default_factory=dict)
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves during one forward (saved_tensors_hooks)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += t.untyped_storage().nbytes()
+        # A detached alias (same storage and version counter): returning t itself ties a node
+        # that saves its own output (attention, layer norm, log-softmax) to itself through C++,
+        # a cycle Python's GC cannot see; the split backward's retained graphs then leaked
+        # ~11 MB per microbatch, and every new allocation page-faulted (zbv ran 1.4x slower).
+        return t.detach()
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t

@@ -1,0 +1,60 @@
+"""What a checkpoint's meta.json says about the run that wrote it, and what may change on resume.
+
+The fingerprint splits the config three ways: the model (must match to load), the layout
+(pipeline and data-parallel degrees, schedule, partition: free to change, the point of unsplit
+names) and the training knobs (may change, but then the run no longer repeats the uninterrupted
+one, so a change is reported). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from pipetrain.config import Config
+
+FORMAT = 1  # the checkpoint layout this pipetrain writes and reads
+
+
+
+def _flat(prefix: str, obj: Any) -> dict[str, Any]:
+    d = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(obj)
+    return json.loads(json.dumps({f"{prefix}.{k}": v for k, v in d.items()}, default=str))
+
+
+def fingerprint(config: Config) -> dict[str, dict[str, Any]]:
+    """model: must match to load. layout: free to change (the point of unsplit names). training:
+    may change, but then the run no longer continues the uninterrupted one, so a change is reported."""
+    p, s, part, t = config.pipeline, config.schedule, config.partition, config.trainer
+    model = _flat("model", {"name": config.model.name, **config.model.knobs()})
+    layout = {"pipeline.degree": p.degree, "pipeline.microbatches": p.microbatches, "schedule.name": s.name,
+              "schedule.virtual_stages": s.virtual_stages, "partition.name": part.name,
+              "partition.boundaries": part.boundaries, "parallel.dp_replicate": config.parallel.dp_replicate,
+              "parallel.dp_shard": config.parallel.dp_shard}
+    training = {"trainer.seed": t.seed, "trainer.max_steps": t.max_steps, **_flat("data", config.data),
+                **_flat("optim", config.optim)}
+    return {"model": model, "layout": json.loads(json.dumps(layout)), "training": training}
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def check_compatible(meta: dict[str, Any], config: Config, path: Path) -> list[str]:
+    """Raise (one line) if the model differs; return notes on changed layout / training knobs."""
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"trainer.resume: {path} has checkpoint format {meta.get('format')!r}, "
+                         f"this pipetrain reads {FORMAT}: resume with the version that wrote it or set trainer.resume=null")
+    old, new = meta["fingerprint"], fingerprint(config)
+    model = _changes(old["model"], new["model"])
+    if model:
+        raise ValueError(f"trainer.resume: {path} was saved for another model ({'; '.join(model)}): "
+                         f"set the model knobs back or set trainer.resume=null")
+    notes = []
+    if layout := _changes(old["layout"], new["layout"]):
+        notes.append("new layout (weights re-split by name): " + "; ".join(layout))
+    if training := _changes(old["training"], new["training"]):
+        notes.append("changed training knobs, the run will not repeat an uninterrupted one: " + "; ".join(training))
+    return notes
