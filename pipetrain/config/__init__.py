@@ -70,6 +70,7 @@ class ScheduleConfig:
     virtual_stages: int = 1  # v: stages per rank (interleaved / looped BFS; V and mirror fix it at 2)
     path: Optional[str] = None  # schedule=custom: a .csv or .txt file
     placement: str = "loop"  # schedule=custom: loop | v | mirror
+    memory_budget: Optional[float] = None  # schedule=zb_auto: live activation sets per rank; None = 2*degree-1 (ZB-H2's)
 
     def __post_init__(self) -> None:
         if self.name == registry.CUSTOM:
@@ -79,6 +80,8 @@ class ScheduleConfig:
             registry.get(self.name)  # unknown names fail here with the list of choices
         if self.virtual_stages < 1:
             raise ValueError(f"schedule.virtual_stages must be >= 1 (got {self.virtual_stages})")
+        if self.memory_budget is not None and self.memory_budget < 1:
+            raise ValueError(f"schedule.memory_budget must be >= 1 microbatch of activations per rank (got {self.memory_budget})")
 
 
 # ---- data, partition, simulator -----------------------------------------------------------
