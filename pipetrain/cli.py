@@ -35,6 +35,10 @@ def run(config: Config, run_dir: Path) -> Any:
 
     if config.mode is Mode.simulate:
         return run_simulate(config, run_dir)
+    if config.mode is Mode.plan:
+        from pipetrain.planner.cmd import run_plan
+
+        return run_plan(config, run_dir)
     # Train, eval, export: everything is checked (and simulated) here, before any process starts.
     from pipetrain.models.hf import check_pretrained
     from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths

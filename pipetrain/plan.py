@@ -65,7 +65,7 @@ def build_schedule(config: Config, stage_costs: StageCosts | None = None) -> Sch
     if s.name == "zb_auto" and stage_costs is not None:
         registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
         steps = zb_auto_order(p.degree, p.microbatches, f=stage_costs.f, b=stage_costs.b, w=stage_costs.w,
-                              comm=config.sim.comm_ms, budget=s.memory_budget)
+                              comm=config.sim.comm_ms, budget=budget_of(s.memory_budget, p.degree), w_keep=s.w_keep)
         schedule = Schedule.build(s.name, registry.placement_for(s.name, p.degree), p.microbatches, steps)
     elif s.name == registry.CUSTOM:
         schedule = registry.load_custom(
@@ -78,6 +78,16 @@ def build_schedule(config: Config, stage_costs: StageCosts | None = None) -> Sch
         schedule = add_reduces(schedule, at_end=not config.parallel.overlap_reduce)
     validate(schedule, p2p_lookahead=p.p2p_lookahead)
     return schedule
+
+
+def budget_of(memory_budget: list[float] | None, degree: int) -> list[float] | None:
+    """schedule.memory_budget as one budget per rank (one value: the same for all)."""
+    if memory_budget is None or len(memory_budget) == degree:
+        return memory_budget
+    if len(memory_budget) == 1:
+        return list(memory_budget) * degree
+    raise ValueError(f"schedule.memory_budget lists {len(memory_budget)} budgets: give one for all ranks or "
+                     f"pipeline.degree={degree} (one per rank)")
 
 
 def build_model(model: ModelConfig, *, device: Any = None) -> LayeredModel:

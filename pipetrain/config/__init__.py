@@ -28,6 +28,7 @@ from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
+from pipetrain.config.plan import PlanConfig
 from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
 from pipetrain.partition.strategies import manual_bounds
@@ -39,6 +40,7 @@ class Mode(str, enum.Enum):
     simulate = "simulate"
     eval = "eval"  # mean next-token loss on a token file, on the pipeline ranks (train/evaluate.py)
     export = "export"  # the model as a Hugging Face folder, in this process (train/export.py)
+    plan = "plan"  # rank layouts, schedules and microbatching by simulation (planner/cmd.py)
 
 
 @dataclass
@@ -70,7 +72,9 @@ class ScheduleConfig:
     virtual_stages: int = 1  # v: stages per rank (interleaved / looped BFS; V and mirror fix it at 2)
     path: Optional[str] = None  # schedule=custom: a .csv or .txt file
     placement: str = "loop"  # schedule=custom: loop | v | mirror
-    memory_budget: Optional[float] = None  # schedule=zb_auto: live activation sets per rank; None = 2*degree-1 (ZB-H2's)
+    # schedule=zb_auto: live activation sets per rank, one value for all ranks or one per rank; null = 2*degree-1 (ZB-H2's)
+    memory_budget: Optional[list[float]] = None
+    w_keep: float = 1.0  # schedule=zb_auto: share of a microbatch's activations B keeps for W (1: all, until W)
 
     def __post_init__(self) -> None:
         if self.name == registry.CUSTOM:
@@ -80,8 +84,11 @@ class ScheduleConfig:
             registry.get(self.name)  # unknown names fail here with the list of choices
         if self.virtual_stages < 1:
             raise ValueError(f"schedule.virtual_stages must be >= 1 (got {self.virtual_stages})")
-        if self.memory_budget is not None and self.memory_budget < 1:
-            raise ValueError(f"schedule.memory_budget must be >= 1 microbatch of activations per rank (got {self.memory_budget})")
+        if self.memory_budget is not None and (not self.memory_budget or min(self.memory_budget) < 1):
+            raise ValueError(f"schedule.memory_budget must list budgets >= 1 microbatch of activations "
+                             f"(one for all ranks or one per rank), e.g. [7] (got {self.memory_budget})")
+        if not 0.0 <= self.w_keep <= 1.0:
+            raise ValueError(f"schedule.w_keep must be in [0, 1] (got {self.w_keep})")
 
 
 # ---- data, partition, simulator -----------------------------------------------------------
@@ -145,6 +152,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: list[str] = field(default_factory=default_loggers)  # logger=[console,jsonl,trace,wandb]
     logging: LoggingConfig = field(default_factory=LoggingConfig)

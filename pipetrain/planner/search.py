@@ -81,6 +81,7 @@ class Row:
     exposed_comm_ms: Optional[float] = None
     memory: list[RankMemory] = field(default_factory=list)
     memory_budget: Optional[float] = None  # zb_auto: the smallest rank budget (microbatches)
+    budgets: Optional[list[float]] = None  # zb_auto: every rank's budget (schedule.memory_budget)
 
     @property
     def peak(self) -> Optional[RankMemory]:
@@ -158,7 +159,7 @@ class _Evaluator:
             if budgets[low] < 1.0:
                 row.reason = f"OOM on rank {low}: one microbatch of activations does not fit"
                 return row
-            row.memory_budget = budgets[low]
+            row.memory_budget, row.budgets = budgets[low], budgets
             steps = zb_auto_order(c.pp, c.microbatches, f=costs.f, b=costs.b, w=costs.w, comm=comm_ms,
                                   budget=budgets, w_keep=w.w_keep)
             sched = Schedule.build(c.schedule, pl, c.microbatches, steps)
