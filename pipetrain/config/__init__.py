@@ -66,6 +66,9 @@ class PipelineConfig:
             raise ValueError(f"pipeline.p2p_lookahead must be >= 0 actions (got {self.p2p_lookahead})")
 
 
+AUTO = "auto"  # schedule=auto: plan (mode=plan's search), then train the best row
+
+
 @dataclass
 class ScheduleConfig:
     name: str = "1f1b"
@@ -80,7 +83,7 @@ class ScheduleConfig:
         if self.name == registry.CUSTOM:
             if not self.path:
                 raise ValueError("schedule=custom needs a file: add schedule.path=my_schedule.csv")
-        else:
+        elif self.name != AUTO:  # schedule=auto: the planner picks the schedule before the run (planner/auto.py)
             registry.get(self.name)  # unknown names fail here with the list of choices
         if self.virtual_stages < 1:
             raise ValueError(f"schedule.virtual_stages must be >= 1 (got {self.virtual_stages})")
@@ -161,9 +164,10 @@ class Config:
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"model= must name a model config: choose model= one of {', '.join(MODEL_OPTIONS)}")
         s, p = self.schedule, self.pipeline
-        if s.name != registry.CUSTOM:
+        if s.name not in (registry.CUSTOM, AUTO):
             registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
-        self._check_layers()
+        if s.name != AUTO:  # the planner's row is checked when it is applied
+            self._check_layers()
         if self.parallel.dp_shard == -1:
             world = self.cluster.fixed_world() or launched_world(self.cluster.name)
             self.parallel.dp_shard = fill_dp_shard(self.parallel, degree=p.degree, world=world,

@@ -28,7 +28,8 @@ CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "v", "microbatches", "m
                "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
                "exposed_comm_ms", "memory_budget", "reason")
 HIDDEN_KNOBS = ("n_embd", "hidden_size", "hidden", "d_hidden")  # the width crossing a stage boundary
-PARTITIONS = ("uniform", "params", "flops", "balanced")  # what the planner can cut by without running anything
+# what the planner cuts by; partition=profile cuts by measured time ("time") and calibrates the costs
+PARTITIONS = {"uniform": "uniform", "params": "params", "flops": "flops", "balanced": "balanced", "profile": "time"}
 
 
 def workload(config: Config) -> Workload:
@@ -40,6 +41,15 @@ def workload(config: Config) -> Workload:
 
         def layers(mbs: int):
             return costs  # the sleep model's times are per microbatch, whatever its size
+    elif config.partition.name == "profile":  # calibrated: F, B, W measured on this machine per microbatch size
+        from pipetrain.models.profile import profile_layers
+        from pipetrain.plan import build_model, profile_device
+
+        dev = profile_device()
+        model = build_model(m, device=dev)
+
+        def layers(mbs: int):
+            return profile_layers(model, batch=mbs, seq=seq, device=dev)
     else:
         from pipetrain.plan import build_model
 
@@ -75,7 +85,7 @@ def plan_candidates(config: Config) -> list[Candidate]:
     names = p.schedules or registry.names()
     for n in names:
         registry.get(n)  # an unknown name fails with the list of choices
-    part = config.partition.name if config.partition.name in PARTITIONS else "balanced"
+    part = PARTITIONS.get(config.partition.name, "balanced")
     cands = candidates(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
                        num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
                        virtual_stages=p.virtual_stages, recompute=p.recompute, pp_degrees=p.pp,
@@ -155,4 +165,5 @@ def apply_row(config: Config, row: Row) -> Config:
         parallel=dataclasses.replace(config.parallel, dp_replicate=dp_rep, dp_shard=dp_shard),
         data=dataclasses.replace(config.data, batch_size=c.dp * c.microbatches * c.microbatch_size),
         trainer=dataclasses.replace(config.trainer, activation_checkpointing=c.recompute),
-        partition=dataclasses.replace(config.partition, name=c.partition, boundaries=None))
+        partition=dataclasses.replace(config.partition, boundaries=None,
+                                      name="profile" if c.partition == "time" else c.partition))

@@ -236,10 +236,11 @@ def search(work: Workload, device: Device, cands: Sequence[Candidate], *, object
     """Evaluate candidates, cheapest lower bound first; with `prune`, skip the simulation of a
     candidate whose lower bound cannot beat the best feasible step time found so far."""
     ev = _Evaluator(work, device)
+    bound = {c: lower_bound_ms(ev, c) for c in cands}  # costs every microbatch size first (a profile, if calibrating)
     start, best = time.perf_counter(), math.inf
     rows = []
-    for c in sorted(cands, key=lambda c: lower_bound_ms(ev, c) / (c.dp * c.microbatches * c.microbatch_size)):
-        lb = lower_bound_ms(ev, c)
+    for c in sorted(cands, key=lambda c: bound[c] / (c.dp * c.microbatches * c.microbatch_size)):
+        lb = bound[c]
         if time.perf_counter() - start > time_limit_s:
             rows.append(Row(c, reason=f"not evaluated: plan.time_limit_s={time_limit_s:g} reached"))
             continue
