@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.models.costs import LayerCost
-from pipetrain.planner.memory import GB, StateBytes
+from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Candidate, Device, Workload, search
 
 pytestmark = pytest.mark.pure

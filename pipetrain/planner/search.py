@@ -22,6 +22,7 @@ from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import GB, RankMemory, StateBytes, peak_activation_bytes, rank_memory
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts, simulate
@@ -105,8 +106,8 @@ class Row:
         }
 
 
-def _stage_costs(schedule_placement, chunks: list[tuple[float, float, float]], recompute: bool) -> StageCosts:
-    pl = schedule_placement
+def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: bool) -> StageCosts:
+    """Per stage id (f, b, w); recompute runs the stage's forward again inside its B."""
     per = [chunks[pl.chunk_of(s)] for s in range(pl.num_stages)]
     return StageCosts(tuple(f for f, _, _ in per), tuple(b + (f if recompute else 0.0) for f, b, _ in per),
                       tuple(w for _, _, w in per))
@@ -127,6 +128,21 @@ class _Evaluator:
         return [rank_memory(r, params=p, state=self.work.state, shard=shard, activations=0.0,
                             boundary_bytes=boundary, stages=stages, lookahead=self.device.lookahead, margin=0.0)
                 for r, p in enumerate(params_rank)]
+
+    def zb_auto(self, row: Row, pl: Placement, costs: StageCosts, comm_ms: float,
+                fits: list[float]) -> Optional[Schedule]:
+        """zb_auto searched under each rank's own budget: the microbatches of activations its memory
+        leaves (`fits`), at most 2P (ZB-2p's); None (with the reason on the row) when one does not fit."""
+        c = row.candidate
+        budgets = [math.floor(min(2.0 * c.pp, x) * 100) / 100 for x in fits]
+        low = min(range(c.pp), key=lambda r: budgets[r])
+        if budgets[low] < 1.0:
+            row.reason = f"OOM on rank {low}: one microbatch of activations does not fit"
+            return None
+        row.memory_budget, row.budgets = budgets[low], budgets
+        steps = zb_auto_order(c.pp, c.microbatches, f=costs.f, b=costs.b, w=costs.w, comm=comm_ms,
+                              budget=budgets, w_keep=self.work.w_keep)
+        return Schedule.build(c.schedule, pl, c.microbatches, steps)
 
     def evaluate(self, c: Candidate) -> Row:
         row, d, w = Row(c), self.device, self.work
@@ -153,16 +169,9 @@ class _Evaluator:
             row.memory = [RankMemory(m.rank, m.states, t, m.receive, d.margin * (m.total + t)) for m, t in zip(static, transient)]
             return row
         if c.schedule == "zb_auto":
-            # each rank's own budget: what its memory leaves, in its microbatches' worth (at most 2P, ZB-2p's)
-            budgets = [math.floor(min(2.0 * c.pp, room[r] / act_chunk[pl.chunk_of(r)]) * 100) / 100 for r in range(c.pp)]
-            low = min(range(c.pp), key=lambda r: budgets[r])
-            if budgets[low] < 1.0:
-                row.reason = f"OOM on rank {low}: one microbatch of activations does not fit"
+            sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_chunk[pl.chunk_of(r)] for r in range(c.pp)])
+            if sched is None:
                 return row
-            row.memory_budget, row.budgets = budgets[low], budgets
-            steps = zb_auto_order(c.pp, c.microbatches, f=costs.f, b=costs.b, w=costs.w, comm=comm_ms,
-                                  budget=budgets, w_keep=w.w_keep)
-            sched = Schedule.build(c.schedule, pl, c.microbatches, steps)
         else:
             sched = registry.build(c.schedule, c.pp, c.microbatches, c.v)
         red = None
