@@ -41,15 +41,17 @@ def workload(config: Config) -> Workload:
 
         def layers(mbs: int):
             return costs  # the sleep model's times are per microbatch, whatever its size
-    elif config.partition.name == "profile":  # calibrated: F, B, W measured on this machine per microbatch size
-        from pipetrain.models.profile import profile_layers
+    elif config.partition.name == "profile":  # calibrated: F, B, W and saved bytes measured on this machine
+        from pipetrain.models.profile import profile_layers, saved_bytes_per_token
         from pipetrain.plan import build_model, profile_device
 
         dev = profile_device()
         model = build_model(m, device=dev)
 
         def layers(mbs: int):
-            return profile_layers(model, batch=mbs, seq=seq, device=dev)
+            saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev)
+            return [dataclasses.replace(c, activation_bytes_per_token=a)
+                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev), saved)]
     else:
         from pipetrain.plan import build_model
 
