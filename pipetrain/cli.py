@@ -31,17 +31,25 @@ def run(config: Config, run_dir: Path) -> Any:
 
     from pipetrain.launch import launch
     from pipetrain.launch.resolvers import process_rank
+    from pipetrain.planner.auto import choose, report, wants_plan
     from pipetrain.simulate_cmd import plan_and_simulate, run_simulate
 
+    if config.mode is Mode.plan:
+        from pipetrain.planner.cmd import run_plan
+
+        return run_plan(config, run_dir)
+    # Under torchrun / SLURM every process is a rank and composes the config: one of them reports.
+    quiet = process_rank(config.cluster.name) != 0
+    console = Console(quiet=quiet)
+    planned = None
+    if wants_plan(config):  # schedule=auto: the planner's best row is what runs (or is simulated)
+        config, planned = choose(config, run_dir, console)
     if config.mode is Mode.simulate:
         return run_simulate(config, run_dir)
     # Train, eval, export: everything is checked (and simulated) here, before any process starts.
     from pipetrain.models.hf import check_pretrained
     from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
 
-    # Under torchrun / SLURM every process is a rank and composes the config: one of them reports.
-    quiet = process_rank(config.cluster.name) != 0
-    console = Console(quiet=quiet)
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
     check_pretrained(config.model)  # a missing, extra or mis-shaped key too
     changes = getattr(config.model, "pretrained_changes", None)
@@ -60,7 +68,10 @@ def run(config: Config, run_dir: Path) -> Any:
         console.print(f"eval: loss {result['loss']:.6f} over {result['tokens']:,} tokens of {result['file']} "
                       f"({result['tokens_per_s']:,.0f} tokens/s) -> {run_dir / EVAL_FILE}", markup=False, highlight=False)
         return result
-    return launch(config, plan, run_dir)
+    result = launch(config, plan, run_dir)
+    if planned is not None and not quiet:
+        report(planned, run_dir, console)
+    return result
 
 
 def _fail(err: BaseException) -> None:

@@ -28,6 +28,7 @@ from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
+from pipetrain.config.plan import PlanConfig
 from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
 from pipetrain.partition.strategies import manual_bounds
@@ -39,6 +40,7 @@ class Mode(str, enum.Enum):
     simulate = "simulate"
     eval = "eval"  # mean next-token loss on a token file, on the pipeline ranks (train/evaluate.py)
     export = "export"  # the model as a Hugging Face folder, in this process (train/export.py)
+    plan = "plan"  # rank layouts, schedules and microbatching by simulation (planner/cmd.py)
 
 
 @dataclass
@@ -64,21 +66,32 @@ class PipelineConfig:
             raise ValueError(f"pipeline.p2p_lookahead must be >= 0 actions (got {self.p2p_lookahead})")
 
 
+AUTO = "auto"  # schedule=auto: plan (mode=plan's search), then train the best row
+
+
 @dataclass
 class ScheduleConfig:
     name: str = "1f1b"
     virtual_stages: int = 1  # v: stages per rank (interleaved / looped BFS; V and mirror fix it at 2)
     path: Optional[str] = None  # schedule=custom: a .csv or .txt file
     placement: str = "loop"  # schedule=custom: loop | v | mirror
+    # schedule=zb_auto: live activation sets per rank, one value for all ranks or one per rank; null = 2*degree-1 (ZB-H2's)
+    memory_budget: Optional[list[float]] = None
+    w_keep: float = 1.0  # schedule=zb_auto: share of a microbatch's activations B keeps for W (1: all, until W)
 
     def __post_init__(self) -> None:
         if self.name == registry.CUSTOM:
             if not self.path:
                 raise ValueError("schedule=custom needs a file: add schedule.path=my_schedule.csv")
-        else:
+        elif self.name != AUTO:  # schedule=auto: the planner picks the schedule before the run (planner/auto.py)
             registry.get(self.name)  # unknown names fail here with the list of choices
         if self.virtual_stages < 1:
             raise ValueError(f"schedule.virtual_stages must be >= 1 (got {self.virtual_stages})")
+        if self.memory_budget is not None and (not self.memory_budget or min(self.memory_budget) < 1):
+            raise ValueError(f"schedule.memory_budget must list budgets >= 1 microbatch of activations "
+                             f"(one for all ranks or one per rank), e.g. [7] (got {self.memory_budget})")
+        if not 0.0 <= self.w_keep <= 1.0:
+            raise ValueError(f"schedule.w_keep must be in [0, 1] (got {self.w_keep})")
 
 
 # ---- data, partition, simulator -----------------------------------------------------------
@@ -142,6 +155,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: list[str] = field(default_factory=default_loggers)  # logger=[console,jsonl,trace,wandb]
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -150,9 +164,10 @@ class Config:
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"model= must name a model config: choose model= one of {', '.join(MODEL_OPTIONS)}")
         s, p = self.schedule, self.pipeline
-        if s.name != registry.CUSTOM:
+        if s.name not in (registry.CUSTOM, AUTO):
             registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
-        self._check_layers()
+        if s.name != AUTO:  # the planner's row is checked when it is applied
+            self._check_layers()
         if self.parallel.dp_shard == -1:
             world = self.cluster.fixed_world() or launched_world(self.cluster.name)
             self.parallel.dp_shard = fill_dp_shard(self.parallel, degree=p.degree, world=world,
