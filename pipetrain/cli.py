@@ -90,6 +90,11 @@ def _unwrap(err: BaseException) -> BaseException:
 
 def main() -> None:
     register_all()
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        from pipetrain.help import render
+
+        print(render(sys.argv[1:]), end="")
+        return
     try:
         check_recipe_args(sys.argv[1:])
     except ValueError as e:

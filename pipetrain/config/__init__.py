@@ -66,7 +66,7 @@ class PipelineConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "1f1b"
+    name: str = "1f1b"  # the schedule= option: a built-in schedule, or custom for schedule.path
     virtual_stages: int = 1  # v: stages per rank (interleaved / looped BFS; V and mirror fix it at 2)
     path: Optional[str] = None  # schedule=custom: a .csv or .txt file
     placement: str = "loop"  # schedule=custom: loop | v | mirror
@@ -90,7 +90,7 @@ PARTITIONS = ("uniform", "params", "flops", "profile", "balanced", "manual")
 
 @dataclass
 class PartitionConfig:
-    name: str = "uniform"
+    name: str = "uniform"  # the partition= option: how the layers are cut into stages
     boundaries: Optional[list[int]] = None  # partition=manual: first layer index of stages 1..k-1
 
     def __post_init__(self) -> None:
@@ -131,7 +131,7 @@ class SimConfig:
 
 @dataclass
 class Config:
-    mode: Mode = Mode.simulate
+    mode: Mode = Mode.simulate  # train | simulate | eval | export (conf/config.yaml sets train)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)

@@ -30,10 +30,10 @@ def check_loggers(names: list[str]) -> None:
 
 @dataclass
 class LoggingConfig:
-    wandb_project: str = "pipetrain"
+    wandb_project: str = "pipetrain"  # wandb project the runs go to
     wandb_entity: Optional[str] = None  # team or user; None: wandb's default entity
     wandb_name: Optional[str] = None  # run name; None: "<schedule>-p<degree>-m<microbatches>"
-    wandb_tags: list[str] = field(default_factory=list)
+    wandb_tags: list[str] = field(default_factory=list)  # extra wandb tags, e.g. [baseline,zbv]
     # The step drawn by the trace logger (trace.json) and the console's end-of-run timeline,
     # counted from 1 as the progress lines count; -1: the last step. That step is always measured.
     trace_step: int = -1
