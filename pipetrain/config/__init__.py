@@ -6,7 +6,7 @@ message naming the key. Cross-field rules live in `__post_init__` and raise a
 one-line `ValueError` naming the knob to change. Past the CLI layer only these
 dataclasses travel; no DictConfig.
 
-Every schema of the product lives in this package (cluster.py, data.py, logs.py, train.py
+Every schema of the product lives in this package (cluster.py, data.py, logs.py, profile.py, train.py
 for the groups with their own rules, models.py for the model families; the root here), and the arrows
 point one way: launch/, train/, loggers/ import these schemas; the schemas import none of
 them, only the pure schedule registry and partition rules they check against. Pure Python:
@@ -27,6 +27,7 @@ from pipetrain.config.cluster import ClusterConfig
 from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
+from pipetrain.config.profile import ProfileConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
 from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
@@ -145,6 +146,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: list[str] = field(default_factory=default_loggers)  # logger=[console,jsonl,trace,wandb]
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # profile.enabled=true: torch.profiler traces
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -160,6 +162,7 @@ class Config:
         self._check_data()
         self._check_parallel()
         self.logging.check(self.logger, max_steps=self.trainer.max_steps)
+        self.profile.check(max_steps=self.trainer.max_steps)
         # SLURM: nodes x ranks per node must be the world
         self.cluster.check_world(self.layout.world, world_text(*self.layout.shape))
         if self.partition.name == "manual":  # the strategy's own message, with an example for this model
