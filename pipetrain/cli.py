@@ -17,6 +17,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from pipetrain.compose import CONF_DIR, check_recipe_args, register_all, to_config
@@ -63,6 +64,24 @@ def run(config: Config, run_dir: Path) -> Any:
     return launch(config, plan, run_dir)
 
 
+def sweep_job(config: Config, sweep_dir: str, overrides: list[str]) -> None:
+    """A job of `pipetrain -m`: its wandb run in the sweep's group, and its timelines left out
+    (12 jobs drew 500 lines before the comparison table; each job's summary row is in that
+    table, its timeline in schedule_trace.json / trace.json) unless the command line asks."""
+    if config.logging.wandb_group is None:
+        config.logging.wandb_group = sweep_group(sweep_dir)
+    asked = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    if "sim.timeline" not in asked:
+        config.sim.timeline = False
+    if "logging.timeline" not in asked:
+        config.logging.timeline = False
+
+
+def sweep_group(sweep_dir: str) -> str:
+    """multirun/2026-01-02/10-11-12 -> "multirun/2026-01-02/10-11-12" (its last three parts)."""
+    return "/".join(Path(sweep_dir).parts[-3:])
+
+
 def _fail(err: BaseException) -> None:
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise err
@@ -74,7 +93,10 @@ def _fail(err: BaseException) -> None:
 def _hydra_main(cfg: DictConfig) -> Any:
     try:
         config = to_config(cfg)
-        return run(config, Path(HydraConfig.get().runtime.output_dir))
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            sweep_job(config, hydra_cfg.sweep.dir, list(hydra_cfg.overrides.task))
+        return run(config, Path(hydra_cfg.runtime.output_dir))
     except USER_ERRORS as e:
         _fail(_unwrap(e))
     except RankFailedError as e:  # the failing rank's one-line message; its traceback is on disk

@@ -18,8 +18,13 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-TRAIN_COLUMNS = ("schedule", "degree", "microbatches", "tokens_per_s", "simulated_bubble", "measured_bubble",
-                 "peak_memory_bytes", "final_loss")
+from pipetrain.loggers.base import human_bytes
+from pipetrain.loggers.tables import print_table
+from pipetrain.metrics import names
+
+# the run's metrics under their public names (metrics/names.py), beside what the job was
+TRAIN_COLUMNS = ("schedule", "degree", "microbatches", names.TOKENS_PER_S, names.BUBBLE_SIM, names.BUBBLE,
+                 names.PEAK_GB, names.LOSS)
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
@@ -42,12 +47,12 @@ def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             continue
         sim = json.loads((d / "simulate.json").read_text())
         summ = json.loads((d / "summary.json").read_text())
-        peak = summ.get("peak_memory_bytes_per_rank")
         rows.append({
             "job": d.name, "schedule": sim["schedule"], "degree": sim["degree"], "microbatches": sim["microbatches"],
-            "tokens_per_s": summ.get("tokens_per_s"), "simulated_bubble": sim["bubble_fraction_mean"],
-            "measured_bubble": summ.get("bubble_fraction_mean"), "peak_memory_bytes": max(peak) if peak else None,
-            "final_loss": summ.get("final_loss"),
+            names.TOKENS_PER_S: summ.get(names.TOKENS_PER_S),
+            # simulated with the run's measured costs where it measured a step, else simulate.json's
+            names.BUBBLE_SIM: summ.get(names.BUBBLE_SIM, sim["bubble_fraction_mean"]),
+            names.BUBBLE: summ.get(names.BUBBLE), names.PEAK_GB: summ.get(names.PEAK_GB), names.LOSS: summ.get(names.LOSS),
         })
     return rows
 
@@ -55,15 +60,17 @@ def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
 def train_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="sweep summary", pad_edge=False)
     for c in TRAIN_COLUMNS:
-        table.add_column(c.replace("_", " "), justify="left" if c == "schedule" else "right", no_wrap=True)
+        table.add_column(c.replace("_", " ").replace("/", "\n", 1), justify="left" if c == "schedule" else "right")
 
-    def fmt(v: Any) -> str:
+    def fmt(c: str, v: Any) -> str:
         if v is None:
             return "-"
+        if c == names.PEAK_GB:
+            return human_bytes(v * 1e9)
         return f"{v:,.0f}" if isinstance(v, float) and v > 100 else (f"{v:.4f}" if isinstance(v, float) else str(v))
 
     for r in rows:
-        table.add_row(*(fmt(r[c]) for c in TRAIN_COLUMNS))
+        table.add_row(*(fmt(c, r[c]) for c in TRAIN_COLUMNS))
     return table
 
 
@@ -76,12 +83,12 @@ class SweepSummary(Callback):
         trained = train_rows(sweep_dir)
         if trained:
             rows: list[dict[str, Any]] = trained
-            console.print(train_table(trained))
+            print_table(console, train_table(trained))
         else:
             rows = collect(sweep_dir)
             if not rows:
                 return
-            console.print(summary_table(rows))
+            print_table(console, summary_table(rows))
         (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
         flat = [{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in r.items()} for r in rows]
         with (sweep_dir / "sweep_summary.csv").open("w", newline="") as f:
