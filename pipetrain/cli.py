@@ -20,9 +20,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pipetrain.compose import CONF_DIR, check_recipe_args, register_all, to_config
+from pipetrain.compose import CONF_DIR, check_recipe_args, config_dirs, register_all, to_config
 from pipetrain.config import Config, Mode
 from pipetrain.launch import RankFailedError
+from pipetrain.sweep import check_sweep
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
 
@@ -117,10 +118,13 @@ def main() -> None:
 
         print(render(sys.argv[1:]), end="")
         return
+    argv = sys.argv[1:]
     try:
-        check_recipe_args(sys.argv[1:])
-    except ValueError as e:
-        _fail(e)
+        check_recipe_args(argv)
+        if "-m" in argv or "--multirun" in argv:  # every job checked before any starts
+            check_sweep(argv, config_dirs(argv))
+    except USER_ERRORS as e:
+        _fail(_unwrap(e))
     _hydra_main()
 
 

@@ -1,4 +1,11 @@
-"""Hydra callback: after a multirun, one comparison table over every job.
+"""Sweeps (`pipetrain -m`): every job checked before any starts, and one comparison table after.
+
+`check_sweep` expands the command line's sweep as Hydra's basic sweeper will (the same job
+order and numbers), composes and checks each job's config and schedule, and stops at the first
+bad job with one line naming it, before any job is launched or submitted (a SLURM job no longer
+fails minutes later in its own log).
+
+The Hydra callback: after a multirun, one comparison table over every job.
 
 Simulate sweeps compare each job's simulate.json; training sweeps add the trained
 results from each job's summary.json (tokens/s, final loss, measured bubble and peak
@@ -11,7 +18,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -72,6 +79,49 @@ def train_table(rows: list[dict[str, Any]]) -> Table:
     for r in rows:
         table.add_row(*(fmt(c, r[c]) for c in TRAIN_COLUMNS))
     return table
+
+
+# Hydra's flags that take a value (the next argument); everything else with "=" is an override.
+VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun")
+
+
+def sweep_overrides(argv: Sequence[str]) -> list[str]:
+    """The config overrides of a command line (Hydra's own flags and their values left out)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in VALUE_FLAGS:
+            skip = True
+        elif "=" in arg and not arg.startswith("-"):
+            out.append(arg)
+    return out
+
+
+def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
+    """Each job's overrides, in Hydra's basic sweeper's order (job #0 first)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def check_sweep(argv: Sequence[str], config_dirs: Sequence[str] = ()) -> int:
+    """Compose and check every job of the sweep on this command line; raise ValueError naming
+    the first bad one. Returns the number of jobs."""
+    from pipetrain.compose import compose_config
+    from pipetrain.plan import build_schedule  # pure: schedules only, no torch
+
+    search = [f"hydra.searchpath=[{','.join('file://' + str(Path(d).expanduser().resolve()) for d in config_dirs)}]"]
+    jobs = sweep_jobs(sweep_overrides(argv))
+    for num, job in enumerate(jobs):
+        try:
+            build_schedule(compose_config([*job, *(search if config_dirs else [])]))
+        except (ValueError, TypeError, FileNotFoundError) as e:
+            mine = " ".join(o for o in job if not o.startswith("hydra."))
+            raise ValueError(f"sweep job #{num} ({mine}): {e} (no job of the {len(jobs)} was started)") from None
+    return len(jobs)
 
 
 class SweepSummary(Callback):
