@@ -16,6 +16,7 @@ sweep directory and printed as a rich table.
 from __future__ import annotations
 
 import csv
+import shutil
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -117,7 +118,12 @@ def check_sweep(argv: Sequence[str], config_dirs: Sequence[str] = ()) -> int:
     jobs = sweep_jobs(sweep_overrides(argv))
     for num, job in enumerate(jobs):
         try:
-            build_schedule(compose_config([*job, *(search if config_dirs else [])]))
+            config = compose_config([*job, *(search if config_dirs else [])])
+            build_schedule(config)
+            if config.cluster.name == "slurm" and shutil.which("sbatch") is None:
+                raise ValueError("cluster=slurm submits with sbatch, which is not on this machine's PATH: run it on "
+                                 "a SLURM login node; here, cluster=submitit_local runs the same path, and "
+                                 "`python -m pipetrain.launch.sbatch cluster=slurm ...` shows the script")
         except (ValueError, TypeError, FileNotFoundError) as e:
             mine = " ".join(o for o in job if not o.startswith("hydra."))
             raise ValueError(f"sweep job #{num} ({mine}): {e} (no job of the {len(jobs)} was started)") from None
