@@ -25,6 +25,7 @@ def test_every_setting_of_the_main_groups_has_a_description():
                                                                                  "trainer") for s in items]
     assert {s.key.split(".")[0] for s in checked} == {"pipeline", "schedule", "model", "trainer"}
     assert [s.key for s in checked if not s.doc] == []
+    assert [s.key for items in sections.values() for s in items if not s.doc] == []  # the other groups too
     text = render([])
     for s in checked:  # each on one line of the help, with its description
         assert any(line.split()[:1] == [s.key] and line.rstrip().endswith(s.doc) for line in text.splitlines()), s.key
