@@ -17,11 +17,13 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pipetrain.compose import CONF_DIR, check_recipe_args, register_all, to_config
+from pipetrain.compose import CONF_DIR, check_recipe_args, config_dirs, register_all, to_config
 from pipetrain.config import Config, Mode
 from pipetrain.launch import RankFailedError
+from pipetrain.sweep import check_sweep
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
 
@@ -74,6 +76,24 @@ def run(config: Config, run_dir: Path) -> Any:
     return result
 
 
+def sweep_job(config: Config, sweep_dir: str, overrides: list[str]) -> None:
+    """A job of `pipetrain -m`: its wandb run in the sweep's group, and its timelines left out
+    (12 jobs drew 500 lines before the comparison table; each job's summary row is in that
+    table, its timeline in schedule_trace.json / trace.json) unless the command line asks."""
+    if config.logging.wandb_group is None:
+        config.logging.wandb_group = sweep_group(sweep_dir)
+    asked = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    if "sim.timeline" not in asked:
+        config.sim.timeline = False
+    if "logging.timeline" not in asked:
+        config.logging.timeline = False
+
+
+def sweep_group(sweep_dir: str) -> str:
+    """multirun/2026-01-02/10-11-12 -> "multirun/2026-01-02/10-11-12" (its last three parts)."""
+    return "/".join(Path(sweep_dir).parts[-3:])
+
+
 def _fail(err: BaseException) -> None:
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise err
@@ -85,7 +105,10 @@ def _fail(err: BaseException) -> None:
 def _hydra_main(cfg: DictConfig) -> Any:
     try:
         config = to_config(cfg)
-        return run(config, Path(HydraConfig.get().runtime.output_dir))
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            sweep_job(config, hydra_cfg.sweep.dir, list(hydra_cfg.overrides.task))
+        return run(config, Path(hydra_cfg.runtime.output_dir))
     except USER_ERRORS as e:
         _fail(_unwrap(e))
     except RankFailedError as e:  # the failing rank's one-line message; its traceback is on disk
@@ -101,10 +124,18 @@ def _unwrap(err: BaseException) -> BaseException:
 
 def main() -> None:
     register_all()
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        from pipetrain.help import render
+
+        print(render(sys.argv[1:]), end="")
+        return
+    argv = sys.argv[1:]
     try:
-        check_recipe_args(sys.argv[1:])
-    except ValueError as e:
-        _fail(e)
+        check_recipe_args(argv)
+        if "-m" in argv or "--multirun" in argv:  # every job checked before any starts
+            check_sweep(argv, config_dirs(argv))
+    except USER_ERRORS as e:
+        _fail(_unwrap(e))
     _hydra_main()
 
 

@@ -6,7 +6,7 @@ message naming the key. Cross-field rules live in `__post_init__` and raise a
 one-line `ValueError` naming the knob to change. Past the CLI layer only these
 dataclasses travel; no DictConfig.
 
-Every schema of the product lives in this package (cluster.py, data.py, logs.py, train.py
+Every schema of the product lives in this package (cluster.py, data.py, logs.py, profile.py, train.py
 for the groups with their own rules, models.py for the model families; the root here), and the arrows
 point one way: launch/, train/, loggers/ import these schemas; the schemas import none of
 them, only the pure schedule registry and partition rules they check against. Pure Python:
@@ -27,6 +27,7 @@ from pipetrain.config.cluster import ClusterConfig
 from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
+from pipetrain.config.profile import ProfileConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
 from pipetrain.config.plan import PlanConfig
 from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
@@ -71,7 +72,7 @@ AUTO = "auto"  # schedule=auto: plan (mode=plan's search), then train the best r
 
 @dataclass
 class ScheduleConfig:
-    name: str = "1f1b"
+    name: str = "1f1b"  # the schedule= option: a built-in schedule, or custom for schedule.path
     virtual_stages: int = 1  # v: stages per rank (interleaved / looped BFS; V and mirror fix it at 2)
     path: Optional[str] = None  # schedule=custom: a .csv or .txt file
     placement: str = "loop"  # schedule=custom: loop | v | mirror
@@ -103,7 +104,7 @@ PARTITIONS = ("uniform", "params", "flops", "profile", "balanced", "manual")
 
 @dataclass
 class PartitionConfig:
-    name: str = "uniform"
+    name: str = "uniform"  # the partition= option: how the layers are cut into stages
     boundaries: Optional[list[int]] = None  # partition=manual: first layer index of stages 1..k-1
 
     def __post_init__(self) -> None:
@@ -144,7 +145,7 @@ class SimConfig:
 
 @dataclass
 class Config:
-    mode: Mode = Mode.simulate
+    mode: Mode = Mode.simulate  # train | simulate | eval | export (conf/config.yaml sets train)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -159,6 +160,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: list[str] = field(default_factory=default_loggers)  # logger=[console,jsonl,trace,wandb]
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # profile.enabled=true: torch.profiler traces
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -175,6 +177,7 @@ class Config:
         self._check_data()
         self._check_parallel()
         self.logging.check(self.logger, max_steps=self.trainer.max_steps)
+        self.profile.check(max_steps=self.trainer.max_steps)
         # SLURM: nodes x ranks per node must be the world
         self.cluster.check_world(self.layout.world, world_text(*self.layout.shape))
         if self.partition.name == "manual":  # the strategy's own message, with an example for this model
