@@ -97,7 +97,19 @@ def recipe_cases() -> list[Case]:
     return cases
 
 
-CASES = readme_cases() + recipe_cases()
+def once(cases: list[Case]) -> list[Case]:
+    """A command written in two places (the README repeats a recipe's CPU check) runs once."""
+    seen, out = set(), []
+    for c in cases:
+        key = (tuple(c.commands), c.gpu)
+        if len(c.commands) == 1 and key in seen:
+            continue
+        seen.add(key)
+        out.append(c)
+    return out
+
+
+CASES = once(readme_cases() + recipe_cases())
 
 
 def missing_paths(cmd: str, cwd: Path) -> list[str]:
@@ -114,7 +126,7 @@ def missing_paths(cmd: str, cwd: Path) -> list[str]:
 
 def test_the_docs_have_commands_to_check():
     where = [c.where.split(":")[0] for c in CASES]
-    assert where.count("README.md") >= 15 and len({w for w in where if w.startswith("recipes/")}) == 5
+    assert where.count("README.md") >= 15 and len({w for w in where if w.startswith("recipes/")}) >= 4
     gpu = [c.commands[0] for c in CASES if c.gpu]
     assert gpu and all("+recipe=gpt2" in c for c in gpu), gpu  # only the GPT-2 recipes are GPU-sized
 
