@@ -7,7 +7,7 @@ import pytest
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Action, _ComputationType
 
 from pipetrain.schedules import registry
-from pipetrain.schedules.ir import Action, Op, Overlap, Reduce, Schedule
+from pipetrain.schedules.ir import Action, Op, Overlap, Reduce, Schedule, torch_cell
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.validate import validate
 
@@ -86,3 +86,44 @@ def test_pipetrain_form_still_reads_and_is_rewritten_in_torch_names():
     assert {a.op for r in range(2) for a in fb.actions(r)} == {Op.F, Op.BW}
     with pytest.raises(ValueError, match="mixes pipetrain's names"):
         Schedule.from_csv("0F0,0I0,0W0\n1F0,1BW0\n", name="custom", placement=placement, num_microbatches=1)
+
+
+# torch.distributed.pipelining's multi-stage schedules whose order is computed per rank in pure
+# Python (`_calculate_single_rank_operations`), and the placement style it asks for
+TORCH_ORDERS = {"interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"), "looped_bfs": ("ScheduleLoopedBFS", "loop"),
+                "zbv": ("ScheduleZBVZeroBubble", "v"), "dualpipev": ("ScheduleDualPipeV", "v")}
+
+
+def torch_order(name: str, P: int, M: int, v: int) -> dict[int, list[str]]:
+    """torch's own per-rank order, as text, without stages or a process group: its __init__ wants
+    both, its order generator reads only the fields set here."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    cls_name, style = TORCH_ORDERS[name]
+    obj = object.__new__(getattr(torch_schedules, cls_name))
+    obj.pp_group_size, obj.n_local_stages, obj._n_microbatches = P, v, M
+    obj.num_stages = obj._num_stages = P * v
+    obj.stage_index_to_group_rank = {s: (s % P if style == "loop" or s < P else 2 * P - 1 - s) for s in range(P * v)}
+    obj.rank, obj._stages = 0, [None] * v  # LoopedBFS counts its local stages by len(_stages)
+    obj.number_of_rounds = max(1, M // P)  # Interleaved1F1B's rounds, set by its __init__
+    obj.microbatches_per_round = M // obj.number_of_rounds
+    return {r: [str(a) for a in obj._calculate_single_rank_operations(r) if a is not None] for r in range(P)}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_ORDERS))
+def test_generators_give_torchs_own_orders(name):
+    """Same name, same order: pipetrain's schedules are torch's, action for action (so a speed
+    comparison with torch, bench/pipelining_vs_torch.py, compares the runtimes, not the orders)."""
+    compared = 0
+    for P in (2, 4):
+        for M in (P, 2 * P, 3 * P, 4 * P):
+            v = registry.get(name).fixed_stages_per_rank or 2
+            try:
+                ours = registry.build(name, P, M, v)
+            except ValueError:
+                continue  # a count pipetrain refuses (dualpipev wants M >= 2P)
+            theirs = torch_order(name, P, M, v)
+            for r in range(P):
+                assert [torch_cell(c) for c in ours.steps[r]] == theirs[r], (name, P, M, r)
+            compared += 1
+    assert compared >= 4
