@@ -109,7 +109,7 @@ def plan_and_simulate(
     console.print(table)
     console.print(_cost_note(config, plan), style="dim")
     layout = config.layout
-    if layout.dp > 1:
+    if layout.world > layout.pp:
         pl = plan.schedule.placement
         console.print(rank_table(layout, [pl.stages_of(p) for p in range(layout.pp)]))
     if timeline:
