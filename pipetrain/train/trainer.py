@@ -92,7 +92,12 @@ class Trainer:
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         self.state = TrainState()
-        self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state)
+        tp = None
+        if self.pipe.tp is not None:
+            from pipetrain.parallel.tp_state import TPShards
+
+            tp = TPShards.of(self.pipe.tp.g, self.pipe.stages)
+        self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state, tp)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
 
