@@ -30,6 +30,7 @@ from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts
 from pipetrain.schedules.spec import RankCosts
+from pipetrain.schedules.tp_cost import tp_layer_costs
 from pipetrain.schedules.validate import validate
 
 if TYPE_CHECKING:  # torch-typed names only; importing them at run time would load torch
@@ -96,7 +97,22 @@ def cost_source(config: Config) -> str:
 
 
 def layer_costs(config: Config) -> list[LayerCost]:
-    """Per-layer costs of one microbatch (config.microbatch_size x data.seq_len) for this run."""
+    """Per-layer costs of one microbatch (config.microbatch_size x data.seq_len) on one rank
+    of this run: under parallel.tp, its 1/tp of the compute plus the layer's TP collectives."""
+    costs = whole_layer_costs(config)
+    par, m = config.parallel, config.model
+    if par.tp == 1:
+        return costs
+    seq = config.data.seq_len if m.has_seq else 1
+    hidden = getattr(m, "hidden", None) or getattr(m, "n_embd", None) or m.hidden_size  # sleep / gpt2 / llama
+    bytes_per_value = 2 if config.trainer.precision == "bf16" else 4
+    return tp_layer_costs(costs, tp=par.tp, tokens=config.microbatch_size * seq, hidden=hidden,
+                          vocab=getattr(m, "vocab_size", 0), bytes_per_value=bytes_per_value,
+                          bandwidth_gbs=config.cluster.tp_bandwidth_gbs, sequence_parallel=par.sequence_parallel)
+
+
+def whole_layer_costs(config: Config) -> list[LayerCost]:
+    """Per-layer costs of one microbatch of the unsplit layers (no tensor parallel)."""
     m, seq = config.model, (config.data.seq_len if config.model.has_seq else 1)
     if config.partition.name == "profile":
         from pipetrain.models.profile import profile_layers
