@@ -92,6 +92,7 @@ def build_rank_pipeline(
     pipelines: Optional[list[list[int]]] = None,
     dp: Optional[DataParallel] = None,
     tp: Optional[TensorParallel] = None,
+    compile_layers: bool = False,
     precision: str = "fp32",
     seed: Optional[int] = None,
     init_rule: Optional[InitRule] = None,
@@ -102,7 +103,8 @@ def build_rank_pipeline(
     `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `dp` wraps
     the stages (FSDP2 under dp_shard) and builds their gradient reducer (the schedule then
     carries REDUCE_GRAD marks); `tp` splits every stage's layers over its tensor-parallel group
-    first (parallel/tp_plan.py). `precision` is trainer.precision (fp32 | bf16); `seed`
+    first (parallel/tp_plan.py); `compile_layers` (trainer.compile) compiles each layer of
+    every stage after tensor parallel and before data parallel (torchtitan's order). `precision` is trainer.precision (fp32 | bf16); `seed`
     initialises the stages of a model built on meta, or `init_rule` gives their values
     (model.pretrained: models/hf.PretrainedWeights reads them from the folder's files)."""
     if precision not in COMPUTE_DTYPES:
@@ -118,6 +120,12 @@ def build_rank_pipeline(
         stages = {s: tp.wrap(mod) for s, mod in stages.items()}
     for mod in stages.values():
         mod.checkpoint_layers = activation_checkpointing
+        if compile_layers:  # in place (nn.Module.compile): parameter names stay the unsplit ones
+            # The split backward's B keeps the graph for W (retain_graph=True), which compiled
+            # backwards refuse when they donate their saved buffers to the gradients.
+            torch._functorch.config.donated_buffer = False
+            for layer in mod.layers.values():
+                layer.compile()
     if dp is not None:
         stages = {s: dp.wrap(mod) for s, mod in stages.items()}
     specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
