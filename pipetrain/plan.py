@@ -72,8 +72,9 @@ def build_schedule(config: Config) -> Schedule:
     validate(schedule, p2p_lookahead=p.p2p_lookahead)
     if config.trainer.compile and any(a.op in (Op.B, Op.W) for r in range(schedule.num_ranks)
                                       for a in schedule.actions(r)):
-        # B keeps the graph for W (retain_graph) and W re-enters compiled backward graphs: on this
-        # torch (2.13) that gave wrong weight gradients in one of two environments tested, so refuse it.
+        # B keeps the graph for W (retain_graph) and W re-enters each compiled block's backward from
+        # the gradient B recorded: on torch 2.13 that gives weight gradients off by ~2e-4 (llama-tiny
+        # stage, one process, B + W vs BW; eager B + W is exact), so refuse it rather than train wrong.
         raise ValueError(f"trainer.compile=true runs schedules with a fused backward (1f1b, gpipe, "
                          f"interleaved_1f1b, looped_bfs); schedule={s.name} splits it into B and W: choose one of "
                          f"those or set trainer.compile=false")

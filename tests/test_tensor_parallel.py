@@ -5,7 +5,7 @@ llama-tiny (GQA: 4 query heads, 2 key/value heads, tied embedding and head) and 
 mirror: every chunk on two ranks of the same tp index), and sequence parallel on each model
 once: the losses of steps 1-3 equal a single process (pipeline.degree=1, tp=1) training on the
 same batches within 1e-5, and the parameters after 3 AdamW steps (tp slices gathered) within
-5e-5 with a mean difference below 1e-7 (test_data_parallel.py says why Adam needs that margin).
+1e-5 with a mean difference below 1e-7 (measured: 3e-7 and 1e-8; BASE says why optim.eps is 1e-6).
 The clipped steps (optim.grad_clip=0.05 clips every step here) check the gradient norm over
 tp-sharded and tp-replicated weights: a norm off by a factor would move every weight.
 """
@@ -25,7 +25,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 STEPS = 3
 BASE = ["mode=train", "data.batch_size=8", "data.seq_len=16", "pipeline.microbatches=4", "trainer.device=cpu",
         "logger=[jsonl]", "trainer.eval_every=0", "optim.warmup_steps=0", "optim.grad_clip=0.05",
-        "trainer.ckpt_at_end=false"]
+        "trainer.ckpt_at_end=false", "optim.eps=1e-6"]
+# optim.eps=1e-6: AdamW's first steps move every weight by ~lr whatever the size of its gradient,
+# so a gradient element that is ~0 turns float-summation noise (TP sums partial products in
+# another order than one process does) into lr-sized steps; eps 1e-6 keeps those elements still
+# while every gradient that matters (> 1e-5) steps as before.
 MODELS = ("llama-tiny", "gpt2-tiny")
 SCHEDULES = ("1f1b", "zbv", "dualpipev")
 CASES = [(m, s, False) for m in MODELS for s in SCHEDULES] + [("llama-tiny", "1f1b", True), ("gpt2-tiny", "zbv", True)]
@@ -92,7 +96,7 @@ def assert_equal_training(got: dict, ref: dict) -> None:
     assert max(abs(a / b - 1) for a, b in zip(got["norms"], ref["norms"])) < 1e-4, (got["norms"], ref["norms"])
     assert set(got["params"]) <= set(ref["params"])
     for name, t in got["params"].items():
-        torch.testing.assert_close(t, ref["params"][name], rtol=0, atol=5e-5, msg=name)
+        torch.testing.assert_close(t, ref["params"][name], rtol=0, atol=1e-5, msg=name)
         assert (t - ref["params"][name]).abs().mean() < 1e-7, name
 
 

@@ -144,6 +144,11 @@ def leave_tp(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
     return _ReduceScatter.apply(x, SEQ, g) if g.sequence_parallel else _ReduceFromTP.apply(x, g)
 
 
+def enter_region(module: nn.Module, g: TPGroup) -> None:
+    """Bring `module`'s input into the tp region once, for all its column-parallel projections."""
+    module.register_forward_pre_hook(lambda _m, args: (enter_tp(args[0], g), *args[1:]))
+
+
 def split_sequence(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
     """A replicated (B, T, C) -> this rank's (B, T/tp, C) (backward: all-gather)."""
     return _Split.apply(x, SEQ, g)
@@ -155,14 +160,17 @@ def gather_last(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, index: torch.Tensor, g: TPGroup, *, gather_output: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, index: torch.Tensor, g: TPGroup, *, gather_output: bool = False,
+                 enter: bool = True) -> None:
         super().__init__()
-        self.g, self.gather_output, self.index = g, gather_output, index
+        # enter=False: the caller already brought the input into the region (one collective
+        # for Llama's q, k, v and for gate, up: `enter_region`)
+        self.g, self.gather_output, self.index, self.enter = g, gather_output, index, enter
         self.weight = nn.Parameter(linear.weight.detach()[index].clone())  # (out/tp, in)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[index].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(enter_tp(x, self.g), self.weight, self.bias)  # (B, T, out/tp)
+        y = F.linear(enter_tp(x, self.g) if self.enter else x, self.weight, self.bias)  # (B, T, out/tp)
         return gather_last(y, self.g) if self.gather_output else y
 
 

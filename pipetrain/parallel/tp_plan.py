@@ -26,7 +26,8 @@ from torch import nn
 from pipetrain.models import gpt2, llama
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.tp import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
-                                   all_reduce_grads, chunk_index, replace, shard_layout, split_sequence)
+                                   all_reduce_grads, chunk_index, enter_region, replace, shard_layout,
+                                   split_sequence)
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -35,9 +36,10 @@ Memo = dict[int, nn.Parameter]  # id(unsplit Parameter) -> its local slice (ties
 
 
 def _column(layer: nn.Module, path: str, g: TPGroup, *, blocks: int = 1, gather: bool = False,
-            memo: Memo) -> None:
+            memo: Memo, enter: bool = True) -> None:
     lin = layer.get_submodule(path)
-    new = ColumnParallelLinear(lin, chunk_index(lin.out_features, g, blocks=blocks), g, gather_output=gather)
+    new = ColumnParallelLinear(lin, chunk_index(lin.out_features, g, blocks=blocks), g, gather_output=gather,
+                               enter=enter)
     if id(lin.weight) in memo:  # the head of a stage that also holds the tied embedding
         new.weight = memo[id(lin.weight)]
     memo[id(lin.weight)] = new.weight
@@ -69,7 +71,9 @@ def _llama(layer: nn.Module, g: TPGroup, memo: Memo) -> list[str]:
         return ["norm.weight"] if sp else []
     assert isinstance(layer, llama.DecoderLayer), type(layer)
     for path in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-        _column(layer, path, g, memo=memo)
+        _column(layer, path, g, memo=memo, enter=False)
+    enter_region(layer.self_attn, g)  # one all-reduce (SP: all-gather) for q, k, v; one for gate, up
+    enter_region(layer.mlp, g)
     for path in ("self_attn.o_proj", "mlp.down_proj"):
         _row(layer, path, g)
     attn = layer.self_attn

@@ -121,9 +121,6 @@ def build_rank_pipeline(
     for mod in stages.values():
         mod.checkpoint_layers = activation_checkpointing
         if compile_layers:  # in place (nn.Module.compile): parameter names stay the unsplit ones
-            # The split backward's B keeps the graph for W (retain_graph=True), which compiled
-            # backwards refuse when they donate their saved buffers to the gradients.
-            torch._functorch.config.donated_buffer = False
             for layer in mod.layers.values():
                 layer.compile()
     if dp is not None:
