@@ -16,7 +16,9 @@ cross-entropy; the others' a seeded random output gradient), as BW does. Per sta
 
 Usage: python bench/compile_stage.py [--model llama-tiny] [--stages 2] [--microbatch 4] [--seq 128]
        [--device cpu|cuda] [--precision fp32|bf16] [--layers N] [--out bench/results/compile_stage.json]
-On CPU compilation is slow (tens of seconds per stage): keep the model small there.
+On CPU compilation is slow (tens of seconds per stage): keep the model small there. Inductor
+caches compiled code across runs (/tmp/torchinductor_$USER): for the cold cost a fresh run
+pays, give it an empty cache, TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python bench/compile_stage.py.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ def main() -> None:
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
               "peak_tflops": peak, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "steps": args.steps, "warmup": args.warmup, "cpu_count": os.cpu_count(),
+              "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default (warm if run before)"),
               "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "per_stage": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
