@@ -3,7 +3,7 @@
 llama-tiny (GQA: 4 query heads, 2 key/value heads, tied embedding and head) and GPT-2 tiny
 (fused c_attn split per head, tied wte / lm_head), for 1f1b, zbv and dualpipev (DualPipe's
 mirror: every chunk on two ranks of the same tp index), and sequence parallel on each model
-once: the losses of steps 1-3 equal a single process (pipeline.degree=1, tp=1) training on the
+once (GPT-2's with activation checkpointing): the losses of steps 1-3 equal a single process (pipeline.degree=1, tp=1) training on the
 same batches within 1e-5, and the parameters after 3 AdamW steps (tp slices gathered) within
 1e-5 with a mean difference below 1e-7 (measured: 3e-7 and 1e-8; BASE says why optim.eps is 1e-6).
 The clipped steps (optim.grad_clip=0.05 clips every step here) check the gradient norm over
@@ -33,6 +33,9 @@ BASE = ["mode=train", "data.batch_size=8", "data.seq_len=16", "pipeline.microbat
 MODELS = ("llama-tiny", "gpt2-tiny")
 SCHEDULES = ("1f1b", "zbv", "dualpipev")
 CASES = [(m, s, False) for m in MODELS for s in SCHEDULES] + [("llama-tiny", "1f1b", True), ("gpt2-tiny", "zbv", True)]
+# extra knobs per case: activation checkpointing recomputes forwards (and their TP collectives)
+# inside B and W
+EXTRA = {("gpt2-tiny", "zbv", True): ["trainer.activation_checkpointing=true"]}
 
 
 def full_parameters(trainer) -> dict[str, torch.Tensor]:
@@ -81,7 +84,7 @@ def runs(compose, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     cases = []
     for model, schedule, sp in CASES:
-        extra = ["parallel.sequence_parallel=true"] if sp else []
+        extra = (["parallel.sequence_parallel=true"] if sp else []) + EXTRA.get((model, schedule, sp), [])
         config = compose([*BASE, f"model={model}", "pipeline.degree=2", "parallel.tp=2", f"schedule={schedule}",
                           *extra])
         cases.append((case_name(model, schedule, sp), config, make_plan(config)))
