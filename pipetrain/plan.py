@@ -25,7 +25,7 @@ from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.partition.plan import PartitionPlan, require_chunks
 from pipetrain.partition.strategies import partition
 from pipetrain.schedules import registry
-from pipetrain.schedules.ir import Op, Schedule
+from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts
@@ -70,14 +70,6 @@ def build_schedule(config: Config) -> Schedule:
     if config.layout.dp > 1:  # each stage's gradients reduced over dp once, after its last W (or at the end)
         schedule = add_reduces(schedule, at_end=not config.parallel.overlap_reduce)
     validate(schedule, p2p_lookahead=p.p2p_lookahead)
-    if config.trainer.compile and any(a.op in (Op.B, Op.W) for r in range(schedule.num_ranks)
-                                      for a in schedule.actions(r)):
-        # B keeps the graph for W (retain_graph) and W re-enters each compiled block's backward from
-        # the gradient B recorded: on torch 2.13 that gives weight gradients off by ~2e-4 (llama-tiny
-        # stage, one process, B + W vs BW; eager B + W is exact), so refuse it rather than train wrong.
-        raise ValueError(f"trainer.compile=true runs schedules with a fused backward (1f1b, gpipe, "
-                         f"interleaved_1f1b, looped_bfs); schedule={s.name} splits it into B and W: choose one of "
-                         f"those or set trainer.compile=false")
     return schedule
 
 

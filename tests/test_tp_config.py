@@ -68,13 +68,3 @@ def test_the_launched_world_must_be_the_product(compose, tmp_path):
         run_rank(cfg, None, tmp_path, env, lambda *a: {}, agree=False)
     assert "parallel.tp=2" in str(info.value) and "\n" not in str(info.value)
 
-
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "zbh1"])
-def test_compile_refuses_a_split_backward_before_any_process(compose, schedule):
-    from pipetrain.plan import make_plan
-
-    config = compose(["mode=train", "trainer.compile=true", f"schedule={schedule}", "data.batch_size=16"])
-    with pytest.raises(ValueError, match=f"schedule={schedule} splits it into B and W") as info:
-        make_plan(config)
-    assert "\n" not in str(info.value)
-    make_plan(compose(["mode=train", "trainer.compile=true", "schedule=interleaved_1f1b", "data.batch_size=16"]))

@@ -123,6 +123,7 @@ def build_rank_pipeline(
         if compile_layers:  # in place (nn.Module.compile): parameter names stay the unsplit ones
             for layer in mod.layers.values():
                 layer.compile()
+            mod.fused_backward = True  # the executor's B computes weight gradients too (W: nothing)
     if dp is not None:
         stages = {s: dp.wrap(mod) for s, mod in stages.items()}
     specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
