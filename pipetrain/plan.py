@@ -139,7 +139,10 @@ def make_plan(config: Config) -> Plan:
     require_chunks(config.model.num_layers, schedule.placement.num_chunks)
     costs = layer_costs(config)
     part = make_partition(config, costs, schedule.placement.num_chunks)
-    stage_costs = StageCosts.from_chunks(schedule, part.chunk_fbw())
+    chunks = part.chunk_fbw()
+    if config.trainer.compile:  # a compiled stage's B computes its weight gradients too (runtime/executor.py)
+        chunks = [(f, b + w, 0.0) for f, b, w in chunks]
+    stage_costs = StageCosts.from_chunks(schedule, chunks)
     rc = registry.rank_costs(
         schedule, list(stage_costs.f), list(stage_costs.b), list(stage_costs.w), config.sim.fb_overlap
     )

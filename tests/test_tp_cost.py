@@ -1,5 +1,6 @@
 """The simulator's tensor-parallel cost model (pure): a layer's compute divided by tp, its TP
-collectives added at cluster.tp_bandwidth_gbs, and the plan the simulator runs reading both."""
+collectives added at cluster.tp_bandwidth_gbs, and the plan the simulator runs reading both;
+under trainer.compile a stage's W folded into its B, as the executor runs it."""
 
 from __future__ import annotations
 
@@ -44,3 +45,11 @@ def test_plan_stage_costs_follow_tp(compose):
         assert two.f[s] > fast.f[s] and two.b[s] > fast.b[s] and two.w[s] == pytest.approx(fast.w[s])
     sleep = make_plan(compose(["mode=simulate", "model=sleep", "parallel.tp=2", "model.layers=4"])).stage_costs
     assert sleep.w == (2.0 * 2 / 2,) * 2  # 2 layers of w_ms=2 per stage, halved
+
+
+def test_compiled_stages_are_simulated_with_w_inside_b(compose):
+    """trainer.compile: the executor's B of a compiled stage computes the weight gradients too."""
+    base = ["mode=simulate", "model=gpt2-tiny", "data.batch_size=8", "schedule=zbv"]
+    eager, compiled = (make_plan(compose([*base, f"trainer.compile={c}"])).stage_costs for c in ("false", "true"))
+    assert compiled.w == (0.0,) * len(eager.w)
+    assert compiled.b == pytest.approx([b + w for b, w in zip(eager.b, eager.w)]) and compiled.f == eager.f
