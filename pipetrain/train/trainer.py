@@ -36,6 +36,7 @@ from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.data import build_data, local_rows, split_microbatches
 from pipetrain.train.monitor import Monitor
+from pipetrain.train.profiling import StepProfiler
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
 
 
@@ -100,6 +101,8 @@ class Trainer:
         self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state, tp)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
+        self.profiler = StepProfiler(config.profile, rank=self.rank, device=self.device, run_dir=self.run_dir,
+                                     executor=self.pipe.executor, note=self.monitor.note)
 
     def resume(self, note: checkpoint.Note = checkpoint.silent) -> None:
         """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh start."""
@@ -162,7 +165,10 @@ class Trainer:
         self.monitor.start(self.state.step)
         for text in notes:
             self.monitor.note(text)
-        summary = self.monitor.summarize(self.loop())
+        try:
+            summary = self.monitor.summarize(self.loop())
+        finally:
+            self.profiler.close()  # a capture cut short by an error still writes what it has
         if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
             (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
         self.monitor.finish(summary)
@@ -181,7 +187,9 @@ class Trainer:
             # every eval_every steps, and at the end of a run long enough to have evaluated
             evaluate = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or (last and step > cfg.eval_every))
             log = step == 1 or last or step % cfg.log_every == 0 or evaluate or step == monitor.chosen_step
+            self.profiler.before(step)
             record = self.train_step(measure=log)
+            self.profiler.after(step)
             step_times.append(record.step_time_s)
             first_loss = record.loss if first_loss is None else first_loss
             final_loss = record.loss
