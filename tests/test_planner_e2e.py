@@ -7,6 +7,7 @@ import json
 import pytest
 
 from conftest import run_cli
+from pipetrain.metrics.names import PEAK_GB, of_ranks
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +52,7 @@ def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     assert res.returncode == 0, res.stderr
     s = json.loads((run_dir / "summary.json").read_text())
     predicted = [m["total_gb"] for m in s["plan_row"]["memory_per_rank"]]
-    measured = [b / 1e9 for b in s["peak_memory_bytes_per_rank"]]
+    measured = of_ranks(s, PEAK_GB)
     assert len(predicted) == len(measured) == 2
     for p, m in zip(predicted, measured):
         assert m == pytest.approx(p, rel=0.10), (predicted, measured)

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from pipetrain.config import AUTO, Config
 from pipetrain.planner.cmd import apply_row, make_rows, table, write
-from pipetrain.planner.memory import GB
+from pipetrain.metrics import names
 from pipetrain.planner.search import Row
 
 
@@ -57,9 +57,9 @@ def report(row: Row, run_dir: Path, console: Console) -> Optional[dict[str, Any]
     if not path.exists():
         return None
     summary = json.loads(path.read_text())
-    measured_ms = summary["step_time_s"] * 1e3 if summary.get("step_time_s") else None
-    peaks = summary.get("peak_memory_bytes_per_rank") or []
-    measured_gb = max(peaks) / GB if peaks else None
+    measured_ms = summary[names.STEP_TIME] * 1e3 if summary.get(names.STEP_TIME) else None
+    peaks = names.of_ranks(summary, names.PEAK_GB) or []  # GB per rank
+    measured_gb = max(peaks) if peaks else None
     out = {"plan_pred_step_ms": row.pred_step_ms, "measured_step_ms": measured_ms,
            "step_time_error": _error(measured_ms, row.pred_step_ms),
            "plan_pred_peak_gb": row.pred_peak_gb, "plan_pred_peak_rank": row.peak.rank if row.peak else None,
