@@ -9,7 +9,6 @@ under the same keys and shapes a tp=1 run writes.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from pipetrain.launch import launch
 from pipetrain.plan import make_plan
 from pipetrain.train import checkpoint as ckpt
+from test_checkpoint import losses  # step -> loss from a run's metrics.jsonl
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -33,11 +33,6 @@ def train(compose, run_dir: Path, layout: str, *extra: str) -> Path:
     config = compose([*BASE, *LAYOUTS[layout], *extra])
     launch(config, make_plan(config), run_dir)
     return run_dir
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
 
 
 @pytest.fixture(scope="module")
