@@ -30,6 +30,7 @@ from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts
 from pipetrain.schedules.spec import RankCosts
+from pipetrain.schedules.tp_cost import tp_layer_costs
 from pipetrain.schedules.validate import validate
 from pipetrain.schedules.zb_auto import zb_auto_order
 
@@ -114,7 +115,22 @@ def cost_source(config: Config) -> str:
 
 
 def layer_costs(config: Config) -> list[LayerCost]:
-    """Per-layer costs of one microbatch (config.microbatch_size x data.seq_len) for this run."""
+    """Per-layer costs of one microbatch (config.microbatch_size x data.seq_len) on one rank
+    of this run: under parallel.tp, its 1/tp of the compute plus the layer's TP collectives."""
+    costs = whole_layer_costs(config)
+    par, m = config.parallel, config.model
+    if par.tp == 1:
+        return costs
+    seq = config.data.seq_len if m.has_seq else 1
+    hidden = getattr(m, "hidden", None) or getattr(m, "n_embd", None) or m.hidden_size  # sleep / gpt2 / llama
+    bytes_per_value = 2 if config.trainer.precision == "bf16" else 4
+    return tp_layer_costs(costs, tp=par.tp, tokens=config.microbatch_size * seq, hidden=hidden,
+                          vocab=getattr(m, "vocab_size", 0), bytes_per_value=bytes_per_value,
+                          bandwidth_gbs=config.cluster.tp_bandwidth_gbs, sequence_parallel=par.sequence_parallel)
+
+
+def whole_layer_costs(config: Config) -> list[LayerCost]:
+    """Per-layer costs of one microbatch of the unsplit layers (no tensor parallel)."""
     m, seq = config.model, (config.data.seq_len if config.model.has_seq else 1)
     if config.partition.name == "profile":
         from pipetrain.models.profile import profile_layers
@@ -141,7 +157,10 @@ def make_plan(config: Config) -> Plan:
     require_chunks(config.model.num_layers, schedule.placement.num_chunks)
     costs = layer_costs(config)
     part = make_partition(config, costs, schedule.placement.num_chunks)
-    stage_costs = StageCosts.from_chunks(schedule, part.chunk_fbw())
+    chunks = part.chunk_fbw()
+    if config.trainer.compile:  # a compiled stage's B computes its weight gradients too (runtime/executor.py)
+        chunks = [(f, b + w, 0.0) for f, b, w in chunks]
+    stage_costs = StageCosts.from_chunks(schedule, chunks)
     if config.schedule.name == "zb_auto":  # searched for this run's costs (same placement, so same stage costs)
         schedule = build_schedule(config, stage_costs)
     rc = registry.rank_costs(

@@ -70,11 +70,14 @@ def _reduce_note(config: Config, plan: Plan, result: SimResult) -> str:
 def _cost_note(config: Config, plan: Plan) -> str:
     mb, seq = config.microbatch_size, config.data.seq_len
     shape = f"{mb} x {seq} tokens" if config.model.has_seq else f"{mb} samples"
+    tp = config.parallel.tp
+    per_rank = (f"; per tp rank: 1/{tp} of it plus each layer's TP collectives at "
+                f"cluster.tp_bandwidth_gbs={config.cluster.tp_bandwidth_gbs:g}") if tp > 1 else ""
     if plan.cost_source == "sleep":
-        return "est. ms: the sleep model's configured times per layer"
+        return "est. ms: the sleep model's configured times per layer" + per_rank
     if plan.cost_source == "analytic":
-        return f"est. ms: one microbatch of {shape}, analytic FLOPs at sim.tflops={config.sim.tflops:g}"
-    return f"est. ms: one microbatch of {shape}, measured on {plan.cost_source.split(':', 1)[1]}"
+        return f"est. ms: one microbatch of {shape}, analytic FLOPs at sim.tflops={config.sim.tflops:g}" + per_rank
+    return f"est. ms: one microbatch of {shape}, measured on {plan.cost_source.split(':', 1)[1]}" + per_rank
 
 
 def run_simulate(config: Config, run_dir: Path, console: Console | None = None) -> dict:
@@ -103,6 +106,9 @@ def plan_and_simulate(
     record["partition"] = partition_record(plan.partition, model=config.model.name, cost_source=plan.cost_source)
     if plan.reduce_ms is not None:
         record["data_parallel"] = data_parallel_record(config, plan)
+    if config.parallel.tp > 1:  # the stage costs above are one tp rank's (schedules/tp_cost.py)
+        record["tensor_parallel"] = {"tp": config.parallel.tp, "sequence_parallel": config.parallel.sequence_parallel,
+                                     "tp_bandwidth_gbs": rounded(config.cluster.tp_bandwidth_gbs)}
     part = plan.partition
     title = f"model={config.model.name} partition={part.strategy}: {part.num_layers} layers in {part.num_chunks} stages"
     table = partition_table(part, title=title)
@@ -110,7 +116,7 @@ def plan_and_simulate(
     print_table(console, table)
     console.print(_cost_note(config, plan), style="dim")
     layout = config.layout
-    if layout.dp > 1:
+    if layout.world > layout.pp:
         pl = plan.schedule.placement
         print_table(console, rank_table(layout, [pl.stages_of(p) for p in range(layout.pp)]))
     if timeline:

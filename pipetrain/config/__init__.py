@@ -193,8 +193,8 @@ class Config:
 
     @property
     def layout(self) -> Layout:
-        """The parallel layout: pipeline.degree x parallel.dp_replicate x parallel.dp_shard ranks."""
-        return Layout(self.pipeline.degree, self.parallel.dp_replicate, self.parallel.dp_shard)
+        """The parallel layout: pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.tp ranks."""
+        return Layout(self.pipeline.degree, self.parallel.dp_replicate, self.parallel.dp_shard, self.parallel.tp)
 
     @property
     def microbatch_size(self) -> int:
@@ -229,6 +229,25 @@ class Config:
                     f"parallel.{knob}={str(value).lower() if isinstance(value, bool) else value} does nothing without "
                     f"data parallel: drop it or set parallel.dp_replicate / parallel.dp_shard > 1"
                 )
+        if par.tp > 1:
+            self._check_tp()
+
+    def _check_tp(self) -> None:
+        """Every dimension tensor parallel splits must split evenly (one line naming the knob)."""
+        tp, m = self.parallel.tp, self.model
+        divides = m.tp_divides()
+        if divides is None:
+            if isinstance(m, SleepModelConfig) and self.mode is Mode.simulate:
+                return  # the simulator divides its configured times by tp (schedules/tp_cost.py)
+            raise ValueError(f"parallel.tp={tp}: model={m.name} has no tensor-parallel plan (GPT-2 and the Llama "
+                             f"family have one): set parallel.tp=1")
+        for knob, value in divides.items():
+            if value % tp:
+                raise ValueError(f"parallel.tp={tp} must divide model.{knob}={value}: set parallel.tp to a divisor "
+                                 f"of {value}")
+        if self.parallel.sequence_parallel and self.data.seq_len % tp:
+            raise ValueError(f"parallel.sequence_parallel splits the sequence across parallel.tp={tp} ranks but "
+                             f"data.seq_len={self.data.seq_len} does not divide: set data.seq_len to a multiple of {tp}")
 
     def _check_data(self) -> None:
         d, m, mb, dp = self.data, self.model, self.pipeline.microbatches, self.parallel.dp

@@ -56,6 +56,10 @@ class ClusterConfig:
     # a stage's gradient bytes by (every cluster option reads it). 50: about a 400 Gb/s NIC per
     # GPU; NVLink within a node reaches more, gloo over loopback far less (bench/data_parallel_reduce.py).
     dp_bandwidth_gbs: float = 50.0
+    # GB/s one rank reaches in a tensor-parallel collective (its tp group sits inside a node):
+    # the simulator adds each layer's TP all-reduces / all-gathers at this rate. 150: the bus
+    # bandwidth NCCL's all-reduce reaches over NVLink on A100-class nodes.
+    tp_bandwidth_gbs: float = 150.0
 
     def __post_init__(self) -> None:
         if self.name not in CLUSTERS:
@@ -71,6 +75,9 @@ class ClusterConfig:
         if not self.dp_bandwidth_gbs > 0:
             raise ValueError(f"cluster.dp_bandwidth_gbs must be > 0 GB/s (got {self.dp_bandwidth_gbs}): "
                              f"the bandwidth one rank reaches in data-parallel collectives")
+        if not self.tp_bandwidth_gbs > 0:
+            raise ValueError(f"cluster.tp_bandwidth_gbs must be > 0 GB/s (got {self.tp_bandwidth_gbs}): "
+                             f"the bandwidth one rank reaches in tensor-parallel collectives")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ValueError(f"cluster.master_port must be a port in 1..65535 (got {self.master_port})")
         self._check_knobs_are_read()

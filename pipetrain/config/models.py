@@ -41,6 +41,11 @@ class ModelConfig:
     def num_layers(self) -> int:
         raise NotImplementedError
 
+    def tp_divides(self) -> Optional[dict[str, int]]:
+        """Knob -> value that parallel.tp must divide (the dimensions tensor parallel splits);
+        None: the model has no tensor-parallel plan (models/tp_plan.py)."""
+        return None
+
     def _at_least_one(self, *knobs: str) -> None:
         for knob in knobs:
             if getattr(self, knob) < 1:
@@ -134,6 +139,9 @@ class GPT2ModelConfig(CausalLMConfig):
     @property
     def num_layers(self) -> int:
         return self.n_layer + 2  # embedding, n_layer blocks, head (final norm + output projection)
+
+    def tp_divides(self) -> Optional[dict[str, int]]:
+        return {"n_head": self.n_head, "vocab_size": self.vocab_size}  # MLP width 4 C = 4 n_head hs follows
 
 
 # Rotary scalings the Llama model implements: plain RoPE and Llama 3.1's long-context recipe.
@@ -257,6 +265,10 @@ class LlamaModelConfig(CausalLMConfig):
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers + 2  # embedding, blocks, head (final norm + lm_head)
+
+    def tp_divides(self) -> Optional[dict[str, int]]:
+        return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.kv_heads,
+                "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, name: str = "pretrained") -> LlamaModelConfig:

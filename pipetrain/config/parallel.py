@@ -1,7 +1,7 @@
-"""Schema of the `parallel` config group: data parallel around the pipeline (pure: no torch).
+"""Schema of the `parallel` config group: data and tensor parallel around the pipeline (pure: no torch).
 
-world = pipeline.degree x parallel.dp_replicate x parallel.dp_shard, one DeviceMesh
-("pp", "dp_replicate", "dp_shard") with pp outermost (pipetrain/parallel/layout.py).
+world = pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.tp, one DeviceMesh
+("pp", "dp_replicate", "dp_shard", "tp") with pp outermost and tp innermost (pipetrain/parallel/layout.py).
 
   dp_replicate  full replicas of every stage; a stage's gradients are all-reduced once per
                 step (one bucketed all-reduce, issued right after its last backward).
@@ -9,6 +9,15 @@ world = pipeline.degree x parallel.dp_replicate x parallel.dp_shard, one DeviceM
                 state sharded; gradients reduce-scattered once per step. -1: fill the world
                 (torchrun / SLURM, where the world is known before the ranks start).
   both > 1      HSDP: shard within a group of dp_shard ranks, replicate across dp_replicate groups.
+
+  tp            tensor parallel (Megatron-LM, Shoeybi et al. 2019) inside every stage: attention
+                heads and MLP columns split across tp ranks (column-parallel q/k/v and MLP
+                in-projections, row-parallel out-projections), embedding and head split on the
+                vocabulary; each tp rank of a stage sends its activations to the same tp index of
+                the next stage. tp must divide the heads, kv heads, MLP width and vocabulary.
+  sequence_parallel  (Korthikanti et al. 2022) between the tensor-parallel regions, activations,
+                norms and dropout are split on the sequence: (batch, seq / tp, hidden) per tp rank,
+                also what crosses between stages. Needs tp > 1 and data.seq_len divisible by tp.
 
 `overlap_reduce` (Megatron's --overlap-grad-reduce): true reduces each stage right after its
 last weight gradient, overlapping the pipeline's drain; false reduces every stage at the end of
@@ -35,10 +44,17 @@ class ParallelConfig:
     param_dtype: Optional[str] = None  # float32 | bfloat16; None: bfloat16 under trainer.precision=bf16
     reduce_dtype: str = "float32"  # float32 | bfloat16
     overlap_reduce: bool = True  # false: every stage's reduction at the end of the step
+    tp: int = 1  # tensor-parallel degree: each stage's layers split across this many ranks (innermost)
+    sequence_parallel: bool = False  # tp > 1: norms, dropout and stage-to-stage tensors split on the sequence
 
     def __post_init__(self) -> None:
         if self.dp_replicate < 1:
             raise ValueError(f"parallel.dp_replicate must be >= 1 (got {self.dp_replicate})")
+        if self.tp < 1:
+            raise ValueError(f"parallel.tp must be >= 1 (got {self.tp})")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel=true splits tensor-parallel activations on the sequence: "
+                             "set parallel.tp > 1 or drop it")
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ValueError(f"parallel.dp_shard must be >= 1, or -1 to fill the world (got {self.dp_shard})")
         for knob in ("param_dtype", "reduce_dtype"):
@@ -52,17 +68,18 @@ class ParallelConfig:
 
 
 def fill_dp_shard(parallel: ParallelConfig, *, degree: int, world: Optional[int], where: str) -> int:
-    """The dp_shard that -1 stands for: world / (pipeline.degree x dp_replicate)."""
+    """The dp_shard that -1 stands for: world / (pipeline.degree x dp_replicate x tp)."""
     if world is None:
         raise ValueError(
             f"parallel.dp_shard=-1 fills the world, but {where} does not fix the world size: "
             f"set parallel.dp_shard to a number"
         )
-    other = degree * parallel.dp_replicate
+    other = degree * parallel.dp_replicate * parallel.tp
     if world % other:
+        tp = f" x parallel.tp={parallel.tp}" if parallel.tp > 1 else ""
         raise ValueError(
             f"parallel.dp_shard=-1: the world of {world} ranks is not a multiple of pipeline.degree={degree} x "
-            f"parallel.dp_replicate={parallel.dp_replicate} = {other}: change one of them"
+            f"parallel.dp_replicate={parallel.dp_replicate}{tp} = {other}: change one of them"
         )
     return world // other
 
@@ -74,11 +91,12 @@ def launched_world(cluster_name: str) -> Optional[int]:
     return None
 
 
-def world_text(degree: int, dp_replicate: int, dp_shard: int) -> str:
+def world_text(degree: int, dp_replicate: int, dp_shard: int, tp: int = 1) -> str:
     """How error messages name the world: `the world of 8 ranks (pipeline.degree=2 x parallel.dp_shard=4)`."""
-    if dp_replicate == dp_shard == 1:
+    if dp_replicate == dp_shard == tp == 1:
         return f"pipeline.degree={degree}"
     parts = [f"pipeline.degree={degree}"]
     parts += [f"parallel.dp_replicate={dp_replicate}"] if dp_replicate > 1 else []
     parts += [f"parallel.dp_shard={dp_shard}"] if dp_shard > 1 else []
-    return f"the world of {degree * dp_replicate * dp_shard} ranks ({' x '.join(parts)})"
+    parts += [f"parallel.tp={tp}"] if tp > 1 else []
+    return f"the world of {degree * dp_replicate * dp_shard * tp} ranks ({' x '.join(parts)})"

@@ -26,6 +26,10 @@ class TrainerConfig:
     # bf16 autocast and the tensors crossing between stages are bf16 (half the bytes); loss and
     # reductions in fp32. On CPU too (slower there than fp32 unless the CPU has bf16 matmuls).
     precision: str = "fp32"
+    # torch.compile every pipeline layer of every stage, one compiled graph per block (torchtitan's
+    # per-block compile: identical blocks share one compilation). Off by default: on CPU the
+    # first step pays the compilation (bench/compile_stage.py measures it).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for knob in ("max_steps", "log_every", "eval_batches", "threads_per_rank"):

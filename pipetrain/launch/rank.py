@@ -69,8 +69,9 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
     owns_group = not dist.is_initialized()
     try:
         if env.world_size != world:
-            fix = (f"set pipeline.degree={env.world_size}" if layout.dp == 1
-                   else "change pipeline.degree or the parallel.dp_* degrees (parallel.dp_shard=-1 fills the world)")
+            fix = (f"set pipeline.degree={env.world_size}" if layout.world == layout.pp
+                   else "change pipeline.degree, parallel.tp or the parallel.dp_* degrees "
+                        "(parallel.dp_shard=-1 fills the world)")
             raise ValueError(
                 f"{env.world_size} ranks were started but {what}: start {world} ranks "
                 f"(e.g. torchrun --nproc_per_node={world}) or {fix}"

@@ -71,8 +71,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape  # (B, T, C)
-        q, k, v = self.c_attn(x).split(c, dim=2)  # 3 x (B, T, C)
+        qkv = self.c_attn(x)  # (B, T, 3C); tensor parallel: (B, T, 3C/tp), this rank's heads of q, k, v
+        b, t, _ = qkv.shape  # T from the projection: sequence parallel hands x in as (B, T/tp, C)
+        q, k, v = qkv.chunk(3, dim=2)  # 3 x (B, T, C)
+        c = q.size(-1)  # C (tensor parallel: C/tp, n_head = this rank's heads)
         hs = c // self.n_head
         q = q.view(b, t, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(b, t, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)

@@ -107,8 +107,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape  # (B, T, C)
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)  # (B, T, H, hd)
+        q = self.q_proj(x)  # (B, T, H hd); T from here: sequence parallel hands x in as (B, T/tp, C)
+        b, t, _ = q.shape
+        q = q.view(b, t, self.heads, self.head_dim)  # (B, T, H, hd); tensor parallel: this rank's H/tp heads
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)  # (B, T, KV, hd)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE

@@ -1,10 +1,13 @@
-"""One description of the parallel layout: world = pp x dp_replicate x dp_shard, pp outermost.
+"""One description of the parallel layout: world = pp x dp_replicate x dp_shard x tp, pp outermost.
 
-A rank's coordinates are those of the DeviceMesh `("pp", "dp_replicate", "dp_shard")` built
-from it (mesh.py): global rank = (pp * dp_replicate + r) * dp_shard + s. Ranks that share
-(r, s) form one pipeline (they exchange activations); ranks that share pp form one data-
-parallel group (they hold the same stages and reduce their gradients). pp outermost keeps
-the data-parallel groups, which move the most bytes, on neighbouring ranks (one host).
+A rank's coordinates are those of the DeviceMesh `("pp", "dp_replicate", "dp_shard", "tp")`
+built from it (mesh.py): global rank = ((pp * dp_replicate + r) * dp_shard + s) * tp + t.
+Ranks that share (r, s, t) form one pipeline (they exchange activations, tp index to the same
+tp index); ranks that share (pp, t) form one data-parallel group (they hold the same stages,
+the same tensor-parallel shard, and reduce their gradients); ranks that share (pp, r, s) form
+one tensor-parallel group (one stage's layers split across them, collectives in every layer).
+tp innermost keeps a TP group, which talks the most often, on neighbouring ranks (one node,
+as Megatron-LM and torchtitan place it); pp outermost puts the pipeline across nodes.
 
 Pure Python: `mode=simulate` prints the rank table without importing torch.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-DIMS = ("pp", "dp_replicate", "dp_shard")
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class Coords:
     pp: int
     dp_replicate: int
     dp_shard: int
+    tp: int
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    tp: int = 1
 
     def __post_init__(self) -> None:
         for name in DIMS:
@@ -36,12 +41,12 @@ class Layout:
                 raise ValueError(f"layout degree {name} must be >= 1 (got {getattr(self, name)})")
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard)
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp(self) -> int:
@@ -51,12 +56,13 @@ class Layout:
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside a world of {self.world}")
-        rest, s = divmod(rank, self.dp_shard)
+        rest, t = divmod(rank, self.tp)
+        rest, s = divmod(rest, self.dp_shard)
         p, r = divmod(rest, self.dp_replicate)
-        return Coords(p, r, s)
+        return Coords(p, r, s, t)
 
-    def rank_of(self, pp: int, dp_replicate: int = 0, dp_shard: int = 0) -> int:
-        return (pp * self.dp_replicate + dp_replicate) * self.dp_shard + dp_shard
+    def rank_of(self, pp: int, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 0) -> int:
+        return ((pp * self.dp_replicate + dp_replicate) * self.dp_shard + dp_shard) * self.tp + tp
 
     def dp_index(self, rank: int) -> int:
         """Which 1/dp slice of the global batch this rank's pipeline takes (replica-major)."""
@@ -66,19 +72,28 @@ class Layout:
     def pp_rank(self, rank: int) -> int:
         return self.coords(rank).pp
 
+    def tp_index(self, rank: int) -> int:
+        return self.coords(rank).tp
+
     def pipeline_ranks(self, rank: int) -> list[int]:
-        """Global ranks of this rank's pipeline, by pipeline rank."""
+        """Global ranks of this rank's pipeline (same dp and tp indices), by pipeline rank."""
         c = self.coords(rank)
-        return [self.rank_of(p, c.dp_replicate, c.dp_shard) for p in range(self.pp)]
+        return [self.rank_of(p, c.dp_replicate, c.dp_shard, c.tp) for p in range(self.pp)]
 
     def pipelines(self) -> list[list[int]]:
-        """Every pipeline's global ranks (by pipeline rank), by dp index."""
-        return [self.pipeline_ranks(self.rank_of(0, d // self.dp_shard, d % self.dp_shard)) for d in range(self.dp)]
+        """Every pipeline's global ranks (by pipeline rank), by dp index then tp index."""
+        return [self.pipeline_ranks(self.rank_of(0, d // self.dp_shard, d % self.dp_shard, t))
+                for d in range(self.dp) for t in range(self.tp)]
 
     def dp_ranks(self, rank: int) -> list[int]:
-        """Global ranks holding the same stages as `rank` (its data-parallel group), by dp index."""
-        p = self.coords(rank).pp
-        return [self.rank_of(p, d // self.dp_shard, d % self.dp_shard) for d in range(self.dp)]
+        """Global ranks holding the same stages and tp shard as `rank` (its data-parallel group), by dp index."""
+        c = self.coords(rank)
+        return [self.rank_of(c.pp, d // self.dp_shard, d % self.dp_shard, c.tp) for d in range(self.dp)]
+
+    def tp_ranks(self, rank: int) -> list[int]:
+        """Global ranks splitting `rank`'s stages between them (its tensor-parallel group), by tp index."""
+        c = self.coords(rank)
+        return [self.rank_of(c.pp, c.dp_replicate, c.dp_shard, t) for t in range(self.tp)]
 
     def describe(self) -> str:
         parts = [f"pp={self.pp}"]
@@ -86,6 +101,8 @@ class Layout:
             parts.append(f"dp_replicate={self.dp_replicate}")
         if self.dp_shard > 1:
             parts.append(f"dp_shard={self.dp_shard}")
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
         return " x ".join(parts) + f" = {self.world} ranks"
 
     @property

@@ -1,10 +1,11 @@
 """The one DeviceMesh of a run, built from its Layout, and what a rank takes from it.
 
-`init_device_mesh(device, (pp, dp_replicate, dp_shard), mesh_dim_names=("pp", "dp_replicate",
-"dp_shard"))` is collective: every rank of the world builds it, in the same order, before
-anything else creates a process group. A rank then reads its pipeline group (pp: point-to-
-point between stages), its data-parallel group (the ranks that hold its stages) and, for
-FSDP2, the sub-mesh its stages are sharded (and replicated) over.
+`init_device_mesh(device, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=("pp",
+"dp_replicate", "dp_shard", "tp"))` is collective: every rank of the world builds it, in the
+same order, before anything else creates a process group. A rank then reads its pipeline
+group (pp: point-to-point between stages), its data-parallel group (the ranks that hold its
+stages and its tp shard), its tensor-parallel group (the ranks its stages' layers are split
+across) and, for FSDP2, the sub-mesh its stages are sharded (and replicated) over.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class RankGroups:
     pp_group: Optional[dist.ProcessGroup]  # this rank's pipeline (None: the default group / no group)
     pipeline_ranks: list[int]  # global ranks of this rank's pipeline, by pipeline rank
     dp_group: Optional[dist.ProcessGroup]  # ranks holding the same stages (None when dp = 1)
+    tp_group: Optional[dist.ProcessGroup] = None  # ranks splitting this rank's layers (None when tp = 1)
 
     @property
     def pp_rank(self) -> int:
@@ -38,6 +40,10 @@ class RankGroups:
     @property
     def dp_index(self) -> int:
         return self.layout.dp_index(self.rank)
+
+    @property
+    def tp_index(self) -> int:
+        return self.layout.tp_index(self.rank)
 
     @property
     def fsdp_mesh(self) -> Optional[DeviceMesh]:
@@ -56,14 +62,17 @@ def build_groups(layout: Layout, device_type: str) -> RankGroups:
     if dist.get_world_size() != layout.world:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but the layout needs {layout.world}")
     rank = dist.get_rank()
-    if layout.dp == 1:  # exactly as before data parallel: the pipeline is the default group
+    if layout.world == layout.pp:  # exactly as before data parallel: the pipeline is the default group
         return RankGroups(layout, rank, None, None, list(range(layout.world)), None)
     mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=DIMS)
     pp_group = mesh["pp"].get_group()
-    if layout.dp_shard == 1:
+    if layout.dp == 1:
+        dp_group = None
+    elif layout.dp_shard == 1:
         dp_group = mesh["dp_replicate"].get_group()
     elif layout.dp_replicate == 1:
         dp_group = mesh["dp_shard"].get_group()
     else:
         dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
-    return RankGroups(layout, rank, mesh, pp_group, layout.pipeline_ranks(rank), dp_group)
+    tp_group = mesh["tp"].get_group() if layout.tp > 1 else None
+    return RankGroups(layout, rank, mesh, pp_group, layout.pipeline_ranks(rank), dp_group, tp_group)

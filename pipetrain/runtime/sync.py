@@ -92,10 +92,11 @@ class GradSync:
                 self.sets.append((ranks, mine, by_set[ranks]))
         self.local_only = [n for n, ps in self.local.items() if len(ps) > 1 and len(holders[n]) == 1]
 
-    def owned(self) -> list[nn.Parameter]:
+    def owned(self, only: Optional[set[str]] = None) -> list[nn.Parameter]:
         """One Parameter per canonical name, on the lowest rank that holds it: summing a norm
-        over every rank's `owned()` counts each tied or mirrored weight once."""
-        return [ps[0] for n, ps in sorted(self.local.items()) if min(self.holders[n]) == self.rank]
+        over every rank's `owned()` counts each tied or mirrored weight once (`only`: of these names)."""
+        return [ps[0] for n, ps in sorted(self.local.items())
+                if min(self.holders[n]) == self.rank and (only is None or n in only)]
 
     @property
     def synced_names(self) -> list[str]:

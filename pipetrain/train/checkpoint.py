@@ -54,6 +54,7 @@ from pipetrain.config.train import TrainerConfig
 from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
 
 if TYPE_CHECKING:
+    from pipetrain.parallel.tp_state import TPShards
     from pipetrain.runtime.sync import GradSync
 
 CKPT_DIR = "checkpoints"
@@ -85,6 +86,7 @@ class Checkpointable:
     sync: GradSync
     optimizer: torch.optim.Optimizer
     state: TrainState
+    tp: Optional[TPShards] = None  # tensor parallel: the weights split across tp ranks (saved unsplit)
 
 
 # ---- the layout on disk (pure: no process group) -----------------------------------------------
@@ -194,12 +196,15 @@ def save_state_dict(target: Checkpointable) -> dict[str, torch.Tensor]:
     sync, opt = target.sync, target.optimizer
     optimized = _optimized(opt)
     out: dict[str, torch.Tensor] = {}
+    split = target.tp.shards if target.tp is not None else {}
     for name in owned_names(sync):
         p = sync.local[name][0]
-        out[f"model.{name}"] = p.detach()
+        # a tp slice is saved unsplit (collective over the tp group: every tp rank owns the same names)
+        whole = (lambda t: target.tp.full(name, t) if t.dim() else t) if name in split else (lambda t: t)
+        out[f"model.{name}"] = whole(p.detach())
         if id(p) in optimized:
             state = opt.state.get(p) or _fresh_adam_state(opt, p)
-            out.update({f"optim.{k}.{name}": state[k] for k in _adam_keys(opt)})
+            out.update({f"optim.{k}.{name}": whole(state[k]) for k in _adam_keys(opt)})
     out.update(_rng_state())
     return out
 
@@ -278,11 +283,14 @@ def _load_targets(target: Checkpointable, available: set[str]) -> tuple[dict[str
     optimized = _optimized(opt)
     targets: dict[str, torch.Tensor] = {}
     adam: dict[str, dict[str, torch.Tensor]] = {}
+    split = target.tp.shards if target.tp is not None else {}
     for name in sorted(sync.local):
         p = sync.local[name][0]
-        targets[f"model.{name}"] = p.detach()
+        # a tp slice reads the unsplit tensor (load_checkpoint keeps this rank's slice)
+        like = torch.empty(target.tp.full_shape(name, p), dtype=p.dtype) if name in split else p.detach()
+        targets[f"model.{name}"] = like
         if id(p) in optimized:
-            adam[name] = _fresh_adam_state(opt, p)
+            adam[name] = _fresh_adam_state(opt, like)
             targets.update({f"optim.{k}.{name}": t for k, t in adam[name].items()})
     missing = sorted(k for k in targets if k not in available)
     if missing:
@@ -305,13 +313,17 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(targets, checkpoint_id=path, no_dist=not dist.is_initialized())
     sync, opt = target.sync, target.optimizer
+    split = target.tp.shards if target.tp is not None else {}
+    for name in split:
+        if name in sync.local:
+            target.tp.keep_local(name, targets[f"model.{name}"], sync.local[name][0])
     with torch.no_grad():
         for name, copies in sync.local.items():
             for p in copies[1:]:
                 p.copy_(copies[0])
     for name, state in adam.items():  # every copy gets its own tensors: AdamW updates them in place
         for p in sync.local[name]:
-            opt.state[p] = {k: t.clone() for k, t in state.items()}
+            opt.state[p] = {k: _slice_of(target, name, t, p) for k, t in state.items()}
     for key, t in targets.items():
         if key.startswith("rng.cpu."):
             torch.set_rng_state(t)
@@ -326,6 +338,15 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
     for n in notes:
         note(f"checkpoint: {n}")
     return meta
+
+
+def _slice_of(target: Checkpointable, name: str, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A copy of a loaded optimizer tensor for parameter `p`: under tensor parallel, its slice."""
+    if target.tp is None or name not in target.tp.shards or not t.dim():
+        return t.clone()
+    mine = torch.zeros_like(p.detach(), memory_format=torch.preserve_format)
+    target.tp.keep_local(name, t, mine)
+    return mine
 
 
 def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Optional[Path]:

@@ -1,7 +1,7 @@
 """What a checkpoint's meta.json says about the run that wrote it, and what may change on resume.
 
 The fingerprint splits the config three ways: the model (must match to load), the layout
-(pipeline and data-parallel degrees, schedule, partition: free to change, the point of unsplit
+(pipeline, data- and tensor-parallel degrees, schedule, partition: free to change, the point of unsplit
 names) and the training knobs (may change, but then the run no longer repeats the uninterrupted
 one, so a change is reported). Pure: no torch.
 """
@@ -32,7 +32,8 @@ def fingerprint(config: Config) -> dict[str, dict[str, Any]]:
     layout = {"pipeline.degree": p.degree, "pipeline.microbatches": p.microbatches, "schedule.name": s.name,
               "schedule.virtual_stages": s.virtual_stages, "partition.name": part.name,
               "partition.boundaries": part.boundaries, "parallel.dp_replicate": config.parallel.dp_replicate,
-              "parallel.dp_shard": config.parallel.dp_shard}
+              "parallel.dp_shard": config.parallel.dp_shard, "parallel.tp": config.parallel.tp,
+              "parallel.sequence_parallel": config.parallel.sequence_parallel}
     training = {"trainer.seed": t.seed, "trainer.max_steps": t.max_steps, **_flat("data", config.data),
                 **_flat("optim", config.optim)}
     return {"model": model, "layout": json.loads(json.dumps(layout)), "training": training}

@@ -73,8 +73,9 @@ class Monitor:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.chosen_step = cfg.logging.chosen_step(cfg.trainer.max_steps)
         # Training FLOPs per token: forward + B + W = 3 x forward (the cost model's split,
-        # nanoGPT's 6N + 12LCT); MFU over pipeline.degree devices.
-        self.flops_per_token = 3.0 * sum(c.flops_per_token for c in plan.layer_costs)
+        # nanoGPT's 6N + 12LCT); MFU over every device. Under tensor parallel the plan's layer
+        # costs are one tp rank's share (schedules/tp_cost.py): the model's FLOPs are tp times them.
+        self.flops_per_token = 3.0 * sum(c.flops_per_token for c in plan.layer_costs) * cfg.parallel.tp
         self.peak_tflops = cfg.logging.peak_tflops or auto_peak_tflops(device)
         self.loggers = build_loggers(cfg.logger) if self.rank == 0 else []
         # rank 0: the last and the chosen measured step in full; of the others only what the

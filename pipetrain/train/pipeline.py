@@ -27,6 +27,7 @@ from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.step_result import StepResult
 from pipetrain.parallel.dp import DataParallel
+from pipetrain.parallel.tp_plan import TensorParallel
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.p2p import Kind, Message
@@ -42,6 +43,7 @@ class RankPipeline:
     stages: dict[int, nn.Module]
     executor: Executor
     sync: GradSync
+    tp: Optional[TensorParallel] = None
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's distinct parameters (a Parameter shared inside a stage appears once)."""
@@ -58,8 +60,18 @@ class RankPipeline:
     def train_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """Forward and backward of all microbatches, then gradients summed over copies."""
         result = self.executor.step(microbatches)
+        if self.tp is not None:  # whole weights each tp rank used on part of the tokens / heads
+            self.tp.reduce_partial(self.stages)
         self.sync.sync()
         return result
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """What this rank adds to the global gradient norm: the weights it owns in its pipeline
+        (GradSync.owned), and under tensor parallel only its slices of split weights unless it
+        is tp index 0 (whole weights are equal on every tp rank: counted once)."""
+        if self.tp is None or self.tp.g.rank == 0:
+            return self.sync.owned()
+        return self.sync.owned(only=self.tp.sharded_names(self.stages))
 
 
 def build_rank_pipeline(
@@ -79,6 +91,8 @@ def build_rank_pipeline(
     group_ranks: Optional[list[int]] = None,
     pipelines: Optional[list[list[int]]] = None,
     dp: Optional[DataParallel] = None,
+    tp: Optional[TensorParallel] = None,
+    compile_layers: bool = False,
     precision: str = "fp32",
     seed: Optional[int] = None,
     init_rule: Optional[InitRule] = None,
@@ -88,7 +102,9 @@ def build_rank_pipeline(
     `rank` is the pipeline rank; under data parallel `group` is this pipeline's process group,
     `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `dp` wraps
     the stages (FSDP2 under dp_shard) and builds their gradient reducer (the schedule then
-    carries REDUCE_GRAD marks). `precision` is trainer.precision (fp32 | bf16); `seed`
+    carries REDUCE_GRAD marks); `tp` splits every stage's layers over its tensor-parallel group
+    first (parallel/tp_plan.py); `compile_layers` (trainer.compile) compiles each layer of
+    every stage after tensor parallel and before data parallel (torchtitan's order). `precision` is trainer.precision (fp32 | bf16); `seed`
     initialises the stages of a model built on meta, or `init_rule` gives their values
     (model.pretrained: models/hf.PretrainedWeights reads them from the folder's files)."""
     if precision not in COMPUTE_DTYPES:
@@ -100,11 +116,20 @@ def build_rank_pipeline(
     device = torch.device(device)
     stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s, seed=seed, device=device, rule=init_rule)
               for s in pl.stages_of(rank)}
+    if tp is not None:  # torchtitan's order: cut, tensor parallel, (compile,) data parallel
+        stages = {s: tp.wrap(mod) for s, mod in stages.items()}
     for mod in stages.values():
         mod.checkpoint_layers = activation_checkpointing
+        if compile_layers:  # in place (nn.Module.compile): parameter names stay the unsplit ones
+            for layer in mod.layers.values():
+                layer.compile()
+            mod.fused_backward = True  # the executor's B computes weight gradients too (W: nothing)
     if dp is not None:
         stages = {s: dp.wrap(mod) for s, mod in stages.items()}
     specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
+    if tp is not None:  # sequence parallel: each tp rank sends and receives its (B, T/tp, C) part
+        specs = [specs[0], *(dataclasses.replace(t, shape=tp.boundary_shape(t.shape)) for t in specs[1:-1]),
+                 specs[-1]]
     if compute_dtype is not None:
         specs = [dataclasses.replace(t, dtype=compute_dtype) if t.dtype.is_floating_point else t for t in specs]
 
@@ -126,4 +151,4 @@ def build_rank_pipeline(
                         loss_group=group if pipelines is None else None, lookahead=p2p_lookahead,
                         reducer=dp.reducer(stages) if dp is not None else None, compute_dtype=compute_dtype)
     sync = GradSync(stages, group=group, pipelines=pipelines)
-    return RankPipeline(rank, schedule, stages, executor, sync)
+    return RankPipeline(rank, schedule, stages, executor, sync, tp)

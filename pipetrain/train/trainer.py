@@ -29,6 +29,7 @@ from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.models.hf import pretrained_rule
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.dp import data_parallel
+from pipetrain.parallel.tp_plan import tensor_parallel
 from pipetrain.plan import Plan, build_model
 from pipetrain.train.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
@@ -72,16 +73,16 @@ class Trainer:
         torch.manual_seed(config.trainer.seed)  # dropout; weights come from (seed, name) below
         model = build_model(config.model, device="meta")  # shapes only: each rank materializes its stages
         weights = pretrained_rule(config.model)  # model.pretrained: values from its files, not the seeded init
-        dp = config.layout.dp > 1
+        many = config.layout.world > config.layout.pp  # several pipelines (dp and / or tp)
         self.pipe: RankPipeline = build_rank_pipeline(
             model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank,
             microbatch_size=config.microbatch_size, seq_len=config.data.seq_len,
             timeout_s=config.pipeline.p2p_timeout_s, device=self.device,
             p2p_lookahead=config.pipeline.p2p_lookahead, p2p_in_order=config.pipeline.p2p_in_order,
-            activation_checkpointing=config.trainer.activation_checkpointing,
-            group=self.groups.pp_group, group_ranks=self.groups.pipeline_ranks if dp else None,
-            pipelines=config.layout.pipelines() if dp else None,
-            dp=data_parallel(config, self.groups),
+            activation_checkpointing=config.trainer.activation_checkpointing, compile_layers=config.trainer.compile,
+            group=self.groups.pp_group, group_ranks=self.groups.pipeline_ranks if many else None,
+            pipelines=config.layout.pipelines() if many else None,
+            dp=data_parallel(config, self.groups), tp=tensor_parallel(config, self.groups),
             precision=config.trainer.precision, seed=config.trainer.seed, init_rule=weights,
         )
         self.pretrained_files = [] if weights is None else weights.opened  # the files this rank read
@@ -92,7 +93,12 @@ class Trainer:
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         self.state = TrainState()
-        self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state)
+        tp = None
+        if self.pipe.tp is not None:
+            from pipetrain.parallel.tp_state import TPShards
+
+            tp = TPShards.of(self.pipe.tp.g, self.pipe.stages)
+        self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state, tp)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
         self.profiler = StepProfiler(config.profile, rank=self.rank, device=self.device, run_dir=self.run_dir,
@@ -122,8 +128,9 @@ class Trainer:
                        if measure else None)
         loss = result.loss if result.loss is not None else float("nan")
         # Each weight counted once: the pipeline's owner of each copy, one replica (dp_replicate
-        # index 0; the shards of FSDP2 stages are distinct parts and all count).
-        owned = self.pipe.sync.owned() if self.groups.coords.dp_replicate == 0 else []
+        # index 0; the shards of FSDP2 stages are distinct parts and all count), tp slices on
+        # every tp rank and whole weights on tp index 0.
+        owned = self.pipe.norm_parameters() if self.groups.coords.dp_replicate == 0 else []
         norm = global_grad_norm(owned, device=self.device)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if skipped:

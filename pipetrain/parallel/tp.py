@@ -1,0 +1,262 @@
+"""Tensor parallel inside a stage (Megatron-LM, Shoeybi et al. 2019; sequence parallel:
+Korthikanti et al. 2022): the layers and collectives, on plain tensors.
+
+Each tp rank holds a slice of every split weight as an ordinary Parameter under the unsplit
+name (so the executor, split backward, FSDP2, tie sync and AdamW see plain local tensors):
+
+  column-parallel  Linear(in, out): rows `index` of the weight (and bias); the input enters
+                   through `copy_to_tp` (identity forward, all-reduce of the input gradient
+                   backward), the output stays split on its last dimension.
+  row-parallel     Linear(in, out): columns `index` of the weight, the bias whole; the partial
+                   products are all-reduced forward (`reduce_from_tp`, identity backward), then
+                   the bias is added once.
+  vocab-parallel   Embedding rows [r V/tp, (r+1) V/tp): ids outside look up zeros, then the
+                   partial embeddings are all-reduced.
+  gathered head    the head is column-parallel on the vocabulary and its logits are all-gathered
+                   on the last dimension (backward: each rank keeps its slice of the gradient), so
+                   every tp rank computes the unchanged cross-entropy on the whole (B, T, V) logits:
+                   the "explicitly gathered loss".
+
+Sequence parallel: between the tp regions activations are (B, T/tp, C) per tp rank. Column-
+parallel inputs are all-gathered on the sequence (backward: reduce-scatter), row-parallel and
+vocab-parallel outputs reduce-scattered (backward: all-gather), so norms and dropout run on a
+1/tp slice of the tokens; the weights used there see only their tokens and their gradients are
+summed over the tp group after the step (`TensorParallel.partial`).
+
+Every collective runs on the tp group, in the same order on every tp rank (they run the same
+schedule on the same shapes), so the backward's collectives match as the forward's do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    group: Optional[dist.ProcessGroup]
+    size: int
+    rank: int  # this rank's tp index
+    sequence_parallel: bool = False
+
+
+def _all_reduce(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=g.group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(g.size)]
+    dist.all_gather(parts, x.contiguous(), group=g.group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
+    # all-reduce then keep this rank's chunk: gloo has no reduce-scatter of arbitrary tensors
+    # on every version; NCCL does it in place of the all-reduce (same result, fewer bytes).
+    if x.is_cuda:
+        parts = [p.contiguous() for p in x.chunk(g.size, dim=dim)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=g.group)
+        return out
+    return _all_reduce(x, g).chunk(g.size, dim=dim)[g.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):  # type: ignore[override]
+        ctx.g = g
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_reduce(grad, ctx.g), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g):  # type: ignore[override]
+        return _all_reduce(x, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class _Gather(torch.autograd.Function):
+    """Forward all-gather on `dim`; backward: this rank's slice (`reduce`: reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, g, reduce):  # type: ignore[override]
+        ctx.dim, ctx.g, ctx.reduce = dim, g, reduce
+        return _all_gather(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if ctx.reduce:
+            return _reduce_scatter(grad, ctx.dim, ctx.g), None, None, None
+        return grad.chunk(ctx.g.size, dim=ctx.dim)[ctx.g.rank].contiguous(), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Forward reduce-scatter on `dim`; backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, dim, g):  # type: ignore[override]
+        ctx.dim, ctx.g = dim, g
+        return _reduce_scatter(x, dim, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_gather(grad, ctx.dim, ctx.g), None, None
+
+
+class _Split(torch.autograd.Function):
+    """Forward: this rank's chunk of a replicated tensor on `dim`; backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, dim, g):  # type: ignore[override]
+        ctx.dim, ctx.g = dim, g
+        return x.chunk(g.size, dim=dim)[g.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_gather(grad, ctx.dim, ctx.g), None, None
+
+
+SEQ = 1  # (B, T, C): the sequence dimension sequence parallel splits
+
+
+def enter_tp(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """Into a column-parallel region: (B, T, C) replicated, or (B, T/tp, C) gathered under SP."""
+    return _Gather.apply(x, SEQ, g, True) if g.sequence_parallel else _CopyToTP.apply(x, g)
+
+
+def leave_tp(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """Out of a row-parallel region: partial sums all-reduced, or reduce-scattered on T under SP."""
+    return _ReduceScatter.apply(x, SEQ, g) if g.sequence_parallel else _ReduceFromTP.apply(x, g)
+
+
+def enter_region(module: nn.Module, g: TPGroup) -> None:
+    """Bring `module`'s input into the tp region once, for all its column-parallel projections."""
+    module.register_forward_pre_hook(lambda _m, args: (enter_tp(args[0], g), *args[1:]))
+
+
+def split_sequence(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """A replicated (B, T, C) -> this rank's (B, T/tp, C) (backward: all-gather)."""
+    return _Split.apply(x, SEQ, g)
+
+
+def gather_last(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """(..., V/tp) per rank -> (..., V) on every rank (backward: each keeps its slice)."""
+    return _Gather.apply(x, x.dim() - 1, g, False)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, index: torch.Tensor, g: TPGroup, *, gather_output: bool = False,
+                 enter: bool = True) -> None:
+        super().__init__()
+        # enter=False: the caller already brought the input into the region (one collective
+        # for Llama's q, k, v and for gate, up: `enter_region`)
+        self.g, self.gather_output, self.index, self.enter = g, gather_output, index, enter
+        self.weight = nn.Parameter(linear.weight.detach()[index].clone())  # (out/tp, in)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[index].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(enter_tp(x, self.g) if self.enter else x, self.weight, self.bias)  # (B, T, out/tp)
+        return gather_last(y, self.g) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, index: torch.Tensor, g: TPGroup) -> None:
+        super().__init__()
+        self.g, self.index = g, index
+        self.weight = nn.Parameter(linear.weight.detach()[:, index].clone())  # (out, in/tp)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = leave_tp(F.linear(x, self.weight), self.g)  # (B, T, out) summed over tp (SP: (B, T/tp, out))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r V/tp, (r+1) V/tp) of the table; the output is whole (B, T, C) on every tp rank
+    (under sequence parallel the embedding layer splits it after its own additions)."""
+
+    def __init__(self, emb: nn.Embedding, g: TPGroup, weight: Optional[nn.Parameter] = None) -> None:
+        super().__init__()
+        self.g = g
+        rows = emb.num_embeddings // g.size
+        self.start, self.rows = g.rank * rows, rows
+        self.index = torch.arange(self.start, self.start + rows)
+        self.weight = weight if weight is not None else nn.Parameter(
+            emb.weight.detach()[self.start: self.start + rows].clone())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.rows)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C), rows of other ranks wrong
+        return _ReduceFromTP.apply(y.masked_fill(outside.unsqueeze(-1), 0.0), self.g)
+
+
+def chunk_index(size: int, g: TPGroup, *, blocks: int = 1) -> torch.Tensor:
+    """Indices of this rank's 1/tp of each of `blocks` equal consecutive blocks of `size`
+    (GPT-2's fused c_attn: blocks=3, so rank r holds q, k and v of the same heads)."""
+    block = size // blocks
+    part = block // g.size
+    return torch.cat([torch.arange(b * block + g.rank * part, b * block + (g.rank + 1) * part)
+                      for b in range(blocks)])
+
+
+def shard_layout(module: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+    """Local parameter name -> (the dimension it is split on, the unsplit indices this rank holds
+    along it), for a module after `parallelize`."""
+    out: dict[str, tuple[int, torch.Tensor]] = {}
+    for name, sub in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(sub, (ColumnParallelLinear, VocabParallelEmbedding)):
+            out[f"{prefix}weight"] = (0, sub.index)
+            if getattr(sub, "bias", None) is not None:
+                out[f"{prefix}bias"] = (0, sub.index)
+        elif isinstance(sub, RowParallelLinear):
+            out[f"{prefix}weight"] = (1, sub.index)
+    return out
+
+
+def gather_full(local: torch.Tensor, dim: int, index: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """Collective over the tp group: the unsplit tensor from every rank's slice (tests, export)."""
+    parts = _all_gather(local.unsqueeze(0), 0, g)  # (tp, *local.shape)
+    indices = _all_gather(index.unsqueeze(0), 0, g)  # (tp, n)
+    shape = list(local.shape)
+    shape[dim] *= g.size
+    full = local.new_empty(shape)
+    for part, idx in zip(parts, indices):
+        full.index_copy_(dim, idx, part)
+    return full
+
+
+def replace(parent: nn.Module, path: str, new: nn.Module) -> None:
+    owner, _, attr = path.rpartition(".")
+    setattr(parent.get_submodule(owner) if owner else parent, attr, new)
+
+
+def all_reduce_grads(params: Sequence[nn.Parameter], g: TPGroup) -> None:
+    """Sum the gradients of weights each tp rank used on part of the work (one flat all-reduce)."""
+    from pipetrain.runtime.sync import local_tensor
+
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([t.reshape(-1) for t in grads])
+    dist.all_reduce(flat, group=g.group)
+    offset = 0
+    for t in grads:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()

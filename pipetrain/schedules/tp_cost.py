@@ -1,0 +1,64 @@
+"""What tensor parallel does to one layer's cost: compute divided by tp, TP collectives added.
+
+Megatron-LM's tensor parallel (Shoeybi et al. 2019, section 3) splits every matmul of a layer
+evenly over tp ranks, so a layer's F, B and W times divide by tp; what it adds is communication
+on the critical path (not overlapped with compute), per layer and microbatch of N tokens, hidden
+size C, V the vocabulary, s bytes per value:
+
+  block      F: 2 all-reduces of N x C (after attention and after the MLP)
+             B: 2 all-reduces of N x C (the input gradients of the column-parallel regions)
+  embedding  F: 1 all-reduce of N x C (vocab-parallel lookup)
+  head       F: 1 all-gather of N x V (the gathered logits);  B: 1 all-reduce of N x C
+  W          none (weight gradients are local)
+
+Sequence parallel (Korthikanti et al. 2022) replaces each all-reduce by a reduce-scatter plus an
+all-gather: the same ring bytes, 2(tp-1)/tp x S per all-reduce and (tp-1)/tp x S per all-gather
+(schedules/reduce_cost.py: ring_factor), over `cluster.tp_bandwidth_gbs`; latency terms are left
+out. Parameters stored per rank divide by tp (norms and position embeddings, replicated, are
+rounded in); activation bytes divide by tp under sequence parallel (every saved activation is
+split), and are left whole without it (conservative: the split attention and MLP activations
+are most of them, the replicated norms' inputs are not).
+
+Layers are told apart by name: "embed" and "head" (GPT-2 and Llama), every other layer is a block
+(the sleep model's layers too). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from pipetrain.models.costs import LayerCost
+from pipetrain.schedules.reduce_cost import ring_factor
+
+
+def comm_ms(nbytes: float, bandwidth_gbs: float) -> float:
+    return nbytes / (bandwidth_gbs * 1e9) * 1e3
+
+
+def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden: int, vocab: int,
+                   bytes_per_value: int, bandwidth_gbs: float, sequence_parallel: bool = False) -> list[LayerCost]:
+    """Per-layer costs of one tp rank for one microbatch of `tokens` tokens."""
+    if tp < 1:
+        raise ValueError(f"parallel.tp must be >= 1 (got {tp})")
+    if tp == 1:
+        return list(layers)
+    if not bandwidth_gbs > 0:
+        raise ValueError(f"cluster.tp_bandwidth_gbs must be > 0 GB/s (got {bandwidth_gbs})")
+    act = tokens * hidden * bytes_per_value  # one (N, C) activation
+    all_reduce = comm_ms(ring_factor(tp, all_reduce=True) * act, bandwidth_gbs)
+    logits = comm_ms(ring_factor(tp, all_reduce=False) * tokens * vocab * bytes_per_value, bandwidth_gbs)
+    out = []
+    for layer in layers:
+        if layer.name == "embed":
+            extra_f, extra_b = all_reduce, 0.0
+        elif layer.name == "head":
+            extra_f, extra_b = logits, all_reduce
+        else:
+            extra_f, extra_b = 2 * all_reduce, 2 * all_reduce
+        out.append(dataclasses.replace(
+            layer, f_ms=layer.f_ms / tp + extra_f, b_ms=layer.b_ms / tp + extra_b, w_ms=layer.w_ms / tp,
+            params=-(-layer.params // tp), flops_per_token=layer.flops_per_token / tp,
+            activation_bytes_per_token=(-(-layer.activation_bytes_per_token // tp) if sequence_parallel
+                                        else layer.activation_bytes_per_token)))
+    return out
