@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from pipetrain.compose import CONF_DIR, check_recipe_args, register_all, to_config
 from pipetrain.config import Config, Mode
 from pipetrain.launch import RankFailedError
+from pipetrain.launch.rundir import check_args
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
 
@@ -31,6 +32,7 @@ def run(config: Config, run_dir: Path) -> Any:
 
     from pipetrain.launch import launch
     from pipetrain.launch.resolvers import process_rank
+    from pipetrain.launch.rundir import RunLock, check_writable
     from pipetrain.simulate_cmd import plan_and_simulate, run_simulate
 
     if config.mode is Mode.simulate:
@@ -43,6 +45,10 @@ def run(config: Config, run_dir: Path) -> Any:
     quiet = process_rank(config.cluster.name) != 0
     console = Console(quiet=quiet)
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
+    if not quiet:  # the run and checkpoint directories take files, before any rank starts
+        saves = config.mode is Mode.train and bool(config.trainer.ckpt_every or config.trainer.ckpt_at_end)
+        check_writable(run_dir, checkpoints=saves)
+        RunLock(run_dir).check()  # a second run here refuses now; launch() takes the lock
     check_pretrained(config.model)  # a missing, extra or mis-shaped key too
     changes = getattr(config.model, "pretrained_changes", None)
     if changes:
@@ -92,6 +98,7 @@ def main() -> None:
     register_all()
     try:
         check_recipe_args(sys.argv[1:])
+        check_args(sys.argv[1:])  # a run directory that is a file or read-only, before Hydra sets up its log there
     except ValueError as e:
         _fail(e)
     _hydra_main()

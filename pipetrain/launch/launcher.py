@@ -32,8 +32,10 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
     run_dir = Path(run_dir).resolve()
     if cluster.name == "local":
         from pipetrain.launch.elastic import launch_local
+        from pipetrain.launch.rundir import RunLock
 
-        return launch_local(config, plan, run_dir, entry)
+        with RunLock(run_dir, note=print):  # held by this process across the workers' restarts
+            return launch_local(config, plan, run_dir, entry)
 
     from pipetrain.launch import env as rank_env
     from pipetrain.launch.rank import run_rank

@@ -8,13 +8,14 @@ launcher reports the rank that failed first instead of a wall of tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,8 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
             raise ValueError(f"the process group has {dist.get_world_size()} ranks but {what}")
         if agree:
             plan, run_dir = _agree_with_rank0(plan, Path(run_dir))
+            with _rank0_lock(Path(run_dir)):
+                return entry(config, plan, Path(run_dir))
         return entry(config, plan, Path(run_dir))
     except Exception as err:
         record_error(err)
@@ -107,6 +110,28 @@ def _agree_with_rank0(plan: Plan, run_dir: Path) -> tuple[Plan, Path]:
         except OSError:
             pass
     return objs[0], shared
+
+
+@contextlib.contextmanager
+def _rank0_lock(run_dir: Path) -> Iterator[None]:
+    """Ranks started by torchrun / srun / submitit: rank 0 locks the run directory and every rank
+    learns whether it could (a refusal is every rank's one-line error, not a hang)."""
+    from pipetrain.launch.rundir import RunLock
+
+    lock = RunLock(run_dir, note=print)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            lock.acquire()
+        except ValueError as e:
+            box[0] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ValueError(box[0])
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def elastic_worker(entry: Entry, config: Config, plan: Plan, run_dir: str) -> dict:

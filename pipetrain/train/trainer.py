@@ -91,6 +91,7 @@ class Trainer:
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         self.state = TrainState()
+        self.skipped_in_a_row = 0  # trainer.on_nonfinite=skip: non-finite steps since the last good one
         self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
@@ -130,7 +131,14 @@ class Trainer:
                     f"or set trainer.on_nonfinite=skip"
                 )
             self.state.skipped += 1
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row >= cfg.trainer.max_skipped_steps:
+                raise NonFiniteLoss(
+                    f"{self.skipped_in_a_row} non-finite steps in a row (loss {loss} / grad norm {norm} at step {step + 1}, "
+                    f"trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}): lower optim.lr, raise "
+                    f"optim.warmup_steps, or raise trainer.max_skipped_steps")
         else:
+            self.skipped_in_a_row = 0
             clip_grads(self.pipe.parameters(), norm, cfg.optim.grad_clip)
             self.optimizer.step()
         step_s = time.perf_counter() - t0
