@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from pipetrain.compose import CONF_DIR, check_recipe_args, register_all, to_config
 from pipetrain.config import Config, Mode
-from pipetrain.launch import RankFailedError
+from pipetrain.launch import RankFailedError, RunStopped
 from pipetrain.launch.rundir import check_args
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
@@ -85,6 +85,9 @@ def _hydra_main(cfg: DictConfig) -> Any:
         _fail(_unwrap(e))
     except RankFailedError as e:  # the failing rank's one-line message; its traceback is on disk
         _fail(e)
+    except RunStopped as e:  # SIGTERM / SIGINT: the step was saved; one line says where to resume
+        print(f"pipetrain: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
 
 
 def _unwrap(err: BaseException) -> BaseException:

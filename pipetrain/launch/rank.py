@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from pipetrain.plan import Plan
 
 Entry = Callable[["Config", "Plan", Path], dict]
+STOPPED_EXIT = 143  # a worker's exit code after a stop on a signal: 128 + SIGTERM, as a shell reports it
 
 
 def resolve_backend(choice: str, device: str) -> str:
@@ -137,8 +138,23 @@ def _rank0_lock(run_dir: Path) -> Iterator[None]:
 def elastic_worker(entry: Entry, config: Config, plan: Plan, run_dir: str) -> dict:
     """Entry point of cluster=local's workers: torch's elastic agent set the torchrun variables."""
     try:
-        return run_rank(config, plan, Path(run_dir), torchrun_env(), entry, agree=False)
+        result = run_rank(config, plan, Path(run_dir), torchrun_env(), entry, agree=False)
     except Exception:
         # run_rank wrote the error file, with its time in ns. Leaving through SystemExit keeps the
         # @record that torch wraps around every elastic worker from overwriting it (whole seconds).
         raise SystemExit(1) from None
+    if "stopped" in result:  # every rank's result says so (rank 0's holds the record)
+        _leave_stopped()
+    return result
+
+
+def _leave_stopped() -> None:
+    """The ranks stopped on a signal and saved (train/stop.py): leave now. A returning worker waits
+    for the agent to read its return value, which an agent shutting down on that same signal never
+    does (it would wait its 30 s and kill us). The launcher reads stopped.json instead; an agent
+    that got no signal itself sees a non-zero exit, and launch_local still reports the stop."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(STOPPED_EXIT)

@@ -19,7 +19,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,8 @@ from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.data import build_data, local_rows, split_microbatches
 from pipetrain.train.monitor import Monitor
+from pipetrain.train.stop import StopSignals, signal_name, write_stopped
+from pipetrain.launch.errors import STOPPED
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
 
 
@@ -92,6 +94,8 @@ class Trainer:
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         self.state = TrainState()
         self.skipped_in_a_row = 0  # trainer.on_nonfinite=skip: non-finite steps since the last good one
+        self.stop = StopSignals()  # SIGTERM / SIGINT: finish the step, save it, stop (train/stop.py)
+        self.stopped: Optional[dict[str, Any]] = None  # where to resume (rank 0's record), after a signal
         self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
@@ -157,17 +161,38 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> RunSummary:
-        """Resume (if asked), train to trainer.max_steps, write summary.json (rank 0), close the loggers."""
+        """Resume (if asked), train to trainer.max_steps (or until a signal: train/stop.py), write
+        summary.json (rank 0), close the loggers."""
         notes: list[str] = []
-        self.resume(note=notes.append)  # before the loggers start: they show the resumed step
-        self.monitor.start(self.state.step)
-        for text in notes:
-            self.monitor.note(text)
-        summary = self.monitor.summarize(self.loop())
-        if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
-            (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
-        self.monitor.finish(summary)
+        if self.rank == 0:
+            (self.run_dir / STOPPED).unlink(missing_ok=True)  # an earlier stop's record
+        with self.stop:
+            self.resume(note=notes.append)  # before the loggers start: they show the resumed step
+            self.monitor.start(self.state.step)
+            for text in notes:
+                self.monitor.note(text)
+            summary = self.monitor.summarize(self.loop())
+            if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
+                (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
+            self.monitor.finish(summary)
+            if self.stopped is not None:
+                self.stop.chain(self.stop.signum or 0)  # submitit: its requeue, after our save
         return summary
+
+    def stop_after(self, step: int, signum: int, *, saved: Optional[Path]) -> None:
+        """Collective: the ranks agreed to stop after `step` on a signal: save it (if checkpoints are
+        on and it was not just saved) and, on rank 0, record where to resume (train/stop.py)."""
+        cfg = self.config
+        if saved is None and (cfg.trainer.ckpt_every or cfg.trainer.ckpt_at_end):
+            saved = checkpoint.save_checkpoint(self.checkpointable, self.run_dir, cfg, note=self.monitor.note)
+        name = cfg.run.name
+        hint = (f"rerun the same command (run.name={name} trainer.resume=auto)" if name
+                else f"resume with trainer.resume={saved}")
+        if self.rank == 0:
+            self.stopped = write_stopped(self.run_dir, signum=signum, step=step, checkpoint=saved, resume=hint)
+            self.monitor.note(f"{signal_name(signum)}: stopped after step {step}" + (f", saved {saved}" if saved else ""))
+        else:
+            self.stopped = {}
 
     def loop(self) -> RunSummary:
         """The steps still to do; returns the run's summary (before the measured part is added)."""
@@ -192,8 +217,13 @@ class Trainer:
             monitor.progress(step)
             if log:
                 monitor.log(record)
+            saved = None
             if checkpoint.due(step, cfg):
-                checkpoint.save_checkpoint(self.checkpointable, self.run_dir, self.config, note=monitor.note)
+                saved = checkpoint.save_checkpoint(self.checkpointable, self.run_dir, self.config, note=monitor.note)
+            signum = self.stop.agreed(self.device)  # a signal any rank got stops every rank, here
+            if signum is not None:
+                self.stop_after(step, signum, saved=saved)
+                break
         steady = sorted(step_times[1:] or step_times)  # the first step pays for warm-up
         median_s = steady[len(steady) // 2] if steady else None
         return RunSummary(steps=self.state.step, first_loss=first_loss, final_loss=final_loss,
@@ -208,4 +238,5 @@ def rank_main(config: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(config, plan, run_dir)
     summary = trainer.fit()
-    return summary.to_json() if trainer.rank == 0 else {}
+    stopped = {} if trainer.stopped is None else {"stopped": trainer.stopped}  # rank 0's is the record
+    return {**summary.to_json(), **stopped} if trainer.rank == 0 else stopped
