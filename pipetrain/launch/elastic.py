@@ -41,7 +41,9 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
             min_nodes=1, max_nodes=1, nproc_per_node=config.layout.world,
             run_id=f"pipetrain-{uuid.uuid4().hex[:12]}",
             rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{config.cluster.master_port or 0}",  # 0: a free port
-            max_restarts=0,  # a failed rank ends the run (continue with trainer.resume=auto)
+            # launch.max_restarts: the agent restarts every worker after one fails; they resume from
+            # the newest verified checkpoint by themselves (train/restart.py). 0: a failure ends the run
+            max_restarts=config.launch.max_restarts,
             monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
             logs_specs=DefaultLogsSpecs(log_dir=logs),  # the workers' error files, removed afterwards
         )

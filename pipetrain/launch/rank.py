@@ -15,7 +15,7 @@ import os
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,9 +82,11 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
         if backend == "nccl":
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         if owns_group:
-            init = "env://" if env.use_env_store else f"tcp://{env.master_addr}:{env.master_port}"
-            dist.init_process_group(backend, init_method=init, rank=env.rank, world_size=env.world_size,
-                                    timeout=datetime.timedelta(seconds=max(300.0, config.pipeline.p2p_timeout_s)))
+            timeout = datetime.timedelta(seconds=max(300.0, config.pipeline.p2p_timeout_s))
+            store = _attempt_store(env, timeout)
+            init = None if store else "env://" if env.use_env_store else f"tcp://{env.master_addr}:{env.master_port}"
+            dist.init_process_group(backend, init_method=init, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
         elif dist.get_world_size() != world:
             raise ValueError(f"the process group has {dist.get_world_size()} ranks but {what}")
         if agree:
@@ -111,6 +113,17 @@ def _agree_with_rank0(plan: Plan, run_dir: Path) -> tuple[Plan, Path]:
         except OSError:
             pass
     return objs[0], shared
+
+
+def _attempt_store(env: RankEnv, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """Under torch elastic's agent store (cluster=local, torchrun): the agent's TCPStore, with a
+    prefix per attempt. The store outlives a restarted worker group, and without the prefix the
+    new group's gloo would read the dead group's addresses and hang connecting to them."""
+    if not (env.use_env_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    tcp = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"pipetrain/attempt_{attempt}", tcp)
 
 
 @contextlib.contextmanager

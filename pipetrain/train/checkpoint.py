@@ -294,14 +294,22 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
     return meta
 
 
-def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Optional[Path]:
-    """Load what trainer.resume names (collective), or start fresh; returns the checkpoint loaded."""
+def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent,
+           restarted: bool = False) -> Optional[Path]:
+    """Load what trainer.resume names (collective), or start fresh; returns the checkpoint loaded.
+    restarted=True (a worker group torch elastic restarted): the newest good checkpoint of the run
+    directory first, whatever trainer.resume says; trainer.resume's own only when there is none."""
     want = config.trainer.resume
-    # rank 0 reads every byte against the manifest; a damaged newest checkpoint is reported and passed over
-    path = _agreed(lambda: resolve_resume(want, run_dir, deep=True, note=note))
+
+    def pick() -> Optional[Path]:
+        # rank 0 reads every byte against the manifest; a damaged newest checkpoint is reported and passed over
+        found = resolve_resume("auto", run_dir, deep=True, note=note) if restarted else None
+        return found or resolve_resume(want, run_dir, deep=True, note=note)
+
+    path = _agreed(pick)
     if path is None:
-        if want == "auto":
-            note(f"checkpoint: trainer.resume=auto: no checkpoint in {Path(run_dir) / CKPT_DIR}, starting fresh")
+        if want == "auto" or restarted:
+            note(f"checkpoint: no checkpoint in {Path(run_dir) / CKPT_DIR}, starting fresh")
         return None
     meta = load_checkpoint(target, path, config, note=note)
     note(f"checkpoint: resumed from {path} at step {meta['step']}")

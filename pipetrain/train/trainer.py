@@ -35,6 +35,7 @@ from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.data import build_data, local_rows, split_microbatches
 from pipetrain.train.monitor import Monitor
+from pipetrain.train.restart import Restart, StepTracker, restart_count, this_restart
 from pipetrain.train.stop import StopSignals, signal_name, write_stopped
 from pipetrain.launch.errors import STOPPED
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
@@ -96,13 +97,18 @@ class Trainer:
         self.skipped_in_a_row = 0  # trainer.on_nonfinite=skip: non-finite steps since the last good one
         self.stop = StopSignals()  # SIGTERM / SIGINT: finish the step, save it, stop (train/stop.py)
         self.stopped: Optional[dict[str, Any]] = None  # where to resume (rank 0's record), after a signal
+        self.tracker = StepTracker(self.rank)  # the step in progress, for a restart's message
         self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
 
-    def resume(self, note: checkpoint.Note = checkpoint.silent) -> None:
-        """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh start."""
-        checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note)
+    def resume(self, note: checkpoint.Note = checkpoint.silent) -> Optional[Restart]:
+        """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh
+        start; after a restart (launch.max_restarts) the run directory's newest good checkpoint.
+        Returns, on rank 0 of a restarted group, what happened before (train/restart.py)."""
+        restarted = restart_count() > 0
+        checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note, restarted=restarted)
+        return this_restart(self.tracker) if restarted and self.rank == 0 else None
 
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -167,10 +173,13 @@ class Trainer:
         if self.rank == 0:
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # an earlier stop's record
         with self.stop:
-            self.resume(note=notes.append)  # before the loggers start: they show the resumed step
+            restart = self.resume(note=notes.append)  # before the loggers start: they show the resumed step
             self.monitor.start(self.state.step)
             for text in notes:
                 self.monitor.note(text)
+            if restart is not None:
+                self.monitor.event("restart", restart.line(self.state.step), failed_rank=restart.rank,
+                                   failed_step=restart.step, resumed_step=self.state.step, attempt=restart.attempt)
             summary = self.monitor.summarize(self.loop())
             if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
                 (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
@@ -203,6 +212,7 @@ class Trainer:
             monitor.note(f"nothing to do: resumed at step {self.state.step}, trainer.max_steps={cfg.max_steps}")
         while self.state.step < cfg.max_steps:
             step = self.state.step + 1
+            self.tracker.begin(step)  # where a restart says the failure happened
             last = step == cfg.max_steps
             # every eval_every steps, and at the end of a run long enough to have evaluated
             evaluate = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or (last and step > cfg.eval_every))
