@@ -145,3 +145,39 @@ def test_prune_never_deletes_the_newest_good_one(reference, tmp_path):
         shutil.copytree(ckpt.step_dir(reference, 2), ckpt.step_dir(run, step))
     assert [p.name for p in ckpt.prune(run, 1)] == ["step_000000", "step_000001"]
     assert ckpt.resolve_resume("auto", run) == ckpt.step_dir(run, 2)
+
+
+def test_async_save_writes_the_same_checkpoints(compose, reference, tmp_path, capfd):
+    """checkpoint.async_save: training goes on during the write (step 3 updates the weights while
+    step 2's files are written), yet each checkpoint holds its own step's tensors, bitwise, and
+    is committed with its manifest; the console says how long each save blocked training."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import torch
+
+    run = tmp_path / "run"
+    config = compose([*BASE, "checkpoint.async_save=true", "logger=[console,jsonl]"])
+    launch(config, make_plan(config), run)
+    out = capfd.readouterr().out
+    assert "checkpoint: saving step_000002 in the background (blocked training" in out, out[-2000:]
+    assert f"checkpoint: saved {ckpt.step_dir(run, 2).resolve()} (blocked training" in out
+    assert losses(run) == losses(reference)
+    for step in (2, 4):
+        assert ckpt.damage(ckpt.step_dir(run, step)) is None
+        dcp_to_torch_save(ckpt.step_dir(run, step), tmp_path / "a.pt")
+        dcp_to_torch_save(ckpt.step_dir(reference, step), tmp_path / "b.pt")
+        a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), step
+    assert not list((run / "checkpoints").glob(".*"))
+
+
+def test_slurm_requeued_job_resumes_by_itself(compose, reference, tmp_path, monkeypatch, capfd):
+    """A job SLURM requeued (SLURM_RESTART_COUNT, as submitit's requeue leaves it) resumes from its
+    run directory's newest good checkpoint even without trainer.resume=auto."""
+    run = tmp_path / "run"
+    shutil.copytree(ckpt.step_dir(reference, 2), ckpt.step_dir(run, 2))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    config = compose([*BASE, "logger=[console,jsonl]"])
+    launch(config, make_plan(config), run)
+    out = capfd.readouterr().out
+    assert "requeued by SLURM (1x)" in out and f"resumed from {ckpt.step_dir(run, 2).resolve()} at step 2" in out
+    assert losses(run) == {s: loss for s, loss in losses(reference).items() if s > 2}

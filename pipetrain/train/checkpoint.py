@@ -184,14 +184,20 @@ def _commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_staged(target: Checkpointable, run_dir: Path) -> Path:
-    """Collective: every rank writes its keys into the step's temporary directory (nothing visible yet)."""
+def prepare_staging(target: Checkpointable, run_dir: Path) -> Path:
+    """Collective: the step's empty temporary directory (rank 0 makes it; a crashed save's is replaced)."""
     final = step_dir(run_dir, target.state.step)
     tmp = final.with_name(f".{final.name}.tmp")
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     _barrier()
+    return tmp
+
+
+def write_staged(target: Checkpointable, run_dir: Path) -> Path:
+    """Collective: every rank writes its keys into the step's temporary directory (nothing visible yet)."""
+    tmp = prepare_staging(target, run_dir)
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         import torch.distributed.checkpoint as dcp  # ~0.5 s to import: only runs that save pay it
@@ -214,24 +220,31 @@ def _manifest(tmp: Path) -> Optional[dict[str, dict[str, Any]]]:
     return manifest(tmp, known={k: v for part in parts for k, v in part.items()})
 
 
-def save_checkpoint(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Path:
-    """Collective: save after the current step (target.state.step); returns the committed directory.
-    meta.json, written last, carries the manifest of every other file (train/checkpoint_dirs.py)."""
-    t0 = time.perf_counter()
-    tmp = write_staged(target, run_dir)
-    final = step_dir(run_dir, target.state.step)
-    _barrier()  # every rank's files are on disk
+def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, note: Note = silent) -> Path:
+    """Collective, once every rank's files of `tmp` are on disk: the manifest, meta.json (last) and
+    the rename that makes the checkpoint of step st.step visible; then checkpoint.keep_last."""
+    final = step_dir(run_dir, st.step)
     files = _manifest(tmp)
     if _rank() == 0:
-        st = target.state
         meta = {"format": FORMAT, "step": st.step, "tokens": st.tokens, "skipped": st.skipped,
                 "data_position": st.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
                 "fingerprint": fingerprint(config), "files": files}
         _commit(tmp, final, meta)
-        note(f"checkpoint: saved {final} ({time.perf_counter() - t0:.2f} s)")
         prune(run_dir, config.checkpoint.keep_last, note=note)
     _barrier()  # no rank goes on (or exits) before the checkpoint is visible
+    return final
+
+
+def save_checkpoint(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Path:
+    """Collective: save after the current step (target.state.step); returns the committed directory.
+    meta.json, written last, carries the manifest of every other file (train/checkpoint_dirs.py)."""
+    t0 = time.perf_counter()
+    tmp = write_staged(target, run_dir)
+    _barrier()  # every rank's files are on disk
+    final = commit_staged(tmp, target.state, run_dir, config, note=note)
+    if _rank() == 0:
+        note(f"checkpoint: saved {final} ({time.perf_counter() - t0:.2f} s)")
     return final
 
 

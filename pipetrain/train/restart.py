@@ -31,6 +31,11 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def slurm_requeues() -> int:
+    """How many times SLURM requeued this job (a preempted or timed-out job that submitit requeued)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
 def restarts_possible() -> bool:
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
 

@@ -12,6 +12,7 @@ handler runs after the save (on rank 0 it requeues the job, which resumes with t
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -31,10 +32,19 @@ class StopSignals:
     def __init__(self) -> None:
         self.signum: Optional[int] = None
         self.previous: dict[int, Any] = {}
+        # How long the step in flight may take to reach its end once a signal came (the trainer
+        # sets it from the steps so far). A rank that does not get there (a peer died: torch
+        # elastic stops the survivors with SIGTERM before a restart) leaves, instead of holding
+        # the restart up until the agent's 30 s kill.
+        self.grace_s = 10.0
+        self._watchdog: Optional[threading.Timer] = None
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.signum is None:
             self.signum = signum
+            self._watchdog = threading.Timer(self.grace_s, _leave, args=(signum,))
+            self._watchdog.daemon = True
+            self._watchdog.start()
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is not threading.main_thread():
@@ -58,6 +68,8 @@ class StopSignals:
         flag = torch.tensor([self.signum or 0], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         signum = int(flag.item())
+        if signum and self._watchdog is not None:  # every rank reached the step's end: save in peace
+            self._watchdog.cancel()
         return signum or None
 
     def chain(self, signum: int) -> None:
@@ -66,6 +78,15 @@ class StopSignals:
         if callable(old):
             self.__exit__()
             old(signum, None)
+
+
+def _leave(signum: int) -> None:
+    """The step in flight did not end within the grace time after a signal: leave as the signal would have."""
+    import sys
+
+    print(f"{signal_name(signum)}: the step in flight did not finish in time; leaving without a checkpoint",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def signal_name(signum: int) -> str:

@@ -33,9 +33,10 @@ from pipetrain.plan import Plan, build_model
 from pipetrain.train.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
+from pipetrain.train.checkpoint_async import AsyncSaver
 from pipetrain.train.data import build_data, local_rows, split_microbatches
 from pipetrain.train.monitor import Monitor
-from pipetrain.train.restart import Restart, StepTracker, restart_count, this_restart
+from pipetrain.train.restart import Restart, StepTracker, restart_count, slurm_requeues, this_restart
 from pipetrain.train.stop import StopSignals, signal_name, write_stopped
 from pipetrain.launch.errors import STOPPED
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
@@ -101,13 +102,18 @@ class Trainer:
         self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
+        self.saver = (AsyncSaver(config, self.run_dir, note=self.monitor.note)  # checkpoint.async_save
+                      if config.checkpoint.async_save else None)
 
     def resume(self, note: checkpoint.Note = checkpoint.silent) -> Optional[Restart]:
         """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh
         start; after a restart (launch.max_restarts) the run directory's newest good checkpoint.
         Returns, on rank 0 of a restarted group, what happened before (train/restart.py)."""
-        restarted = restart_count() > 0
-        checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note, restarted=restarted)
+        restarted, requeued = restart_count() > 0, slurm_requeues() > 0
+        if requeued:
+            note(f"checkpoint: requeued by SLURM ({slurm_requeues()}x): resuming from the run directory's newest "
+                 f"good checkpoint")
+        checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note, restarted=restarted or requeued)
         return this_restart(self.tracker) if restarted and self.rank == 0 else None
 
     # ---- one optimizer step -------------------------------------------------------------
@@ -188,13 +194,20 @@ class Trainer:
                 self.stop.chain(self.stop.signum or 0)  # submitit: its requeue, after our save
         return summary
 
+    def save(self, *, wait: bool) -> Path:
+        """Collective: checkpoint the current step, in the background under checkpoint.async_save
+        (wait=True: committed before returning, as at the end or on a signal)."""
+        if self.saver is None:
+            return checkpoint.save_checkpoint(self.checkpointable, self.run_dir, self.config, note=self.monitor.note)
+        path = self.saver.save(self.checkpointable)
+        if wait:
+            self.saver.finish()
+        return path
+
     def stop_after(self, step: int, signum: int, *, saved: Optional[Path]) -> None:
-        """Collective: the ranks agreed to stop after `step` on a signal: save it (if checkpoints are
-        on and it was not just saved) and, on rank 0, record where to resume (train/stop.py)."""
-        cfg = self.config
-        if saved is None and (cfg.trainer.ckpt_every or cfg.trainer.ckpt_at_end):
-            saved = checkpoint.save_checkpoint(self.checkpointable, self.run_dir, cfg, note=self.monitor.note)
-        name = cfg.run.name
+        """The ranks agreed to stop after `step` on a signal (and saved it, when checkpoints are on):
+        rank 0 records where to resume (train/stop.py)."""
+        name = self.config.run.name
         hint = (f"rerun the same command (run.name={name} trainer.resume=auto)" if name
                 else f"resume with trainer.resume={saved}")
         if self.rank == 0:
@@ -219,6 +232,7 @@ class Trainer:
             log = step == 1 or last or step % cfg.log_every == 0 or evaluate or step == monitor.chosen_step
             record = self.train_step(measure=log)
             step_times.append(record.step_time_s)
+            self.stop.grace_s = max(10.0, 3 * max(step_times))  # a signal's wait for the step in flight
             first_loss = record.loss if first_loss is None else first_loss
             final_loss = record.loss
             if evaluate:
@@ -227,13 +241,15 @@ class Trainer:
             monitor.progress(step)
             if log:
                 monitor.log(record)
-            saved = None
-            if checkpoint.due(step, cfg):
-                saved = checkpoint.save_checkpoint(self.checkpointable, self.run_dir, self.config, note=monitor.note)
             signum = self.stop.agreed(self.device)  # a signal any rank got stops every rank, here
+            saved = None
+            if checkpoint.due(step, cfg) or (signum is not None and (cfg.ckpt_every or cfg.ckpt_at_end)):
+                saved = self.save(wait=last or signum is not None)
             if signum is not None:
                 self.stop_after(step, signum, saved=saved)
                 break
+        if self.saver is not None:
+            self.saver.finish()  # a background save still in flight: committed before the run ends
         steady = sorted(step_times[1:] or step_times)  # the first step pays for warm-up
         median_s = steady[len(steady) // 2] if steady else None
         return RunSummary(steps=self.state.step, first_loss=first_loss, final_loss=final_loss,
