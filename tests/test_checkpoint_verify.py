@@ -116,6 +116,7 @@ def test_every_checkpoint_damaged_refuses(reference, tmp_path):
         ckpt.resolve_resume("auto", run, deep=True)
 
 
+@pytest.mark.slow
 def test_resume_passes_over_changed_tensor_bytes(compose, reference, tmp_path, capfd):
     """The silent case of the issue (64 bytes changed load without a word): the run reports
     step_000004 and resumes from step 2, repeating the reference's losses bitwise."""
@@ -130,6 +131,7 @@ def test_resume_passes_over_changed_tensor_bytes(compose, reference, tmp_path, c
     assert ckpt.damage(ckpt.step_dir(run, 4)) is None  # step 4 saved again, whole
 
 
+@pytest.mark.slow
 def test_keep_last_prunes_older_checkpoints(compose, tmp_path):
     run = tmp_path / "run"
     config = compose([*BASE, "trainer.max_steps=5", "trainer.ckpt_every=1", "checkpoint.keep_last=2"])
@@ -147,6 +149,7 @@ def test_prune_never_deletes_the_newest_good_one(reference, tmp_path):
     assert ckpt.resolve_resume("auto", run) == ckpt.step_dir(run, 2)
 
 
+@pytest.mark.slow
 def test_async_save_writes_the_same_checkpoints(compose, reference, tmp_path, capfd):
     """checkpoint.async_save: training goes on during the write (step 3 updates the weights while
     step 2's files are written), yet each checkpoint holds its own step's tensors, bitwise, and
@@ -170,6 +173,7 @@ def test_async_save_writes_the_same_checkpoints(compose, reference, tmp_path, ca
     assert not list((run / "checkpoints").glob(".*"))
 
 
+@pytest.mark.slow
 def test_slurm_requeued_job_resumes_by_itself(compose, reference, tmp_path, monkeypatch, capfd):
     """A job SLURM requeued (SLURM_RESTART_COUNT, as submitit's requeue leaves it) resumes from its
     run directory's newest good checkpoint even without trainer.resume=auto."""

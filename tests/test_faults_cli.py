@@ -115,6 +115,7 @@ def _step_files(run: Path) -> list[Path]:
     return sorted((run / "checkpoints").glob("step_*/meta.json"))
 
 
+@pytest.mark.slow
 def test_named_run_resumes_after_the_whole_job_was_killed(tmp_path):
     """`pipetrain run.name=NAME trainer.resume=auto ...`, killed (launcher and ranks, SIGKILL) after
     its first checkpoint; the same command again resumes from it and finishes."""
