@@ -19,6 +19,7 @@ import platform
 import tempfile
 from pathlib import Path
 
+from pipetrain.metrics import names
 from pipetrain.compose import compose_config
 from pipetrain.launch import launch
 from pipetrain.plan import make_plan
@@ -35,10 +36,10 @@ def measure(schedule: str, root: Path) -> dict:
     run_dir = root / schedule
     launch(config, make_plan(config), run_dir)
     last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
-    per_rank = [abs(m - s) for m, s in zip(last["bubble_fraction_per_rank"], last["simulated_bubble_fraction_per_rank"])]
-    gap = abs(last["bubble_fraction_mean"] - last["simulated_bubble_fraction"])
-    return {"schedule": schedule, "step": last["step"], "measured": last["bubble_fraction_mean"],
-            "simulated": last["simulated_bubble_fraction"], "gap": round(gap, 4),
+    per_rank = [abs(m - s) for m, s in zip(names.of_ranks(last, names.BUBBLE), names.of_ranks(last, names.BUBBLE_SIM))]
+    gap = abs(last[names.BUBBLE] - last[names.BUBBLE_SIM])
+    return {"schedule": schedule, "step": last["step"], "measured": last[names.BUBBLE],
+            "simulated": last[names.BUBBLE_SIM], "gap": round(gap, 4),
             "worst_rank_gap": round(max(per_rank), 4), "ok": gap <= MEAN_TOL and max(per_rank) <= RANK_TOL}
 
 

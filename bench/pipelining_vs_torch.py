@@ -26,15 +26,18 @@ fails.
 Measurement: ONE spawn of P gloo ranks (1 thread each, glibc told to keep freed memory);
 for each round, the single-process baseline first (rank 0 runs it in subprocesses while
 the other ranks wait: the whole model, the whole global batch in one forward + backward,
-at 1 and at 2 threads), then for each schedule both sides, the side that goes first
-alternating by round; per side 1 warm-up step then --steps timed steps, each after a
-barrier; a step's time is the slowest rank's (all_reduce MAX), CPU seconds per step
-are each rank's process_time delta. tokens/s = batch * seq / step time. Last, pipetrain's
+at 1 and at 2 threads), then for each schedule both sides in PAIRED steps: 1 warm-up step
+per side, then --steps pairs, each pair one step of either side back to back, the side that
+goes first alternating from pair to pair (and by round), so a slow moment of the shared
+machine lands on both sides alike; each step after a barrier. A step's time is the slowest
+rank's (all_reduce MAX), CPU seconds per step are each rank's process_time delta.
+tokens/s = batch * seq / step time; a round's tokens/s is the median over its steps, the
+reported one the median over rounds (and so the ratio). Last, pipetrain's
 peak receive-buffer bytes per stage in one step at M=8 and at M=64 (--recv-scaling-m, same
 microbatch size): its point-to-point plan posts receives just in time, so they must not
 grow with M (torch allocates a buffer per microbatch).
 
-Usage: python bench/pipelining_vs_torch.py [--rounds 3] [--steps 3] [--degree 2] [--microbatches 8]
+Usage: python bench/pipelining_vs_torch.py [--rounds 5] [--steps 4] [--degree 2] [--microbatches 8]
          [--batch 16] [--seq 128] [--schedules gpipe,1f1b,...] [--out FILE]
 """
 
@@ -232,23 +235,32 @@ def recv_buffer_scaling(rank: int, world: int, args: argparse.Namespace) -> dict
 # ---- measurement on the ranks -------------------------------------------------------------
 
 
-def run_side(side, steps: int) -> tuple[list[float], list[float]]:
-    """1 warm-up step then `steps` timed steps; (slowest rank's step seconds, this rank's CPU seconds)."""
+def timed_step(side) -> tuple[float, float]:
+    """One step after a barrier: (slowest rank's seconds, this rank's CPU seconds)."""
     side.zero_grad()
     dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
     side.step()
-    walls, cpus = [], []
-    for _ in range(steps):
-        side.zero_grad()
-        dist.barrier()
-        c0, t0 = time.process_time(), time.perf_counter()
-        side.step()
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        t = torch.tensor([wall], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
-        walls.append(t.item())
-        cpus.append(cpu)
-    return walls, cpus
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    t = torch.tensor([wall], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
+    return t.item(), cpu
+
+
+def run_pairs(sides: dict, steps: int, first: int) -> dict[str, tuple[list[float], list[float]]]:
+    """1 warm-up step per side, then `steps` pairs of steps, one of each side, the side going
+    first alternating per pair (`first` picks the first pair's); per side (walls, cpus)."""
+    names = list(sides)
+    for n in names:
+        timed_step(sides[n])
+    out: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
+    for k in range(steps):
+        order = names if (k + first) % 2 == 0 else names[::-1]
+        for n in order:
+            wall, cpu = timed_step(sides[n])
+            out[n][0].append(wall)
+            out[n][1].append(cpu)
+    return out
 
 
 def gather_floats(values: list[float], world: int) -> list[list[float]]:
@@ -330,9 +342,8 @@ def rank_main(rank: int, world: int, out: Path, args: argparse.Namespace) -> Non
                 raw["baseline"][str(th_count)].append(run_baseline(th_count, args))
         dist.barrier()
         for name in names:
-            order = SIDES if rnd % 2 == 0 else SIDES[::-1]
-            for side_name in order:
-                walls, cpus = run_side(pipes[name][side_name], args.steps)
+            measured = run_pairs(pipes[name], args.steps, first=rnd)
+            for side_name, (walls, cpus) in measured.items():
                 rec = raw["schedules"][name][side_name]
                 rec["step_s"].append(walls)
                 for r, c in enumerate(gather_floats(cpus, world)):
@@ -489,8 +500,8 @@ def cpu_model() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per side per round (after 1 warm-up)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=4, help="timed pairs of steps (one per side) per schedule per round, after 1 warm-up step per side")
     ap.add_argument("--degree", type=int, default=2, help="pipeline ranks P")
     ap.add_argument("--microbatches", type=int, default=8, help="M")
     ap.add_argument("--batch", type=int, default=16, help="global batch (microbatch = batch / M)")

@@ -17,12 +17,14 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pipetrain.compose import CONF_DIR, check_recipe_args, register_all, to_config
+from pipetrain.compose import CONF_DIR, check_recipe_args, config_dirs, register_all, to_config
 from pipetrain.config import Config, Mode
 from pipetrain.launch import RankFailedError, RunStopped
 from pipetrain.launch.rundir import check_args
+from pipetrain.sweep import check_sweep
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
 
@@ -33,17 +35,25 @@ def run(config: Config, run_dir: Path) -> Any:
     from pipetrain.launch import launch
     from pipetrain.launch.resolvers import process_rank
     from pipetrain.launch.rundir import RunLock, check_writable
+    from pipetrain.planner.auto import choose, report, wants_plan
     from pipetrain.simulate_cmd import plan_and_simulate, run_simulate
 
+    if config.mode is Mode.plan:
+        from pipetrain.planner.cmd import run_plan
+
+        return run_plan(config, run_dir)
+    # Under torchrun / SLURM every process is a rank and composes the config: one of them reports.
+    quiet = process_rank(config.cluster.name) != 0
+    console = Console(quiet=quiet)
+    planned = None
+    if wants_plan(config):  # schedule=auto: the planner's best row is what runs (or is simulated)
+        config, planned = choose(config, run_dir, console)
     if config.mode is Mode.simulate:
         return run_simulate(config, run_dir)
     # Train, eval, export: everything is checked (and simulated) here, before any process starts.
     from pipetrain.models.hf import check_pretrained
     from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
 
-    # Under torchrun / SLURM every process is a rank and composes the config: one of them reports.
-    quiet = process_rank(config.cluster.name) != 0
-    console = Console(quiet=quiet)
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
     if not quiet:  # the run and checkpoint directories take files, before any rank starts
         saves = config.mode is Mode.train and bool(config.trainer.ckpt_every or config.trainer.ckpt_at_end)
@@ -66,7 +76,28 @@ def run(config: Config, run_dir: Path) -> Any:
         console.print(f"eval: loss {result['loss']:.6f} over {result['tokens']:,} tokens of {result['file']} "
                       f"({result['tokens_per_s']:,.0f} tokens/s) -> {run_dir / EVAL_FILE}", markup=False, highlight=False)
         return result
-    return launch(config, plan, run_dir)
+    result = launch(config, plan, run_dir)
+    if planned is not None and not quiet:
+        report(planned, run_dir, console)
+    return result
+
+
+def sweep_job(config: Config, sweep_dir: str, overrides: list[str]) -> None:
+    """A job of `pipetrain -m`: its wandb run in the sweep's group, and its timelines left out
+    (12 jobs drew 500 lines before the comparison table; each job's summary row is in that
+    table, its timeline in schedule_trace.json / trace.json) unless the command line asks."""
+    if config.logging.wandb_group is None:
+        config.logging.wandb_group = sweep_group(sweep_dir)
+    asked = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    if "sim.timeline" not in asked:
+        config.sim.timeline = False
+    if "logging.timeline" not in asked:
+        config.logging.timeline = False
+
+
+def sweep_group(sweep_dir: str) -> str:
+    """multirun/2026-01-02/10-11-12 -> "multirun/2026-01-02/10-11-12" (its last three parts)."""
+    return "/".join(Path(sweep_dir).parts[-3:])
 
 
 def _fail(err: BaseException) -> None:
@@ -80,7 +111,10 @@ def _fail(err: BaseException) -> None:
 def _hydra_main(cfg: DictConfig) -> Any:
     try:
         config = to_config(cfg)
-        return run(config, Path(HydraConfig.get().runtime.output_dir))
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            sweep_job(config, hydra_cfg.sweep.dir, list(hydra_cfg.overrides.task))
+        return run(config, Path(hydra_cfg.runtime.output_dir))
     except USER_ERRORS as e:
         _fail(_unwrap(e))
     except RankFailedError as e:  # the failing rank's one-line message; its traceback is on disk
@@ -99,11 +133,19 @@ def _unwrap(err: BaseException) -> BaseException:
 
 def main() -> None:
     register_all()
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        from pipetrain.help import render
+
+        print(render(sys.argv[1:]), end="")
+        return
+    argv = sys.argv[1:]
     try:
-        check_recipe_args(sys.argv[1:])
-        check_args(sys.argv[1:])  # a run directory that is a file or read-only, before Hydra sets up its log there
-    except ValueError as e:
-        _fail(e)
+        check_recipe_args(argv)
+        if "-m" in argv or "--multirun" in argv:  # every job checked before any starts
+            check_sweep(argv, config_dirs(argv))
+        check_args(argv)  # a run directory that is a file or read-only, before Hydra sets up its log there
+    except USER_ERRORS as e:
+        _fail(_unwrap(e))
     _hydra_main()
 
 

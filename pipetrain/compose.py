@@ -22,10 +22,25 @@ from pipetrain.launch.resolvers import register_resolvers
 CONF_DIR = str(resources.files("pipetrain.conf"))
 
 
-def recipe_files() -> dict[str, Path]:
-    """Shipped recipes by name (recipes/*.yaml)."""
+def recipe_files(config_dirs: Sequence[str] = ()) -> dict[str, Path]:
+    """Recipes by name: the shipped ones (recipes/*.yaml), then `<dir>/recipe/*.yaml` of each
+    `--config-dir` (Hydra puts those on its search path, so `+recipe=NAME` finds them)."""
     root = resources.files("pipetrain.recipes")
-    return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".yaml")}
+    out = {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".yaml")}
+    for d in config_dirs:
+        out.update({p.stem: p for p in sorted((Path(d).expanduser() / "recipe").glob("*.yaml"))})
+    return out
+
+
+def config_dirs(argv: Sequence[str]) -> list[str]:
+    """The `--config-dir DIR` / `--config-dir=DIR` / `-cd DIR` arguments of a command line."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif arg.startswith("--config-dir="):
+            out.append(arg.partition("=")[2])
+    return out
 
 
 def register_recipes() -> None:
@@ -42,7 +57,7 @@ def register_recipes() -> None:
 
 def check_recipe_args(argv: Sequence[str]) -> None:
     """Fail early, with the list, on an unknown recipe (Hydra would otherwise add a plain `recipe` key)."""
-    known = recipe_files()
+    known = recipe_files(config_dirs(argv))
     for arg in argv:
         key, sep, value = arg.lstrip("+~").partition("=")
         if sep and key == "recipe" and value not in known:
@@ -69,6 +84,9 @@ def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
 
 def to_config(cfg: DictConfig) -> Config:
     if "recipe" in cfg:
+        if not isinstance(cfg.recipe, str):  # a recipe file composed under `recipe:`, not at the root
+            raise ValueError("a recipe file must start with the line `# @package _global_` so its keys land at "
+                             "the root (pipeline.degree, not recipe.pipeline.degree): add it")
         raise ValueError(f"unknown recipe {cfg.recipe!r}: choose +recipe= one of {', '.join(sorted(recipe_files()))}")
     unknown = [k for k in unknown_keys(cfg) if k != "hydra"]
     if unknown:

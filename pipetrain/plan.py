@@ -31,6 +31,7 @@ from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts
 from pipetrain.schedules.spec import RankCosts
 from pipetrain.schedules.validate import validate
+from pipetrain.schedules.zb_auto import zb_auto_order
 
 if TYPE_CHECKING:  # torch-typed names only; importing them at run time would load torch
     from pipetrain.models.base import LayeredModel
@@ -57,9 +58,16 @@ class Plan:
         return self.partition.bounds
 
 
-def build_schedule(config: Config) -> Schedule:
+def build_schedule(config: Config, stage_costs: StageCosts | None = None) -> Schedule:
+    """The run's validated schedule. `zb_auto` is searched for `stage_costs` (the run's own F, B, W
+    per stage and sim.comm_ms) when given; without them, for unit costs."""
     s, p = config.schedule, config.pipeline
-    if s.name == registry.CUSTOM:
+    if s.name == "zb_auto" and stage_costs is not None:
+        registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
+        steps = zb_auto_order(p.degree, p.microbatches, f=stage_costs.f, b=stage_costs.b, w=stage_costs.w,
+                              comm=config.sim.comm_ms, budget=budget_of(s.memory_budget, p.degree), w_keep=s.w_keep)
+        schedule = Schedule.build(s.name, registry.placement_for(s.name, p.degree), p.microbatches, steps)
+    elif s.name == registry.CUSTOM:
         schedule = registry.load_custom(
             s.path, num_ranks=p.degree, num_microbatches=p.microbatches,
             placement=s.placement, virtual_stages=s.virtual_stages,
@@ -70,6 +78,16 @@ def build_schedule(config: Config) -> Schedule:
         schedule = add_reduces(schedule, at_end=not config.parallel.overlap_reduce)
     validate(schedule, p2p_lookahead=p.p2p_lookahead)
     return schedule
+
+
+def budget_of(memory_budget: list[float] | None, degree: int) -> list[float] | None:
+    """schedule.memory_budget as one budget per rank (one value: the same for all)."""
+    if memory_budget is None or len(memory_budget) == degree:
+        return memory_budget
+    if len(memory_budget) == 1:
+        return list(memory_budget) * degree
+    raise ValueError(f"schedule.memory_budget lists {len(memory_budget)} budgets: give one for all ranks or "
+                     f"pipeline.degree={degree} (one per rank)")
 
 
 def build_model(model: ModelConfig, *, device: Any = None) -> LayeredModel:
@@ -124,6 +142,8 @@ def make_plan(config: Config) -> Plan:
     costs = layer_costs(config)
     part = make_partition(config, costs, schedule.placement.num_chunks)
     stage_costs = StageCosts.from_chunks(schedule, part.chunk_fbw())
+    if config.schedule.name == "zb_auto":  # searched for this run's costs (same placement, so same stage costs)
+        schedule = build_schedule(config, stage_costs)
     rc = registry.rank_costs(
         schedule, list(stage_costs.f), list(stage_costs.b), list(stage_costs.w), config.sim.fb_overlap
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pipetrain.config import Config
+from pipetrain.loggers.tables import print_table
 from pipetrain.parallel.table import rank_table
 from pipetrain.partition.plan import PartitionPlan
 from pipetrain.partition.table import compact_names, partition_table
@@ -106,15 +107,15 @@ def plan_and_simulate(
     title = f"model={config.model.name} partition={part.strategy}: {part.num_layers} layers in {part.num_chunks} stages"
     table = partition_table(part, title=title)
     table.min_width = len(title)  # keep the title on one line above a narrow table
-    console.print(table)
+    print_table(console, table)
     console.print(_cost_note(config, plan), style="dim")
     layout = config.layout
     if layout.dp > 1:
         pl = plan.schedule.placement
-        console.print(rank_table(layout, [pl.stages_of(p) for p in range(layout.pp)]))
+        print_table(console, rank_table(layout, [pl.stages_of(p) for p in range(layout.pp)]))
     if timeline:
         console.print(render.render_timeline(result, width=config.sim.timeline_width or None))
-    console.print(render.summary_table([record]))
+    print_table(console, render.summary_table([record]))
     if plan.reduce_ms is not None:
         console.print(_reduce_note(config, plan, result), highlight=False)
     if not write:

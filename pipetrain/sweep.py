@@ -1,4 +1,11 @@
-"""Hydra callback: after a multirun, one comparison table over every job.
+"""Sweeps (`pipetrain -m`): every job checked before any starts, and one comparison table after.
+
+`check_sweep` expands the command line's sweep as Hydra's basic sweeper will (the same job
+order and numbers), composes and checks each job's config and schedule, and stops at the first
+bad job with one line naming it, before any job is launched or submitted (a SLURM job no longer
+fails minutes later in its own log).
+
+The Hydra callback: after a multirun, one comparison table over every job.
 
 Simulate sweeps compare each job's simulate.json; training sweeps add the trained
 results from each job's summary.json (tokens/s, final loss, measured bubble and peak
@@ -9,17 +16,23 @@ sweep directory and printed as a rich table.
 from __future__ import annotations
 
 import csv
+import shutil
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-TRAIN_COLUMNS = ("schedule", "degree", "microbatches", "tokens_per_s", "simulated_bubble", "measured_bubble",
-                 "peak_memory_bytes", "final_loss")
+from pipetrain.loggers.base import human_bytes
+from pipetrain.loggers.tables import print_table
+from pipetrain.metrics import names
+
+# the run's metrics under their public names (metrics/names.py), beside what the job was
+TRAIN_COLUMNS = ("schedule", "degree", "microbatches", names.TOKENS_PER_S, names.BUBBLE_SIM, names.BUBBLE,
+                 names.PEAK_GB, names.LOSS)
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
@@ -42,12 +55,12 @@ def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             continue
         sim = json.loads((d / "simulate.json").read_text())
         summ = json.loads((d / "summary.json").read_text())
-        peak = summ.get("peak_memory_bytes_per_rank")
         rows.append({
             "job": d.name, "schedule": sim["schedule"], "degree": sim["degree"], "microbatches": sim["microbatches"],
-            "tokens_per_s": summ.get("tokens_per_s"), "simulated_bubble": sim["bubble_fraction_mean"],
-            "measured_bubble": summ.get("bubble_fraction_mean"), "peak_memory_bytes": max(peak) if peak else None,
-            "final_loss": summ.get("final_loss"),
+            names.TOKENS_PER_S: summ.get(names.TOKENS_PER_S),
+            # simulated with the run's measured costs where it measured a step, else simulate.json's
+            names.BUBBLE_SIM: summ.get(names.BUBBLE_SIM, sim["bubble_fraction_mean"]),
+            names.BUBBLE: summ.get(names.BUBBLE), names.PEAK_GB: summ.get(names.PEAK_GB), names.LOSS: summ.get(names.LOSS),
         })
     return rows
 
@@ -55,16 +68,66 @@ def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
 def train_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="sweep summary", pad_edge=False)
     for c in TRAIN_COLUMNS:
-        table.add_column(c.replace("_", " "), justify="left" if c == "schedule" else "right", no_wrap=True)
+        table.add_column(c.replace("_", " ").replace("/", "\n", 1), justify="left" if c == "schedule" else "right")
 
-    def fmt(v: Any) -> str:
+    def fmt(c: str, v: Any) -> str:
         if v is None:
             return "-"
+        if c == names.PEAK_GB:
+            return human_bytes(v * 1e9)
         return f"{v:,.0f}" if isinstance(v, float) and v > 100 else (f"{v:.4f}" if isinstance(v, float) else str(v))
 
     for r in rows:
-        table.add_row(*(fmt(r[c]) for c in TRAIN_COLUMNS))
+        table.add_row(*(fmt(c, r[c]) for c in TRAIN_COLUMNS))
     return table
+
+
+# Hydra's flags that take a value (the next argument); everything else with "=" is an override.
+VALUE_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun")
+
+
+def sweep_overrides(argv: Sequence[str]) -> list[str]:
+    """The config overrides of a command line (Hydra's own flags and their values left out)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in VALUE_FLAGS:
+            skip = True
+        elif "=" in arg and not arg.startswith("-"):
+            out.append(arg)
+    return out
+
+
+def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
+    """Each job's overrides, in Hydra's basic sweeper's order (job #0 first)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def check_sweep(argv: Sequence[str], config_dirs: Sequence[str] = ()) -> int:
+    """Compose and check every job of the sweep on this command line; raise ValueError naming
+    the first bad one. Returns the number of jobs."""
+    from pipetrain.compose import compose_config
+    from pipetrain.plan import build_schedule  # pure: schedules only, no torch
+
+    search = [f"hydra.searchpath=[{','.join('file://' + str(Path(d).expanduser().resolve()) for d in config_dirs)}]"]
+    jobs = sweep_jobs(sweep_overrides(argv))
+    for num, job in enumerate(jobs):
+        try:
+            config = compose_config([*job, *(search if config_dirs else [])])
+            build_schedule(config)
+            if config.cluster.name == "slurm" and shutil.which("sbatch") is None:
+                raise ValueError("cluster=slurm submits with sbatch, which is not on this machine's PATH: run it on "
+                                 "a SLURM login node; here, cluster=submitit_local runs the same path, and "
+                                 "`python -m pipetrain.launch.sbatch cluster=slurm ...` shows the script")
+        except (ValueError, TypeError, FileNotFoundError) as e:
+            mine = " ".join(o for o in job if not o.startswith("hydra."))
+            raise ValueError(f"sweep job #{num} ({mine}): {e} (no job of the {len(jobs)} was started)") from None
+    return len(jobs)
 
 
 class SweepSummary(Callback):
@@ -76,12 +139,12 @@ class SweepSummary(Callback):
         trained = train_rows(sweep_dir)
         if trained:
             rows: list[dict[str, Any]] = trained
-            console.print(train_table(trained))
+            print_table(console, train_table(trained))
         else:
             rows = collect(sweep_dir)
             if not rows:
                 return
-            console.print(summary_table(rows))
+            print_table(console, summary_table(rows))
         (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
         flat = [{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in r.items()} for r in rows]
         with (sweep_dir / "sweep_summary.csv").open("w", newline="") as f:

@@ -65,7 +65,7 @@ def train(compose, run_dir: Path, layout: str, *extra: str, fn=None) -> Path:
 
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["train/loss"] for r in rows}
 
 
 def tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:

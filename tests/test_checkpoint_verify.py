@@ -71,7 +71,7 @@ def reference(compose, tmp_path_factory) -> Path:
 
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def damaged_copy(reference: Path, tmp_path: Path, case: str) -> Path:

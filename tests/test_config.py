@@ -14,7 +14,7 @@ SCHEDULE_OPTIONS = sorted(p.stem for p in (Path(CONF_DIR) / "schedule").glob("*.
 
 
 def test_every_builtin_schedule_has_a_config_file():
-    assert set(SCHEDULE_OPTIONS) == set(registry.names()) | {"custom"}
+    assert set(SCHEDULE_OPTIONS) == set(registry.names()) | {"custom", "auto"}
 
 
 @pytest.mark.parametrize("name", [n for n in SCHEDULE_OPTIONS if n != "custom"])

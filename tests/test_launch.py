@@ -265,7 +265,7 @@ def test_torchrun_ranks_share_one_run_dir(tmp_path):
     run = runs[0]
     assert (run / ".hydra" / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["final_loss"] > 0
+    assert summary["steps"] == 2 and summary["train/loss"] > 0
     assert "- cluster=torchrun" in (run / ".hydra" / "overrides.yaml").read_text()
 
 

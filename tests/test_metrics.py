@@ -88,11 +88,13 @@ def test_record_and_tables_carry_what_the_loggers_promise():
     sim = simulate(sched, StageCosts.uniform(4, 1.0, 1.0, 1.0))
     m = measure_step(3, sched, samples_from_sim(sim, wait_ms=0.1))
     rec = m.record()
-    for key in ("bubble_fraction_mean", "bubble_fraction_per_rank", "simulated_bubble_fraction",
-                "peak_memory_bytes_per_rank", "peak_activation_bytes_per_rank"):
+    for key in ("pipeline/bubble_measured", "pipeline/bubble_measured/rank1", "pipeline/bubble_simulated",
+                "pipeline/bubble_simulated/rank0", "memory/peak_gb", "pipeline/stage3/f_ms", "pipeline/stage0/w_ms"):
         assert key in rec, key
-    assert rec["peak_activation_bytes_per_rank"] == [1000, 2000]
-    assert rec["peak_memory_bytes_per_rank"] == [1040, 2040]  # activations + params + grads + optimizer
+    assert [rec[f"memory/activations_gb/rank{r}"] for r in range(2)] == [1000e-9, 2000e-9]
+    # activations + params + grads + optimizer; the run's peak is the most of any rank
+    assert [rec[f"memory/peak_gb/rank{r}"] for r in range(2)] == [1040e-9, 2040e-9] and rec["memory/peak_gb"] == 2040e-9
+    assert all(k.split("/")[0] in ("pipeline", "memory") for k in rec)
     assert any(isinstance(s, Overlap) for row in sched.steps for s in row)
     rows = m.timeline_rows()
     assert {r["op"] for r in rows} >= {"F", "F&B"} and len(rows) == sum(len(r) for r in sched.steps)
@@ -104,18 +106,19 @@ def test_record_and_tables_carry_what_the_loggers_promise():
 
 
 def test_metrics_line_starts_with_the_step():
-    rec = {"step": 100, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 12345.0, "step_time_s": 0.05,
-           "mfu": 0.12, "bubble_fraction_mean": 0.2, "simulated_bubble_fraction": 0.19,
-           "peak_memory_bytes_per_rank": [2 << 20, 3 << 20], "peak_activation_bytes_per_rank": [1 << 20, 1 << 20]}
+    rec = {"step": 100, "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "perf/tokens_per_s": 12345.0,
+           "perf/step_time_s": 0.05, "perf/mfu": 0.12, "pipeline/bubble_measured": 0.2, "pipeline/bubble_simulated": 0.19,
+           "memory/peak_gb": (3 << 20) / 1e9, "memory/peak_gb/rank0": (2 << 20) / 1e9,
+           "memory/peak_gb/rank1": (3 << 20) / 1e9, "memory/activations_gb/rank0": (1 << 20) / 1e9}
     line = metrics_line(rec, 200, 12.0)
     assert line.startswith("step 100/200 loss 2.5000")
     assert "bubble 20.0% (sim 19.0%)" in line and "mfu 12.0%" in line and "3.0MB" in line
 
 
 def test_logger_choices_fail_with_the_knob():
-    check_loggers(["console", "jsonl", "trace", "wandb"])
-    with pytest.raises(ValueError, match=r"logger='tensorboard' is unknown"):
-        check_loggers(["console", "tensorboard"])
+    check_loggers(["console", "jsonl", "trace", "wandb", "tensorboard"])
+    with pytest.raises(ValueError, match=r"logger='mlflow' is unknown"):
+        check_loggers(["console", "mlflow"])
     with pytest.raises(ValueError, match="logging.trace_step=9 is past trainer.max_steps=5"):
         LoggingConfig(trace_step=9).check(["jsonl"], max_steps=5)
     with pytest.raises(ValueError, match="logging.peak_tflops"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from _dist import spawn
+from _logs import wandb_records
 from pipetrain.plan import make_plan
 
 # 10 ms per layer and op (F, B, W), 2 layers per 1F1B stage, 1 per ZB-V stage: the executor's
@@ -69,19 +69,20 @@ def sleep_runs(compose, tmp_path_factory) -> dict[str, Path]:
 def test_measured_bubble_matches_the_simulated_one(sleep_runs, schedule):
     last = rows(sleep_runs[schedule])[-1]  # step 2: step 1 pays for warm-up
     assert last["step"] == 2
-    measured, simulated = last["bubble_fraction_mean"], last["simulated_bubble_fraction"]
+    measured, simulated = last["pipeline/bubble_measured"], last["pipeline/bubble_simulated"]
     # As a ratio of busy shares, (1 - measured) / (1 - simulated), with a margin that holds with
     # 4 ranks on 2 loaded cores; the tight bound (within 0.03, issue 6) is a benchmark on a
     # quiet machine: bench/measured_bubble.py.
     assert BUSY_RATIO <= (1 - measured) / (1 - simulated) <= 1 / BUSY_RATIO, (schedule, measured, simulated)
-    for m, s in zip(last["bubble_fraction_per_rank"], last["simulated_bubble_fraction_per_rank"]):
+    for m, s in zip(*([last[f"pipeline/{k}/rank{r}"] for r in range(4)] for k in ("bubble_measured", "bubble_simulated"))):
         assert BUSY_RATIO <= (1 - m) / (1 - s) <= 1 / BUSY_RATIO, last
     # the simulator was fed what the layers really took: ~20 ms F and ~40 ms BW per 1F1B stage
     # (2 layers), ~10 ms each of F, B and W per ZB-V stage (1 layer)
-    stage = last["stage_ms"]
+    stages = 4 if schedule == "1f1b" else 8
     want = (20, 40, 0) if schedule == "1f1b" else (10, 10, 10)
     for key, ms in zip("fbw", want):
-        assert all(abs(x - ms) <= 0.15 * ms + 2 for x in stage[key]), stage
+        got = [last[f"pipeline/stage{s}/{key}_ms"] for s in range(stages)]
+        assert all(abs(x - ms) <= 0.15 * ms + 2 for x in got), got
     if schedule == "1f1b":  # (P-1) / (M+P-1) = 3/19, the paper's 1F1B bubble at equal F and B
         assert abs(simulated - 3 / 19) <= 0.02
 
@@ -90,7 +91,7 @@ def test_measured_bubble_matches_the_simulated_one(sleep_runs, schedule):
 @pytest.mark.slow
 def test_zero_bubble_v_measures_a_smaller_bubble_than_1f1b(sleep_runs):
     zbv, ofob = rows(sleep_runs["zbv"])[-1], rows(sleep_runs["1f1b"])[-1]
-    assert zbv["bubble_fraction_mean"] < ofob["bubble_fraction_mean"] - 0.05
+    assert zbv["pipeline/bubble_measured"] < ofob["pipeline/bubble_measured"] - 0.05
 
 
 @pytest.mark.dist
@@ -123,13 +124,13 @@ def test_gpipe_holds_m_over_p_times_the_activations_of_1f1b(compose, tmp_path):
     act = {}
     for name, run_dir in runs.items():
         summary = json.loads((run_dir / "summary.json").read_text())
-        act[name] = summary["peak_activation_bytes_per_rank"][0]
-        peak = summary["peak_memory_bytes_per_rank"][0]
+        act[name] = summary["memory/activations_gb/rank0"]
+        peak = summary["memory/peak_gb/rank0"]
         assert peak > act[name] > 0  # the rest: parameters, gradients and optimizer state
         row = rows(run_dir)[-1]
-        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "bubble_fraction_mean",
-                    "bubble_fraction_per_rank", "simulated_bubble_fraction", "peak_memory_bytes_per_rank",
-                    "peak_activation_bytes_per_rank"):
+        for key in ("step", "train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s",
+                    "pipeline/bubble_measured", "pipeline/bubble_measured/rank1", "pipeline/bubble_simulated",
+                    "memory/peak_gb", "memory/peak_gb/rank1", "memory/activations_gb/rank0", "pipeline/stage1/f_ms"):
             assert key in row, key
     M, P = 8, 2
     assert abs(act["gpipe"] / act["1f1b"] - M / P) <= 0.15 * M / P, act
@@ -137,29 +138,6 @@ def test_gpipe_holds_m_over_p_times_the_activations_of_1f1b(compose, tmp_path):
 
 
 # ---- wandb ---------------------------------------------------------------------------------
-
-def wandb_records(path: Path):
-    """The protobuf Records of a .wandb file: a LevelDB-style log (a 7-byte ':W&B' header, then
-    32 KiB blocks of chunks, each `crc32 (4) | length (2) | type (1) | data`, a record split
-    over FIRST/MIDDLE/LAST chunks; block tails shorter than a chunk header are padding)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, block = path.read_bytes(), 32768
-    assert data[:4] == b":W&B"
-    i, buf = 7, b""
-    while i + 7 <= len(data):
-        if block - i % block < 7:
-            i += block - i % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[i:i + 7])
-        buf += data[i + 7:i + 7 + length]
-        i += 7 + length
-        if kind in (1, 4):  # FULL or LAST: a whole record
-            record = pb.Record()
-            record.ParseFromString(buf)
-            buf = b""
-            yield record
-
 
 def train_offline(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     """The MLP for a few steps with `logger=[console,jsonl,wandb]` and no credentials anywhere."""
@@ -193,9 +171,9 @@ def test_wandb_offline_logs_loss_and_bubble_readable_from_the_run_file(tmp_path)
     logged = {r["step"]: r for r in rows(tmp_path / "run")}
     assert sorted(logged) == [1, 2, 3]
     for step, row in logged.items():
-        assert history[step]["loss"] == pytest.approx(row["loss"])
-        assert history[step]["bubble_fraction_mean"] == pytest.approx(row["bubble_fraction_mean"])
-        assert history[step]["bubble/rank1"] == pytest.approx(row["bubble_fraction_per_rank"][1])
+        for key in ("train/loss", "pipeline/bubble_measured", "pipeline/bubble_measured/rank1", "memory/peak_gb/rank0",
+                    "pipeline/stage1/f_ms", "perf/tokens_per_s"):  # the same names as metrics.jsonl
+            assert history[step][key] == pytest.approx(row[key]), key
     tables = {k.split("/")[0]: h[k] for h in history.values() for k in h if k.endswith("/_type")}
     assert tables == {"timeline": "table-file", "per_rank": "table-file"}  # measured timeline, per-rank table
 

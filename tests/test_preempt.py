@@ -26,7 +26,7 @@ ARGS = ["mode=train", "model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32",
 
 def losses(run: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["train/loss"] for r in rows}
 
 
 def logged_steps(run: Path) -> int:

@@ -209,4 +209,4 @@ def test_prepared_shards_train_end_to_end(tmp_path):
                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["final_loss"] < summary["first_loss"], summary
+    assert summary["steps"] == 4 and summary["train/loss"] < summary["train/first_loss"], summary

@@ -1,4 +1,4 @@
-"""schedules/, the pure partitioners, metrics/ and loggers/ import no torch (simulation needs no
+"""schedules/, the pure partitioners, metrics/, loggers/ and planner/ import no torch (simulation needs no
 torch at all; rank 0 turns measurements into metrics and logs them from plain values)."""
 
 import ast
@@ -10,7 +10,7 @@ from conftest import assert_torch_free
 
 pytestmark = pytest.mark.pure
 
-PURE_DIRS = ["pipetrain/schedules", "pipetrain/partition", "pipetrain/metrics", "pipetrain/loggers"]
+PURE_DIRS = ["pipetrain/schedules", "pipetrain/partition", "pipetrain/metrics", "pipetrain/loggers", "pipetrain/planner"]
 REPO = Path(__file__).resolve().parents[1]
 
 

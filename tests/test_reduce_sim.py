@@ -199,17 +199,19 @@ def test_measured_reduce_beside_the_simulated():
         s.step_ms = res.makespan_with_reduce
     m = measure_step(2, res.schedule, samples, reduce_ms=(3.0,) * 4)
     rec = m.record()
-    assert rec["reduce_exposed_ms_per_rank"] == pytest.approx(list(res.reduce_exposed_ms))
-    assert rec["simulated_reduce_exposed_ms_per_rank"] == pytest.approx(list(res.reduce_exposed_ms))
-    assert rec["makespan_with_reduce_ms"] == pytest.approx(res.makespan_with_reduce)
-    assert rec["simulated_makespan_with_reduce_ms"] == pytest.approx(res.makespan_with_reduce)
+    n = len(res.reduce_exposed_ms)
+    assert [rec[f"pipeline/reduce_exposed_ms/rank{r}"] for r in range(n)] == pytest.approx(list(res.reduce_exposed_ms))
+    assert [rec[f"pipeline/reduce_exposed_simulated_ms/rank{r}"] for r in range(n)] == pytest.approx(
+        list(res.reduce_exposed_ms))
+    assert rec["pipeline/makespan_with_reduce_ms"] == pytest.approx(res.makespan_with_reduce)
+    assert rec["pipeline/makespan_with_reduce_simulated_ms"] == pytest.approx(res.makespan_with_reduce)
     assert m.measured.reductions == res.reductions
     most = max(res.reduce_exposed_ms)
-    line = metrics_line({"step": 2, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
-                         "step_time_s": 1.0, **rec}, 4, None)
+    line = metrics_line({"step": 2, "train/loss": 1.0, "train/lr": 1e-3, "train/grad_norm": 1.0,
+                         "perf/tokens_per_s": 1.0, "perf/step_time_s": 1.0, **rec}, 4, None)
     assert f"| reduce {most:.0f}ms (sim {most:.0f}ms)" in line
     assert rank_table(m).columns[-1].header == "reduce\nms/sim"
     trace = measured_trace(m)
     assert {e["name"] for e in trace["traceEvents"] if e.get("cat") == "reduce"} == {f"{s}REDUCE_GRAD" for s in range(4)}
     plain = simulate(registry.build("zbv", 2, 4, 2))
-    assert "reduce_exposed_ms_per_rank" not in measure_step(2, plain.schedule, samples_from_sim(plain)).record()
+    assert "pipeline/reduce_exposed_ms/rank0" not in measure_step(2, plain.schedule, samples_from_sim(plain)).record()

@@ -17,8 +17,8 @@ def test_quickstart_trains_with_a_falling_loss(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 200
-    assert summary["final_loss"] <= 0.8 * summary["first_loss"], summary
-    assert summary["final_val_loss"] is not None and summary["final_val_loss"] < 0.8 * summary["first_loss"]
+    assert summary["train/loss"] <= 0.8 * summary["train/first_loss"], summary
+    assert summary["train/val_loss"] is not None and summary["train/val_loss"] < 0.8 * summary["train/first_loss"]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 1 and rows[-1]["step"] == 200 and len(rows) >= 20
     assert "step 100/200" in res.stdout  # progress printed as it goes
@@ -36,7 +36,7 @@ def test_llama_tiny_trains_with_a_falling_loss(tmp_path, schedule):
                   cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 40 and summary["final_loss"] <= 0.6 * summary["first_loss"], summary
+    assert summary["steps"] == 40 and summary["train/loss"] <= 0.6 * summary["train/first_loss"], summary
 
 
 def test_gpt2_recipe_with_dualpipe_runs_as_written(tmp_path):
@@ -46,36 +46,25 @@ def test_gpt2_recipe_with_dualpipe_runs_as_written(tmp_path):
     sim = json.loads((tmp_path / "run" / "simulate.json").read_text())
     assert sim["schedule"] == "dualpipe" and sim["degree"] == 4 and sim["param_copies"] == 2
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 1 and 10.0 < summary["final_loss"] < 12.0  # ~ln(50257) at init
+    assert summary["steps"] == 1 and 10.0 < summary["train/loss"] < 12.0  # ~ln(50257) at init
 
 
-def test_training_sweep_ends_with_a_summary(tmp_path):
+def test_training_sweep_ends_with_a_full_summary_table(tmp_path):
+    """A 2 x 2 sweep ends with one table of every job. summary.json is the trainer's to write, so a
+    sweep with the console logger only (no jsonl) still gets every column filled."""
     sweep = tmp_path / "sweep"
-    res = run_cli(["-m", "schedule=1f1b,zbv,dualpipev", "pipeline.microbatches=8,16", "model=mlp", "sim.timeline=false",
-                   "trainer.max_steps=3", "trainer.eval_every=0", "trainer.ckpt_at_end=false",
+    res = run_cli(["-m", "schedule=1f1b,zbv", "pipeline.microbatches=8,16", "model=mlp", "sim.timeline=false",
+                   "trainer.max_steps=2", "trainer.eval_every=0", "trainer.ckpt_at_end=false", "logger=[console]",
                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((sweep / "sweep_summary.json").read_text())
-    assert {(r["schedule"], r["microbatches"]) for r in rows} == {
-        (s, m) for s in ("1f1b", "zbv", "dualpipev") for m in (8, 16)}
-    for r in rows:
-        assert r["tokens_per_s"] > 0 and r["final_loss"] > 0
-    csv = (sweep / "sweep_summary.csv").read_text().splitlines()
-    assert csv[0].startswith("job,schedule,degree,microbatches,tokens_per_s") and len(csv) == 7
-    assert "sweep summary" in res.stdout
-
-
-def test_console_only_sweep_ends_with_a_full_summary_table(tmp_path):
-    """summary.json is the trainer's to write: a sweep without the jsonl logger still gets every column."""
-    sweep = tmp_path / "sweep"
-    res = run_cli(["-m", "schedule=1f1b,zbv", "model=mlp", "trainer.max_steps=2", "sim.timeline=false",
-                   "logger=[console]", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads((sweep / "sweep_summary.json").read_text())
-    assert sorted(r["schedule"] for r in rows) == ["1f1b", "zbv"]
+    assert {(r["schedule"], r["microbatches"]) for r in rows} == {(s, m) for s in ("1f1b", "zbv") for m in (8, 16)}
     for r in rows:  # the training table, every column filled
-        assert {"tokens_per_s", "measured_bubble", "peak_memory_bytes", "final_loss"} <= set(r), r
+        assert {"perf/tokens_per_s", "pipeline/bubble_measured", "memory/peak_gb", "train/loss"} <= set(r), r
         assert all(v is not None for v in r.values()), r
+        assert r["perf/tokens_per_s"] > 0 and r["train/loss"] > 0
+    csv = (sweep / "sweep_summary.csv").read_text().splitlines()
+    assert csv[0].startswith("job,schedule,degree,microbatches,perf/tokens_per_s") and len(csv) == 5
     assert not list(sweep.glob("*/metrics.jsonl"))  # no jsonl logger ran
     assert "sweep summary" in res.stdout
 
@@ -112,7 +101,7 @@ def test_nonfinite_loss_skips_the_step_when_asked(tmp_path):
                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["skipped_steps"] == 3  # step 1 blew the weights up
+    assert summary["steps"] == 4 and summary["train/skipped_steps"] == 3  # step 1 blew the weights up
 
 
 def test_nonfinite_skips_stop_at_the_limit(tmp_path):

@@ -6,7 +6,7 @@ message naming the key. Cross-field rules live in `__post_init__` and raise a
 one-line `ValueError` naming the knob to change. Past the CLI layer only these
 dataclasses travel; no DictConfig.
 
-Every schema of the product lives in this package (cluster.py, data.py, logs.py, train.py
+Every schema of the product lives in this package (cluster.py, data.py, logs.py, profile.py, train.py
 for the groups with their own rules, models.py for the model families; the root here), and the arrows
 point one way: launch/, train/, loggers/ import these schemas; the schemas import none of
 them, only the pure schedule registry and partition rules they check against. Pure Python:
@@ -27,8 +27,10 @@ from pipetrain.config.cluster import ClusterConfig
 from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
+from pipetrain.config.profile import ProfileConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
 from pipetrain.config.run import CheckpointConfig, LaunchConfig, RunConfig
+from pipetrain.config.plan import PlanConfig
 from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
 from pipetrain.partition.strategies import manual_bounds
@@ -40,6 +42,7 @@ class Mode(str, enum.Enum):
     simulate = "simulate"
     eval = "eval"  # mean next-token loss on a token file, on the pipeline ranks (train/evaluate.py)
     export = "export"  # the model as a Hugging Face folder, in this process (train/export.py)
+    plan = "plan"  # rank layouts, schedules and microbatching by simulation (planner/cmd.py)
 
 
 @dataclass
@@ -65,24 +68,35 @@ class PipelineConfig:
             raise ValueError(f"pipeline.p2p_lookahead must be >= 0 actions (got {self.p2p_lookahead})")
 
 
+AUTO = "auto"  # schedule=auto: plan (mode=plan's search), then train the best row
+
+
 @dataclass
 class ScheduleConfig:
-    name: str = "1f1b"
+    name: str = "1f1b"  # the schedule= option: a built-in schedule, or custom for schedule.path
     virtual_stages: int = 1  # v: stages per rank (interleaved / looped BFS; V and mirror fix it at 2)
     path: Optional[str] = None  # schedule=custom: a .csv or .txt file
     placement: str = "loop"  # schedule=custom: loop | v | mirror
+    # schedule=zb_auto: live activation sets per rank, one value for all ranks or one per rank; null = 2*degree-1 (ZB-H2's)
+    memory_budget: Optional[list[float]] = None
+    w_keep: float = 1.0  # schedule=zb_auto: share of a microbatch's activations B keeps for W (1: all, until W)
 
     def __post_init__(self) -> None:
         if self.name == registry.CUSTOM:
             if not self.path:
                 raise ValueError("schedule=custom needs a file: add schedule.path=my_schedule.csv")
-        else:
+        elif self.name != AUTO:  # schedule=auto: the planner picks the schedule before the run (planner/auto.py)
             registry.get(self.name)  # unknown names fail here with the list of choices
             if self.path:
                 raise ValueError(f"schedule.path is only read by schedule=custom (got schedule={self.name}): "
                                  f"drop schedule.path or set schedule=custom")
         if self.virtual_stages < 1:
             raise ValueError(f"schedule.virtual_stages must be >= 1 (got {self.virtual_stages})")
+        if self.memory_budget is not None and (not self.memory_budget or min(self.memory_budget) < 1):
+            raise ValueError(f"schedule.memory_budget must list budgets >= 1 microbatch of activations "
+                             f"(one for all ranks or one per rank), e.g. [7] (got {self.memory_budget})")
+        if not 0.0 <= self.w_keep <= 1.0:
+            raise ValueError(f"schedule.w_keep must be in [0, 1] (got {self.w_keep})")
 
 
 # ---- data, partition, simulator -----------------------------------------------------------
@@ -94,7 +108,7 @@ PARTITIONS = ("uniform", "params", "flops", "profile", "balanced", "manual")
 
 @dataclass
 class PartitionConfig:
-    name: str = "uniform"
+    name: str = "uniform"  # the partition= option: how the layers are cut into stages
     boundaries: Optional[list[int]] = None  # partition=manual: first layer index of stages 1..k-1
 
     def __post_init__(self) -> None:
@@ -135,7 +149,7 @@ class SimConfig:
 
 @dataclass
 class Config:
-    mode: Mode = Mode.simulate
+    mode: Mode = Mode.simulate  # train | simulate | eval | export (conf/config.yaml sets train)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -146,20 +160,23 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: list[str] = field(default_factory=default_loggers)  # logger=[console,jsonl,trace,wandb]
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # profile.enabled=true: torch.profiler traces
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"model= must name a model config: choose model= one of {', '.join(MODEL_OPTIONS)}")
         s, p = self.schedule, self.pipeline
-        if s.name != registry.CUSTOM:
+        if s.name not in (registry.CUSTOM, AUTO):
             registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
-        self._check_layers()
+        if s.name != AUTO:  # the planner's row is checked when it is applied
+            self._check_layers()
         if self.parallel.dp_shard == -1:
             world = self.cluster.fixed_world() or launched_world(self.cluster.name)
             self.parallel.dp_shard = fill_dp_shard(self.parallel, degree=p.degree, world=world,
@@ -167,6 +184,7 @@ class Config:
         self._check_data()
         self._check_parallel()
         self.logging.check(self.logger, max_steps=self.trainer.max_steps)
+        self.profile.check(max_steps=self.trainer.max_steps)
         # SLURM: nodes x ranks per node must be the world
         self.cluster.check_world(self.layout.world, world_text(*self.layout.shape))
         if self.partition.name == "manual":  # the strategy's own message, with an example for this model

@@ -2,7 +2,7 @@
 
 `logger` picks the destinations (default console + jsonl); `logging` holds their options:
 
-    pipetrain logger=[console,jsonl,trace,wandb] logging.wandb_project=my-proj \
+    pipetrain logger=[console,jsonl,trace,wandb,tensorboard] logging.wandb_project=my-proj \
         logging.wandb_tags=[zbv,p4] logging.trace_step=20 logging.peak_tflops=989
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-LOGGERS = ("console", "jsonl", "trace", "wandb")
+LOGGERS = ("console", "jsonl", "trace", "wandb", "tensorboard")
 
 
 def default_loggers() -> list[str]:
@@ -30,10 +30,13 @@ def check_loggers(names: list[str]) -> None:
 
 @dataclass
 class LoggingConfig:
-    wandb_project: str = "pipetrain"
+    wandb_project: str = "pipetrain"  # wandb project the runs go to
     wandb_entity: Optional[str] = None  # team or user; None: wandb's default entity
     wandb_name: Optional[str] = None  # run name; None: "<schedule>-p<degree>-m<microbatches>"
-    wandb_tags: list[str] = field(default_factory=list)
+    # runs grouped together in wandb; None: a `pipetrain -m` sweep's jobs share their sweep directory's
+    # name (multirun/<date>/<time>), a single run has no group
+    wandb_group: Optional[str] = None
+    wandb_tags: list[str] = field(default_factory=list)  # extra wandb tags, e.g. [baseline,zbv]
     # The step drawn by the trace logger (trace.json) and the console's end-of-run timeline,
     # counted from 1 as the progress lines count; -1: the last step. That step is always measured.
     trace_step: int = -1

@@ -24,7 +24,7 @@ class ModelConfig:
     (pipetrain.models.factory.build_model(family, **knobs)); `num_layers` is how many
     pipeline layers the model has, known without building it."""
 
-    name: str = MISSING
+    name: str = MISSING  # the model= option this config came from
     family: ClassVar[str] = ""  # factory name: "sleep", "mlp" or "gpt2" (every GPT-2 size)
     layer_knob: ClassVar[str] = ""  # the knob that sets the layer count, for error messages
     # Costs depend on data.batch_size (and data.seq_len where `has_seq`): the batch must then
@@ -52,7 +52,7 @@ class SleepModelConfig(ModelConfig):
     """Layers that take fixed times: the yardstick for schedule efficiency."""
 
     name: str = "sleep"
-    layers: int = 16
+    layers: int = 16  # sleeping layers (one pipeline layer each)
     f_ms: float = 2.0  # forward time of one layer, one microbatch
     b_ms: float = 2.0  # input-gradient (B) time
     w_ms: float = 2.0  # weight-gradient (W) time
@@ -151,7 +151,7 @@ class RopeScalingConfig:
     `model.rope_scaling.factor=16` overrides one number, `model.rope_scaling=null` means plain
     RoPE, and a checkpoint's dict converts with RopeScalingConfig(**d)."""
 
-    rope_type: str = "llama3"
+    rope_type: str = "llama3"  # llama3: Llama 3.1's frequency-dependent scaling
     factor: float = 8.0  # long wavelengths are stretched by this
     low_freq_factor: float = 1.0  # wavelengths > original / low_freq_factor: divided by factor
     high_freq_factor: float = 4.0  # wavelengths < original / high_freq_factor: kept
@@ -178,14 +178,14 @@ class LlamaModelConfig(CausalLMConfig):
     Llama-3.2-1B; conf/model/llama*.yaml, qwen*.yaml, mistral*.yaml carry the presets."""
 
     name: str = "llama"
-    vocab_size: int = 128256
+    vocab_size: int = 128256  # tokens in the embedding and the head
     hidden_size: int = 2048  # C
     intermediate_size: int = 8192  # the SwiGLU MLP's width
     num_hidden_layers: int = 16  # decoder blocks
     num_attention_heads: int = 32  # query heads H
     num_key_value_heads: Optional[int] = 8  # KV: grouped-query attention; null = H (multi-head)
     head_dim: Optional[int] = None  # null = hidden_size / H (Qwen3 sets it apart)
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-5  # RMSNorm's denominator guard
     rope_theta: float = 500000.0  # RoPE base
     rope_scaling: Optional[RopeScalingConfig] = field(default_factory=lambda: RopeScalingConfig(factor=32.0))
     tie_word_embeddings: bool = True  # lm_head shares the embedding's weight

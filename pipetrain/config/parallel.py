@@ -30,7 +30,7 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = 1
+    dp_replicate: int = 1  # data-parallel replicas of the pipeline (gradients all-reduced)
     dp_shard: int = 1  # -1: world / (pipeline.degree x dp_replicate)
     param_dtype: Optional[str] = None  # float32 | bfloat16; None: bfloat16 under trainer.precision=bf16
     reduce_dtype: str = "float32"  # float32 | bfloat16

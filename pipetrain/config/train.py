@@ -16,7 +16,7 @@ class TrainerConfig:
     eval_every: int = 50  # validation loss every N steps and at the end of a longer run (0: never)
     eval_batches: int = 2  # batches of data.batch_size sequences per validation
     ckpt_every: int = 0  # checkpoint every N steps (0: only at the end when ckpt_at_end)
-    ckpt_at_end: bool = True
+    ckpt_at_end: bool = True  # write a checkpoint after the last step
     resume: Optional[str] = None  # auto: newest checkpoint in the run directory; or a checkpoint path
     on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss does
     max_skipped_steps: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
@@ -47,13 +47,13 @@ class TrainerConfig:
 class OptimConfig:
     """AdamW with decay / no-decay groups, linear warm-up then cosine decay to min_lr."""
 
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 5
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
+    min_lr: float = 3e-4  # where the cosine decay ends, at trainer.max_steps
+    warmup_steps: int = 5  # linear warm-up from 0 to lr over this many steps
     weight_decay: float = 0.1  # on matrices (>= 2-D); biases, norms and embeddings' 1-D params get none
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay (0.95 as GPT-3 / nanoGPT)
+    eps: float = 1e-8  # AdamW's denominator guard
     grad_clip: float = 1.0  # global gradient-norm clip over all ranks (0: off)
 
     def __post_init__(self) -> None:

@@ -21,29 +21,32 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipetrain.loggers.base import Logger, RunInfo, human_bytes
+from pipetrain.loggers.tables import print_table
+from pipetrain.metrics import names
 from pipetrain.metrics.measure import OPS, StepMeasurement
 from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.schedules.render import render_timeline
 
 
 def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> str:
-    """The compact line of a record's row (StepRecord.row()): always starts with "step N/M"."""
+    """The compact line of a record's row (StepRecord.row(), names as metrics/names.py): always
+    starts with "step N/M"."""
     r = record
-    parts = [f"step {r['step']}/{total} loss {r['loss']:.4f}"]
-    if r.get("val_loss") is not None:
-        parts.append(f"val {r['val_loss']:.4f}")
-    parts.append(f"lr {r['lr']:.1e} gnorm {r['grad_norm']:.2f}")
-    speed = f"| {r['tokens_per_s'] / 1e3:.1f}k tok/s {r['step_time_s'] * 1e3:.0f}ms"
-    if r.get("mfu") is not None:
-        speed += f" mfu {100 * r['mfu']:.1f}%"
+    parts = [f"step {r['step']}/{total} loss {r[names.LOSS]:.4f}"]
+    if r.get(names.VAL_LOSS) is not None:
+        parts.append(f"val {r[names.VAL_LOSS]:.4f}")
+    parts.append(f"lr {r[names.LR]:.1e} gnorm {r[names.GRAD_NORM]:.2f}")
+    speed = f"| {r[names.TOKENS_PER_S] / 1e3:.1f}k tok/s {r[names.STEP_TIME] * 1e3:.0f}ms"
+    if r.get(names.MFU) is not None:
+        speed += f" mfu {100 * r[names.MFU]:.1f}%"
     parts.append(speed)
-    if r.get("bubble_fraction_mean") is not None:
-        parts.append(f"| bubble {100 * r['bubble_fraction_mean']:.1f}% (sim {100 * r['simulated_bubble_fraction']:.1f}%)")
-        if r.get("reduce_exposed_ms_per_rank") is not None:
-            parts.append(f"| reduce {max(r['reduce_exposed_ms_per_rank']):.0f}ms "
-                         f"(sim {max(r['simulated_reduce_exposed_ms_per_rank']):.0f}ms)")
-        parts.append(f"| mem {human_bytes(max(r['peak_memory_bytes_per_rank']))} "
-                     f"(act {human_bytes(max(r['peak_activation_bytes_per_rank']))})")
+    if r.get(names.BUBBLE) is not None:
+        parts.append(f"| bubble {100 * r[names.BUBBLE]:.1f}% (sim {100 * r[names.BUBBLE_SIM]:.1f}%)")
+        reduce, reduce_sim = names.of_ranks(r, names.REDUCE), names.of_ranks(r, names.REDUCE_SIM)
+        if reduce and reduce_sim:
+            parts.append(f"| reduce {max(reduce):.0f}ms (sim {max(reduce_sim):.0f}ms)")
+        act = max(names.of_ranks(r, names.ACTIVATIONS_GB) or [0.0])
+        parts.append(f"| mem {human_bytes(r[names.PEAK_GB] * 1e9)} (act {human_bytes(act * 1e9)})")
     if eta_s is not None:
         parts.append(f"| eta {eta_s:.0f}s")
     return " ".join(parts)
@@ -105,7 +108,7 @@ class ConsoleLogger(Logger):
         if self.bar is not None:
             self.bar.stop()
         if last is not None and last.measurement is not None:
-            self.console.print(rank_table(last.measurement))
+            print_table(self.console, rank_table(last.measurement))
         if chosen is not None and chosen.measurement is not None and self.info.config.logging.timeline:
             m = chosen.measurement
             self.console.print(f"measured timeline of step {m.step} (blocks: compute; dots: idle or waiting "

@@ -26,6 +26,10 @@ def build_loggers(names: list[str]) -> list[Logger]:
             from pipetrain.loggers.trace import TraceLogger
 
             out.append(TraceLogger())
+        elif name == "tensorboard":
+            from pipetrain.loggers.tensorboard import TensorBoardLogger
+
+            out.append(TensorBoardLogger())
         elif name == "wandb":
             from pipetrain.loggers.wandb_logger import WandbLogger
 

@@ -1,9 +1,9 @@
 """`logger=[...,jsonl]`: metrics.jsonl, one JSON object per logged step.
 
 metrics.jsonl is opened for appending, so a resumed run continues the same file. Each line
-is a StepRecord's row() (metrics/step.py) and holds at least: step, loss, lr, grad_norm,
-tokens_per_s, step_time_s, bubble_fraction_mean, bubble_fraction_per_rank,
-simulated_bubble_fraction, peak_memory_bytes_per_rank, peak_activation_bytes_per_rank.
+is a StepRecord's row() (metrics/step.py): `step` and every metric under its public name
+(metrics/names.py: train/loss, train/lr, perf/tokens_per_s, pipeline/bubble_measured,
+memory/peak_gb/rank0, ...), the names wandb and TensorBoard get too.
 events.jsonl gets one line per event of the run (a restart: its text, failed_rank, failed_step,
 resumed_step, attempt). summary.json, what `pipetrain -m` sweeps read, is the trainer's to write, whatever the loggers.
 """

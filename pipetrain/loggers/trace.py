@@ -18,6 +18,7 @@ import json
 from typing import Any, Optional
 
 from pipetrain.loggers.base import Logger
+from pipetrain.metrics import names
 from pipetrain.metrics.measure import StepMeasurement
 from pipetrain.metrics.records import CommEvent
 from pipetrain.metrics.step import RunSummary, StepRecord
@@ -91,5 +92,5 @@ def measured_trace(m: StepMeasurement) -> dict[str, Any]:
         trace.counter(f"live activations rank {r}", live_activations(m.measured.timeline[r]))
     for r, lane in enumerate(m.measured.reductions):
         trace.reductions(r, P, [(sp.stage, sp.start, sp.end) for sp in lane], cname="generic_work")
-    return trace.to_json({"step": m.step, "schedule": sched.name, "bubble_fraction_mean": m.bubble_mean,
-                          "simulated_bubble_fraction": m.simulated.bubble_fraction_mean})
+    return trace.to_json({"step": m.step, "schedule": sched.name, names.BUBBLE: m.bubble_mean,
+                          names.BUBBLE_SIM: m.simulated.bubble_fraction_mean})

@@ -1,10 +1,12 @@
 """`logger=[...,wandb]`: Weights & Biases, imported only when asked for.
 
-Logs the resolved config, every metric of every logged step (per-rank bubble and memory as
-`bubble/rank<r>`, `memory/peak_rank<r>`, ...), and at the end two tables: per rank (measured
-vs simulated bubble, memory, ms per op) and the measured timeline of logging.trace_step.
-Project, entity, run name and tags come from logging.wandb_*. Only rank 0 logs (it holds
-every rank's measurements).
+Logs the resolved config, every metric of every logged step under the names metrics.jsonl
+has (metrics/names.py: `train/loss`, `pipeline/bubble_measured/rank1`, `memory/peak_gb`,
+`pipeline/stage0/f_ms`, ...), the run's summary under the same names, and at the end two
+tables: per rank (measured vs simulated bubble, memory, ms per op) and the measured timeline
+of logging.trace_step. Project, entity, run name, group and tags come from logging.wandb_*;
+the jobs of a `pipetrain -m` sweep share one group (its sweep directory) unless
+logging.wandb_group says otherwise. Only rank 0 logs (it holds every rank's measurements).
 
 With no credentials (WANDB_MODE unset, no WANDB_API_KEY, no `wandb login` entry in
 ~/.netrc) the run goes offline by itself and says how to sync it later, so a first run
@@ -25,19 +27,10 @@ from typing import Any, Optional
 from urllib.parse import urlparse
 
 from pipetrain.loggers.base import Logger, RunInfo
+from pipetrain.metrics import names
 from pipetrain.metrics.step import RunSummary, StepRecord
 
 ID_FILE = "wandb_id.txt"  # in the run directory, next to checkpoints/
-PER_RANK = {  # record key -> wandb key prefix (one scalar per rank)
-    "bubble_fraction_per_rank": "bubble/rank",
-    "simulated_bubble_fraction_per_rank": "bubble_simulated/rank",
-    "peak_memory_bytes_per_rank": "memory/peak_rank",
-    "peak_activation_bytes_per_rank": "memory/activations_rank",
-    "reduce_exposed_ms_per_rank": "reduce_exposed_ms/rank",  # data parallel
-    "simulated_reduce_exposed_ms_per_rank": "reduce_exposed_ms_simulated/rank",
-}
-
-
 def has_credentials() -> bool:
     """An API key in the environment, an identity token file, or a netrc entry for the W&B host."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
@@ -49,17 +42,6 @@ def has_credentials() -> bool:
     except (OSError, netrc.NetrcParseError):
         return False
     return bool(auth and auth[2])
-
-
-def flat_metrics(record: dict[str, Any]) -> dict[str, Any]:
-    """Scalars as they are; per-rank lists as one key per rank."""
-    out: dict[str, Any] = {}
-    for key, value in record.items():
-        if key in PER_RANK:
-            out.update({f"{PER_RANK[key]}{r}": v for r, v in enumerate(value)})
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-            out[key] = value
-    return out
 
 
 def run_identity(info: RunInfo) -> tuple[Optional[str], Optional[str]]:
@@ -85,6 +67,7 @@ class WandbLogger(Logger):
         run_id, resume = run_identity(info)
         self.run = wandb.init(
             project=log.wandb_project, entity=log.wandb_entity, name=name, tags=list(log.wandb_tags),
+            group=log.wandb_group, job_type="train",
             config=dataclasses.asdict(cfg), dir=str(info.run_dir), settings=wandb.Settings(console="off"),
             id=run_id, resume=resume,
         )
@@ -97,7 +80,7 @@ class WandbLogger(Logger):
         return os.path.dirname(self.run.dir)  # .../wandb/offline-run-<time>-<id> (run.dir is its files/)
 
     def log(self, record: StepRecord) -> None:
-        self.run.log(flat_metrics(record.row()), step=record.step)
+        self.run.log(names.scalars(record.row()), step=record.step)
 
     def event(self, kind: str, text: str, fields: dict[str, Any]) -> None:
         """In the run's summary (a log() without its step would move wandb's step counter): the

@@ -25,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from pipetrain.metrics import names
 from pipetrain.metrics.records import ActionTiming, RankSample
 from pipetrain.schedules.export import rounded
 from pipetrain.schedules.ir import Op, Schedule, Step
@@ -143,27 +144,30 @@ class StepMeasurement:
         return rows
 
     def record(self) -> dict[str, Any]:
-        """The JSON-ready per-step fields of metrics.jsonl (and wandb)."""
+        """The step's measured metrics under their public names (metrics/names.py), as
+        metrics.jsonl, wandb and TensorBoard get them."""
         sim, costs = self.simulated, self.measured.costs
         out = {
-            "bubble_fraction_mean": rounded(self.bubble_mean),
-            "bubble_fraction_per_rank": [rounded(x) for x in self.bubble_per_rank],
-            "simulated_bubble_fraction": rounded(sim.bubble_fraction_mean),
-            "simulated_bubble_fraction_per_rank": [rounded(x) for x in sim.bubble_fraction_per_rank],
-            "makespan_ms": rounded(self.makespan_ms),
-            "simulated_makespan_ms": rounded(sim.makespan),
-            "peak_memory_bytes_per_rank": [s.peak_memory_bytes for s in self.samples],
-            "peak_activation_bytes_per_rank": [s.peak_activation_bytes for s in self.samples],
-            "peak_activation_sets_per_rank": [s.peak_activation_sets for s in self.samples],
-            "static_memory_bytes_per_rank": [s.static_bytes for s in self.samples],
-            "stage_ms": {k: [rounded(x) for x in v] for k, v in (("f", costs.f), ("b", costs.b), ("w", costs.w))},
+            names.BUBBLE: rounded(self.bubble_mean),
+            names.BUBBLE_SIM: rounded(sim.bubble_fraction_mean),
+            names.MAKESPAN: rounded(self.makespan_ms),
+            names.MAKESPAN_SIM: rounded(sim.makespan),
+            names.PEAK_GB: max(names.gb(s.peak_memory_bytes) for s in self.samples),
+            **names.per_rank(names.BUBBLE, [rounded(x) for x in self.bubble_per_rank]),
+            **names.per_rank(names.BUBBLE_SIM, [rounded(x) for x in sim.bubble_fraction_per_rank]),
+            **names.per_rank(names.PEAK_GB, [names.gb(s.peak_memory_bytes) for s in self.samples]),
+            **names.per_rank(names.ACTIVATIONS_GB, [names.gb(s.peak_activation_bytes) for s in self.samples]),
+            **names.per_rank(names.ACTIVATION_SETS, [s.peak_activation_sets for s in self.samples]),
+            **names.per_rank(names.STATIC_GB, [names.gb(s.static_bytes) for s in self.samples]),
+            **names.per_stage({op: [rounded(x) for x in v] for op, v in (("f_ms", costs.f), ("b_ms", costs.b),
+                                                                        ("w_ms", costs.w))}),
         }
         if self.data_parallel:
             out.update(
-                reduce_exposed_ms_per_rank=[rounded(x) for x in self.reduce_exposed_ms],
-                simulated_reduce_exposed_ms_per_rank=[rounded(x) for x in sim.reduce_exposed_ms],
-                makespan_with_reduce_ms=rounded(self.measured.makespan_with_reduce),
-                simulated_makespan_with_reduce_ms=rounded(sim.makespan_with_reduce),
+                {names.MAKESPAN_REDUCE: rounded(self.measured.makespan_with_reduce),
+                 names.MAKESPAN_REDUCE_SIM: rounded(sim.makespan_with_reduce)},
+                **names.per_rank(names.REDUCE, [rounded(x) for x in self.reduce_exposed_ms]),
+                **names.per_rank(names.REDUCE_SIM, [rounded(x) for x in sim.reduce_exposed_ms]),
             )
         return out
 

@@ -4,7 +4,8 @@ The trainer produces them (train/trainer.py, with train/monitor.py for the measu
 every logger, summary.json and the sweep table read only these, never the trainer's
 internals. A record of a logged step on rank 0 carries the step's `StepMeasurement` (every
 rank's timings and memory, measured against simulated); its numbers are reached through the
-record's properties, and `row()` is the flat JSON object of metrics.jsonl.
+record's properties, and `row()` is the flat JSON object of metrics.jsonl (public names:
+metrics/names.py).
 
 Pure Python, no torch.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pipetrain.metrics import names
 from pipetrain.metrics.measure import StepMeasurement
 
 
@@ -54,14 +56,17 @@ class StepRecord:
         return self.measurement.rank_rows() if self.measurement else []
 
     def row(self) -> dict[str, Any]:
-        """The JSON object of metrics.jsonl (and wandb's metrics): the scalars, then the measured fields."""
-        out: dict[str, Any] = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm}
-        if self.skipped:
-            out["skipped"] = True
-        out.update(step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s)
+        """The JSON object of metrics.jsonl, wandb and TensorBoard: `step`, then every metric
+        under its public name (metrics/names.py); the measured ones on measured steps."""
+        out: dict[str, Any] = {"step": self.step, names.LOSS: self.loss}
         if self.val_loss is not None:
-            out["val_loss"] = self.val_loss
-        out["mfu"] = self.mfu
+            out[names.VAL_LOSS] = self.val_loss
+        out.update({names.LR: self.lr, names.GRAD_NORM: self.grad_norm})
+        if self.skipped:
+            out[names.SKIPPED] = True
+        out.update({names.TOKENS_PER_S: self.tokens_per_s, names.STEP_TIME: self.step_time_s})
+        if self.mfu is not None:
+            out[names.MFU] = self.mfu
         if self.measurement is not None:
             out.update(self.measurement.record())
         return out
@@ -93,23 +98,23 @@ class RunSummary:
     simulated_reduce_exposed_ms: Optional[float] = None
 
     def to_json(self) -> dict[str, Any]:
-        """summary.json: the run's fields, and the measured ones where a step was measured."""
+        """summary.json: `steps`, then the run's metrics under the names a step's have
+        (metrics/names.py); the measured ones where a step was measured."""
         out: dict[str, Any] = {
-            "steps": self.steps, "first_loss": self.first_loss, "final_loss": self.final_loss,
-            "final_val_loss": self.final_val_loss, "skipped_steps": self.skipped_steps, "tokens": self.tokens,
-            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "steps": self.steps, names.FIRST_LOSS: self.first_loss, names.LOSS: self.final_loss,
+            names.VAL_LOSS: self.final_val_loss, names.SKIPPED_STEPS: self.skipped_steps, names.TOKENS: self.tokens,
+            names.STEP_TIME: self.step_time_s, names.TOKENS_PER_S: self.tokens_per_s,
         }
         if self.measured:
-            out.update(
-                bubble_fraction_mean=self.bubble_fraction_mean,
-                simulated_bubble_fraction=self.simulated_bubble_fraction,
-                bubble_fraction_per_rank=self.bubble_fraction_per_rank,
-                simulated_bubble_fraction_per_rank=self.simulated_bubble_fraction_per_rank,
-                peak_memory_bytes_per_rank=self.peak_memory_bytes_per_rank,
-                peak_activation_bytes_per_rank=self.peak_activation_bytes_per_rank,
-                mfu=self.mfu,
-            )
+            peak = [names.gb(b) for b in self.peak_memory_bytes_per_rank]
+            out.update({
+                names.BUBBLE: self.bubble_fraction_mean, names.BUBBLE_SIM: self.simulated_bubble_fraction,
+                **names.per_rank(names.BUBBLE, self.bubble_fraction_per_rank),
+                **names.per_rank(names.BUBBLE_SIM, self.simulated_bubble_fraction_per_rank),
+                names.PEAK_GB: max(peak, default=None), **names.per_rank(names.PEAK_GB, peak),
+                **names.per_rank(names.ACTIVATIONS_GB, [names.gb(b) for b in self.peak_activation_bytes_per_rank]),
+                names.MFU: self.mfu,
+            })
             if self.reduce_exposed_ms is not None:
-                out.update(reduce_exposed_ms=self.reduce_exposed_ms,
-                           simulated_reduce_exposed_ms=self.simulated_reduce_exposed_ms)
+                out.update({names.REDUCE: self.reduce_exposed_ms, names.REDUCE_SIM: self.simulated_reduce_exposed_ms})
         return out

@@ -184,3 +184,24 @@ def _time_once(layer: nn.Module, inp: torch.Tensor, *, target: torch.Tensor | No
     _sync(device)
     t3 = time.perf_counter()
     return t1 - t0, (t2 - t1b) if x.requires_grad else 0.0, t3 - t2
+
+
+def saved_bytes_per_token(model: LayeredModel, *, batch: int, seq: int,
+                          device: torch.device | str | None = None) -> list[float]:
+    """Per layer, the bytes autograd saves in its forward for one microbatch, per token: the
+    executor's own count (runtime/step_result.SavedBytes), so a plan's activation memory and the
+    run's measured one are the same quantity. A tensor two neighbouring layers both save is
+    counted in each (the executor counts it once per stage): the estimate errs high."""
+    from pipetrain.runtime.step_result import SavedBytes
+
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    work = model if next(model.parameters()).device == dev else copy.deepcopy(model).to(dev)
+    x, _ = work.example_batch(microbatch=batch, seq=seq, generator=torch.Generator().manual_seed(0), device=dev)
+    out = []
+    for layer in work.layers:
+        counter = SavedBytes()
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            x = layer(inp)
+        out.append(counter.bytes / (batch * seq))
+    return out

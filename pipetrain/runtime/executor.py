@@ -99,6 +99,9 @@ class Executor:
         self.compute_dtype = compute_dtype  # None: the parameters' dtype throughout; else autocast to it
         self._clock = StepClock(self.device)
         self._recording = False  # inside step(): sends and receives are timed
+        # profile.enabled: every action a `PP:<action>` torch.profiler range (the trainer sets it
+        # for the captured steps only; record_function costs a few microseconds even unprofiled)
+        self.profile_ranges = False
         self._index = self._part = 0  # the step (and part of an F&B pair) being run
 
     # ---- one optimizer step's worth of microbatches ---------------------------------
@@ -121,7 +124,8 @@ class Executor:
                 for part, action in enumerate(step.parts()):
                     self._part = part
                     self._issue(boundary)
-                    self._run(action, str(step))
+                    with self._range(action):
+                        self._run(action, str(step))
                     boundary += 1
                     marks.append(clock.mark())
                     if len(self._reduce_done) < len(self._reduce_marks):  # reductions in flight
@@ -154,6 +158,10 @@ class Executor:
             reduce_done_ms={s: times[m] for s, m in self._reduce_done.items()},
         )
 
+    def _range(self, what: object) -> contextlib.AbstractContextManager:
+        """A torch.profiler range named as torch.distributed.pipelining names its own, `PP:0F3`."""
+        return torch.profiler.record_function(f"PP:{what}") if self.profile_ranges else contextlib.nullcontext()
+
     def _poll_reductions(self) -> None:
         for s in self.reducer.poll():  # type: ignore[union-attr]
             self._reduction_done(s)
@@ -168,7 +176,8 @@ class Executor:
         if self._recording and boundary in self._reduces_at:
             for s in self._reduces_at[boundary]:
                 self._reduce_marks[s] = self._clock.mark()
-                self.reducer.reduce(s)  # type: ignore[union-attr]
+                with self._range(f"{s}REDUCE_GRAD"):
+                    self.reducer.reduce(s)  # type: ignore[union-attr]
 
     def _timings(self, spans: list[list[int]], times: list[float]) -> tuple[list[ActionTiming], list[CommEvent]]:
         """Marks -> per-step timings (span, receive waits, compute per part) and comm events."""

@@ -19,6 +19,14 @@ its point-to-point plan with torch.distributed.pipelining's communication action
 ``0SEND_F3``, ``1RECV_F3``, ``1SEND_B3``, ``0RECV_B3`` (see schedules/p2p.py); without
 them the plan is derived.
 
+CSV form (`schedule.csv`): one row per rank, written in torch.distributed.pipelining's
+action names so torch's own loader (`_Action.from_str`, `_load_csv`) reads it: ``F``
+forward, ``I`` input gradient (our B), ``W`` weight gradient, ``B`` full backward (our BW),
+an overlapped pair as torch writes it, ``(0F6;7B2)OVERLAP_F_B``. `from_csv` reads that and
+pipetrain's own form above (a file with ``BW`` or ``&`` is ours, one with ``I`` or
+``OVERLAP_F_B`` is torch's; with neither, ``B`` is our input gradient if the file has a
+``W``, else torch's full backward, the only reading under which it is complete).
+
 Under data parallel, ``{stage}REDUCE_GRAD`` (torch's name too) marks where a rank reduces
 stage s's gradients over its data-parallel group: once per step, after the stage's last
 weight gradient (reduce.py derives the places; validate.py checks hand-written ones).
@@ -85,6 +93,10 @@ Step = Union[Action, Overlap]
 _ACTION_RE = re.compile(r"^(\d+)(BW|F|B|W)(\d+)$")
 _COMM_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
 _REDUCE_RE = re.compile(r"^(\d+)REDUCE_GRAD$")
+# torch.distributed.pipelining's compute names <-> ours (its B is the full backward)
+_TO_TORCH = {Op.F: "F", Op.B: "I", Op.W: "W", Op.BW: "B"}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_TORCH_ACTION_RE = re.compile(r"^(\d+)(F|I|W|B)(\d+)$")
 
 
 class CommOp(str, enum.Enum):
@@ -127,14 +139,13 @@ def parse_comm(text: str) -> Comm | None:
     return None if m is None else Comm(CommOp(m.group(2)), int(m.group(1)), int(m.group(3)))
 
 
-def parse_action(text: str) -> Action:
-    m = _ACTION_RE.match(text.strip())
+def parse_action(text: str, *, torch_names: bool = False) -> Action:
+    """`5B1` in pipetrain's names, or with `torch_names` `5I1` (torch's B is our BW)."""
+    m = (_TORCH_ACTION_RE if torch_names else _ACTION_RE).match(text.strip())
     if m is None:
-        raise ValueError(
-            f"cannot parse action {text!r}: write {{stage}}{{op}}{{microbatch}} with op one of "
-            "F, B, W, BW (e.g. 0F3, 1BW2)"
-        )
-    return Action(Op(m.group(2)), int(m.group(1)), int(m.group(3)))
+        ops = "F, I (input gradient), W, B (full backward), e.g. 0F3, 1B2" if torch_names else "F, B, W, BW (e.g. 0F3, 1BW2)"
+        raise ValueError(f"cannot parse action {text!r}: write {{stage}}{{op}}{{microbatch}} with op one of {ops}")
+    return Action(_FROM_TORCH[m.group(2)] if torch_names else Op(m.group(2)), int(m.group(1)), int(m.group(3)))
 
 
 def parse_step(text: str) -> Step:
@@ -267,23 +278,70 @@ class Schedule:
         return cls.build(name, placement, num_microbatches, rows)
 
     def to_csv(self) -> str:
-        """CSV form for hand editing: one row per rank, one cell per step."""
-        return "\n".join(",".join(str(s) for s in self.cells(r)) for r in range(self.num_ranks)) + "\n"
+        """CSV for hand editing and for torch.distributed.pipelining: one row per rank, one
+        cell per step, in torch's action names (module docstring)."""
+        return "\n".join(",".join(torch_cell(c) for c in self.cells(r)) for r in range(self.num_ranks)) + "\n"
 
     @classmethod
     def from_csv(
         cls, text: str, *, name: str, placement: Placement, num_microbatches: int
     ) -> "Schedule":
-        """Parse the CSV form. Blank cells are ignored; lines starting with '#' are comments."""
+        """Parse the CSV form, torch's names or pipetrain's (module docstring). Blank cells are
+        ignored; lines starting with '#' are comments."""
+        lines = [(n, ln) for n, ln in enumerate(text.splitlines(), start=1)
+                 if ln.strip() and not ln.strip().startswith("#")]
+        cells = [[c.strip() for c in ln.split(",") if c.strip()] for _, ln in lines]
+        torch_names = _is_torch_dialect([c for row in cells for c in row])
+        parse = parse_torch_cell if torch_names else parse_cell
         rows: list[list[Step | Marker]] = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if line.strip().startswith("#"):
-                continue
-            cells = [c.strip() for c in line.split(",")]
-            if not any(cells) and not line.strip():
-                continue
+        for (lineno, _), row in zip(lines, cells):
             try:
-                rows.append([parse_cell(c) for c in cells if c])
+                rows.append([parse(c) for c in row])
             except ValueError as e:
                 raise ValueError(f"line {lineno}: {e}") from None
         return cls.build(name, placement, num_microbatches, rows)
+
+
+_TORCH_OVERLAP_RE = re.compile(r"^\(([^;()]+);([^;()]+)\)OVERLAP_F_B$")
+_OURS_ONLY = re.compile(r"^\d+BW\d+$|&")
+_TORCH_ONLY = re.compile(r"^\d+I\d+$|OVERLAP_F_B")
+
+
+def torch_action(action: Action) -> str:
+    """`5B1` (our input gradient) -> `5I1`; `2BW0` -> `2B0`."""
+    return f"{action.stage}{_TO_TORCH[action.op]}{action.microbatch}"
+
+
+def torch_cell(cell: Step | Marker) -> str:
+    """One cell as torch writes it; an overlapped pair as `(0F6;7B2)OVERLAP_F_B`."""
+    if isinstance(cell, Action):
+        return torch_action(cell)
+    if isinstance(cell, Overlap):
+        return f"({torch_action(cell.forward)};{torch_action(cell.backward)})OVERLAP_F_B"
+    return str(cell)  # SEND_F/RECV_F/SEND_B/RECV_B and REDUCE_GRAD are spelled alike
+
+
+def parse_torch_cell(text: str) -> Step | Marker:
+    """A cell in torch's names: `0F3`, `1I2`, `(0F6;7B2)OVERLAP_F_B`, or a communication /
+    REDUCE_GRAD marker."""
+    text = text.strip()
+    pair = _TORCH_OVERLAP_RE.match(text)
+    if pair is not None:
+        return Overlap(parse_action(pair.group(1), torch_names=True), parse_action(pair.group(2), torch_names=True))
+    if _TORCH_ACTION_RE.match(text):
+        return parse_action(text, torch_names=True)
+    return parse_cell(text)  # markers; anything else fails there with the full list
+
+
+def _is_torch_dialect(cells: list[str]) -> bool:
+    ours = any(_OURS_ONLY.search(c) for c in cells)
+    theirs = any(_TORCH_ONLY.search(c) for c in cells)
+    if ours and theirs:
+        raise ValueError(
+            "the schedule mixes pipetrain's names (BW, '&' pairs) with torch's (I, OVERLAP_F_B): "
+            "write every cell in one of them"
+        )
+    if ours or theirs:
+        return theirs
+    # F, B, W only: with a W, B must be the input gradient (ours); without, torch's full backward
+    return not any(re.match(r"^\d+W\d+$", c) for c in cells)

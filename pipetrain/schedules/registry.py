@@ -18,9 +18,9 @@ CUSTOM = "custom"
 @cache
 def schedules() -> dict[str, ScheduleSpec]:
     """All built-in schedules by name, in the order users see them."""
-    from pipetrain.schedules import dualpipe, loop, zero_bubble
+    from pipetrain.schedules import dualpipe, loop, zb_auto, zero_bubble
 
-    specs = (*loop.SPECS, *zero_bubble.SPECS, *dualpipe.SPECS)
+    specs = (*loop.SPECS, *zero_bubble.SPECS, *zb_auto.SPECS, *dualpipe.SPECS)
     return {s.name: s for s in specs}
 
 

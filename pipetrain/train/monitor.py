@@ -34,6 +34,7 @@ from pipetrain.metrics.records import RankSample
 from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.runtime.step_result import StepResult
 from pipetrain.runtime.sync import local_tensor
+from pipetrain.schedules.export import rounded
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -173,13 +174,13 @@ class Monitor:
             return summary
         steady = [b for b in self.bubbles if b[0] != 1] or self.bubbles
         reduces = [b for b in self.reduces if b[0] != 1] or self.reduces
-        last = self.last.measurement.record()
+        last = self.last.measurement
         return dataclasses.replace(
             summary, measured=True,
             bubble_fraction_mean=statistics.median(b[1] for b in steady),
             simulated_bubble_fraction=statistics.median(b[2] for b in steady),
-            bubble_fraction_per_rank=last["bubble_fraction_per_rank"],
-            simulated_bubble_fraction_per_rank=last["simulated_bubble_fraction_per_rank"],
+            bubble_fraction_per_rank=[rounded(x) for x in last.bubble_per_rank],
+            simulated_bubble_fraction_per_rank=[rounded(x) for x in last.simulated.bubble_fraction_per_rank],
             peak_memory_bytes_per_rank=self.peak_memory, peak_activation_bytes_per_rank=self.peak_activations,
             mfu=self.mfu(summary.tokens_per_s) if summary.tokens_per_s else None,
             reduce_exposed_ms=statistics.median(b[1] for b in reduces) if reduces else None,

@@ -39,6 +39,7 @@ from pipetrain.train.monitor import Monitor
 from pipetrain.train.restart import Restart, StepTracker, restart_count, slurm_requeues, this_restart
 from pipetrain.train.stop import StopSignals, signal_name, write_stopped
 from pipetrain.launch.errors import STOPPED
+from pipetrain.train.profiling import StepProfiler
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
 
 
@@ -104,6 +105,8 @@ class Trainer:
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
         self.saver = (AsyncSaver(config, self.run_dir, note=self.monitor.note)  # checkpoint.async_save
                       if config.checkpoint.async_save else None)
+        self.profiler = StepProfiler(config.profile, rank=self.rank, device=self.device, run_dir=self.run_dir,
+                                     executor=self.pipe.executor, note=self.monitor.note)
 
     def resume(self, note: checkpoint.Note = checkpoint.silent) -> Optional[Restart]:
         """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh
@@ -186,7 +189,10 @@ class Trainer:
             if restart is not None:
                 self.monitor.event("restart", restart.line(self.state.step), failed_rank=restart.rank,
                                    failed_step=restart.step, resumed_step=self.state.step, attempt=restart.attempt)
-            summary = self.monitor.summarize(self.loop())
+            try:
+                summary = self.monitor.summarize(self.loop())
+            finally:
+                self.profiler.close()  # a capture cut short by an error still writes what it has
             if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
                 (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
             self.monitor.finish(summary)
@@ -230,7 +236,9 @@ class Trainer:
             # every eval_every steps, and at the end of a run long enough to have evaluated
             evaluate = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or (last and step > cfg.eval_every))
             log = step == 1 or last or step % cfg.log_every == 0 or evaluate or step == monitor.chosen_step
+            self.profiler.before(step)
             record = self.train_step(measure=log)
+            self.profiler.after(step)
             step_times.append(record.step_time_s)
             self.stop.grace_s = max(10.0, 3 * max(step_times))  # a signal's wait for the step in flight
             first_loss = record.loss if first_loss is None else first_loss

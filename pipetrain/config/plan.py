@@ -1,0 +1,65 @@
+"""Schema of the `plan` config group: what `mode=plan` and `schedule=auto` search over (pure: no torch).
+
+The planner (pipetrain/planner/) scores every (pp x dp layout, schedule, v, M, microbatch size,
+recompute) of this space by simulation against a per-device memory budget, and ranks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+OBJECTIVES = ("tokens_per_s", "tokens_per_s_per_gb")
+
+
+@dataclass
+class PlanConfig:
+    world_size: Optional[int] = None  # ranks to plan for; null = plan.nodes x plan.devices_per_node, else the configured layout's
+    nodes: int = 1  # with plan.devices_per_node, the world when plan.world_size is null
+    devices_per_node: Optional[int] = None  # devices (ranks) per node
+    memory_gb: float = 80.0  # memory budget per device, GB (10^9 bytes)
+    global_batch: Optional[int] = None  # sequences per optimizer step; null = data.batch_size
+    tflops: Optional[float] = None  # sustained TFLOP/s turning real models' FLOPs into ms; null = sim.tflops
+    p2p_gbs: float = 25.0  # stage-to-stage bandwidth, GB/s (a stage boundary tensor per transfer)
+    p2p_latency_ms: Optional[float] = None  # per transfer; null = sim.comm_ms
+    dp_gbs: Optional[float] = None  # per-rank gradient-reduction bandwidth, GB/s; null = cluster.dp_bandwidth_gbs
+    optim_gbs: float = 0.0  # memory bandwidth of the optimizer step, GB/s (0: the step is not timed)
+    margin: float = 0.05  # fraction of the predicted peak added for fragmentation and workspaces
+    w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (1: all, the safe bound)
+    schedules: Optional[list[str]] = None  # schedules to try; null = every built-in
+    pp: Optional[list[int]] = None  # pipeline degrees to try; null = every divisor of the world
+    virtual_stages: list[int] = field(default_factory=lambda: [2])  # v for interleaved_1f1b / looped_bfs
+    microbatch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # sequences per microbatch
+    recompute: list[bool] = field(default_factory=lambda: [False])  # trainer.activation_checkpointing values to try
+    dp_shard: bool = False  # dp > 1 as FSDP2 shards (parallel.dp_shard) instead of replicas
+    max_microbatches: int = 256  # skip candidates with more microbatches
+    objective: str = "tokens_per_s"  # tokens_per_s | tokens_per_s_per_gb
+    time_limit_s: float = 60.0  # stop simulating candidates after this long (the rest are listed unevaluated)
+    prune: bool = True  # skip simulating a candidate whose lower bound cannot beat the best so far
+    top: int = 20  # rows shown in the console table (plan.json and plan.csv hold all)
+    run: bool = False  # plan, then train the best row (same as schedule=auto)
+
+    def __post_init__(self) -> None:
+        for knob in ("world_size", "devices_per_node", "global_batch"):
+            value = getattr(self, knob)
+            if value is not None and value < 1:
+                raise ValueError(f"plan.{knob} must be >= 1 (got {value})")
+        if self.nodes < 1 or self.top < 1 or self.max_microbatches < 1:
+            raise ValueError("plan.nodes, plan.top and plan.max_microbatches must be >= 1")
+        for knob in ("memory_gb", "p2p_gbs", "time_limit_s"):
+            if not getattr(self, knob) > 0:
+                raise ValueError(f"plan.{knob} must be > 0 (got {getattr(self, knob)})")
+        if self.dp_gbs is not None and not self.dp_gbs > 0:
+            raise ValueError(f"plan.dp_gbs must be > 0 (got {self.dp_gbs})")
+        if self.optim_gbs < 0 or self.margin < 0 or (self.p2p_latency_ms or 0) < 0:
+            raise ValueError("plan.optim_gbs, plan.margin and plan.p2p_latency_ms must be >= 0")
+        if not 0.0 <= self.w_keep <= 1.0:
+            raise ValueError(f"plan.w_keep must be in [0, 1] (got {self.w_keep})")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"plan.objective={self.objective!r} is unknown: choose one of {', '.join(OBJECTIVES)}")
+        if not self.microbatch_sizes or min(self.microbatch_sizes) < 1:
+            raise ValueError("plan.microbatch_sizes must list sizes >= 1")
+        if not self.virtual_stages or min(self.virtual_stages) < 2:
+            raise ValueError("plan.virtual_stages must list v >= 2 (for interleaved_1f1b / looped_bfs)")
+        if not self.recompute:
+            raise ValueError("plan.recompute must list at least one of true, false")

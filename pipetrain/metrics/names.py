@@ -1,0 +1,59 @@
+"""The public names of every metric, in namespaces, the same in metrics.jsonl, summary.json,
+wandb and TensorBoard.
+
+  train/     loss, val_loss, lr, grad_norm, skipped; in summary.json also first_loss,
+             skipped_steps, tokens
+  perf/      tokens_per_s, step_time_s, mfu
+  pipeline/  bubble_measured, bubble_simulated (mean over ranks; per rank under /rank<r>),
+             makespan_ms, makespan_simulated_ms, per stage `pipeline/stage<s>/{f,b,w}_ms` (the
+             measured median of one microbatch), under data parallel reduce_exposed_ms(_simulated)
+             per rank and makespan_with_reduce_ms(_simulated)
+  memory/    peak_gb (the most of any rank; per rank under /rank<r>), activations_gb, static_gb,
+             activation_sets per rank; GB = 10^9 bytes
+
+A per-rank or per-stage value is its own scalar (`memory/peak_gb/rank0`), so every logger takes
+the same flat {name: number} dict. Pure Python.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+LOSS, VAL_LOSS, LR, GRAD_NORM, SKIPPED = "train/loss", "train/val_loss", "train/lr", "train/grad_norm", "train/skipped"
+FIRST_LOSS, SKIPPED_STEPS, TOKENS = "train/first_loss", "train/skipped_steps", "train/tokens"
+TOKENS_PER_S, STEP_TIME, MFU = "perf/tokens_per_s", "perf/step_time_s", "perf/mfu"
+BUBBLE, BUBBLE_SIM = "pipeline/bubble_measured", "pipeline/bubble_simulated"
+MAKESPAN, MAKESPAN_SIM = "pipeline/makespan_ms", "pipeline/makespan_simulated_ms"
+REDUCE, REDUCE_SIM = "pipeline/reduce_exposed_ms", "pipeline/reduce_exposed_simulated_ms"
+MAKESPAN_REDUCE, MAKESPAN_REDUCE_SIM = "pipeline/makespan_with_reduce_ms", "pipeline/makespan_with_reduce_simulated_ms"
+PEAK_GB, ACTIVATIONS_GB, STATIC_GB = "memory/peak_gb", "memory/activations_gb", "memory/static_gb"
+ACTIVATION_SETS = "memory/activation_sets"
+
+
+def gb(n_bytes: int) -> float:
+    return n_bytes / 1e9
+
+
+def per_rank(name: str, values: Sequence[Any]) -> dict[str, Any]:
+    """`name/rank<r>` for each rank's value."""
+    return {f"{name}/rank{r}": v for r, v in enumerate(values)}
+
+
+def per_stage(values: dict[str, Sequence[Any]]) -> dict[str, Any]:
+    """{"f_ms": [stage 0, stage 1, ...]} -> `pipeline/stage<s>/f_ms`."""
+    return {f"pipeline/stage{s}/{key}": v for key, vs in values.items() for s, v in enumerate(vs)}
+
+
+def of_ranks(metrics: dict[str, Any], name: str) -> Optional[list[Any]]:
+    """The per-rank values of `name` in a flat dict, in rank order (None if it has none)."""
+    out, r = [], 0
+    while f"{name}/rank{r}" in metrics:
+        out.append(metrics[f"{name}/rank{r}"])
+        r += 1
+    return out or None
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a flat metrics dict (what wandb and TensorBoard plot): no step, no None."""
+    return {k: float(v) for k, v in metrics.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}

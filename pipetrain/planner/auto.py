@@ -1,0 +1,79 @@
+"""`schedule=auto` (or `plan.run=true`): plan, train the best row, and report the plan's own error.
+
+Before any process starts: the plan group's search (planner/cmd.py) over the configured world
+(`plan.world_size`, default the configured layout's) and global batch, its table and plan.json /
+plan.csv in the run directory; the first feasible row becomes the run's layout, schedule,
+microbatching, recompute and partition. After the run: summary.json gains the prediction next
+to what was measured (median step time after the first step; the largest peak memory of any rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+
+from pipetrain.config import AUTO, Config
+from pipetrain.planner.cmd import apply_row, make_rows, table, write
+from pipetrain.metrics import names
+from pipetrain.planner.search import Row
+
+
+def wants_plan(config: Config) -> bool:
+    return config.schedule.name == AUTO or config.plan.run
+
+
+def choose(config: Config, run_dir: Path, console: Console) -> tuple[Config, Row]:
+    """Plan and return the config that trains the best feasible row, and that row."""
+    rows, meta = make_rows(config)
+    write(rows, meta, run_dir)
+    console.print(table(rows, top=min(config.plan.top, 5)))
+    if not rows or not rows[0].feasible:
+        if not any(r.memory for r in rows):
+            raise ValueError(f"schedule=auto: no candidate was evaluated within plan.time_limit_s="
+                             f"{config.plan.time_limit_s:g}: raise it or narrow the plan group's search space")
+        raise ValueError(f"schedule=auto: no candidate fits plan.memory_gb={config.plan.memory_gb:g} "
+                         f"(closest: {rows[0].reason}): raise plan.memory_gb, allow plan.recompute=[false,true] or "
+                         f"smaller plan.microbatch_sizes")
+    best = rows[0]
+    c = best.candidate
+    console.print(f"plan: training row 1 of {meta['candidates']}: {c.layout}, {c.schedule} v={c.v}, M={c.microbatches}, "
+                  f"microbatch {c.microbatch_size}{', recompute' if c.recompute else ''}; predicted "
+                  f"{best.pred_step_ms:.1f} ms/step, peak {best.pred_peak_gb:.3g} GB on rank {best.peak.rank}",
+                  markup=False, highlight=False)
+    return apply_row(config, best), best
+
+
+def _error(measured: Optional[float], predicted: Optional[float]) -> Optional[float]:
+    return None if measured is None or not predicted else measured / predicted - 1.0
+
+
+def report(row: Row, run_dir: Path, console: Console) -> Optional[dict[str, Any]]:
+    """Add the prediction and its error to summary.json (atomically) and print them."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    measured_ms = summary[names.STEP_TIME] * 1e3 if summary.get(names.STEP_TIME) else None
+    peaks = names.of_ranks(summary, names.PEAK_GB) or []  # GB per rank
+    measured_gb = max(peaks) if peaks else None
+    out = {"plan_pred_step_ms": row.pred_step_ms, "measured_step_ms": measured_ms,
+           "step_time_error": _error(measured_ms, row.pred_step_ms),
+           "plan_pred_peak_gb": row.pred_peak_gb, "plan_pred_peak_rank": row.peak.rank if row.peak else None,
+           "measured_peak_gb": measured_gb, "peak_memory_error": _error(measured_gb, row.pred_peak_gb),
+           "plan_row": row.to_json()}
+    summary.update(out)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, path)
+    err = out["step_time_error"]
+    line = f"plan vs run: step {row.pred_step_ms:.1f} ms predicted, " + (
+        f"{measured_ms:.1f} ms measured ({100 * err:+.1f}%)" if measured_ms is not None else "not measured")
+    if measured_gb is not None:
+        line += (f"; peak memory {row.pred_peak_gb:.3g} GB predicted, {measured_gb:.3g} GB measured "
+                 f"({100 * out['peak_memory_error']:+.1f}%)")
+    console.print(line, markup=False, highlight=False)
+    return out

@@ -1,0 +1,171 @@
+"""`mode=plan`: rank every layout / schedule / microbatching in the `plan` group's space by
+simulation; print the ranked table and write plan.json and plan.csv to the run directory.
+
+Real models are costed on torch's meta device (no parameter memory), as mode=simulate does;
+model=sleep stays pure Python.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pipetrain.config import Config, SleepModelConfig
+from pipetrain.models.sleep import sleep_layer_costs
+from pipetrain.planner.memory import StateBytes
+from pipetrain.planner.search import Candidate, Device, Row, Workload, candidates, search
+from pipetrain.schedules import registry
+
+PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
+CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "v", "microbatches", "microbatch_size", "recompute",
+               "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
+               "exposed_comm_ms", "memory_budget", "reason")
+HIDDEN_KNOBS = ("n_embd", "hidden_size", "hidden", "d_hidden")  # the width crossing a stage boundary
+# what the planner cuts by; partition=profile cuts by measured time ("time") and calibrates the costs
+PARTITIONS = {"uniform": "uniform", "params": "params", "flops": "flops", "balanced": "balanced", "profile": "time"}
+
+
+def workload(config: Config) -> Workload:
+    m, p = config.model, config.plan
+    seq = config.data.seq_len if m.has_seq else 1
+    if isinstance(m, SleepModelConfig):
+        costs = sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
+                                  params_per_layer=m.params_per_layer)
+
+        def layers(mbs: int):
+            return costs  # the sleep model's times are per microbatch, whatever its size
+    elif config.partition.name == "profile":  # calibrated: F, B, W and saved bytes measured on this machine
+        from pipetrain.models.profile import profile_layers, saved_bytes_per_token
+        from pipetrain.plan import build_model, profile_device
+
+        dev = profile_device()
+        model = build_model(m, device=dev)
+
+        def layers(mbs: int):
+            saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev)
+            return [dataclasses.replace(c, activation_bytes_per_token=a)
+                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev), saved)]
+    else:
+        from pipetrain.plan import build_model
+
+        model = build_model(m, device="meta")
+        tflops = p.tflops or config.sim.tflops
+
+        def layers(mbs: int):
+            return model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
+    hidden = next(getattr(m, k) for k in HIDDEN_KNOBS if hasattr(m, k))
+    cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
+    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), p.w_keep)
+
+
+def world_size(config: Config) -> int:
+    p = config.plan
+    if p.world_size is not None:
+        return p.world_size
+    if p.devices_per_node is not None:
+        return p.nodes * p.devices_per_node
+    return config.layout.world
+
+
+def device(config: Config) -> Device:
+    p = config.plan
+    return Device(p.memory_gb, p2p_gbs=p.p2p_gbs,
+                  p2p_latency_ms=config.sim.comm_ms if p.p2p_latency_ms is None else p.p2p_latency_ms,
+                  dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, optim_gbs=p.optim_gbs, margin=p.margin,
+                  lookahead=config.pipeline.p2p_lookahead, reduce_dtype=config.parallel.reduce_dtype)
+
+
+def plan_candidates(config: Config) -> list[Candidate]:
+    p = config.plan
+    names = p.schedules or registry.names()
+    for n in names:
+        registry.get(n)  # an unknown name fails with the list of choices
+    part = PARTITIONS.get(config.partition.name, "balanced")
+    cands = candidates(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
+                       num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
+                       virtual_stages=p.virtual_stages, recompute=p.recompute, pp_degrees=p.pp,
+                       dp_shard=p.dp_shard, partition=part, max_microbatches=p.max_microbatches)
+    if not cands:
+        raise ValueError(
+            f"the plan space is empty for world {world_size(config)} and global batch "
+            f"{p.global_batch or config.data.batch_size}: make plan.global_batch a multiple of dp x a microbatch "
+            f"size in plan.microbatch_sizes, or widen plan.pp / plan.schedules")
+    return cands
+
+
+def make_rows(config: Config) -> tuple[list[Row], dict[str, Any]]:
+    """The ranked rows and what was searched."""
+    p = config.plan
+    start = time.perf_counter()
+    cands = plan_candidates(config)
+    rows = search(workload(config), device(config), cands, objective=p.objective, time_limit_s=p.time_limit_s,
+                  prune=p.prune)
+    meta = {"world_size": world_size(config), "memory_gb": p.memory_gb,
+            "global_batch": p.global_batch or config.data.batch_size, "model": config.model.name,
+            "objective": p.objective, "candidates": len(cands),
+            "simulated": sum(r.pred_step_ms is not None for r in rows),
+            "feasible": sum(r.feasible for r in rows), "elapsed_s": round(time.perf_counter() - start, 3)}
+    return rows, meta
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[Row], *, top: int) -> Table:
+    t = Table(title="plan: best first (feasible rows first)", header_style="bold")
+    for col in ("#", "layout", "schedule", "v", "M", "mbs", "recompute", "step ms", "tokens/s", "bubble %",
+                "peak GB (rank)", "comm ms", "note"):
+        t.add_column(col, justify="left" if col in ("layout", "schedule", "note") else "right")
+    for i, r in enumerate(rows[:top]):
+        c, peak = r.candidate, r.peak
+        t.add_row(str(i + 1), c.layout, c.schedule, str(c.v), str(c.microbatches), str(c.microbatch_size),
+                  "yes" if c.recompute else "no", _fmt(r.pred_step_ms, ".1f"), _fmt(r.tokens_per_s, ",.0f"),
+                  _fmt(None if r.bubble is None else 100 * r.bubble, ".1f"),
+                  "-" if peak is None else f"{r.pred_peak_gb:.3g} ({peak.rank})", _fmt(r.exposed_comm_ms, ".1f"),
+                  ("" if r.feasible else r.reason) + (f" budget {r.memory_budget:g}" if r.memory_budget else ""))
+    return t
+
+
+def write(rows: list[Row], meta: dict[str, Any], run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    records = [{"rank": i + 1, **r.to_json()} for i, r in enumerate(rows)]
+    (run_dir / PLAN_FILE).write_text(json.dumps({**meta, "rows": records}, indent=2) + "\n")
+    with open(run_dir / PLAN_CSV, "w", newline="") as fh:
+        out = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        out.writeheader()
+        out.writerows(records)
+
+
+def run_plan(config: Config, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console(width=None if Console().is_terminal else 160)
+    rows, meta = make_rows(config)
+    write(rows, meta, run_dir)
+    console.print(table(rows, top=config.plan.top))
+    console.print(f"{meta['candidates']} candidates, {meta['simulated']} simulated, {meta['feasible']} feasible "
+                  f"under {meta['memory_gb']:g} GB per device, in {meta['elapsed_s']:.1f} s -> "
+                  f"{run_dir / PLAN_FILE}, {PLAN_CSV}", markup=False, highlight=False)
+    return {**meta, "best": rows[0].to_json() if rows else None}
+
+
+def apply_row(config: Config, row: Row) -> Config:
+    """The config that trains `row`: its layout, schedule, microbatching, recompute and partition."""
+    c = row.candidate
+    dp_rep, dp_shard = (1, c.dp) if c.dp_shard else (c.dp, 1)
+    schedule = dataclasses.replace(config.schedule, name=c.schedule, virtual_stages=c.v,
+                                   memory_budget=row.budgets, w_keep=config.plan.w_keep)
+    return dataclasses.replace(
+        config, schedule=schedule,
+        pipeline=dataclasses.replace(config.pipeline, degree=c.pp, microbatches=c.microbatches),
+        parallel=dataclasses.replace(config.parallel, dp_replicate=dp_rep, dp_shard=dp_shard),
+        data=dataclasses.replace(config.data, batch_size=c.dp * c.microbatches * c.microbatch_size),
+        trainer=dataclasses.replace(config.trainer, activation_checkpointing=c.recompute),
+        partition=dataclasses.replace(config.partition, boundaries=None,
+                                      name="profile" if c.partition == "time" else c.partition))

@@ -1,0 +1,109 @@
+"""Memory of one pipeline rank at its peak: what the planner checks against the device budget.
+
+  states       parameters, gradients, fp32 master copy and optimizer state: the rank's stored
+               parameters x bytes per parameter (StateBytes), divided by the FSDP shard degree
+               (FSDP2 shards all four; plain data-parallel replicas each hold everything).
+  activations  what the rank's stages keep for their backwards, at the worst moment of the
+               simulated timeline: a microbatch's activations on a stage appear at the start
+               of its F; B frees all but the share W needs (`w_keep`, zero-bubble's split: W
+               needs the inputs of the linear layers), W frees the rest; BW frees all at once.
+               Per layer and token: the model's analytic bytes (Korthikanti et al. 2022's
+               formula for GPT, models/gpt2.py), or only the stage input with recompute.
+  receive      buffers posted ahead for incoming activations and gradients: (lookahead + 1)
+               per direction and stage on the rank, each one microbatch's stage-boundary tensor.
+  margin       a fraction of the above for allocator fragmentation and workspaces.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from pipetrain.schedules.ir import Op
+from pipetrain.schedules.simulate import TimedStep
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter that live for the whole run."""
+
+    param: float = 4.0  # the stored weights
+    grad: float = 4.0  # gradients, accumulated over microbatches in fp32
+    master: float = 0.0  # an fp32 master copy when the weights are stored in 16 bits
+    optim: float = 8.0  # AdamW's two fp32 moments
+
+    @classmethod
+    def adamw(cls, param_dtype: str = "fp32") -> "StateBytes":
+        """fp32 weights (pipetrain's trainer, bf16 autocast included): 16 B/param; bf16 weights with
+        an fp32 master copy (Megatron's mixed precision): 18 B/param."""
+        if param_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"param dtype must be fp32 or bf16 (got {param_dtype!r})")
+        return cls() if param_dtype == "fp32" else cls(param=2.0, master=4.0)
+
+    @property
+    def total(self) -> float:
+        return self.param + self.grad + self.master + self.optim
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's predicted peak, in bytes, by part."""
+
+    rank: int
+    states: float
+    activations: float
+    receive: float
+    margin: float
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations + self.receive + self.margin
+
+    def to_json(self) -> dict[str, float]:
+        return {"rank": self.rank, "states_gb": self.states / GB, "activations_gb": self.activations / GB,
+                "receive_gb": self.receive / GB, "margin_gb": self.margin / GB, "total_gb": self.total / GB}
+
+
+def peak_activation_bytes(row: Sequence[TimedStep], act_bytes: Mapping[int, float], w_keep: float = 1.0) -> float:
+    """Most activation bytes alive at once on one rank's simulated timeline.
+
+    `act_bytes[stage]`: what one microbatch's F on that stage keeps. Frees come before
+    allocations at equal times (a W ending as the next F starts leaves room for it).
+    """
+    if not 0.0 <= w_keep <= 1.0:
+        raise ValueError(f"w_keep must be in [0, 1] (got {w_keep})")
+    events: list[tuple[float, float]] = []
+    for ts in row:
+        for a in ts.step.parts():
+            size = act_bytes[a.stage]
+            if a.op is Op.F:
+                events.append((ts.start, size))
+            elif a.op is Op.B:
+                events.append((ts.end, -(1.0 - w_keep) * size))
+            elif a.op is Op.W:
+                events.append((ts.end, -w_keep * size))
+            else:
+                events.append((ts.end, -size))
+    events.sort()
+    live = peak = 0.0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def rank_memory(
+    rank: int, *, params: float, state: StateBytes, shard: int, activations: float, boundary_bytes: float,
+    stages: int, lookahead: int, margin: float,
+) -> RankMemory:
+    """Peak bytes of one rank: `params` stored on it (all its stages), `activations` from
+    `peak_activation_bytes`, `boundary_bytes` one microbatch's stage input."""
+    if shard < 1:
+        raise ValueError(f"shard degree must be >= 1 (got {shard})")
+    states = params * state.total / shard
+    receive = 2 * (lookahead + 1) * stages * boundary_bytes
+    return RankMemory(rank, states, activations, receive, margin * (states + activations + receive))

@@ -1,0 +1,263 @@
+"""Score one (layout, schedule, v, M, microbatch size, recompute) by simulation, and rank many.
+
+Time: the simulator's makespan of the actual schedule under the partition's per-stage F, B, W
+(recompute adds F to B), each cross-rank transfer costing latency + boundary bytes / bandwidth
+(`comm_ms`), the data-parallel reduce lane (schedules/reduce_cost.py) and what it leaves exposed
+after the last backward, plus the optimizer step (state bytes over memory bandwidth).
+Memory: planner/memory.py, with the activation peak taken from the same simulated timeline.
+`zb_auto` gets the largest activation budget the memory cap leaves (at most 2P, ZB-2p's).
+
+Pure Python, no torch: the caller (planner/cmd.py) turns a Config into a `Workload`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+from pipetrain.models.costs import LayerCost, chunk_costs
+from pipetrain.partition.strategies import partition
+from pipetrain.planner.memory import GB, RankMemory, StateBytes, peak_activation_bytes, rank_memory
+from pipetrain.schedules import registry
+from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.placement import Placement
+from pipetrain.schedules.reduce import add_reduces
+from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
+from pipetrain.schedules.simulate import StageCosts, simulate
+from pipetrain.schedules.zb_auto import zb_auto_order
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the planner needs of a model: per-layer costs for a microbatch size, and sizes."""
+
+    layers: Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs of one microbatch
+    seq: int  # tokens per sequence (1 for models without a sequence axis)
+    boundary_bytes_per_token: float  # the tensor crossing a stage boundary, per token
+    state: StateBytes = StateBytes()
+    w_keep: float = 1.0  # share of a microbatch's activations B keeps for W
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device and its links."""
+
+    memory_gb: float  # budget per device
+    p2p_gbs: float = 25.0  # stage-to-stage bandwidth, GB/s
+    p2p_latency_ms: float = 0.0  # per transfer
+    dp_gbs: float = 25.0  # per-rank bandwidth of the gradient reduction
+    optim_gbs: float = 0.0  # memory bandwidth of the optimizer step (0: not timed)
+    margin: float = 0.05  # fraction added for fragmentation and workspaces
+    lookahead: int = 1  # receives posted ahead (pipeline.p2p_lookahead)
+    reduce_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    schedule: str
+    pp: int
+    dp: int
+    v: int
+    microbatches: int
+    microbatch_size: int
+    recompute: bool = False
+    dp_shard: bool = False  # FSDP2 sharding over dp (else replicas)
+    partition: str = "balanced"
+
+    @property
+    def layout(self) -> str:
+        return f"pp{self.pp} x dp{self.dp}" + (" (fsdp)" if self.dp_shard and self.dp > 1 else "")
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    feasible: bool = False
+    reason: str = ""
+    pred_step_ms: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    bubble: Optional[float] = None
+    exposed_comm_ms: Optional[float] = None
+    memory: list[RankMemory] = field(default_factory=list)
+    memory_budget: Optional[float] = None  # zb_auto: the smallest rank budget (microbatches)
+    budgets: Optional[list[float]] = None  # zb_auto: every rank's budget (schedule.memory_budget)
+
+    @property
+    def peak(self) -> Optional[RankMemory]:
+        return max(self.memory, key=lambda m: m.total) if self.memory else None
+
+    @property
+    def pred_peak_gb(self) -> Optional[float]:
+        return self.peak.total / GB if self.memory else None
+
+    def to_json(self) -> dict:
+        c = self.candidate
+        peak = self.peak
+        return {
+            "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "v": c.v, "microbatches": c.microbatches,
+            "microbatch_size": c.microbatch_size, "recompute": c.recompute, "dp_shard": c.dp_shard,
+            "partition": c.partition, "layout": c.layout, "feasible": self.feasible, "reason": self.reason,
+            "pred_step_ms": self.pred_step_ms, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
+            "pred_peak_gb": self.pred_peak_gb, "peak_rank": peak.rank if peak else None,
+            "exposed_comm_ms": self.exposed_comm_ms, "memory_budget": self.memory_budget,
+            "memory_per_rank": [m.to_json() for m in self.memory],
+        }
+
+
+def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: bool) -> StageCosts:
+    """Per stage id (f, b, w); recompute runs the stage's forward again inside its B."""
+    per = [chunks[pl.chunk_of(s)] for s in range(pl.num_stages)]
+    return StageCosts(tuple(f for f, _, _ in per), tuple(b + (f if recompute else 0.0) for f, b, _ in per),
+                      tuple(w for _, _, w in per))
+
+
+class _Evaluator:
+    def __init__(self, work: Workload, device: Device) -> None:
+        self.work, self.device = work, device
+        self._layers: dict[int, tuple[LayerCost, ...]] = {}
+
+    def layers(self, mbs: int) -> tuple[LayerCost, ...]:
+        if mbs not in self._layers:
+            self._layers[mbs] = tuple(self.work.layers(mbs))
+        return self._layers[mbs]
+
+    def static(self, c: Candidate, params_rank: list[float], boundary: float, stages: int) -> list[RankMemory]:
+        shard = c.dp if c.dp_shard else 1
+        return [rank_memory(r, params=p, state=self.work.state, shard=shard, activations=0.0,
+                            boundary_bytes=boundary, stages=stages, lookahead=self.device.lookahead, margin=0.0)
+                for r, p in enumerate(params_rank)]
+
+    def zb_auto(self, row: Row, pl: Placement, costs: StageCosts, comm_ms: float,
+                fits: list[float]) -> Optional[Schedule]:
+        """zb_auto searched under each rank's own budget: the microbatches of activations its memory
+        leaves (`fits`), at most 2P (ZB-2p's); None (with the reason on the row) when one does not fit."""
+        c = row.candidate
+        budgets = [math.floor(min(2.0 * c.pp, x) * 100) / 100 for x in fits]
+        low = min(range(c.pp), key=lambda r: budgets[r])
+        if budgets[low] < 1.0:
+            row.reason = f"OOM on rank {low}: one microbatch of activations does not fit"
+            return None
+        row.memory_budget, row.budgets = budgets[low], budgets
+        steps = zb_auto_order(c.pp, c.microbatches, f=costs.f, b=costs.b, w=costs.w, comm=comm_ms,
+                              budget=budgets, w_keep=self.work.w_keep)
+        return Schedule.build(c.schedule, pl, c.microbatches, steps)
+
+    def evaluate(self, c: Candidate) -> Row:
+        row, d, w = Row(c), self.device, self.work
+        cap = d.memory_gb * GB
+        layers = self.layers(c.microbatch_size)
+        pl = registry.placement_for(c.schedule, c.pp, c.v)
+        part = partition(layers, pl.num_chunks, c.partition)
+        tokens = c.microbatch_size * w.seq
+        boundary = w.boundary_bytes_per_token * tokens
+        act_chunk = [boundary if c.recompute else math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens
+                     for rng in part.bounds]
+        full_chunk = [math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
+        sp = [float(part.chunk_params()[pl.chunk_of(s)]) for s in range(pl.num_stages)]  # mirrors hold copies
+        params_rank = [math.fsum(sp[s] for s in pl.stages_of(r)) for r in range(c.pp)]
+        static = self.static(c, params_rank, boundary, pl.stages_per_rank)
+        transient = [max(full_chunk[pl.chunk_of(s)] for s in pl.stages_of(r)) if c.recompute else 0.0
+                     for r in range(c.pp)]
+        costs = _stage_costs(pl, chunk_costs(layers, part.bounds), c.recompute)
+        comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
+        room = [cap / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
+        worst = min(range(c.pp), key=lambda r: room[r])
+        if room[worst] < 0:
+            row.reason = f"OOM on rank {worst} by {-room[worst] * (1 + d.margin) / GB:.1f} GB (weights and optimizer state alone)"
+            row.memory = [RankMemory(m.rank, m.states, t, m.receive, d.margin * (m.total + t)) for m, t in zip(static, transient)]
+            return row
+        if c.schedule == "zb_auto":
+            sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_chunk[pl.chunk_of(r)] for r in range(c.pp)])
+            if sched is None:
+                return row
+        else:
+            sched = registry.build(c.schedule, c.pp, c.microbatches, c.v)
+        red = None
+        if c.dp > 1:
+            sched = add_reduces(sched)
+            red = reduce_ms(stage_params(sched, part.chunk_params()), dp_replicate=1 if c.dp_shard else c.dp,
+                            dp_shard=c.dp if c.dp_shard else 1, bandwidth_gbs=d.dp_gbs, reduce_dtype=d.reduce_dtype)
+        sim = simulate(sched, costs, comm_ms=comm_ms, check=False, reduce_ms=red)
+        act_stage = {s: act_chunk[pl.chunk_of(s)] for s in range(pl.num_stages)}
+        row.memory = []
+        for r, m in enumerate(static):
+            act = peak_activation_bytes(sim.timeline[r], act_stage, w.w_keep) + transient[r]
+            base = m.states + act + m.receive
+            row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base))
+        opt_ms = max(m.states for m in static) / (d.optim_gbs * GB) * 1e3 if d.optim_gbs > 0 else 0.0
+        row.pred_step_ms = sim.makespan_with_reduce + opt_ms
+        row.bubble = sim.bubble_fraction_mean
+        ideal = simulate(sched, costs, comm_ms=0.0, check=False).makespan if comm_ms > 0 else sim.makespan
+        row.exposed_comm_ms = sim.makespan_with_reduce - ideal
+        row.tokens_per_s = c.dp * c.microbatches * tokens / (row.pred_step_ms / 1e3) if row.pred_step_ms > 0 else math.inf
+        over = row.peak.total - cap
+        row.feasible = over <= 0
+        row.reason = "" if row.feasible else f"OOM on rank {row.peak.rank} by {over / GB:.1f} GB"
+        return row
+
+
+def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
+               microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], recompute: Sequence[bool] = (False,),
+               pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False, partition: str = "balanced",
+               max_microbatches: int = 256) -> list[Candidate]:
+    """Every valid combination: pp x dp = world, M = global_batch / (dp x microbatch size)."""
+    out = []
+    for pp in pp_degrees or [p for p in range(1, world + 1) if world % p == 0]:
+        if world % pp:
+            continue
+        dp = world // pp
+        for name in schedules:
+            spec = registry.get(name)
+            for v in ([spec.fixed_stages_per_rank] if spec.fixed_stages_per_rank else virtual_stages):
+                if pp * v > num_layers:
+                    continue
+                for mbs in microbatch_sizes:
+                    if global_batch % (dp * mbs):
+                        continue
+                    M = global_batch // (dp * mbs)
+                    if M > max_microbatches or not spec.is_valid(pp, M, v):
+                        continue
+                    for rc in recompute:
+                        out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition))
+    return out
+
+
+def lower_bound_ms(ev: _Evaluator, c: Candidate) -> float:
+    """No schedule beats every rank busy from start to end with its share of the work."""
+    total = math.fsum(l.total_ms + (l.f_ms if c.recompute else 0.0) for l in ev.layers(c.microbatch_size))
+    return c.microbatches * total / c.pp
+
+
+def rank_rows(rows: Iterable[Row], objective: str = "tokens_per_s") -> list[Row]:
+    """Feasible rows first, best objective first; then the rest, nearest to fitting first."""
+    def key(r: Row):
+        if r.feasible:
+            score = r.tokens_per_s / (r.pred_peak_gb or 1.0) if objective == "tokens_per_s_per_gb" else r.tokens_per_s
+            return (0, -score)
+        return (1, r.pred_peak_gb if r.pred_peak_gb is not None else math.inf)
+    return sorted(rows, key=key)
+
+
+def search(work: Workload, device: Device, cands: Sequence[Candidate], *, objective: str = "tokens_per_s",
+           time_limit_s: float = 60.0, prune: bool = True) -> list[Row]:
+    """Evaluate candidates, cheapest lower bound first; with `prune`, skip the simulation of a
+    candidate whose lower bound cannot beat the best feasible step time found so far."""
+    ev = _Evaluator(work, device)
+    bound = {c: lower_bound_ms(ev, c) for c in cands}  # costs every microbatch size first (a profile, if calibrating)
+    start, best = time.perf_counter(), math.inf
+    rows = []
+    for c in sorted(cands, key=lambda c: bound[c] / (c.dp * c.microbatches * c.microbatch_size)):
+        lb = bound[c]
+        if time.perf_counter() - start > time_limit_s:
+            rows.append(Row(c, reason=f"not evaluated: plan.time_limit_s={time_limit_s:g} reached"))
+            continue
+        if prune and objective == "tokens_per_s" and lb / (c.dp * c.microbatches * c.microbatch_size) >= best:
+            rows.append(Row(c, reason=f"pruned: at least {lb:.1f} ms, slower per sample than the best row"))
+            continue
+        row = ev.evaluate(c)
+        if row.feasible:
+            best = min(best, row.pred_step_ms / (c.dp * c.microbatches * c.microbatch_size))
+        rows.append(row)
+    return rank_rows(rows, objective)

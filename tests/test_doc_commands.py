@@ -1,0 +1,140 @@
+"""Every command of the README and of the recipes' comments runs as written on this machine
+(CPU), with short runs: a training command gets `trainer.max_steps` appended (a written one is
+scaled down, N -> max(2, N // 50), so a resume still continues past the first run). A command
+the docs call GPU-sized is not run; one that needs the user's own files (a Hugging Face folder,
+a token file, a corpus) must fail in one line naming the missing file; one that needs SLURM must
+say so in one line. Commands run through bash, as a user pastes them, one ```bash block in one
+directory and in order (later lines use what earlier ones wrote)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+# programs as the console scripts would run them (PYTHONPATH, if set, picks the code under test)
+PRELUDE = f"""
+pipetrain() {{ {shlex.quote(sys.executable)} -m pipetrain.cli "$@"; }}
+pipetrain-prepare() {{ {shlex.quote(sys.executable)} -m pipetrain.prepare "$@"; }}
+torchrun() {{ {shlex.quote(sys.executable)} -m torch.distributed.run "$@"; }}
+python() {{ {shlex.quote(sys.executable)} "$@"; }}
+set -e
+"""
+NOT_RUN = ("pip install", "python -m pytest")  # setting up and the test suite itself
+ASIDES = {"torchrun", "pipetrain -m"}  # names in the text, not commands
+
+
+@dataclass
+class Case:
+    where: str  # README.md:123, recipes/gpt2.yaml:9
+    commands: list[str]  # run in order in one directory
+    gpu: bool = False  # the docs call it GPU-sized: not run
+
+
+def shorten(cmd: str, *, keep_checkpoints: bool = True) -> str:
+    """Short runs: trainer.max_steps scaled down, or appended to a training command; no final
+    checkpoint (GPT-2's is 1.5 GB) unless a later command of the block resumes from it."""
+    words = cmd.split()
+    if words[0] not in ("pipetrain", "torchrun") or "--help" in words or any(
+            w in words for w in ("mode=simulate", "mode=export", "mode=eval")):
+        return cmd
+    tail = "" if keep_checkpoints or "trainer.ckpt_at_end=" in cmd else " trainer.ckpt_at_end=false"
+    if "trainer.max_steps=" in cmd:
+        return re.sub(r"trainer\.max_steps=(\d+)",
+                      lambda m: f"trainer.max_steps={m.group(1) if int(m.group(1)) <= 5 else max(2, int(m.group(1)) // 50)}",
+                      cmd) + tail
+    return f"{cmd} trainer.max_steps=1{tail}"
+
+
+def readme_cases() -> list[Case]:
+    text = (REPO / "README.md").read_text()
+    cases = []
+    for block in re.finditer(r"```bash\n(.*?)```", text, flags=re.S):
+        line = text[: block.start()].count("\n") + 2
+        joined = block.group(1).replace("\\\n", " ")
+        cmds, gpu = [], False
+        for raw in joined.splitlines():
+            cmd, _, comment = raw.partition("  #")
+            cmd = " ".join(cmd.split())
+            if not cmd or cmd.startswith(NOT_RUN):
+                continue
+            if "GPU" in comment:
+                cases.append(Case(f"README.md:{line}", [cmd], gpu=True))
+                continue
+            cmds.append(cmd)
+        if cmds:
+            cases.append(Case(f"README.md:{line}", cmds))
+    prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    for m in re.finditer(r"`((?:pipetrain|torchrun|python -m pipetrain)\b[^`]*)`", prose):
+        cmd = m.group(1)
+        if cmd in ASIDES or cmd.startswith("pipetrain:") or re.search(r"\b[A-Z]{3,}\b", cmd) or " " not in cmd:
+            continue  # a name, an error message, or a template (DIR, NAME)
+        cases.append(Case(f"README.md:{prose[: m.start()].count(chr(10)) + 1}", [cmd]))
+    return cases
+
+
+def recipe_cases() -> list[Case]:
+    cases = []
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        lines = path.read_text().splitlines()
+        gpu_sized = any("GPU-sized" in ln for ln in lines)
+        for i, ln in enumerate(lines):
+            m = re.search(r"(pipetrain \S.*)$", ln) if ln.startswith("#") else None
+            if m is None:
+                continue
+            before = ln[: m.start()] + " ".join(lines[max(0, i - 1): i])  # the text that introduces it
+            cpu = "CPU" in before or not gpu_sized
+            cases.append(Case(f"recipes/{path.name}:{i + 1}", [m.group(1).strip()], gpu=not cpu))
+    return cases
+
+
+CASES = readme_cases() + recipe_cases()
+
+
+def missing_paths(cmd: str, cwd: Path) -> list[str]:
+    """Paths a command names that are not there (the user's own files)."""
+    out = []
+    for word in shlex.split(cmd):
+        value = word.split("=", 1)[1] if "=" in word and not word.startswith("-") else word
+        value = os.path.expandvars(os.path.expanduser(value))
+        if re.search(r"(/|\.bin$|\.jsonl$)", value) and not value.startswith(("runs/", "out/")) \
+                and not (cwd / value).exists() and "." not in value.split("/")[0][:1]:
+            out.append(value)
+    return out
+
+
+def test_the_docs_have_commands_to_check():
+    where = [c.where.split(":")[0] for c in CASES]
+    assert where.count("README.md") >= 15 and len({w for w in where if w.startswith("recipes/")}) == 5
+    gpu = [c.commands[0] for c in CASES if c.gpu]
+    assert gpu and all("+recipe=gpt2" in c for c in gpu), gpu  # only the GPT-2 recipes are GPU-sized
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.gpu], ids=lambda c: c.where)
+def test_command_runs_as_written(case, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.setdefault("WANDB_MODE", "offline")
+    for cmd in case.commands:
+        missing = missing_paths(cmd, tmp_path)
+        keep = any("trainer.resume" in c for c in case.commands)
+        res = subprocess.run(["bash", "-c", PRELUDE + shorten(cmd, keep_checkpoints=keep)], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=600)
+        err = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith("USDT:")]
+        no_slurm = not any(Path(p, "sbatch").exists() for p in os.environ["PATH"].split(":"))
+        if cmd.startswith("pipetrain ") and "cluster=slurm" in cmd and no_slurm:
+            assert res.returncode == 2 and len(err) == 1 and "sbatch" in err[0], (cmd, res.stderr)  # says it needs SLURM
+        elif missing:
+            assert res.returncode != 0 and len(err) == 1 and "error" in err[0], (cmd, res.stderr)
+            assert any(p in err[0] or Path(p).name in err[0] for p in missing), (cmd, missing, err)
+        else:
+            assert res.returncode == 0, (cmd, res.stderr[-3000:])
+            assert "Traceback" not in res.stderr, (cmd, res.stderr[-3000:])

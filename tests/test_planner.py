@@ -1,0 +1,83 @@
+"""mode=plan: the ranked table, plan.json and plan.csv; what a row predicts is what mode=simulate
+simulates for the config the row trains; infeasible rows say by how much; bad input fails in one line."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import re
+import time
+
+import pytest
+
+from pipetrain.compose import compose_config
+from pipetrain.plan import make_plan
+from pipetrain.planner.cmd import PLAN_CSV, PLAN_FILE, apply_row, make_rows, run_plan
+from pipetrain.schedules.simulate import simulate
+
+pytestmark = pytest.mark.pure
+
+SLEEP = ["mode=plan", "model=sleep", "model.layers=8", "model.params_per_layer=1000000", "plan.world_size=4",
+         "data.batch_size=32", "plan.p2p_gbs=1000000", "plan.prune=false"]
+
+
+def test_plan_writes_ranked_rows_with_the_public_fields(tmp_path):
+    cfg = compose_config([*SLEEP, "plan.memory_gb=0.06"])
+    out = run_plan(cfg, tmp_path)
+    doc = json.loads((tmp_path / PLAN_FILE).read_text())
+    rows = doc["rows"]
+    assert doc["world_size"] == 4 and doc["global_batch"] == 32 and len(rows) == out["candidates"] > 20
+    for r in rows:
+        assert {"schedule", "pp", "dp", "microbatches", "pred_step_ms", "pred_peak_gb", "feasible"} <= set(r)
+        assert r["pp"] * r["dp"] == 4 and r["dp"] * r["microbatches"] * r["microbatch_size"] == 32
+    feas = [r["feasible"] for r in rows]
+    assert True in feas and False in feas, "the cap rules some rows out"
+    assert feas == sorted(feas, reverse=True), "feasible rows first"
+    ok = [r for r in rows if r["feasible"]]
+    assert [r["tokens_per_s"] for r in ok] == sorted((r["tokens_per_s"] for r in ok), reverse=True)
+    assert all(r["pred_peak_gb"] <= 0.06 for r in ok)
+    for r in rows:
+        if not r["feasible"]:
+            m = re.match(r"^OOM on rank (\d+) by ([\d.]+) GB", r["reason"])
+            assert m, r["reason"]
+            over = float(m.group(2))
+            assert r["pred_peak_gb"] - 0.06 == pytest.approx(over, abs=0.051)
+    with open(tmp_path / PLAN_CSV) as fh:
+        table = list(csv.DictReader(fh))
+    assert [t["schedule"] for t in table] == [r["schedule"] for r in rows]
+    assert table[0]["pred_step_ms"] == str(rows[0]["pred_step_ms"])
+
+
+def test_a_row_predicts_what_its_config_simulates():
+    """The best rows, turned into configs (apply_row), simulate to the planner's step time."""
+    cfg = compose_config([*SLEEP, "plan.memory_gb=1", "sim.comm_ms=0.5", "plan.schedules=[1f1b,zbh1,zbv,zb_auto]"])
+    rows, _ = make_rows(cfg)
+    for row in rows[:6]:
+        run_cfg = apply_row(cfg, row)
+        plan = make_plan(dataclasses.replace(run_cfg, mode=cfg.mode))
+        sim = simulate(plan.schedule, plan.stage_costs, comm_ms=run_cfg.sim.comm_ms, reduce_ms=plan.reduce_ms)
+        assert sim.makespan_with_reduce == pytest.approx(row.pred_step_ms, rel=1e-6), row.to_json()
+        assert run_cfg.layout.world == 4 and run_cfg.data.batch_size == 32
+
+
+def test_a_few_hundred_candidates_in_under_a_minute():
+    cfg = compose_config(["mode=plan", "model=gpt2", "plan.world_size=8", "plan.memory_gb=4", "data.batch_size=64",
+                          "data.seq_len=512", "plan.virtual_stages=[2,4]", "plan.recompute=[false,true]"])
+    start = time.perf_counter()
+    rows, meta = make_rows(cfg)
+    assert meta["candidates"] >= 200
+    assert time.perf_counter() - start < 60
+    assert rows[0].feasible and any(not r.feasible for r in rows)
+
+
+@pytest.mark.parametrize("override,knob", [
+    ("plan.objective=speed", "plan.objective"),
+    ("plan.memory_gb=0", "plan.memory_gb"),
+    ("plan.microbatch_sizes=[0]", "plan.microbatch_sizes"),
+    ("plan.global_batch=3 plan.pp=[1]", "plan.global_batch"),  # dp = 4 does not divide 3
+])
+def test_bad_plan_input_names_the_knob(override, knob):
+    with pytest.raises(ValueError, match=knob.replace(".", r"\.")) as err:
+        make_rows(compose_config([*SLEEP, *override.split()]))
+    assert "\n" not in str(err.value)

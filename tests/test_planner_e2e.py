@@ -1,0 +1,59 @@
+"""End-to-end: `pipetrain mode=plan` and `pipetrain schedule=auto` as a user types them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from pipetrain.metrics.names import PEAK_GB, of_ranks
+
+pytestmark = pytest.mark.e2e
+
+
+def test_mode_plan_prints_the_table_and_writes_json_and_csv(tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_cli(["mode=plan", "model=sleep", "plan.world_size=4", "plan.memory_gb=0.0002", "data.batch_size=32",
+                   f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads((run_dir / "plan.json").read_text())["rows"]
+    assert rows[0]["feasible"] and not rows[-1]["feasible"]
+    assert (run_dir / "plan.csv").read_text().startswith("rank,layout,schedule,pp,dp,")
+    assert "plan: best first" in res.stdout and "OOM on rank" in res.stdout
+
+
+def test_schedule_auto_on_the_quickstart_picks_runs_and_reports(tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_cli(["schedule=auto", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=0",
+                   "trainer.ckpt_at_end=false", "plan.schedules=[1f1b,zbh1,zb_auto]", "plan.microbatch_sizes=[2,4]",
+                   f"hydra.run.dir={run_dir}"], cwd=tmp_path, env_extra={"WANDB_MODE": "offline"})
+    assert res.returncode == 0, res.stderr
+    plan = json.loads((run_dir / "plan.json").read_text())
+    best = plan["rows"][0]
+    assert best["feasible"] and best["pp"] * best["dp"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["plan_pred_step_ms"] == pytest.approx(best["pred_step_ms"])
+    assert summary["measured_step_ms"] > 0
+    assert summary["step_time_error"] == pytest.approx(summary["measured_step_ms"] / summary["plan_pred_step_ms"] - 1)
+    assert summary["plan_row"]["schedule"] == best["schedule"]
+    assert "plan vs run: step" in res.stdout and "measured" in res.stdout
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
+def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
+    """partition=profile: the planner measures each layer's saved bytes as the executor counts them;
+    every rank's predicted peak (margin 0) is within 10% of what the run measured, and under the cap."""
+    run_dir = tmp_path / "run"
+    res = run_cli([f"model={model}", "schedule=auto", "partition=profile", "plan.margin=0", "plan.memory_gb=0.2",
+                   "plan.schedules=[1f1b,zbh1]", "plan.pp=[2]", "plan.microbatch_sizes=[2]", "trainer.max_steps=2",
+                   "trainer.eval_every=0", "trainer.ckpt_at_end=false", "logger=[console]", f"hydra.run.dir={run_dir}"],
+                  cwd=tmp_path, env_extra={"WANDB_MODE": "offline", "PIPETRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    assert res.returncode == 0, res.stderr
+    s = json.loads((run_dir / "summary.json").read_text())
+    predicted = [m["total_gb"] for m in s["plan_row"]["memory_per_rank"]]
+    measured = of_ranks(s, PEAK_GB)
+    assert len(predicted) == len(measured) == 2
+    for p, m in zip(predicted, measured):
+        assert m == pytest.approx(p, rel=0.10), (predicted, measured)
+        assert m <= 0.2
