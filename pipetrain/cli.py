@@ -22,7 +22,8 @@ from omegaconf import DictConfig
 
 from pipetrain.compose import CONF_DIR, check_recipe_args, config_dirs, register_all, to_config
 from pipetrain.config import Config, Mode
-from pipetrain.launch import RankFailedError
+from pipetrain.launch import RankFailedError, RunStopped
+from pipetrain.launch.rundir import check_args
 from pipetrain.sweep import check_sweep
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
@@ -33,6 +34,7 @@ def run(config: Config, run_dir: Path) -> Any:
 
     from pipetrain.launch import launch
     from pipetrain.launch.resolvers import process_rank
+    from pipetrain.launch.rundir import RunLock, check_writable
     from pipetrain.planner.auto import choose, report, wants_plan
     from pipetrain.simulate_cmd import plan_and_simulate, run_simulate
 
@@ -53,6 +55,10 @@ def run(config: Config, run_dir: Path) -> Any:
     from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
 
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
+    if not quiet:  # the run and checkpoint directories take files, before any rank starts
+        saves = config.mode is Mode.train and bool(config.trainer.ckpt_every or config.trainer.ckpt_at_end)
+        check_writable(run_dir, checkpoints=saves)
+        RunLock(run_dir).check()  # a second run here refuses now; launch() takes the lock
     check_pretrained(config.model)  # a missing, extra or mis-shaped key too
     changes = getattr(config.model, "pretrained_changes", None)
     if changes:
@@ -113,6 +119,9 @@ def _hydra_main(cfg: DictConfig) -> Any:
         _fail(_unwrap(e))
     except RankFailedError as e:  # the failing rank's one-line message; its traceback is on disk
         _fail(e)
+    except RunStopped as e:  # SIGTERM / SIGINT: the step was saved; one line says where to resume
+        print(f"pipetrain: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
 
 
 def _unwrap(err: BaseException) -> BaseException:
@@ -134,6 +143,7 @@ def main() -> None:
         check_recipe_args(argv)
         if "-m" in argv or "--multirun" in argv:  # every job checked before any starts
             check_sweep(argv, config_dirs(argv))
+        check_args(argv)  # a run directory that is a file or read-only, before Hydra sets up its log there
     except USER_ERRORS as e:
         _fail(_unwrap(e))
     _hydra_main()

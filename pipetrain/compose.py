@@ -64,12 +64,34 @@ def check_recipe_args(argv: Sequence[str]) -> None:
             raise ValueError(f"unknown recipe {value!r}: choose +recipe= one of {', '.join(sorted(known))}")
 
 
+def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Keys a `+key=value` override added that no schema declares (OmegaConf keeps them silently)."""
+    import dataclasses
+
+    kind = OmegaConf.get_type(cfg)
+    if not dataclasses.is_dataclass(kind):
+        return []
+    declared = {f.name for f in dataclasses.fields(kind)}
+    out = []
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        if key not in declared:
+            out.append(f"{prefix}{key}")
+        elif isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            out.extend(unknown_keys(node, f"{prefix}{key}."))
+    return out
+
+
 def to_config(cfg: DictConfig) -> Config:
     if "recipe" in cfg:
         if not isinstance(cfg.recipe, str):  # a recipe file composed under `recipe:`, not at the root
             raise ValueError("a recipe file must start with the line `# @package _global_` so its keys land at "
                              "the root (pipeline.degree, not recipe.pipeline.degree): add it")
         raise ValueError(f"unknown recipe {cfg.recipe!r}: choose +recipe= one of {', '.join(sorted(recipe_files()))}")
+    unknown = [k for k in unknown_keys(cfg) if k != "hydra"]
+    if unknown:
+        raise ValueError(f"unknown config key {unknown[0]}: no setting has that name; drop +{unknown[0]}=... "
+                         f"(or fix its spelling: `pipetrain --cfg job` lists every key)")
     config = OmegaConf.to_object(cfg)
     assert isinstance(config, Config)
     return config

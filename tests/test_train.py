@@ -87,8 +87,17 @@ def test_nonfinite_loss_stops_with_the_step(tmp_path):
 
 
 def test_nonfinite_loss_skips_the_step_when_asked(tmp_path):
-    res = run_cli([*BLOW_UP, "trainer.on_nonfinite=skip", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                  timeout=600)
+    res = run_cli([*BLOW_UP, "trainer.on_nonfinite=skip", "trainer.max_skipped_steps=4",
+                   f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["train/skipped_steps"] == 3  # step 1 blew the weights up
+
+
+def test_nonfinite_skips_stop_at_the_limit(tmp_path):
+    """Every step after the first is non-finite: skipping stops at trainer.max_skipped_steps in a row."""
+    res = run_cli([*BLOW_UP, "trainer.on_nonfinite=skip", "trainer.max_skipped_steps=2",
+                   f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=600)
+    assert res.returncode != 0
+    assert "2 non-finite steps in a row" in res.stderr and "at step 3" in res.stderr, res.stderr[-2000:]
+    assert "trainer.max_skipped_steps" in res.stderr and "Traceback" not in res.stderr

@@ -29,6 +29,7 @@ from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.profile import ProfileConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
+from pipetrain.config.run import CheckpointConfig, LaunchConfig, RunConfig
 from pipetrain.config.plan import PlanConfig
 from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
@@ -61,8 +62,8 @@ class PipelineConfig:
             raise ValueError(f"pipeline.degree must be >= 1 (got {self.degree})")
         if self.microbatches < 1:
             raise ValueError(f"pipeline.microbatches must be >= 1 (got {self.microbatches})")
-        if self.p2p_timeout_s <= 0:
-            raise ValueError(f"pipeline.p2p_timeout_s must be > 0 seconds (got {self.p2p_timeout_s})")
+        if not self.p2p_timeout_s >= 0.001:  # gloo counts whole milliseconds: less would mean no timeout at all
+            raise ValueError(f"pipeline.p2p_timeout_s must be >= 0.001 seconds (1 ms, got {self.p2p_timeout_s})")
         if self.p2p_lookahead < 0:
             raise ValueError(f"pipeline.p2p_lookahead must be >= 0 actions (got {self.p2p_lookahead})")
 
@@ -86,6 +87,9 @@ class ScheduleConfig:
                 raise ValueError("schedule=custom needs a file: add schedule.path=my_schedule.csv")
         elif self.name != AUTO:  # schedule=auto: the planner picks the schedule before the run (planner/auto.py)
             registry.get(self.name)  # unknown names fail here with the list of choices
+            if self.path:
+                raise ValueError(f"schedule.path is only read by schedule=custom (got schedule={self.name}): "
+                                 f"drop schedule.path or set schedule=custom")
         if self.virtual_stages < 1:
             raise ValueError(f"schedule.virtual_stages must be >= 1 (got {self.virtual_stages})")
         if self.memory_budget is not None and (not self.memory_budget or min(self.memory_budget) < 1):
@@ -160,6 +164,9 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: list[str] = field(default_factory=default_loggers)  # logger=[console,jsonl,trace,wandb]
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # profile.enabled=true: torch.profiler traces
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ class TrainerConfig:
     ckpt_at_end: bool = True  # write a checkpoint after the last step
     resume: Optional[str] = None  # auto: newest checkpoint in the run directory; or a checkpoint path
     on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss does
+    max_skipped_steps: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
     threads_per_rank: int = 1  # torch.set_num_threads per rank on CPU
     activation_checkpointing: bool = False  # recompute each stage's forward in its backward
@@ -32,7 +33,7 @@ class TrainerConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for knob in ("max_steps", "log_every", "eval_batches", "threads_per_rank"):
+        for knob in ("max_steps", "log_every", "eval_batches", "threads_per_rank", "max_skipped_steps"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"trainer.{knob} must be >= 1 (got {getattr(self, knob)})")
         for knob in ("eval_every", "ckpt_every"):

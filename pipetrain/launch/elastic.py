@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pipetrain.launch.errors import RankFailedError
+from pipetrain.launch.errors import RankFailedError, RunStopped, read_stopped
 from pipetrain.launch.local import CPU_MALLOC_ENV, inherited_environ
 from pipetrain.launch.rank import Entry, elastic_worker, resolve_backend
 
@@ -40,14 +41,21 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
             min_nodes=1, max_nodes=1, nproc_per_node=config.layout.world,
             run_id=f"pipetrain-{uuid.uuid4().hex[:12]}",
             rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{config.cluster.master_port or 0}",  # 0: a free port
-            max_restarts=0,  # a failed rank ends the run (continue with trainer.resume=auto)
+            # launch.max_restarts: the agent restarts every worker after one fails; they resume from
+            # the newest verified checkpoint by themselves (train/restart.py). 0: a failure ends the run
+            max_restarts=config.launch.max_restarts,
             monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
             logs_specs=DefaultLogsSpecs(log_dir=logs),  # the workers' error files, removed afterwards
         )
         try:
             results = elastic_launch(launch_config, elastic_worker)(entry, config, plan, str(run_dir))
         except ChildFailedError as err:
+            if read_stopped(run_dir):  # the workers alone got the signal; they saved and left (launch/rank.py)
+                raise RunStopped(read_stopped(run_dir) or {}) from None
             raise root_cause(error_records(Path(logs)), err.failures, run_dir) from None
+        except SignalException as err:  # this process got SIGTERM / SIGINT; the agent passed it on
+            raise RunStopped(read_stopped(run_dir) or {"signal": err.sigval.name, "step": "?", "checkpoint": None}
+                             ) from None
     return results[0]
 
 
@@ -91,7 +99,8 @@ def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure],
 @contextlib.contextmanager
 def _quiet(*names: str) -> Iterator[None]:
     """The agent logs every worker's exit and traceback; the one-line error says what matters."""
-    loggers = [logging.getLogger(name) for name in names]
+    known = [n for n in logging.root.manager.loggerDict if any(n.startswith(f"{name}.") for name in names)]
+    loggers = [logging.getLogger(name) for name in (*names, *known)]  # torch sets levels on its children too
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from pipetrain.config.parallel import world_text
+from pipetrain.launch.errors import RunStopped
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -32,8 +33,10 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
     run_dir = Path(run_dir).resolve()
     if cluster.name == "local":
         from pipetrain.launch.elastic import launch_local
+        from pipetrain.launch.rundir import RunLock
 
-        return launch_local(config, plan, run_dir, entry)
+        with RunLock(run_dir, note=print):  # held by this process across the workers' restarts
+            return _finished(launch_local(config, plan, run_dir, entry))
 
     from pipetrain.launch import env as rank_env
     from pipetrain.launch.rank import run_rank
@@ -46,4 +49,11 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
         env = rank_env.submitit_local_env(cluster.master_port)
     else:  # ClusterConfig.__post_init__ admits only the names above
         raise AssertionError(cluster.name)
-    return run_rank(config, plan, run_dir, env, entry, agree=True)
+    return _finished(run_rank(config, plan, run_dir, env, entry, agree=True))
+
+
+def _finished(result: dict) -> dict:
+    """Rank 0's result, or RunStopped when the ranks stopped on a signal (train/stop.py)."""
+    if result.get("stopped"):
+        raise RunStopped(result["stopped"])
+    return result

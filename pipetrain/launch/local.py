@@ -71,3 +71,18 @@ def spawn_local(
         while not ctx.join():
             pass
     return ctx
+
+
+def worker_pids(launcher: int) -> list[int]:
+    """The rank processes a launcher started with multiprocessing's spawn (cluster=local's
+    workers), oldest first: what a test or a benchmark kills to play a dying rank. Linux (/proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher and b"spawn_main" in cmd:
+            out.append(int(stat.parent.name))
+    return sorted(out)

@@ -8,13 +8,14 @@ launcher reports the rank that failed first instead of a wall of tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from pipetrain.plan import Plan
 
 Entry = Callable[["Config", "Plan", Path], dict]
+STOPPED_EXIT = 143  # a worker's exit code after a stop on a signal: 128 + SIGTERM, as a shell reports it
 
 
 def resolve_backend(choice: str, device: str) -> str:
@@ -81,13 +83,17 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
         if backend == "nccl":
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         if owns_group:
-            init = "env://" if env.use_env_store else f"tcp://{env.master_addr}:{env.master_port}"
-            dist.init_process_group(backend, init_method=init, rank=env.rank, world_size=env.world_size,
-                                    timeout=datetime.timedelta(seconds=max(300.0, config.pipeline.p2p_timeout_s)))
+            timeout = datetime.timedelta(seconds=max(300.0, config.pipeline.p2p_timeout_s))
+            store = _attempt_store(env, timeout)
+            init = None if store else "env://" if env.use_env_store else f"tcp://{env.master_addr}:{env.master_port}"
+            dist.init_process_group(backend, init_method=init, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
         elif dist.get_world_size() != world:
             raise ValueError(f"the process group has {dist.get_world_size()} ranks but {what}")
         if agree:
             plan, run_dir = _agree_with_rank0(plan, Path(run_dir))
+            with _rank0_lock(Path(run_dir)):
+                return entry(config, plan, Path(run_dir))
         return entry(config, plan, Path(run_dir))
     except Exception as err:
         record_error(err)
@@ -110,11 +116,59 @@ def _agree_with_rank0(plan: Plan, run_dir: Path) -> tuple[Plan, Path]:
     return objs[0], shared
 
 
+def _attempt_store(env: RankEnv, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """Under torch elastic's agent store (cluster=local, torchrun): the agent's TCPStore, with a
+    prefix per attempt. The store outlives a restarted worker group, and without the prefix the
+    new group's gloo would read the dead group's addresses and hang connecting to them."""
+    if not (env.use_env_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    tcp = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"pipetrain/attempt_{attempt}", tcp)
+
+
+@contextlib.contextmanager
+def _rank0_lock(run_dir: Path) -> Iterator[None]:
+    """Ranks started by torchrun / srun / submitit: rank 0 locks the run directory and every rank
+    learns whether it could (a refusal is every rank's one-line error, not a hang)."""
+    from pipetrain.launch.rundir import RunLock
+
+    lock = RunLock(run_dir, note=print)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            lock.acquire()
+        except ValueError as e:
+            box[0] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ValueError(box[0])
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def elastic_worker(entry: Entry, config: Config, plan: Plan, run_dir: str) -> dict:
     """Entry point of cluster=local's workers: torch's elastic agent set the torchrun variables."""
     try:
-        return run_rank(config, plan, Path(run_dir), torchrun_env(), entry, agree=False)
+        result = run_rank(config, plan, Path(run_dir), torchrun_env(), entry, agree=False)
     except Exception:
         # run_rank wrote the error file, with its time in ns. Leaving through SystemExit keeps the
         # @record that torch wraps around every elastic worker from overwriting it (whole seconds).
         raise SystemExit(1) from None
+    if "stopped" in result:  # every rank's result says so (rank 0's holds the record)
+        _leave_stopped()
+    return result
+
+
+def _leave_stopped() -> None:
+    """The ranks stopped on a signal and saved (train/stop.py): leave now. A returning worker waits
+    for the agent to read its return value, which an agent shutting down on that same signal never
+    does (it would wait its 30 s and kill us). The launcher reads stopped.json instead; an agent
+    that got no signal itself sees a non-zero exit, and launch_local still reports the stop."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(STOPPED_EXIT)

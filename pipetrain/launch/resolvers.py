@@ -2,6 +2,7 @@
 
     ${pipetrain.on_rank0:${cluster.name},.hydra}     only rank 0 writes Hydra's .hydra/ and job log
     ${pipetrain.now:%H-%M-%S}                        Hydra's `now`, one instant for every torchrun rank
+    ${pipetrain.run_dir:${run.name}}                 outputs/NAME, or a new outputs/DATE/TIME[-n] of its own
     ${pipetrain.tasks_per_node:degree,nodes,rpn,dpr,dps} SLURM tasks per node (the schema's own rule)
     ${pipetrain.devnull:}                            os.devnull
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 import os
 import time
 from datetime import datetime
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
@@ -47,18 +49,56 @@ def _shared_now(pattern: str) -> str:
     rendezvous store (TORCHELASTIC_USE_AGENT_STORE: the agent's TCPStore at MASTER_ADDR:MASTER_PORT)
     and the others read it. The key holds the run id, so a restarted worker group (max_restarts)
     gets the same directory back, which is where trainer.resume=auto looks."""
-    stamp = time.time()
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env:
-        import datetime as dt
-
-        import torch.distributed as dist  # only here, under torchrun: composing stays torch-free
-
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                              timeout=dt.timedelta(seconds=120))
-        key = f"pipetrain/now/{env.get('TORCHELASTIC_RUN_ID', 'none')}"
-        stamp = float(store.compare_set(key, "", repr(stamp)).decode())
+    stamp = float(_shared("now", lambda: repr(time.time())))
     return datetime.fromtimestamp(stamp).strftime(pattern)
+
+
+_CLAIMED: dict[str, str] = {}  # this process's unnamed run directory, once claimed
+
+
+def _run_dir(name: Optional[str], root: str = "outputs") -> str:
+    """`${pipetrain.run_dir:${run.name}}`: a named run always gets outputs/NAME (so a restarted or
+    requeued job finds its checkpoints); an unnamed one a directory nobody else has: outputs/DATE/TIME,
+    or TIME-2, TIME-3... when another run took that second (mkdir is the atomic claim). Under
+    torchrun one rank claims it and the others read it from the agent's store, keyed by the run id
+    (so a restarted worker group gets the same directory back)."""
+    if name:
+        return f"{root}/{name}"
+    if root not in _CLAIMED:
+        _CLAIMED[root] = _shared("run_dir", lambda: _claim(Path(root)))
+    return _CLAIMED[root]
+
+
+def _claim(root: Path) -> str:
+    now = datetime.now()
+    base = root / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
+    for n in range(1, 10_000):
+        path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return str(path)
+        except FileExistsError:
+            continue
+        except OSError:  # unwritable: the CLI's writability check says so in one line
+            return str(path)
+    raise ValueError(f"{base}-*: 10,000 runs started in this second: set run.name")
+
+
+def _shared(what: str, make: Callable[[], str]) -> str:
+    """`make()` in this process, or, under torchrun, in the first rank to ask (the others wait for it)."""
+    env = os.environ
+    if not (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env):
+        return make()
+    import datetime as dt
+
+    import torch.distributed as dist  # only here, under torchrun: composing stays torch-free
+
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=dt.timedelta(seconds=120))
+    key = f"pipetrain/{what}/{env.get('TORCHELASTIC_RUN_ID', 'none')}"
+    if store.add(key + "/askers", 1) == 1:
+        store.set(key, make())
+    return store.get(key).decode()
 
 
 def _tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int], dp_replicate: int = 1,
@@ -76,6 +116,7 @@ def _tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int], dp_r
 def register_resolvers() -> None:
     for name, fn, cache in (("pipetrain.on_rank0", _on_rank0, False), ("pipetrain.now", _shared_now, True),
                             ("pipetrain.tasks_per_node", _tasks_per_node, False),
+                            ("pipetrain.run_dir", _run_dir, True),
                             ("pipetrain.devnull", lambda: os.devnull, False)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=cache)

@@ -11,6 +11,8 @@ trainer produces (metrics/step.py), never the trainer.
                                        what metrics.jsonl holds; record.measurement the
                                        measured step on every rank)
     note(text)                         a message for the user (checkpoints saved or resumed, ...)
+    event(kind, text, fields)          something that happened to the run (kind "restart"): shown
+                                       as `text`, recorded with its fields (default: as a note)
     finish(summary, last, chosen)      once, at the end: the RunSummary (already in
                                        summary.json), the last measured step's record and the
                                        one chosen by logging.trace_step
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -50,6 +52,9 @@ class Logger:
 
     def note(self, text: str) -> None:
         pass
+
+    def event(self, kind: str, text: str, fields: dict[str, Any]) -> None:
+        self.note(text)
 
     def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
         pass

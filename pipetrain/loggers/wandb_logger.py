@@ -82,6 +82,13 @@ class WandbLogger(Logger):
     def log(self, record: StepRecord) -> None:
         self.run.log(names.scalars(record.row()), step=record.step)
 
+    def event(self, kind: str, text: str, fields: dict[str, Any]) -> None:
+        """In the run's summary (a log() without its step would move wandb's step counter): the
+        latest event of each kind, its text and fields, and how many there were."""
+        count = int(self.run.summary.get(f"{kind}/count", 0) or 0) + 1
+        self.run.summary.update({f"{kind}/count": count, f"{kind}/text": text,
+                                 **{f"{kind}/{k}": v for k, v in fields.items() if v is not None}})
+
     def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
         tables: dict[str, Any] = {}
         if last is not None and last.measurement is not None:

@@ -40,8 +40,11 @@ CACHE_FORMAT = 1
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("PIPETRAIN_CACHE_DIR") or Path.home() / ".cache" / "pipetrain"
-    return Path(root) / "profile"
+    root = Path(os.environ.get("PIPETRAIN_CACHE_DIR") or Path.home() / ".cache" / "pipetrain")
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"PIPETRAIN_CACHE_DIR={root} is a file: point it at a directory (or unset it for "
+                         f"~/.cache/pipetrain)")
+    return root / "profile"
 
 
 def profile_layers(

@@ -83,10 +83,15 @@ def load_custom(
     The caller validates it like any generated schedule.
     """
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"schedule.path={path} is a directory: point it at a .csv or .txt schedule file in it")
     if not path.is_file():
         raise FileNotFoundError(f"schedule.path={path} does not exist: point it at a .csv or .txt schedule file")
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8-sig")  # -sig: Excel's CSVs start with a byte-order mark
     rows = [ln for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    if not rows:
+        raise ValueError(f"schedule.path={path} holds no schedule (no rows besides comments): write one row of "
+                         f"actions per rank, e.g. 0F0,0F1,0BW0,0BW1 (mode=simulate writes schedule.csv to start from)")
     if len(rows) != num_ranks:
         raise ValueError(
             f"{path.name} lists {len(rows)} ranks but pipeline.degree={num_ranks}: "

@@ -23,8 +23,10 @@ for the gradient norm) contributes its first local copy, every other copy contri
 On load every rank reads the key into one copy and copies it into the rest.
 
 Atomic: every rank writes into <run_dir>/checkpoints/.step_000123.tmp; after a barrier rank 0
-adds meta.json and renames the directory to step_000123. A crash at any point leaves either no
-step_000123 or a complete one; the newest checkpoint is the highest step_* holding meta.json.
+adds meta.json (with the sha256 manifest of every other file, each rank hashing the tensor data
+it wrote) and renames the directory to step_000123. A crash at any point leaves either no
+step_000123 or a complete one; the newest checkpoint is the highest whole step_* (a damaged one
+is reported and passed over: train/checkpoint_dirs.py). checkpoint.keep_last prunes older ones.
 
 meta.json's fingerprint and the resume rules: train/checkpoint_meta.py.
 
@@ -38,7 +40,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -51,23 +52,15 @@ import torch.distributed as dist
 
 from pipetrain.config import Config
 from pipetrain.config.train import TrainerConfig
+from pipetrain.train.checkpoint_dirs import (  # noqa: F401  (the layout on disk, re-exported)
+    CKPT_DIR, DCP_METADATA, META, Note, damage, list_checkpoints, manifest, newest_checkpoint, prune,
+    resolve_resume, silent, step_dir, step_dirs,
+)
 from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
 
 if TYPE_CHECKING:
     from pipetrain.parallel.tp_state import TPShards
     from pipetrain.runtime.sync import GradSync
-
-CKPT_DIR = "checkpoints"
-META = "meta.json"
-DCP_METADATA = ".metadata"  # written by DCP's coordinator once every rank's data is on disk
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-Note = Callable[[str], None]  # where a message for the user goes
-
-
-def silent(text: str) -> None:
-    pass
-
 
 @dataclass
 class TrainState:
@@ -89,57 +82,13 @@ class Checkpointable:
     tp: Optional[TPShards] = None  # tensor parallel: the weights split across tp ranks (saved unsplit)
 
 
-# ---- the layout on disk (pure: no process group) -----------------------------------------------
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / CKPT_DIR / f"step_{step:06d}"
-
-
-def is_complete(path: Path) -> bool:
-    """A committed checkpoint: its meta.json is the last file written before the rename."""
-    return (path / META).is_file() and (path / DCP_METADATA).is_file()
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete step_* directories under `root`, oldest first (temporary .step_*.tmp are skipped)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted((s, p) for s, p in found if is_complete(p))
-
-
-def newest_checkpoint(run_dir: Path) -> Optional[Path]:
-    ckpts = list_checkpoints(Path(run_dir) / CKPT_DIR)
-    return ckpts[-1][1] if ckpts else None
-
-
-def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
-    """The checkpoint trainer.resume names, or None to start fresh. Pure: call it before launching
-    to fail early. `auto`: the newest in this run directory (none: None). A path: a step_*
-    directory, or a run / checkpoints directory (its newest). Errors are one line."""
-    if resume is None or resume in ("", "null", "none", "None"):
-        return None
-    if resume == "auto":
-        return newest_checkpoint(run_dir)
-    path = Path(resume).expanduser()
-    hint = "set trainer.resume to a checkpoints/step_* directory, to auto, or to null"
-    if not path.exists():
-        raise ValueError(f"trainer.resume={resume}: no such checkpoint directory: {hint}")
-    if is_complete(path):
-        return path
-    for root in (path, path / CKPT_DIR):
-        ckpts = list_checkpoints(root)
-        if ckpts:
-            return ckpts[-1][1]
-    raise ValueError(f"trainer.resume={resume}: not a complete checkpoint (no {META} and {DCP_METADATA}): {hint}")
-
-
 def preflight(config: Config, run_dir: Path) -> Optional[Path]:
     """For the CLI, before any process starts: the checkpoint trainer.resume names (None: fresh),
-    checked against this run's model. Raises the same one-line ValueErrors the ranks would."""
-    path = resolve_resume(config.trainer.resume, run_dir)
+    checked against this run's model. Raises the same one-line ValueErrors the ranks would. A
+    checkpoint named explicitly is checked byte by byte here; `auto` by sizes (rank 0 reads the
+    bytes before loading, and reports a damaged one it passes over)."""
+    explicit = config.trainer.resume not in (None, "", "null", "none", "None", "auto")
+    path = resolve_resume(config.trainer.resume, run_dir, deep=explicit)
     if path is not None:
         check_compatible(read_meta(path), config, path)
     return path
@@ -240,14 +189,20 @@ def _commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_staged(target: Checkpointable, run_dir: Path) -> Path:
-    """Collective: every rank writes its keys into the step's temporary directory (nothing visible yet)."""
+def prepare_staging(target: Checkpointable, run_dir: Path) -> Path:
+    """Collective: the step's empty temporary directory (rank 0 makes it; a crashed save's is replaced)."""
     final = step_dir(run_dir, target.state.step)
     tmp = final.with_name(f".{final.name}.tmp")
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     _barrier()
+    return tmp
+
+
+def write_staged(target: Checkpointable, run_dir: Path) -> Path:
+    """Collective: every rank writes its keys into the step's temporary directory (nothing visible yet)."""
+    tmp = prepare_staging(target, run_dir)
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         import torch.distributed.checkpoint as dcp  # ~0.5 s to import: only runs that save pay it
@@ -256,21 +211,45 @@ def write_staged(target: Checkpointable, run_dir: Path) -> Path:
     return tmp
 
 
-def save_checkpoint(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Path:
-    """Collective: save after the current step (target.state.step); returns the committed directory."""
-    t0 = time.perf_counter()
-    tmp = write_staged(target, run_dir)
-    final = step_dir(run_dir, target.state.step)
-    _barrier()  # every rank's files are on disk
+def _manifest(tmp: Path) -> Optional[dict[str, dict[str, Any]]]:
+    """Collective, after every rank's files are on disk: each rank hashes the tensor data it wrote
+    (DCP names it __<rank>_<n>.distcp), rank 0 gathers them and hashes the rest (.metadata).
+    Returns the manifest on rank 0, None elsewhere."""
+    mine = manifest(tmp, f"__{_rank()}_*")
+    if not dist.is_initialized():
+        return manifest(tmp, known=mine)
+    parts: Optional[list[Any]] = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return None
+    return manifest(tmp, known={k: v for part in parts for k, v in part.items()})
+
+
+def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, note: Note = silent) -> Path:
+    """Collective, once every rank's files of `tmp` are on disk: the manifest, meta.json (last) and
+    the rename that makes the checkpoint of step st.step visible; then checkpoint.keep_last."""
+    final = step_dir(run_dir, st.step)
+    files = _manifest(tmp)
     if _rank() == 0:
-        st = target.state
         meta = {"format": FORMAT, "step": st.step, "tokens": st.tokens, "skipped": st.skipped,
                 "data_position": st.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
-                "fingerprint": fingerprint(config)}
+                "fingerprint": fingerprint(config), "files": files}
         _commit(tmp, final, meta)
-        note(f"checkpoint: saved {final} ({time.perf_counter() - t0:.2f} s)")
+        prune(run_dir, config.checkpoint.keep_last, note=note)
     _barrier()  # no rank goes on (or exits) before the checkpoint is visible
+    return final
+
+
+def save_checkpoint(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Path:
+    """Collective: save after the current step (target.state.step); returns the committed directory.
+    meta.json, written last, carries the manifest of every other file (train/checkpoint_dirs.py)."""
+    t0 = time.perf_counter()
+    tmp = write_staged(target, run_dir)
+    _barrier()  # every rank's files are on disk
+    final = commit_staged(tmp, target.state, run_dir, config, note=note)
+    if _rank() == 0:
+        note(f"checkpoint: saved {final} ({time.perf_counter() - t0:.2f} s)")
     return final
 
 
@@ -349,13 +328,22 @@ def _slice_of(target: Checkpointable, name: str, t: torch.Tensor, p: torch.Tenso
     return mine
 
 
-def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Optional[Path]:
-    """Load what trainer.resume names (collective), or start fresh; returns the checkpoint loaded."""
+def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent,
+           restarted: bool = False) -> Optional[Path]:
+    """Load what trainer.resume names (collective), or start fresh; returns the checkpoint loaded.
+    restarted=True (a worker group torch elastic restarted): the newest good checkpoint of the run
+    directory first, whatever trainer.resume says; trainer.resume's own only when there is none."""
     want = config.trainer.resume
-    path = _agreed(lambda: resolve_resume(want, run_dir))
+
+    def pick() -> Optional[Path]:
+        # rank 0 reads every byte against the manifest; a damaged newest checkpoint is reported and passed over
+        found = resolve_resume("auto", run_dir, deep=True, note=note) if restarted else None
+        return found or resolve_resume(want, run_dir, deep=True, note=note)
+
+    path = _agreed(pick)
     if path is None:
-        if want == "auto":
-            note(f"checkpoint: trainer.resume=auto: no checkpoint in {Path(run_dir) / CKPT_DIR}, starting fresh")
+        if want == "auto" or restarted:
+            note(f"checkpoint: no checkpoint in {Path(run_dir) / CKPT_DIR}, starting fresh")
         return None
     meta = load_checkpoint(target, path, config, note=note)
     note(f"checkpoint: resumed from {path} at step {meta['step']}")

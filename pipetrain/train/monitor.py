@@ -162,6 +162,11 @@ class Monitor:
         for lg in self.loggers:
             lg.note(text)
 
+    def event(self, kind: str, text: str, **fields: Any) -> None:
+        """Something that happened to the run (a restart): every logger records it, the console shows `text`."""
+        for lg in self.loggers:
+            lg.event(kind, text, fields)
+
     def summarize(self, summary: RunSummary) -> RunSummary:
         """The run's summary with the measured results added (rank 0, where a step was measured):
         medians of the bubble over the measured steps (step 1 pays for warm-up: left out when

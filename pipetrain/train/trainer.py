@@ -19,7 +19,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,12 @@ from pipetrain.plan import Plan, build_model
 from pipetrain.train.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
+from pipetrain.train.checkpoint_async import AsyncSaver
 from pipetrain.train.data import build_data, local_rows, split_microbatches
 from pipetrain.train.monitor import Monitor
+from pipetrain.train.restart import Restart, StepTracker, restart_count, slurm_requeues, this_restart
+from pipetrain.train.stop import StopSignals, signal_name, write_stopped
+from pipetrain.launch.errors import STOPPED
 from pipetrain.train.profiling import StepProfiler
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
 
@@ -98,15 +102,28 @@ class Trainer:
             from pipetrain.parallel.tp_state import TPShards
 
             tp = TPShards.of(self.pipe.tp.g, self.pipe.stages)
+        self.skipped_in_a_row = 0  # trainer.on_nonfinite=skip: non-finite steps since the last good one
+        self.stop = StopSignals()  # SIGTERM / SIGINT: finish the step, save it, stop (train/stop.py)
+        self.stopped: Optional[dict[str, Any]] = None  # where to resume (rank 0's record), after a signal
+        self.tracker = StepTracker(self.rank)  # the step in progress, for a restart's message
         self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state, tp)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
+        self.saver = (AsyncSaver(config, self.run_dir, note=self.monitor.note)  # checkpoint.async_save
+                      if config.checkpoint.async_save else None)
         self.profiler = StepProfiler(config.profile, rank=self.rank, device=self.device, run_dir=self.run_dir,
                                      executor=self.pipe.executor, note=self.monitor.note)
 
-    def resume(self, note: checkpoint.Note = checkpoint.silent) -> None:
-        """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh start."""
-        checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note)
+    def resume(self, note: checkpoint.Note = checkpoint.silent) -> Optional[Restart]:
+        """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh
+        start; after a restart (launch.max_restarts) the run directory's newest good checkpoint.
+        Returns, on rank 0 of a restarted group, what happened before (train/restart.py)."""
+        restarted, requeued = restart_count() > 0, slurm_requeues() > 0
+        if requeued:
+            note(f"checkpoint: requeued by SLURM ({slurm_requeues()}x): resuming from the run directory's newest "
+                 f"good checkpoint")
+        checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note, restarted=restarted or requeued)
+        return this_restart(self.tracker) if restarted and self.rank == 0 else None
 
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -140,7 +157,14 @@ class Trainer:
                     f"or set trainer.on_nonfinite=skip"
                 )
             self.state.skipped += 1
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row >= cfg.trainer.max_skipped_steps:
+                raise NonFiniteLoss(
+                    f"{self.skipped_in_a_row} non-finite steps in a row (loss {loss} / grad norm {norm} at step {step + 1}, "
+                    f"trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}): lower optim.lr, raise "
+                    f"optim.warmup_steps, or raise trainer.max_skipped_steps")
         else:
+            self.skipped_in_a_row = 0
             clip_grads(self.pipe.parameters(), norm, cfg.optim.grad_clip)
             self.optimizer.step()
         step_s = time.perf_counter() - t0
@@ -159,20 +183,51 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> RunSummary:
-        """Resume (if asked), train to trainer.max_steps, write summary.json (rank 0), close the loggers."""
+        """Resume (if asked), train to trainer.max_steps (or until a signal: train/stop.py), write
+        summary.json (rank 0), close the loggers."""
         notes: list[str] = []
-        self.resume(note=notes.append)  # before the loggers start: they show the resumed step
-        self.monitor.start(self.state.step)
-        for text in notes:
-            self.monitor.note(text)
-        try:
-            summary = self.monitor.summarize(self.loop())
-        finally:
-            self.profiler.close()  # a capture cut short by an error still writes what it has
-        if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
-            (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
-        self.monitor.finish(summary)
+        if self.rank == 0:
+            (self.run_dir / STOPPED).unlink(missing_ok=True)  # an earlier stop's record
+        with self.stop:
+            restart = self.resume(note=notes.append)  # before the loggers start: they show the resumed step
+            self.monitor.start(self.state.step)
+            for text in notes:
+                self.monitor.note(text)
+            if restart is not None:
+                self.monitor.event("restart", restart.line(self.state.step), failed_rank=restart.rank,
+                                   failed_step=restart.step, resumed_step=self.state.step, attempt=restart.attempt)
+            try:
+                summary = self.monitor.summarize(self.loop())
+            finally:
+                self.profiler.close()  # a capture cut short by an error still writes what it has
+            if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
+                (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
+            self.monitor.finish(summary)
+            if self.stopped is not None:
+                self.stop.chain(self.stop.signum or 0)  # submitit: its requeue, after our save
         return summary
+
+    def save(self, *, wait: bool) -> Path:
+        """Collective: checkpoint the current step, in the background under checkpoint.async_save
+        (wait=True: committed before returning, as at the end or on a signal)."""
+        if self.saver is None:
+            return checkpoint.save_checkpoint(self.checkpointable, self.run_dir, self.config, note=self.monitor.note)
+        path = self.saver.save(self.checkpointable)
+        if wait:
+            self.saver.finish()
+        return path
+
+    def stop_after(self, step: int, signum: int, *, saved: Optional[Path]) -> None:
+        """The ranks agreed to stop after `step` on a signal (and saved it, when checkpoints are on):
+        rank 0 records where to resume (train/stop.py)."""
+        name = self.config.run.name
+        hint = (f"rerun the same command (run.name={name} trainer.resume=auto)" if name
+                else f"resume with trainer.resume={saved}")
+        if self.rank == 0:
+            self.stopped = write_stopped(self.run_dir, signum=signum, step=step, checkpoint=saved, resume=hint)
+            self.monitor.note(f"{signal_name(signum)}: stopped after step {step}" + (f", saved {saved}" if saved else ""))
+        else:
+            self.stopped = {}
 
     def loop(self) -> RunSummary:
         """The steps still to do; returns the run's summary (before the measured part is added)."""
@@ -183,6 +238,7 @@ class Trainer:
             monitor.note(f"nothing to do: resumed at step {self.state.step}, trainer.max_steps={cfg.max_steps}")
         while self.state.step < cfg.max_steps:
             step = self.state.step + 1
+            self.tracker.begin(step)  # where a restart says the failure happened
             last = step == cfg.max_steps
             # every eval_every steps, and at the end of a run long enough to have evaluated
             evaluate = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or (last and step > cfg.eval_every))
@@ -191,6 +247,7 @@ class Trainer:
             record = self.train_step(measure=log)
             self.profiler.after(step)
             step_times.append(record.step_time_s)
+            self.stop.grace_s = max(10.0, 3 * max(step_times))  # a signal's wait for the step in flight
             first_loss = record.loss if first_loss is None else first_loss
             final_loss = record.loss
             if evaluate:
@@ -199,8 +256,15 @@ class Trainer:
             monitor.progress(step)
             if log:
                 monitor.log(record)
-            if checkpoint.due(step, cfg):
-                checkpoint.save_checkpoint(self.checkpointable, self.run_dir, self.config, note=monitor.note)
+            signum = self.stop.agreed(self.device)  # a signal any rank got stops every rank, here
+            saved = None
+            if checkpoint.due(step, cfg) or (signum is not None and (cfg.ckpt_every or cfg.ckpt_at_end)):
+                saved = self.save(wait=last or signum is not None)
+            if signum is not None:
+                self.stop_after(step, signum, saved=saved)
+                break
+        if self.saver is not None:
+            self.saver.finish()  # a background save still in flight: committed before the run ends
         steady = sorted(step_times[1:] or step_times)  # the first step pays for warm-up
         median_s = steady[len(steady) // 2] if steady else None
         return RunSummary(steps=self.state.step, first_loss=first_loss, final_loss=final_loss,
@@ -215,4 +279,5 @@ def rank_main(config: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(config, plan, run_dir)
     summary = trainer.fit()
-    return summary.to_json() if trainer.rank == 0 else {}
+    stopped = {} if trainer.stopped is None else {"stopped": trainer.stopped}  # rank 0's is the record
+    return {**summary.to_json(), **stopped} if trainer.rank == 0 else stopped

@@ -1,0 +1,79 @@
+"""checkpoint.async_save=true: training goes on while the checkpoint's files are written.
+
+DCP's async_save copies this rank's tensors to host memory (the part that blocks training) and
+writes them from a background thread, coordinating over a gloo group of its own (a second
+thread must not use the group the pipeline's sends and all-reduces run on). The save is
+committed as a synchronous one is (train/checkpoint.py: every rank's files on disk, the manifest,
+meta.json last, one rename) when the next save starts, when the run ends or stops on a signal:
+until then it is a .step_*.tmp directory that no resume reads. The console reports the time
+each save blocked training and the time it took in the background.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from pipetrain.config import Config
+from pipetrain.train.checkpoint import (
+    Checkpointable, Note, TrainState, _barrier, _rank, commit_staged, prepare_staging, save_state_dict, silent, step_dir,
+)
+
+
+@dataclass
+class _Pending:
+    future: Any  # a concurrent.futures.Future of DCP's background write
+    tmp: Path
+    state: TrainState  # the counters at the step saved
+    started: float
+    blocked_s: float
+
+
+class AsyncSaver:
+    """One per rank: at most one save in flight. Collective calls, as the synchronous save."""
+
+    def __init__(self, config: Config, run_dir: Path, *, note: Note = silent) -> None:
+        self.config, self.run_dir, self.note = config, Path(run_dir), note
+        self.pending: Optional[_Pending] = None
+        self.group: Optional[dist.ProcessGroup] = None
+
+    def save(self, target: Checkpointable) -> Path:
+        """Start saving target's current step; returns the directory it will be committed to."""
+        self.finish()  # the previous one first: one in flight
+        t0 = time.perf_counter()
+        if dist.is_initialized() and self.group is None:
+            self.group = dist.new_group(backend="gloo")  # collective: every rank saves at the same steps
+        tmp = prepare_staging(target, self.run_dir)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            import torch.distributed.checkpoint as dcp
+
+            future = dcp.async_save(save_state_dict(target), checkpoint_id=tmp, process_group=self.group,
+                                    no_dist=not dist.is_initialized())
+        if not isinstance(future, Future):  # newer torch: a response holding the upload future
+            future = getattr(future, "upload_completion", future)
+        blocked = time.perf_counter() - t0
+        self.pending = _Pending(future, tmp, replace(target.state), t0, blocked)
+        if _rank() == 0:
+            self.note(f"checkpoint: saving {step_dir(self.run_dir, target.state.step).name} in the background "
+                      f"(blocked training {blocked:.2f} s)")
+        return step_dir(self.run_dir, target.state.step)
+
+    def finish(self) -> Optional[Path]:
+        """Collective: wait for the save in flight (if any) and commit it; returns its directory."""
+        if self.pending is None:
+            return None
+        p, self.pending = self.pending, None
+        p.future.result()  # this rank's files are written (raises what the background write raised)
+        _barrier()  # every rank's
+        final = commit_staged(p.tmp, p.state, self.run_dir, self.config, note=silent)
+        if _rank() == 0:
+            self.note(f"checkpoint: saved {final} (blocked training {p.blocked_s:.2f} s, "
+                      f"{time.perf_counter() - p.started:.2f} s in all)")
+        return final

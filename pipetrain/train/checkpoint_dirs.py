@@ -1,0 +1,189 @@
+"""Checkpoints on disk: where they are, whether each is whole, which one to resume, which to delete.
+
+Layout: <run_dir>/checkpoints/step_000123/ (a save in progress is .step_000123.tmp, see
+train/checkpoint.py). Pure: no torch, so the CLI checks trainer.resume before any rank starts.
+
+Is a checkpoint whole? Its manifest, written with it and checked before loading.
+
+meta.json (the last file of a save, train/checkpoint.py) carries `files`: every other file of
+the checkpoint (DCP's `.metadata` and each rank's `.distcp` tensor data) with its size and sha256.
+Before a checkpoint is loaded its files are checked against it, so a truncated or deleted shard,
+bytes changed inside tensor data, a garbage meta.json or a missing `.metadata` are found by name
+before DCP reads them (DCP itself would fail in every rank, or load the damaged values silently).
+
+`damage(path)` says what is wrong, in a few words, or None. `deep=False` checks sizes only (a
+cheap look, for retention and `trainer.resume=auto` before launching); `deep=True` reads every
+byte (rank 0, before the ranks load; the CLI too for an explicit trainer.resume=PATH).
+
+A damaged newest checkpoint is reported by name and why, and the previous good one is used
+(`trainer.resume=auto`, or a run directory); one named explicitly is refused in one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+CKPT_DIR = "checkpoints"
+META = "meta.json"
+DCP_METADATA = ".metadata"  # written by DCP's coordinator once every rank's data is on disk
+REQUIRED = ("format", "step", "tokens", "world_size", "fingerprint")  # keys meta.json must hold
+_CHUNK = 1 << 20
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+Note = Callable[[str], None]  # where a message for the user goes
+
+
+def silent(text: str) -> None:
+    pass
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest(directory: Path, pattern: str = "*", *, known: Optional[dict[str, dict[str, Any]]] = None
+             ) -> dict[str, dict[str, Any]]:
+    """Files of a staged checkpoint (before meta.json is added) matching `pattern`: name -> bytes and
+    sha256; entries in `known` (hashed by the rank that wrote them) are taken as they are."""
+    known = dict(known or {})
+    for p in sorted(Path(directory).glob(pattern)):
+        if p.is_file() and p.name != META and p.name not in known:
+            known[p.name] = {"bytes": p.stat().st_size, "sha256": sha256(p)}
+    return dict(sorted(known.items()))
+
+
+def read_meta_checked(path: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """meta.json's content, or why it cannot be used."""
+    file = Path(path) / META
+    if not file.is_file():
+        return None, f"no {META} (not a finished save)"
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return None, f"{META} is not valid JSON ({str(e).splitlines()[0]})"
+    if not isinstance(meta, dict):
+        return None, f"{META} is not a JSON object"
+    missing = [k for k in REQUIRED if k not in meta]
+    if missing:
+        return None, f"{META} lacks {', '.join(repr(k) for k in missing)}"
+    return meta, None
+
+
+def damage(path: Path, *, deep: bool = True) -> Optional[str]:
+    """What is wrong with the checkpoint directory `path`, or None when it is whole."""
+    path = Path(path)
+    if not path.is_dir():
+        return "not a directory"
+    if not any(path.iterdir()):
+        return "empty directory"
+    meta, why = read_meta_checked(path)
+    if why:
+        return why
+    assert meta is not None
+    if not (path / DCP_METADATA).is_file():
+        return f"no {DCP_METADATA} (DCP's index of the tensors)"
+    files = meta.get("files")
+    if files is None:  # written before manifests: nothing to check the bytes against
+        return None
+    for name, want in sorted(files.items(), key=lambda kv: (kv[0] != DCP_METADATA, kv[0])):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
+        if deep and sha256(file) != want["sha256"]:
+            return f"{name} does not match its sha256 in the manifest (its bytes changed)"
+    return None
+
+
+# ---- which checkpoint ---------------------------------------------------------------------------
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CKPT_DIR / f"step_{step:06d}"
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every step_* directory under `root`, whole or not, oldest first (.step_*.tmp are saves in progress)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """The step_* directories under `root` that look whole (sizes checked, not bytes), oldest first."""
+    return [(s, p) for s, p in step_dirs(root) if damage(p, deep=False) is None]
+
+
+def newest_good(root: Path, *, deep: bool = False, note: Note = silent) -> Optional[Path]:
+    """The newest whole checkpoint under `root` (None: there is none). Damaged newer ones are
+    reported by name and why; when every one is damaged the run refuses rather than start over."""
+    bad: list[str] = []
+    for step, path in reversed(step_dirs(root)):
+        why = damage(path, deep=deep)
+        if why is None:
+            for text in bad:
+                note(f"checkpoint: {text}: resuming from {path.name} instead")
+            return path
+        bad.append(f"{path.name} is damaged ({why})")
+    if bad:
+        raise ValueError(f"trainer.resume: no whole checkpoint in {root}: {'; '.join(bad)}: "
+                         f"set trainer.resume=null to start over")
+    return None
+
+
+def newest_checkpoint(run_dir: Path) -> Optional[Path]:
+    ckpts = list_checkpoints(Path(run_dir) / CKPT_DIR)
+    return ckpts[-1][1] if ckpts else None
+
+
+def resolve_resume(resume: Optional[str], run_dir: Path, *, deep: bool = False, note: Note = silent) -> Optional[Path]:
+    """The checkpoint trainer.resume names, or None to start fresh. `auto`: the newest good one in
+    this run directory (none: None). A path: a step_* directory (refused in one line if damaged),
+    or a run / checkpoints directory (its newest good one). Errors are one line."""
+    if resume is None or resume in ("", "null", "none", "None"):
+        return None
+    if resume == "auto":
+        return newest_good(Path(run_dir) / CKPT_DIR, deep=deep, note=note)
+    path = Path(resume).expanduser()
+    hint = "set trainer.resume to a checkpoints/step_* directory, to auto, or to null"
+    if not path.exists():
+        raise ValueError(f"trainer.resume={resume}: no such checkpoint directory: {hint}")
+    if _STEP_DIR.match(path.name) or (path / META).exists():
+        why = damage(path, deep=deep)
+        if why:
+            raise ValueError(f"trainer.resume={resume}: {path.name} is damaged ({why}): resume from an older "
+                             f"checkpoint in {path.parent}, or set trainer.resume=auto to take the newest good one")
+        return path
+    for root in (path, path / CKPT_DIR):
+        if step_dirs(root):
+            return newest_good(root, deep=deep, note=note)
+    raise ValueError(f"trainer.resume={resume}: not a complete checkpoint (no {META} and {DCP_METADATA}): {hint}")
+
+
+def prune(run_dir: Path, keep_last: int, *, note: Note = silent) -> list[Path]:
+    """checkpoint.keep_last: delete the checkpoints older than the newest `keep_last` good ones
+    (damaged ones older than those too). The newest good one is always kept; 0 keeps all."""
+    if keep_last < 1:
+        return []
+    good = list_checkpoints(Path(run_dir) / CKPT_DIR)
+    if len(good) <= keep_last:
+        return []
+    oldest_kept = good[-keep_last][0]
+    gone = [p for s, p in step_dirs(Path(run_dir) / CKPT_DIR) if s < oldest_kept]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    if gone:
+        note(f"checkpoint: deleted {', '.join(p.name for p in gone)} (checkpoint.keep_last={keep_last})")
+    return gone

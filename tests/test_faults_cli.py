@@ -1,0 +1,142 @@
+"""End-to-end faults through the `pipetrain` command: named runs that find their checkpoints again
+after the whole job was killed, the run-directory lock, writability checked before any rank
+starts, and the last bad inputs, each a one-line message (real subprocesses, real files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.e2e
+
+TINY = ["model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32", "pipeline.microbatches=4", "trainer.eval_every=0",
+        "trainer.log_every=1", "trainer.device=cpu"]
+
+
+def one_line_error(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode != 0, res.stdout[-2000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr[-3000:]
+    return lines[0]
+
+
+def test_bom_csv_is_read(tmp_path):
+    csv = tmp_path / "s.csv"
+    csv.write_bytes("\ufeff0F0,0F1,0BW0,0BW1\n".encode("utf-8"))  # Excel's UTF-8 with a byte-order mark
+    res = run_cli(["mode=simulate", "model=sleep", "pipeline.degree=1", "pipeline.microbatches=2", "schedule=custom",
+                   f"schedule.path={csv}", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "r" / "simulate.json").read_text())["microbatches"] == 2
+
+
+@pytest.mark.parametrize("case", ["run dir is a file", "run name is a file", "cache dir is a file", "unknown key",
+                                  "path with a built-in schedule", "empty csv", "directory as schedule.path",
+                                  "p2p timeout below 1 ms"])
+def test_bad_inputs_are_one_line(tmp_path, case):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "taken").write_text("x")
+    (tmp_path / "empty.csv").write_text("# only a comment\n\n")
+    sim = ["mode=simulate", "model=sleep", f"hydra.run.dir={tmp_path / 'r'}"]
+    args, env, needle = {
+        "run dir is a file": (["mode=simulate", f"hydra.run.dir={tmp_path / 'a_file'}"], {}, "is a file"),
+        "run name is a file": (["mode=simulate", "run.name=taken"], {}, "set run.name"),
+        "cache dir is a file": (["mode=simulate", "partition=profile", f"hydra.run.dir={tmp_path / 'r'}"],
+                                {"PIPETRAIN_CACHE_DIR": str(tmp_path / "a_file")}, "PIPETRAIN_CACHE_DIR="),
+        "unknown key": ([*sim, "+some_unknown_key=1"], {}, "unknown config key some_unknown_key"),
+        "path with a built-in schedule": ([*sim, f"schedule.path={tmp_path / 'empty.csv'}"], {},
+                                          "schedule.path is only read by schedule=custom"),
+        "empty csv": ([*sim, "schedule=custom", f"schedule.path={tmp_path / 'empty.csv'}"], {}, "holds no schedule"),
+        "directory as schedule.path": ([*sim, "schedule=custom", f"schedule.path={tmp_path}"], {}, "is a directory"),
+        "p2p timeout below 1 ms": ([*sim, "pipeline.p2p_timeout_s=0.000001"], {}, "p2p_timeout_s must be >= 0.001"),
+    }[case]
+    line = one_line_error(run_cli(args, cwd=tmp_path, env_extra=env))
+    assert line.startswith("pipetrain: error: ") and needle in line, line
+
+
+def test_unwritable_checkpoints_found_before_any_rank_starts(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("not a directory")
+    line = one_line_error(run_cli(["mode=train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={run}"], cwd=tmp_path))
+    assert "checkpoints is a file" in line and "trainer.ckpt_at_end=false" in line
+    assert not (run / "metrics.jsonl").exists()  # no rank started
+    # the same run without checkpoints does not need that directory
+    res = run_cli(["mode=train", *TINY, "trainer.max_steps=1", "trainer.ckpt_at_end=false", "logger=[jsonl]",
+                   f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_second_run_in_a_locked_directory_refuses(tmp_path):
+    from pipetrain.launch.rundir import RunLock
+
+    run = tmp_path / "run"
+    with RunLock(run):  # this test process is the first run
+        line = one_line_error(run_cli(["mode=train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={run}"],
+                                      cwd=tmp_path))
+    assert f"in use by pid {os.getpid()} on {socket.gethostname()}" in line, line
+    assert not (run / ".lock").exists() and not (run / "metrics.jsonl").exists()
+
+
+def test_stale_lock_is_taken_over(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid whose process has ended
+    (run / ".lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "started": "earlier"}))
+    res = run_cli(["mode=train", *TINY, "trainer.max_steps=1", "trainer.ckpt_at_end=false", "logger=[console,jsonl]",
+                   f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"took over the lock of pid {gone.pid}" in res.stdout + res.stderr
+    assert not (run / ".lock").exists()  # released at the end
+
+
+def test_unnamed_runs_never_share_a_directory(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-m", "pipetrain.cli", "mode=simulate", "model=sleep", "sim.timeline=false"],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read().decode()[-2000:]
+    runs = sorted(p.parent for p in (tmp_path / "outputs").glob("*/*/simulate.json"))
+    assert len(runs) == 3, runs
+
+
+def _step_files(run: Path) -> list[Path]:
+    return sorted((run / "checkpoints").glob("step_*/meta.json"))
+
+
+@pytest.mark.slow
+def test_named_run_resumes_after_the_whole_job_was_killed(tmp_path):
+    """`pipetrain run.name=NAME trainer.resume=auto ...`, killed (launcher and ranks, SIGKILL) after
+    its first checkpoint; the same command again resumes from it and finishes."""
+    cmd = [sys.executable, "-m", "pipetrain.cli", "mode=train", *TINY, "run.name=long", "trainer.resume=auto",
+           "trainer.max_steps=60", "trainer.ckpt_every=2", "logger=[console,jsonl]"]
+    env = dict(os.environ, WANDB_MODE="offline")
+    env.pop("HYDRA_FULL_ERROR", None)
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    run = tmp_path / "outputs" / "long"
+    deadline = time.time() + 240
+    while not _step_files(run) and time.time() < deadline and job.poll() is None:
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGKILL)  # the whole job: launcher and every rank
+    job.wait()
+    saved = [int(p.parent.name[5:]) for p in _step_files(run)]
+    assert saved and saved[-1] < 60
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resumed from {run.resolve() / 'checkpoints' / f'step_{saved[-1]:06d}'} at step {saved[-1]}" in res.stdout
+    assert "took over the lock" in res.stdout  # the killed launcher's lock
+    assert _step_files(run)[-1].parent.name == "step_000060"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-60 + saved[-1]:] == list(range(saved[-1] + 1, 61))
