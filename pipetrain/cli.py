@@ -32,7 +32,7 @@ USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
 def run(config: Config, run_dir: Path) -> Any:
     from rich.console import Console
 
-    from pipetrain.launch import launch
+    from pipetrain.launch import launch, prestart
     from pipetrain.launch.resolvers import process_rank
     from pipetrain.launch.rundir import RunLock, check_writable
     from pipetrain.planner.auto import choose, report, wants_plan
@@ -51,6 +51,8 @@ def run(config: Config, run_dir: Path) -> Any:
     if config.mode is Mode.simulate:
         return run_simulate(config, run_dir)
     # Train, eval, export: everything is checked (and simulated) here, before any process starts.
+    if config.mode is not Mode.export:
+        prestart(config)  # the ranks' start-up (imports) runs beside the checks
     from pipetrain.models.hf import check_pretrained
     from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
 

@@ -57,6 +57,17 @@ def allreduce_entry(config, plan, run_dir: Path) -> dict:
     return record if rank == 0 else {}
 
 
+def inherit_entry(config, plan, run_dir: Path) -> dict:
+    """What a rank took from its launcher: environment, stdout, and who started it."""
+    rank = dist.get_rank()
+    print(f"rank {rank} prints to the launcher's stdout", flush=True)
+    parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    record = {"parent": parent.decode(errors="replace"), "ppid": os.getppid(), "rank": os.environ.get("RANK"),
+              "added": os.environ.get("PIPETRAIN_TEST_ADDED"), "removed": os.environ.get("WANDB_MODE")}
+    (Path(run_dir) / f"rank{rank}.json").write_text(json.dumps(record))
+    return {}
+
+
 def failing_entry(config, plan, run_dir: Path) -> dict:
     """Rank 1 raises; rank 0 waits in a collective rank 1 never joins and must be brought down."""
     (Path(run_dir) / f"pid{dist.get_rank()}").write_text(str(os.getpid()))
@@ -202,6 +213,26 @@ def test_local_spawns_one_process_per_rank_and_returns_rank0(tmp_path):
     assert len(pids) == 2 and os.getpid() not in pids
     assert records[1]["malloc"] == "2000000000"  # CPU_MALLOC_ENV reached the gloo ranks
     assert "MALLOC_MMAP_THRESHOLD_" not in os.environ or os.environ.get("MALLOC_MMAP_THRESHOLD_") != "2000000000"
+
+
+@pytest.mark.dist
+def test_cpu_ranks_fork_from_a_warm_server_yet_start_as_spawned_ones(tmp_path, monkeypatch, capfd):
+    """gloo ranks fork from a server that imported torch once (launch/forkserver.py), started
+    before the launch; each still takes the launcher's environment and stdout of launch time."""
+    from pipetrain.launch import prestart
+
+    config, plan = small_plan()
+    prestart(config)  # the server runs (its environment has WANDB_MODE: conftest set it at import)
+    monkeypatch.setenv("PIPETRAIN_TEST_ADDED", "yes")
+    monkeypatch.delenv("WANDB_MODE")
+    capfd.readouterr()
+    launch(config, plan, tmp_path, entry=inherit_entry)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["rank"] for r in records] == ["0", "1"]  # what torch elastic set per rank
+    assert all(r["added"] == "yes" and r["removed"] is None for r in records), records
+    assert all("forkserver" in r["parent"] and r["ppid"] != os.getpid() for r in records), records
+    out = capfd.readouterr().out
+    assert "rank 0 prints to the launcher's stdout" in out and "rank 1 prints to the launcher's stdout" in out
 
 
 @pytest.mark.dist

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from pipetrain.launch import forkserver
 from pipetrain.launch.errors import RankFailedError, RunStopped, read_stopped
 from pipetrain.launch.local import CPU_MALLOC_ENV, inherited_environ
 from pipetrain.launch.rank import Entry, elastic_worker, resolve_backend
@@ -35,6 +36,7 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
     backend = resolve_backend(config.cluster.backend, config.trainer.device)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     env = CPU_MALLOC_ENV if backend == "gloo" else {}
+    warm(backend)
     with tempfile.TemporaryDirectory(prefix="pipetrain-elastic-") as logs, inherited_environ(env), \
             _quiet("torch.distributed.elastic", "torch.multiprocessing"):
         launch_config = LaunchConfig(
@@ -44,11 +46,12 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
             # launch.max_restarts: the agent restarts every worker after one fails; they resume from
             # the newest verified checkpoint by themselves (train/restart.py). 0: a failure ends the run
             max_restarts=config.launch.max_restarts,
-            monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
+            monitor_interval=0.1, start_method=forkserver.start_method(backend), local_addr="127.0.0.1",
             logs_specs=DefaultLogsSpecs(log_dir=logs),  # the workers' error files, removed afterwards
         )
         try:
-            results = elastic_launch(launch_config, elastic_worker)(entry, config, plan, str(run_dir))
+            results = elastic_launch(launch_config, elastic_worker)(entry, config, plan, str(run_dir),
+                                                                   forkserver.Inherit())
         except ChildFailedError as err:
             if read_stopped(run_dir):  # the workers alone got the signal; they saved and left (launch/rank.py)
                 raise RunStopped(read_stopped(run_dir) or {}) from None
@@ -57,6 +60,13 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
             raise RunStopped(read_stopped(run_dir) or {"signal": err.sigval.name, "step": "?", "checkpoint": None}
                              ) from None
     return results[0]
+
+
+def warm(backend: str) -> None:
+    """Start the server the CPU ranks fork from (launch/forkserver.py), with the malloc settings
+    of launch/local.py: a rank inherits the server's, fixed when it started."""
+    with inherited_environ(CPU_MALLOC_ENV if backend == "gloo" else {}):
+        forkserver.warm(backend)
 
 
 def error_records(log_dir: Path) -> dict[int, dict]:

@@ -52,6 +52,16 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
     return _finished(run_rank(config, plan, run_dir, env, entry, agree=True))
 
 
+def prestart(config: Config) -> None:
+    """cluster=local: start what the ranks fork from now, so that its imports overlap this
+    process's checks and simulation (launch/forkserver.py)."""
+    if config.cluster.name == "local":
+        from pipetrain.launch.elastic import warm
+        from pipetrain.launch.rank import resolve_backend
+
+        warm(resolve_backend(config.cluster.backend, config.trainer.device))
+
+
 def _finished(result: dict) -> dict:
     """Rank 0's result, or RunStopped when the ranks stopped on a signal (train/stop.py)."""
     if result.get("stopped"):

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipetrain.launch import forkserver
+
 
 # glibc hands large freed blocks back to the kernel, so a training step that frees and
 # re-allocates activations page-faults on every allocation; keeping freed memory makes CPU
@@ -46,7 +48,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out: str, backend: str, threads: int, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world: int, port: int, out: str, backend: str, threads: int, fn: Callable, args: tuple,
+           inherit: forkserver.Inherit) -> None:
+    inherit.adopt()
     torch.set_num_threads(threads)  # ranks share the machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
@@ -65,8 +69,10 @@ def spawn_local(
     """Start `world` processes running fn; with join=True wait for all (raising if one fails)."""
     Path(out).mkdir(parents=True, exist_ok=True)
     with inherited_environ(CPU_MALLOC_ENV if backend == "gloo" else {}):
-        ctx = mp.start_processes(_entry, args=(world, free_port(), str(out), backend, threads, fn, args),
-                                 nprocs=world, join=False, start_method="spawn")
+        forkserver.warm(backend)
+        ctx = mp.start_processes(_entry, args=(world, free_port(), str(out), backend, threads, fn, args,
+                                               forkserver.Inherit()),
+                                 nprocs=world, join=False, start_method=forkserver.start_method(backend))
     if join:
         while not ctx.join():
             pass
@@ -74,15 +80,19 @@ def spawn_local(
 
 
 def worker_pids(launcher: int) -> list[int]:
-    """The rank processes a launcher started with multiprocessing's spawn (cluster=local's
-    workers), oldest first: what a test or a benchmark kills to play a dying rank. Linux (/proc)."""
-    out = []
+    """The rank processes a launcher started (cluster=local's workers), oldest first: what a test or
+    a benchmark kills to play a dying rank. Spawned ranks are the launcher's children; forked ones
+    (launch/forkserver.py) the children of its fork server. Linux (/proc)."""
+    children: dict[int, list[tuple[int, bytes]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             cmd = (stat.parent / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == launcher and b"spawn_main" in cmd:
-            out.append(int(stat.parent.name))
+        children.setdefault(ppid, []).append((int(stat.parent.name), cmd))
+    out = [pid for pid, cmd in children.get(launcher, []) if b"spawn_main" in cmd]
+    for server, cmd in children.get(launcher, []):
+        if b"multiprocessing.forkserver" in cmd:
+            out += [pid for pid, _ in children.get(server, [])]
     return sorted(out)

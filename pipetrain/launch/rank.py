@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from pipetrain.config.parallel import world_text
 from pipetrain.launch.env import RankEnv, torchrun_env
+from pipetrain.launch.forkserver import Inherit
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -149,8 +150,9 @@ def _rank0_lock(run_dir: Path) -> Iterator[None]:
         lock.release()
 
 
-def elastic_worker(entry: Entry, config: Config, plan: Plan, run_dir: str) -> dict:
+def elastic_worker(entry: Entry, config: Config, plan: Plan, run_dir: str, inherit: Inherit) -> dict:
     """Entry point of cluster=local's workers: torch's elastic agent set the torchrun variables."""
+    inherit.adopt()
     try:
         result = run_rank(config, plan, Path(run_dir), torchrun_env(), entry, agree=False)
     except Exception:

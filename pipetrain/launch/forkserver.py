@@ -1,0 +1,82 @@
+"""Rank processes on CPU (gloo) start by forking a server that has already imported torch and
+the trainer, instead of each importing them anew (multiprocessing's "forkserver" start method).
+
+A spawned rank spends about 2 s of CPU importing torch and pipetrain before it runs a line of
+its own; 4 ranks on 2 cores wait 4 s for that at every launch. The server pays it once per
+launching process (and `warm()` starts it early, while the launcher still composes and simulates),
+after which a rank starts in milliseconds. A rank still starts as a spawned one would, from what
+the launching process has at the moment it launches: its environment (the server's own is the
+one it was started with) and its stdout/stderr (passed along as file descriptors). NCCL ranks
+keep the spawn start method: a GPU run's start-up is small next to it, and nothing CUDA-related
+is ever forked.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import sys
+from multiprocessing import reduction
+from typing import Any
+
+# what a rank imports before it runs (the trainer's rank entry and the runtime it drives)
+PRELOAD = ["torch", "torch.distributed", "pipetrain.launch.rank", "pipetrain.train.trainer"]
+# The environment this module was imported with: in the server, the one every forked rank inherits
+# before it takes the launcher's (`adopt`).
+_IMPORT_ENV = dict(os.environ)
+
+
+def start_method(backend: str) -> str:
+    return "forkserver" if backend == "gloo" else "spawn"
+
+
+def warm(backend: str = "gloo") -> None:
+    """Start the server (if not running) so that its imports overlap the launcher's own work.
+    Its environment is the caller's now: call it inside launch/local.py's inherited_environ."""
+    if start_method(backend) != "forkserver":
+        return
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
+class Inherit:
+    """What a rank takes from its launcher at launch time, as a spawned process would: the
+    environment and stdout/stderr. Built in the launching process and pickled with the rank's
+    arguments; the file descriptors travel as multiprocessing's DupFd, which only works while a
+    forkserver child is being started (a spawned child inherits them anyway)."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.fds: list[int] | None = None
+
+    def __getstate__(self) -> dict:
+        fds = None
+        if _forking():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            fds = [reduction.DupFd(fd) for fd in (1, 2)]
+        return {"environ": self.environ, "fds": fds}
+
+    def __setstate__(self, state: dict) -> None:
+        self.environ = state["environ"]
+        self.fds = None if state["fds"] is None else [d.detach() for d in state["fds"]]
+
+    def adopt(self) -> None:
+        """In the rank: the launcher's environment plus what the start method set for this rank
+        (torch elastic's RANK, LOCAL_RANK, ...), and the launcher's stdout/stderr. Call it first."""
+        own = {k: v for k, v in os.environ.items() if _IMPORT_ENV.get(k) != v}
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.environ.update(own)
+        for target, fd in zip((1, 2), self.fds or ()):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _forking() -> bool:
+    """Whether this pickling happens while multiprocessing starts a forkserver child."""
+    from multiprocessing import context
+
+    popen = context.get_spawning_popen()
+    return popen is not None and type(popen).__module__ == "multiprocessing.popen_forkserver"
