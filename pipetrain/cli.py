@@ -52,7 +52,7 @@ def run(config: Config, run_dir: Path) -> Any:
         return run_simulate(config, run_dir)
     # Train, eval, export: everything is checked (and simulated) here, before any process starts.
     if config.mode is not Mode.export:
-        prestart(config)  # the ranks' start-up (imports) runs beside the checks
+        prestart(config)  # the ranks' start-up (torch's import) runs beside the checks, before ours
     from pipetrain.models.hf import check_pretrained
     from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
 

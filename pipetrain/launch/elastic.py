@@ -23,7 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipetrain.launch import forkserver
 from pipetrain.launch.errors import RankFailedError, RunStopped, read_stopped
-from pipetrain.launch.local import CPU_MALLOC_ENV, inherited_environ
+from pipetrain.launch.forkserver import CPU_MALLOC_ENV, inherited_environ
 from pipetrain.launch.rank import Entry, elastic_worker, resolve_backend
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
     backend = resolve_backend(config.cluster.backend, config.trainer.device)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     env = CPU_MALLOC_ENV if backend == "gloo" else {}
-    warm(backend)
+    forkserver.warm(backend)
     with tempfile.TemporaryDirectory(prefix="pipetrain-elastic-") as logs, inherited_environ(env), \
             _quiet("torch.distributed.elastic", "torch.multiprocessing"):
         launch_config = LaunchConfig(
@@ -60,13 +60,6 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
             raise RunStopped(read_stopped(run_dir) or {"signal": err.sigval.name, "step": "?", "checkpoint": None}
                              ) from None
     return results[0]
-
-
-def warm(backend: str) -> None:
-    """Start the server the CPU ranks fork from (launch/forkserver.py), with the malloc settings
-    of launch/local.py: a rank inherits the server's, fixed when it started."""
-    with inherited_environ(CPU_MALLOC_ENV if backend == "gloo" else {}):
-        forkserver.warm(backend)
 
 
 def error_records(log_dir: Path) -> dict[int, dict]:

@@ -53,13 +53,13 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
 
 
 def prestart(config: Config) -> None:
-    """cluster=local: start what the ranks fork from now, so that its imports overlap this
-    process's checks and simulation (launch/forkserver.py)."""
-    if config.cluster.name == "local":
-        from pipetrain.launch.elastic import warm
-        from pipetrain.launch.rank import resolve_backend
+    """cluster=local on CPU: start the server the ranks fork from now (launch/forkserver.py), before
+    this process imports torch, so that its imports overlap our checks and simulation. Unless the
+    config says NCCL or CUDA; with both on auto a GPU machine starts one it will not use."""
+    if config.cluster.name == "local" and config.cluster.backend != "nccl" and config.trainer.device != "cuda":
+        from pipetrain.launch.forkserver import warm
 
-        warm(resolve_backend(config.cluster.backend, config.trainer.device))
+        warm("gloo")
 
 
 def _finished(result: dict) -> dict:

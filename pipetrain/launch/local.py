@@ -7,39 +7,19 @@ the one-line message) into `out_dir` before exiting non-zero.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import socket
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipetrain.launch import forkserver
-
-
-# glibc hands large freed blocks back to the kernel, so a training step that frees and
-# re-allocates activations page-faults on every allocation; keeping freed memory makes CPU
-# steps 10-30% faster (bench/split_backward.py measures it). Read by malloc at process
-# start, so it is set in the environment the ranks are spawned with; a user's own value wins.
-CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "2000000000",
-                  "MALLOC_TOP_PAD_": "268435456"}
-
-
-@contextlib.contextmanager
-def inherited_environ(extra: dict[str, str]) -> Iterator[None]:
-    """Variables the spawned workers inherit (read by malloc at process start); a user's own value wins."""
-    added = {k: v for k, v in extra.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
+from pipetrain.launch.forkserver import CPU_MALLOC_ENV, inherited_environ  # noqa: F401 (benches import them here)
 
 
 def free_port() -> int:
@@ -68,8 +48,8 @@ def spawn_local(
 ) -> mp.ProcessContext:
     """Start `world` processes running fn; with join=True wait for all (raising if one fails)."""
     Path(out).mkdir(parents=True, exist_ok=True)
+    forkserver.warm(backend)
     with inherited_environ(CPU_MALLOC_ENV if backend == "gloo" else {}):
-        forkserver.warm(backend)
         ctx = mp.start_processes(_entry, args=(world, free_port(), str(out), backend, threads, fn, args,
                                                forkserver.Inherit()),
                                  nprocs=world, join=False, start_method=forkserver.start_method(backend))
