@@ -24,6 +24,10 @@ class PlanConfig:
     p2p_latency_ms: Optional[float] = None  # per transfer; null = sim.comm_ms
     dp_gbs: Optional[float] = None  # per-rank gradient-reduction bandwidth, GB/s; null = cluster.dp_bandwidth_gbs
     optim_gbs: float = 0.0  # memory bandwidth of the optimizer step, GB/s (0: the step is not timed)
+    action_overhead_ms: float = 0.0  # framework time per F, B, W or BW action beyond its layers' (calibrate: bench/planner_accuracy.py)
+    layer_overhead_ms: float = 0.0  # framework time per layer and op (F, B, W) beyond the model's costs (calibrate: bench/planner_accuracy.py)
+    reduce_latency_ms: float = 0.0  # fixed cost of each stage's data-parallel gradient reduction (calibrated like the above)
+    step_overhead_ms: float = 0.0  # fixed cost per optimizer step outside the pipeline (loss, grad norm, optimizer launch)
     margin: float = 0.05  # fraction of the predicted peak added for fragmentation and workspaces
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (1: all, the safe bound)
     schedules: Optional[list[str]] = None  # schedules to try; null = every built-in
@@ -51,8 +55,11 @@ class PlanConfig:
                 raise ValueError(f"plan.{knob} must be > 0 (got {getattr(self, knob)})")
         if self.dp_gbs is not None and not self.dp_gbs > 0:
             raise ValueError(f"plan.dp_gbs must be > 0 (got {self.dp_gbs})")
-        if self.optim_gbs < 0 or self.margin < 0 or (self.p2p_latency_ms or 0) < 0:
-            raise ValueError("plan.optim_gbs, plan.margin and plan.p2p_latency_ms must be >= 0")
+        for knob in ("optim_gbs", "margin", "action_overhead_ms", "layer_overhead_ms", "reduce_latency_ms", "step_overhead_ms"):
+            if getattr(self, knob) < 0:
+                raise ValueError(f"plan.{knob} must be >= 0 (got {getattr(self, knob)})")
+        if (self.p2p_latency_ms or 0) < 0:
+            raise ValueError(f"plan.p2p_latency_ms must be >= 0 (got {self.p2p_latency_ms})")
         if not 0.0 <= self.w_keep <= 1.0:
             raise ValueError(f"plan.w_keep must be in [0, 1] (got {self.w_keep})")
         if self.objective not in OBJECTIVES:

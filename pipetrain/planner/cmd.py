@@ -79,6 +79,8 @@ def device(config: Config) -> Device:
     return Device(p.memory_gb, p2p_gbs=p.p2p_gbs,
                   p2p_latency_ms=config.sim.comm_ms if p.p2p_latency_ms is None else p.p2p_latency_ms,
                   dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, optim_gbs=p.optim_gbs, margin=p.margin,
+                  action_overhead_ms=p.action_overhead_ms, layer_overhead_ms=p.layer_overhead_ms, reduce_latency_ms=p.reduce_latency_ms,
+                  step_overhead_ms=p.step_overhead_ms,
                   lookahead=config.pipeline.p2p_lookahead, reduce_dtype=config.parallel.reduce_dtype)
 
 

@@ -12,6 +12,7 @@ Pure Python, no torch: the caller (planner/cmd.py) turns a Config into a `Worklo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from pipetrain.models.costs import LayerCost, chunk_costs
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import GB, RankMemory, StateBytes, peak_activation_bytes, rank_memory
 from pipetrain.schedules import registry
-from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.ir import Op, Schedule
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
@@ -50,6 +51,10 @@ class Device:
     dp_gbs: float = 25.0  # per-rank bandwidth of the gradient reduction
     optim_gbs: float = 0.0  # memory bandwidth of the optimizer step (0: not timed)
     margin: float = 0.05  # fraction added for fragmentation and workspaces
+    action_overhead_ms: float = 0.0  # added to every F, B, W and BW action (the executor's own time per action)
+    layer_overhead_ms: float = 0.0  # added to every layer's F, B and W (the executor's own time per layer)
+    reduce_latency_ms: float = 0.0  # added to every stage's data-parallel reduction
+    step_overhead_ms: float = 0.0  # added once per step (loss, grad norm, optimizer launch)
     lookahead: int = 1  # receives posted ahead (pipeline.p2p_lookahead)
     reduce_dtype: str = "float32"
 
@@ -106,11 +111,21 @@ class Row:
         }
 
 
-def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: bool) -> StageCosts:
-    """Per stage id (f, b, w); recompute runs the stage's forward again inside its B."""
+def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: bool,
+                 action_ms: float = 0.0, split: Optional[set[int]] = None) -> StageCosts:
+    """Per stage id (f, b, w); recompute runs the stage's forward again inside its B. `action_ms`
+    is added to every action: to f, b and w of the stages in `split` (they run B and W apart; all
+    stages when None), to f and b only of the others (their BW is one action of b + w)."""
     per = [chunks[pl.chunk_of(s)] for s in range(pl.num_stages)]
-    return StageCosts(tuple(f for f, _, _ in per), tuple(b + (f if recompute else 0.0) for f, b, _ in per),
-                      tuple(w for _, _, w in per))
+    w_extra = [action_ms if split is None or s in split else 0.0 for s in range(pl.num_stages)]
+    return StageCosts(tuple(f + action_ms for f, _, _ in per),
+                      tuple(b + (f if recompute else 0.0) + action_ms for f, b, _ in per),
+                      tuple(w + x for (_, _, w), x in zip(per, w_extra)))
+
+
+def _split_stages(sched: Schedule) -> set[int]:
+    """Stages on which the schedule runs a W action (B and W apart)."""
+    return {a.stage for row in sched.steps for step in row for a in step.parts() if a.op is Op.W}
 
 
 class _Evaluator:
@@ -120,7 +135,9 @@ class _Evaluator:
 
     def layers(self, mbs: int) -> tuple[LayerCost, ...]:
         if mbs not in self._layers:
-            self._layers[mbs] = tuple(self.work.layers(mbs))
+            o = self.device.layer_overhead_ms
+            self._layers[mbs] = tuple(dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l
+                                      for l in self.work.layers(mbs))
         return self._layers[mbs]
 
     def static(self, c: Candidate, params_rank: list[float], boundary: float, stages: int) -> list[RankMemory]:
@@ -160,7 +177,8 @@ class _Evaluator:
         static = self.static(c, params_rank, boundary, pl.stages_per_rank)
         transient = [max(full_chunk[pl.chunk_of(s)] for s in pl.stages_of(r)) if c.recompute else 0.0
                      for r in range(c.pp)]
-        costs = _stage_costs(pl, chunk_costs(layers, part.bounds), c.recompute)
+        chunks = chunk_costs(layers, part.bounds)
+        costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms)
         comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
         room = [cap / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
         worst = min(range(c.pp), key=lambda r: room[r])
@@ -174,11 +192,14 @@ class _Evaluator:
                 return row
         else:
             sched = registry.build(c.schedule, c.pp, c.microbatches, c.v)
+            if d.action_overhead_ms:
+                costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms, _split_stages(sched))
         red = None
         if c.dp > 1:
             sched = add_reduces(sched)
             red = reduce_ms(stage_params(sched, part.chunk_params()), dp_replicate=1 if c.dp_shard else c.dp,
                             dp_shard=c.dp if c.dp_shard else 1, bandwidth_gbs=d.dp_gbs, reduce_dtype=d.reduce_dtype)
+            red = tuple(r + d.reduce_latency_ms for r in red)
         sim = simulate(sched, costs, comm_ms=comm_ms, check=False, reduce_ms=red)
         act_stage = {s: act_chunk[pl.chunk_of(s)] for s in range(pl.num_stages)}
         row.memory = []
@@ -187,7 +208,7 @@ class _Evaluator:
             base = m.states + act + m.receive
             row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base))
         opt_ms = max(m.states for m in static) / (d.optim_gbs * GB) * 1e3 if d.optim_gbs > 0 else 0.0
-        row.pred_step_ms = sim.makespan_with_reduce + opt_ms
+        row.pred_step_ms = sim.makespan_with_reduce + opt_ms + d.step_overhead_ms
         row.bubble = sim.bubble_fraction_mean
         ideal = simulate(sched, costs, comm_ms=0.0, check=False).makespan if comm_ms > 0 else sim.makespan
         row.exposed_comm_ms = sim.makespan_with_reduce - ideal
