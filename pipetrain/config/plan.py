@@ -1,6 +1,6 @@
 """Schema of the `plan` config group: what `mode=plan` and `schedule=auto` search over (pure: no torch).
 
-The planner (pipetrain/planner/) scores every (pp x dp layout, schedule, v, M, microbatch size,
+The planner (pipetrain/planner/) scores every (pp x dp x tp layout, schedule, v, M, microbatch size,
 recompute) of this space by simulation against a per-device memory budget, and ranks them.
 """
 
@@ -32,6 +32,8 @@ class PlanConfig:
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (1: all, the safe bound)
     schedules: Optional[list[str]] = None  # schedules to try; null = every built-in
     pp: Optional[list[int]] = None  # pipeline degrees to try; null = every divisor of the world
+    tp: list[int] = field(default_factory=lambda: [1])  # tensor-parallel degrees to try (world = pp x dp x tp)
+    sequence_parallel: bool = False  # rows with tp > 1 also split activations on the sequence (parallel.sequence_parallel)
     virtual_stages: list[int] = field(default_factory=lambda: [2])  # v for interleaved_1f1b / looped_bfs
     microbatch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # sequences per microbatch
     recompute: list[bool] = field(default_factory=lambda: [False])  # trainer.activation_checkpointing values to try
@@ -66,6 +68,8 @@ class PlanConfig:
             raise ValueError(f"plan.objective={self.objective!r} is unknown: choose one of {', '.join(OBJECTIVES)}")
         if not self.microbatch_sizes or min(self.microbatch_sizes) < 1:
             raise ValueError("plan.microbatch_sizes must list sizes >= 1")
+        if not self.tp or min(self.tp) < 1:
+            raise ValueError(f"plan.tp must list tensor-parallel degrees >= 1 (got {self.tp})")
         if not self.virtual_stages or min(self.virtual_stages) < 2:
             raise ValueError("plan.virtual_stages must list v >= 2 (for interleaved_1f1b / looped_bfs)")
         if not self.recompute:

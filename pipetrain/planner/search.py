@@ -3,7 +3,10 @@
 Time: the simulator's makespan of the actual schedule under the partition's per-stage F, B, W
 (recompute adds F to B), each cross-rank transfer costing latency + boundary bytes / bandwidth
 (`comm_ms`), the data-parallel reduce lane (schedules/reduce_cost.py) and what it leaves exposed
-after the last backward, plus the optimizer step (state bytes over memory bandwidth).
+after the last backward, plus the optimizer step (state bytes over memory bandwidth), plus the
+calibrated overheads a run adds (per action, per layer, per reduction, per step: planner/calibrate.py).
+Under tensor parallel each layer is one tp rank's (`tp_rank_layers`: schedules/tp_cost.py's
+compute / tp and TP collectives, parameters / tp, activations per Korthikanti et al. 2022).
 Memory: planner/memory.py, with the activation peak taken from the same simulated timeline.
 `zb_auto` gets the largest activation budget the memory cap leaves (at most 2P, ZB-2p's).
 
@@ -27,6 +30,7 @@ from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts, simulate
+from pipetrain.schedules.tp_cost import tp_layer_costs
 from pipetrain.schedules.zb_auto import zb_auto_order
 
 
@@ -39,6 +43,13 @@ class Workload:
     boundary_bytes_per_token: float  # the tensor crossing a stage boundary, per token
     state: StateBytes = StateBytes()
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W
+    # tensor parallel (schedules/tp_cost.py): a block's width, the vocabulary, bytes per value of the
+    # tp collectives, and the activation bytes per token of a block that tp leaves whole without
+    # sequence parallel (the norms' inputs and outputs; Korthikanti et al. 2022's 10 of 34)
+    hidden: int = 0
+    vocab: int = 0
+    value_bytes: int = 4
+    tp_replicated_bytes_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,7 @@ class Device:
     p2p_gbs: float = 25.0  # stage-to-stage bandwidth, GB/s
     p2p_latency_ms: float = 0.0  # per transfer
     dp_gbs: float = 25.0  # per-rank bandwidth of the gradient reduction
+    tp_gbs: float = 150.0  # bandwidth of the tensor-parallel collectives
     optim_gbs: float = 0.0  # memory bandwidth of the optimizer step (0: not timed)
     margin: float = 0.05  # fraction added for fragmentation and workspaces
     action_overhead_ms: float = 0.0  # added to every F, B, W and BW action (the executor's own time per action)
@@ -70,10 +82,13 @@ class Candidate:
     recompute: bool = False
     dp_shard: bool = False  # FSDP2 sharding over dp (else replicas)
     partition: str = "balanced"
+    tp: int = 1  # tensor-parallel degree inside every stage (world = pp x dp x tp)
+    sequence_parallel: bool = False  # tp > 1: activations and stage tensors split on the sequence
 
     @property
     def layout(self) -> str:
-        return f"pp{self.pp} x dp{self.dp}" + (" (fsdp)" if self.dp_shard and self.dp > 1 else "")
+        tp = f" x tp{self.tp}" + (" (sp)" if self.sequence_parallel else "") if self.tp > 1 else ""
+        return f"pp{self.pp} x dp{self.dp}{tp}" + (" (fsdp)" if self.dp_shard and self.dp > 1 else "")
 
 
 @dataclass
@@ -101,7 +116,8 @@ class Row:
         c = self.candidate
         peak = self.peak
         return {
-            "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "v": c.v, "microbatches": c.microbatches,
+            "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "tp": c.tp, "sequence_parallel": c.sequence_parallel,
+            "v": c.v, "microbatches": c.microbatches,
             "microbatch_size": c.microbatch_size, "recompute": c.recompute, "dp_shard": c.dp_shard,
             "partition": c.partition, "layout": c.layout, "feasible": self.feasible, "reason": self.reason,
             "pred_step_ms": self.pred_step_ms, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
@@ -109,6 +125,23 @@ class Row:
             "exposed_comm_ms": self.exposed_comm_ms, "memory_budget": self.memory_budget,
             "memory_per_rank": [m.to_json() for m in self.memory],
         }
+
+
+def tp_rank_layers(layers: Sequence[LayerCost], *, tp: int, sequence_parallel: bool, tokens: int, hidden: int,
+                   vocab: int, value_bytes: int, bandwidth_gbs: float,
+                   replicated_bytes_per_token: float = 0.0) -> list[LayerCost]:
+    """One tp rank's layers (schedules/tp_cost.py: compute / tp plus the TP collectives, parameters
+    / tp). Activations: / tp under sequence parallel; without it a block keeps its replicated part
+    (`replicated_bytes_per_token`, the norms') whole and splits the rest (Korthikanti et al. 2022:
+    sbh (10 + 24 / t) for their 34); 0 leaves the blocks' activations whole (tp_cost's bound)."""
+    split = tp_layer_costs(layers, tp=tp, tokens=tokens, hidden=hidden, vocab=vocab, bytes_per_value=value_bytes,
+                           bandwidth_gbs=bandwidth_gbs, sequence_parallel=sequence_parallel)
+    if tp == 1 or sequence_parallel or not replicated_bytes_per_token:
+        return split
+    return [dataclasses.replace(l, activation_bytes_per_token=replicated_bytes_per_token
+                                + (l.activation_bytes_per_token - replicated_bytes_per_token) / tp)
+            if l.name not in ("embed", "head") and l.activation_bytes_per_token > replicated_bytes_per_token else l
+            for l in split]
 
 
 def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: bool,
@@ -131,14 +164,22 @@ def _split_stages(sched: Schedule) -> set[int]:
 class _Evaluator:
     def __init__(self, work: Workload, device: Device) -> None:
         self.work, self.device = work, device
-        self._layers: dict[int, tuple[LayerCost, ...]] = {}
+        self._whole: dict[int, tuple[LayerCost, ...]] = {}
+        self._layers: dict[tuple[int, int, bool], tuple[LayerCost, ...]] = {}
 
-    def layers(self, mbs: int) -> tuple[LayerCost, ...]:
-        if mbs not in self._layers:
-            o = self.device.layer_overhead_ms
-            self._layers[mbs] = tuple(dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l
-                                      for l in self.work.layers(mbs))
-        return self._layers[mbs]
+    def layers(self, mbs: int, tp: int = 1, sp: bool = False) -> tuple[LayerCost, ...]:
+        """One tp rank's per-layer costs of one microbatch, calibrated overhead included."""
+        if mbs not in self._whole:
+            self._whole[mbs] = tuple(self.work.layers(mbs))
+        key = (mbs, tp, sp)
+        if key not in self._layers:
+            w, o = self.work, self.device.layer_overhead_ms
+            split = tp_rank_layers(self._whole[mbs], tp=tp, sequence_parallel=sp, tokens=mbs * w.seq, hidden=w.hidden,
+                                   vocab=w.vocab, value_bytes=w.value_bytes, bandwidth_gbs=self.device.tp_gbs,
+                                   replicated_bytes_per_token=w.tp_replicated_bytes_per_token)
+            self._layers[key] = tuple(dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l
+                                      for l in split)
+        return self._layers[key]
 
     def static(self, c: Candidate, params_rank: list[float], boundary: float, stages: int) -> list[RankMemory]:
         shard = c.dp if c.dp_shard else 1
@@ -164,11 +205,11 @@ class _Evaluator:
     def evaluate(self, c: Candidate) -> Row:
         row, d, w = Row(c), self.device, self.work
         cap = d.memory_gb * GB
-        layers = self.layers(c.microbatch_size)
+        layers = self.layers(c.microbatch_size, c.tp, c.sequence_parallel)
         pl = registry.placement_for(c.schedule, c.pp, c.v)
         part = partition(layers, pl.num_chunks, c.partition)
         tokens = c.microbatch_size * w.seq
-        boundary = w.boundary_bytes_per_token * tokens
+        boundary = w.boundary_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
         act_chunk = [boundary if c.recompute else math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens
                      for rng in part.bounds]
         full_chunk = [math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
@@ -222,13 +263,15 @@ class _Evaluator:
 def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
                microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], recompute: Sequence[bool] = (False,),
                pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False, partition: str = "balanced",
-               max_microbatches: int = 256) -> list[Candidate]:
-    """Every valid combination: pp x dp = world, M = global_batch / (dp x microbatch size)."""
+               max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,),
+               sequence_parallel: bool = False) -> list[Candidate]:
+    """Every valid combination: pp x dp x tp = world, M = global_batch / (dp x microbatch size)."""
     out = []
-    for pp in pp_degrees or [p for p in range(1, world + 1) if world % p == 0]:
-        if world % pp:
+    for tp, pp in [(t, p) for t in tp_degrees if world % t == 0
+                   for p in (pp_degrees or [q for q in range(1, world // t + 1) if world // t % q == 0])]:
+        if world % (pp * tp):
             continue
-        dp = world // pp
+        dp, sp = world // (pp * tp), sequence_parallel and tp > 1
         for name in schedules:
             spec = registry.get(name)
             for v in ([spec.fixed_stages_per_rank] if spec.fixed_stages_per_rank else virtual_stages):
@@ -241,13 +284,14 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                     if M > max_microbatches or not spec.is_valid(pp, M, v):
                         continue
                     for rc in recompute:
-                        out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition))
+                        out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition, tp, sp))
     return out
 
 
 def lower_bound_ms(ev: _Evaluator, c: Candidate) -> float:
     """No schedule beats every rank busy from start to end with its share of the work."""
-    total = math.fsum(l.total_ms + (l.f_ms if c.recompute else 0.0) for l in ev.layers(c.microbatch_size))
+    total = math.fsum(l.total_ms + (l.f_ms if c.recompute else 0.0)
+                      for l in ev.layers(c.microbatch_size, c.tp, c.sequence_parallel))
     return c.microbatches * total / c.pp
 
 
