@@ -1,6 +1,6 @@
 """Schema of the `plan` config group: what `mode=plan` and `schedule=auto` search over (pure: no torch).
 
-The planner (pipetrain/planner/) scores every (pp x dp layout, schedule, v, M, microbatch size,
+The planner (pipetrain/planner/) scores every (pp x dp x tp layout, schedule, v, M, microbatch size,
 recompute) of this space by simulation against a per-device memory budget, and ranks them.
 """
 
@@ -24,10 +24,16 @@ class PlanConfig:
     p2p_latency_ms: Optional[float] = None  # per transfer; null = sim.comm_ms
     dp_gbs: Optional[float] = None  # per-rank gradient-reduction bandwidth, GB/s; null = cluster.dp_bandwidth_gbs
     optim_gbs: float = 0.0  # memory bandwidth of the optimizer step, GB/s (0: the step is not timed)
+    action_overhead_ms: float = 0.0  # framework time per F, B, W or BW action beyond its layers' (calibrate: bench/planner_accuracy.py)
+    layer_overhead_ms: float = 0.0  # framework time per layer and op (F, B, W) beyond the model's costs (calibrate: bench/planner_accuracy.py)
+    reduce_latency_ms: float = 0.0  # fixed cost of each stage's data-parallel gradient reduction (calibrated like the above)
+    step_overhead_ms: float = 0.0  # fixed cost per optimizer step outside the pipeline (loss, grad norm, optimizer launch)
     margin: float = 0.05  # fraction of the predicted peak added for fragmentation and workspaces
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (1: all, the safe bound)
     schedules: Optional[list[str]] = None  # schedules to try; null = every built-in
     pp: Optional[list[int]] = None  # pipeline degrees to try; null = every divisor of the world
+    tp: list[int] = field(default_factory=lambda: [1])  # tensor-parallel degrees to try (world = pp x dp x tp)
+    sequence_parallel: bool = False  # rows with tp > 1 also split activations on the sequence (parallel.sequence_parallel)
     virtual_stages: list[int] = field(default_factory=lambda: [2])  # v for interleaved_1f1b / looped_bfs
     microbatch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # sequences per microbatch
     recompute: list[bool] = field(default_factory=lambda: [False])  # trainer.activation_checkpointing values to try
@@ -51,14 +57,19 @@ class PlanConfig:
                 raise ValueError(f"plan.{knob} must be > 0 (got {getattr(self, knob)})")
         if self.dp_gbs is not None and not self.dp_gbs > 0:
             raise ValueError(f"plan.dp_gbs must be > 0 (got {self.dp_gbs})")
-        if self.optim_gbs < 0 or self.margin < 0 or (self.p2p_latency_ms or 0) < 0:
-            raise ValueError("plan.optim_gbs, plan.margin and plan.p2p_latency_ms must be >= 0")
+        for knob in ("optim_gbs", "margin", "action_overhead_ms", "layer_overhead_ms", "reduce_latency_ms", "step_overhead_ms"):
+            if getattr(self, knob) < 0:
+                raise ValueError(f"plan.{knob} must be >= 0 (got {getattr(self, knob)})")
+        if (self.p2p_latency_ms or 0) < 0:
+            raise ValueError(f"plan.p2p_latency_ms must be >= 0 (got {self.p2p_latency_ms})")
         if not 0.0 <= self.w_keep <= 1.0:
             raise ValueError(f"plan.w_keep must be in [0, 1] (got {self.w_keep})")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"plan.objective={self.objective!r} is unknown: choose one of {', '.join(OBJECTIVES)}")
         if not self.microbatch_sizes or min(self.microbatch_sizes) < 1:
             raise ValueError("plan.microbatch_sizes must list sizes >= 1")
+        if not self.tp or min(self.tp) < 1:
+            raise ValueError(f"plan.tp must list tensor-parallel degrees >= 1 (got {self.tp})")
         if not self.virtual_stages or min(self.virtual_stages) < 2:
             raise ValueError("plan.virtual_stages must list v >= 2 (for interleaved_1f1b / looped_bfs)")
         if not self.recompute:

@@ -17,17 +17,21 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipetrain.config import Config, SleepModelConfig
+from pipetrain.config import AUTO, Config, SleepModelConfig
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Candidate, Device, Row, Workload, candidates, search
 from pipetrain.schedules import registry
 
 PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
-CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "v", "microbatches", "microbatch_size", "recompute",
+CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "v", "microbatches", "microbatch_size", "recompute",
                "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
                "exposed_comm_ms", "memory_budget", "reason")
 HIDDEN_KNOBS = ("n_embd", "hidden_size", "hidden", "d_hidden")  # the width crossing a stage boundary
+# activation values per token and unit of width a block keeps whole under tp without sequence parallel:
+# the norms' inputs and outputs, the column-parallel layers' (replicated) inputs (models/gpt2.py: ln_1, c_attn,
+# ln_2, c_fc inputs of its 17 C; models/llama.py: the two RMSNorms' 3 C each); other models: all of it
+TP_REPLICATED = {"gpt2": 4, "llama": 6}
 # what the planner cuts by; partition=profile cuts by measured time ("time") and calibrates the costs
 PARTITIONS = {"uniform": "uniform", "params": "params", "flops": "flops", "balanced": "balanced", "profile": "time"}
 
@@ -62,7 +66,9 @@ def workload(config: Config) -> Workload:
             return model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
     hidden = next(getattr(m, k) for k in HIDDEN_KNOBS if hasattr(m, k))
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
-    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), p.w_keep)
+    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), p.w_keep, hidden=hidden,
+                    vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
+                    tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross)
 
 
 def world_size(config: Config) -> int:
@@ -78,7 +84,9 @@ def device(config: Config) -> Device:
     p = config.plan
     return Device(p.memory_gb, p2p_gbs=p.p2p_gbs,
                   p2p_latency_ms=config.sim.comm_ms if p.p2p_latency_ms is None else p.p2p_latency_ms,
-                  dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, optim_gbs=p.optim_gbs, margin=p.margin,
+                  dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, tp_gbs=config.cluster.tp_bandwidth_gbs, optim_gbs=p.optim_gbs, margin=p.margin,
+                  action_overhead_ms=p.action_overhead_ms, layer_overhead_ms=p.layer_overhead_ms, reduce_latency_ms=p.reduce_latency_ms,
+                  step_overhead_ms=p.step_overhead_ms,
                   lookahead=config.pipeline.p2p_lookahead, reduce_dtype=config.parallel.reduce_dtype)
 
 
@@ -87,17 +95,41 @@ def plan_candidates(config: Config) -> list[Candidate]:
     names = p.schedules or registry.names()
     for n in names:
         registry.get(n)  # an unknown name fails with the list of choices
+    check_tp(config)
     part = PARTITIONS.get(config.partition.name, "balanced")
     cands = candidates(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
                        num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
                        virtual_stages=p.virtual_stages, recompute=p.recompute, pp_degrees=p.pp,
-                       dp_shard=p.dp_shard, partition=part, max_microbatches=p.max_microbatches)
+                       dp_shard=p.dp_shard, partition=part, max_microbatches=p.max_microbatches,
+                       tp_degrees=p.tp, sequence_parallel=p.sequence_parallel)
     if not cands:
         raise ValueError(
             f"the plan space is empty for world {world_size(config)} and global batch "
             f"{p.global_batch or config.data.batch_size}: make plan.global_batch a multiple of dp x a microbatch "
             f"size in plan.microbatch_sizes, or widen plan.pp / plan.schedules")
     return cands
+
+
+def check_tp(config: Config) -> None:
+    """plan.tp against the world and the model, one line each, before anything is simulated."""
+    p, m, world = config.plan, config.model, world_size(config)
+    for tp in p.tp:
+        if world % tp:
+            raise ValueError(f"plan.tp lists {tp}, which does not divide the world of {world} ranks: drop it from plan.tp")
+        if tp == 1:
+            continue
+        divides = m.tp_divides()
+        if divides is None:
+            if m.family == "sleep" and not (config.schedule.name == AUTO or p.run):
+                continue  # mode=plan prices the sleep model's tp as mode=simulate does; it cannot train it
+            raise ValueError(f"plan.tp lists {tp} but model={m.name} has no tensor-parallel plan (GPT-2 and the Llama "
+                             f"family have one): set plan.tp=[1]")
+        for knob, value in divides.items():
+            if value % tp:
+                raise ValueError(f"plan.tp lists {tp}, which does not divide model.{knob}={value}: drop it from plan.tp")
+        if p.sequence_parallel and m.has_seq and config.data.seq_len % tp:
+            raise ValueError(f"plan.sequence_parallel splits data.seq_len={config.data.seq_len} across plan.tp {tp}: "
+                             f"set data.seq_len to a multiple of {tp} or drop {tp} from plan.tp")
 
 
 def make_rows(config: Config) -> tuple[list[Row], dict[str, Any]]:
@@ -164,7 +196,8 @@ def apply_row(config: Config, row: Row) -> Config:
     return dataclasses.replace(
         config, schedule=schedule,
         pipeline=dataclasses.replace(config.pipeline, degree=c.pp, microbatches=c.microbatches),
-        parallel=dataclasses.replace(config.parallel, dp_replicate=dp_rep, dp_shard=dp_shard),
+        parallel=dataclasses.replace(config.parallel, dp_replicate=dp_rep, dp_shard=dp_shard, tp=c.tp,
+                                     sequence_parallel=c.sequence_parallel),
         data=dataclasses.replace(config.data, batch_size=c.dp * c.microbatches * c.microbatch_size),
         trainer=dataclasses.replace(config.trainer, activation_checkpointing=c.recompute),
         partition=dataclasses.replace(config.partition, boundaries=None,

@@ -3,7 +3,10 @@
 Time: the simulator's makespan of the actual schedule under the partition's per-stage F, B, W
 (recompute adds F to B), each cross-rank transfer costing latency + boundary bytes / bandwidth
 (`comm_ms`), the data-parallel reduce lane (schedules/reduce_cost.py) and what it leaves exposed
-after the last backward, plus the optimizer step (state bytes over memory bandwidth).
+after the last backward, plus the optimizer step (state bytes over memory bandwidth), plus the
+calibrated overheads a run adds (per action, per layer, per reduction, per step: planner/calibrate.py).
+Under tensor parallel each layer is one tp rank's (`tp_rank_layers`: schedules/tp_cost.py's
+compute / tp and TP collectives, parameters / tp, activations per Korthikanti et al. 2022).
 Memory: planner/memory.py, with the activation peak taken from the same simulated timeline.
 `zb_auto` gets the largest activation budget the memory cap leaves (at most 2P, ZB-2p's).
 
@@ -12,6 +15,7 @@ Pure Python, no torch: the caller (planner/cmd.py) turns a Config into a `Worklo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,11 +25,12 @@ from pipetrain.models.costs import LayerCost, chunk_costs
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import GB, RankMemory, StateBytes, peak_activation_bytes, rank_memory
 from pipetrain.schedules import registry
-from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.ir import Op, Schedule
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts, simulate
+from pipetrain.schedules.tp_cost import tp_layer_costs
 from pipetrain.schedules.zb_auto import zb_auto_order
 
 
@@ -38,6 +43,13 @@ class Workload:
     boundary_bytes_per_token: float  # the tensor crossing a stage boundary, per token
     state: StateBytes = StateBytes()
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W
+    # tensor parallel (schedules/tp_cost.py): a block's width, the vocabulary, bytes per value of the
+    # tp collectives, and the activation bytes per token of a block that tp leaves whole without
+    # sequence parallel (the norms' inputs and outputs; Korthikanti et al. 2022's 10 of 34)
+    hidden: int = 0
+    vocab: int = 0
+    value_bytes: int = 4
+    tp_replicated_bytes_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -48,8 +60,13 @@ class Device:
     p2p_gbs: float = 25.0  # stage-to-stage bandwidth, GB/s
     p2p_latency_ms: float = 0.0  # per transfer
     dp_gbs: float = 25.0  # per-rank bandwidth of the gradient reduction
+    tp_gbs: float = 150.0  # bandwidth of the tensor-parallel collectives
     optim_gbs: float = 0.0  # memory bandwidth of the optimizer step (0: not timed)
     margin: float = 0.05  # fraction added for fragmentation and workspaces
+    action_overhead_ms: float = 0.0  # added to every F, B, W and BW action (the executor's own time per action)
+    layer_overhead_ms: float = 0.0  # added to every layer's F, B and W (the executor's own time per layer)
+    reduce_latency_ms: float = 0.0  # added to every stage's data-parallel reduction
+    step_overhead_ms: float = 0.0  # added once per step (loss, grad norm, optimizer launch)
     lookahead: int = 1  # receives posted ahead (pipeline.p2p_lookahead)
     reduce_dtype: str = "float32"
 
@@ -65,10 +82,13 @@ class Candidate:
     recompute: bool = False
     dp_shard: bool = False  # FSDP2 sharding over dp (else replicas)
     partition: str = "balanced"
+    tp: int = 1  # tensor-parallel degree inside every stage (world = pp x dp x tp)
+    sequence_parallel: bool = False  # tp > 1: activations and stage tensors split on the sequence
 
     @property
     def layout(self) -> str:
-        return f"pp{self.pp} x dp{self.dp}" + (" (fsdp)" if self.dp_shard and self.dp > 1 else "")
+        tp = f" x tp{self.tp}" + (" (sp)" if self.sequence_parallel else "") if self.tp > 1 else ""
+        return f"pp{self.pp} x dp{self.dp}{tp}" + (" (fsdp)" if self.dp_shard and self.dp > 1 else "")
 
 
 @dataclass
@@ -96,7 +116,8 @@ class Row:
         c = self.candidate
         peak = self.peak
         return {
-            "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "v": c.v, "microbatches": c.microbatches,
+            "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "tp": c.tp, "sequence_parallel": c.sequence_parallel,
+            "v": c.v, "microbatches": c.microbatches,
             "microbatch_size": c.microbatch_size, "recompute": c.recompute, "dp_shard": c.dp_shard,
             "partition": c.partition, "layout": c.layout, "feasible": self.feasible, "reason": self.reason,
             "pred_step_ms": self.pred_step_ms, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
@@ -106,22 +127,59 @@ class Row:
         }
 
 
-def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: bool) -> StageCosts:
-    """Per stage id (f, b, w); recompute runs the stage's forward again inside its B."""
+def tp_rank_layers(layers: Sequence[LayerCost], *, tp: int, sequence_parallel: bool, tokens: int, hidden: int,
+                   vocab: int, value_bytes: int, bandwidth_gbs: float,
+                   replicated_bytes_per_token: float = 0.0) -> list[LayerCost]:
+    """One tp rank's layers (schedules/tp_cost.py: compute / tp plus the TP collectives, parameters
+    / tp). Activations: / tp under sequence parallel; without it a block keeps its replicated part
+    (`replicated_bytes_per_token`, the norms') whole and splits the rest (Korthikanti et al. 2022:
+    sbh (10 + 24 / t) for their 34); 0 leaves the blocks' activations whole (tp_cost's bound)."""
+    split = tp_layer_costs(layers, tp=tp, tokens=tokens, hidden=hidden, vocab=vocab, bytes_per_value=value_bytes,
+                           bandwidth_gbs=bandwidth_gbs, sequence_parallel=sequence_parallel)
+    if tp == 1 or sequence_parallel or not replicated_bytes_per_token:
+        return split
+    return [dataclasses.replace(l, activation_bytes_per_token=replicated_bytes_per_token
+                                + (l.activation_bytes_per_token - replicated_bytes_per_token) / tp)
+            if l.name not in ("embed", "head") and l.activation_bytes_per_token > replicated_bytes_per_token else l
+            for l in split]
+
+
+def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: bool,
+                 action_ms: float = 0.0, split: Optional[set[int]] = None) -> StageCosts:
+    """Per stage id (f, b, w); recompute runs the stage's forward again inside its B. `action_ms`
+    is added to every action: to f, b and w of the stages in `split` (they run B and W apart; all
+    stages when None), to f and b only of the others (their BW is one action of b + w)."""
     per = [chunks[pl.chunk_of(s)] for s in range(pl.num_stages)]
-    return StageCosts(tuple(f for f, _, _ in per), tuple(b + (f if recompute else 0.0) for f, b, _ in per),
-                      tuple(w for _, _, w in per))
+    w_extra = [action_ms if split is None or s in split else 0.0 for s in range(pl.num_stages)]
+    return StageCosts(tuple(f + action_ms for f, _, _ in per),
+                      tuple(b + (f if recompute else 0.0) + action_ms for f, b, _ in per),
+                      tuple(w + x for (_, _, w), x in zip(per, w_extra)))
+
+
+def _split_stages(sched: Schedule) -> set[int]:
+    """Stages on which the schedule runs a W action (B and W apart)."""
+    return {a.stage for row in sched.steps for step in row for a in step.parts() if a.op is Op.W}
 
 
 class _Evaluator:
     def __init__(self, work: Workload, device: Device) -> None:
         self.work, self.device = work, device
-        self._layers: dict[int, tuple[LayerCost, ...]] = {}
+        self._whole: dict[int, tuple[LayerCost, ...]] = {}
+        self._layers: dict[tuple[int, int, bool], tuple[LayerCost, ...]] = {}
 
-    def layers(self, mbs: int) -> tuple[LayerCost, ...]:
-        if mbs not in self._layers:
-            self._layers[mbs] = tuple(self.work.layers(mbs))
-        return self._layers[mbs]
+    def layers(self, mbs: int, tp: int = 1, sp: bool = False) -> tuple[LayerCost, ...]:
+        """One tp rank's per-layer costs of one microbatch, calibrated overhead included."""
+        if mbs not in self._whole:
+            self._whole[mbs] = tuple(self.work.layers(mbs))
+        key = (mbs, tp, sp)
+        if key not in self._layers:
+            w, o = self.work, self.device.layer_overhead_ms
+            split = tp_rank_layers(self._whole[mbs], tp=tp, sequence_parallel=sp, tokens=mbs * w.seq, hidden=w.hidden,
+                                   vocab=w.vocab, value_bytes=w.value_bytes, bandwidth_gbs=self.device.tp_gbs,
+                                   replicated_bytes_per_token=w.tp_replicated_bytes_per_token)
+            self._layers[key] = tuple(dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l
+                                      for l in split)
+        return self._layers[key]
 
     def static(self, c: Candidate, params_rank: list[float], boundary: float, stages: int) -> list[RankMemory]:
         shard = c.dp if c.dp_shard else 1
@@ -147,11 +205,11 @@ class _Evaluator:
     def evaluate(self, c: Candidate) -> Row:
         row, d, w = Row(c), self.device, self.work
         cap = d.memory_gb * GB
-        layers = self.layers(c.microbatch_size)
+        layers = self.layers(c.microbatch_size, c.tp, c.sequence_parallel)
         pl = registry.placement_for(c.schedule, c.pp, c.v)
         part = partition(layers, pl.num_chunks, c.partition)
         tokens = c.microbatch_size * w.seq
-        boundary = w.boundary_bytes_per_token * tokens
+        boundary = w.boundary_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
         act_chunk = [boundary if c.recompute else math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens
                      for rng in part.bounds]
         full_chunk = [math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
@@ -160,7 +218,8 @@ class _Evaluator:
         static = self.static(c, params_rank, boundary, pl.stages_per_rank)
         transient = [max(full_chunk[pl.chunk_of(s)] for s in pl.stages_of(r)) if c.recompute else 0.0
                      for r in range(c.pp)]
-        costs = _stage_costs(pl, chunk_costs(layers, part.bounds), c.recompute)
+        chunks = chunk_costs(layers, part.bounds)
+        costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms)
         comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
         room = [cap / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
         worst = min(range(c.pp), key=lambda r: room[r])
@@ -174,11 +233,14 @@ class _Evaluator:
                 return row
         else:
             sched = registry.build(c.schedule, c.pp, c.microbatches, c.v)
+            if d.action_overhead_ms:
+                costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms, _split_stages(sched))
         red = None
         if c.dp > 1:
             sched = add_reduces(sched)
             red = reduce_ms(stage_params(sched, part.chunk_params()), dp_replicate=1 if c.dp_shard else c.dp,
                             dp_shard=c.dp if c.dp_shard else 1, bandwidth_gbs=d.dp_gbs, reduce_dtype=d.reduce_dtype)
+            red = tuple(r + d.reduce_latency_ms for r in red)
         sim = simulate(sched, costs, comm_ms=comm_ms, check=False, reduce_ms=red)
         act_stage = {s: act_chunk[pl.chunk_of(s)] for s in range(pl.num_stages)}
         row.memory = []
@@ -187,7 +249,7 @@ class _Evaluator:
             base = m.states + act + m.receive
             row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base))
         opt_ms = max(m.states for m in static) / (d.optim_gbs * GB) * 1e3 if d.optim_gbs > 0 else 0.0
-        row.pred_step_ms = sim.makespan_with_reduce + opt_ms
+        row.pred_step_ms = sim.makespan_with_reduce + opt_ms + d.step_overhead_ms
         row.bubble = sim.bubble_fraction_mean
         ideal = simulate(sched, costs, comm_ms=0.0, check=False).makespan if comm_ms > 0 else sim.makespan
         row.exposed_comm_ms = sim.makespan_with_reduce - ideal
@@ -201,13 +263,15 @@ class _Evaluator:
 def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
                microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], recompute: Sequence[bool] = (False,),
                pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False, partition: str = "balanced",
-               max_microbatches: int = 256) -> list[Candidate]:
-    """Every valid combination: pp x dp = world, M = global_batch / (dp x microbatch size)."""
+               max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,),
+               sequence_parallel: bool = False) -> list[Candidate]:
+    """Every valid combination: pp x dp x tp = world, M = global_batch / (dp x microbatch size)."""
     out = []
-    for pp in pp_degrees or [p for p in range(1, world + 1) if world % p == 0]:
-        if world % pp:
+    for tp, pp in [(t, p) for t in tp_degrees if world % t == 0
+                   for p in (pp_degrees or [q for q in range(1, world // t + 1) if world // t % q == 0])]:
+        if world % (pp * tp):
             continue
-        dp = world // pp
+        dp, sp = world // (pp * tp), sequence_parallel and tp > 1
         for name in schedules:
             spec = registry.get(name)
             for v in ([spec.fixed_stages_per_rank] if spec.fixed_stages_per_rank else virtual_stages):
@@ -220,13 +284,14 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                     if M > max_microbatches or not spec.is_valid(pp, M, v):
                         continue
                     for rc in recompute:
-                        out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition))
+                        out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition, tp, sp))
     return out
 
 
 def lower_bound_ms(ev: _Evaluator, c: Candidate) -> float:
     """No schedule beats every rank busy from start to end with its share of the work."""
-    total = math.fsum(l.total_ms + (l.f_ms if c.recompute else 0.0) for l in ev.layers(c.microbatch_size))
+    total = math.fsum(l.total_ms + (l.f_ms if c.recompute else 0.0)
+                      for l in ev.layers(c.microbatch_size, c.tp, c.sequence_parallel))
     return c.microbatches * total / c.pp
 
 
