@@ -30,6 +30,8 @@ python() {{ {shlex.quote(sys.executable)} "$@"; }}
 set -e
 """
 NOT_RUN = ("pip install", "python -m pytest")  # setting up and the test suite itself
+# run in full, as written, by another test
+RUN_ELSEWHERE = {"pipetrain": "tests/test_train.py::test_quickstart_trains_with_a_falling_loss"}
 ASIDES = {"torchrun", "pipetrain -m"}  # names in the text, not commands
 
 
@@ -65,7 +67,7 @@ def readme_cases() -> list[Case]:
         for raw in joined.splitlines():
             cmd, _, comment = raw.partition("  #")
             cmd = " ".join(cmd.split())
-            if not cmd or cmd.startswith(NOT_RUN):
+            if not cmd or cmd.startswith(NOT_RUN) or cmd in RUN_ELSEWHERE:
                 continue
             if "GPU" in comment:
                 cases.append(Case(f"README.md:{line}", [cmd], gpu=True))

@@ -152,12 +152,24 @@ def train_offline(tmp_path: Path, *overrides: str) -> subprocess.CompletedProces
     return res
 
 
+@pytest.fixture(scope="module")
+def offline_pair(tmp_path_factory) -> dict:
+    """One wandb-logged run of 3 steps (a checkpoint at its end), then one that resumes it to 5;
+    what the first left (its stdout, metrics.jsonl, wandb files) is kept before the second runs."""
+    root = tmp_path_factory.mktemp("wandb")
+    first = train_offline(root, "trainer.max_steps=3", "logging.wandb_tags=[ci,p2]")
+    kept = {"root": root, "first": first, "rows": rows(root / "run"),
+            "files": list((root / "run" / "wandb").glob("offline-run-*/run-*.wandb"))}
+    train_offline(root, "trainer.max_steps=5", "trainer.resume=auto")
+    return kept
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_wandb_offline_logs_loss_and_bubble_readable_from_the_run_file(tmp_path):
-    res = train_offline(tmp_path, "trainer.max_steps=3", "trainer.ckpt_at_end=false", "logging.wandb_tags=[ci,p2]")
+def test_wandb_offline_logs_loss_and_bubble_readable_from_the_run_file(offline_pair):
+    res = offline_pair["first"]
     assert "logged offline" in res.stdout and "wandb sync" in res.stdout and "step 3/3" in res.stdout
-    files = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    files = offline_pair["files"]
     assert len(files) == 1, files
     history, run = {}, None
     for record in wandb_records(files[0]):
@@ -168,7 +180,7 @@ def test_wandb_offline_logs_loss_and_bubble_readable_from_the_run_file(tmp_path)
         elif kind == "run":
             run = record.run
     assert run is not None and run.project == "pipetrain-test" and list(run.tags) == ["ci", "p2"]
-    logged = {r["step"]: r for r in rows(tmp_path / "run")}
+    logged = {r["step"]: r for r in offline_pair["rows"]}
     assert sorted(logged) == [1, 2, 3]
     for step, row in logged.items():
         for key in ("train/loss", "pipeline/bubble_measured", "pipeline/bubble_measured/rank1", "memory/peak_gb/rank0",
@@ -180,11 +192,10 @@ def test_wandb_offline_logs_loss_and_bubble_readable_from_the_run_file(tmp_path)
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_resumed_run_continues_the_same_wandb_run_marked_resumed(tmp_path):
-    train_offline(tmp_path, "trainer.max_steps=2")  # a checkpoint at the end (step 2)
-    train_offline(tmp_path, "trainer.max_steps=4", "trainer.resume=auto")
+def test_a_resumed_run_continues_the_same_wandb_run_marked_resumed(offline_pair):
+    root = offline_pair["root"]  # the first run ended with a checkpoint (step 3); the second resumed it
     runs = {}  # offline-run directory -> (run id, resume flag, logged steps)
-    for path in sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")):
+    for path in sorted((root / "run" / "wandb").glob("offline-run-*/run-*.wandb")):
         records = list(wandb_records(path))
         run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
         steps = sorted(json.loads(it.value_json) for r in records if r.WhichOneof("record_type") == "history"
@@ -192,6 +203,6 @@ def test_a_resumed_run_continues_the_same_wandb_run_marked_resumed(tmp_path):
         runs[path.parent.name] = (run.run_id, run.resume, steps)
     assert len(runs) == 2, runs
     (first_id, first_resume, first_steps), (second_id, second_resume, second_steps) = runs.values()
-    assert first_id == second_id == (tmp_path / "run" / "wandb_id.txt").read_text().strip()
+    assert first_id == second_id == (root / "run" / "wandb_id.txt").read_text().strip()
     assert not first_resume and second_resume  # wandb's own mark: resume requested for this id
-    assert first_steps[:2] == [1, 2] and second_steps[:2] == [3, 4]
+    assert first_steps[:3] == [1, 2, 3] and second_steps[:2] == [4, 5]
