@@ -38,7 +38,7 @@ microbatch size): its point-to-point plan posts receives just in time, so they m
 grow with M (torch allocates a buffer per microbatch).
 
 Usage: python bench/pipelining_vs_torch.py [--rounds 5] [--steps 4] [--degree 2] [--microbatches 8]
-         [--batch 16] [--seq 128] [--schedules gpipe,1f1b,...] [--out FILE]
+         [--batch 16] [--seq 128] [--schedules gpipe,1f1b,...] [--p2p-lookahead 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ class PipetrainSide:
 
     def __init__(self, model: GPT2, bounds: list[range], sched: Schedule, rank: int, batch, args) -> None:
         self.rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=args.batch // args.microbatches,
-                                      seq_len=args.seq, timeout_s=args.p2p_timeout_s)
+                                      seq_len=args.seq, timeout_s=args.p2p_timeout_s,
+                                      p2p_lookahead=args.p2p_lookahead)
         idx, tgt = batch
         M = args.microbatches  # the same chunks torch's default TensorChunkSpec(0) makes
         self.mbs = list(zip(idx.tensor_split(M), tgt.tensor_split(M)))
@@ -222,7 +223,7 @@ def recv_buffer_scaling(rank: int, world: int, args: argparse.Namespace) -> dict
             model = build_model(args)
             bounds = stage_cut(model, sched, args)
             rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=mb, seq_len=args.seq,
-                                     timeout_s=args.p2p_timeout_s)
+                                     timeout_s=args.p2p_timeout_s, p2p_lookahead=args.p2p_lookahead)
             idx, tgt = global_batch(model, scaled)
             res = rp.train_step(list(zip(idx.tensor_split(M), tgt.tensor_split(M))))
             merged: dict[str, int] = {}
@@ -515,6 +516,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schedules", default=",".join(TORCH_SCHEDULES))
     ap.add_argument("--p2p-timeout-s", type=float, default=300.0, help="pipetrain's P2P wait limit")
+    ap.add_argument("--p2p-lookahead", type=int, default=1,
+                    help="pipetrain's pipeline.p2p_lookahead (receives posted this many actions early; on gloo "
+                         "an early receive moves the transfer into gloo's socket thread during compute)")
     ap.add_argument("--partition", choices=["balanced", "uniform"], default="balanced",
                     help="stage cut for both sides: pipetrain's balanced partition or equal layer counts")
     ap.add_argument("--recv-scaling-m", type=lambda t: [int(x) for x in t.split(",")], default=[8, 64],

@@ -49,13 +49,14 @@ class _Posted:
 
     __slots__ = ("group", "send_works", "recv_works", "recv_bufs", "send_bufs", "done", "error")
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, in_order: bool) -> None:
         self.group = group
         self.send_works: list[dist.Work] = []
         self.recv_works: dict[Message, list[dist.Work]] = {}  # what a receive waits for
         self.recv_bufs: dict[Message, torch.Tensor] = {}
         self.send_bufs: list[torch.Tensor] = []
-        self.done = threading.Event()  # in order mode: the group has completed
+        # in order mode only: the group has completed (an Event is a lock and a condition: not per group elsewhere)
+        self.done: Optional[threading.Event] = threading.Event() if in_order else None
         self.error: Optional[BaseException] = None
 
 
@@ -80,10 +81,11 @@ class _Stream:
                 if failed is None:
                     self.comm._post(posted)
                     for work in posted.send_works + [w for ws in posted.recv_works.values() for w in ws]:
-                        self.comm._wait(work, f"its in-order stream to rank {self.peer}", self.peer)
+                        self.comm._wait(work, lambda: f"its in-order stream to rank {self.peer}", self.peer)
             except BaseException as e:  # handed to the main thread, which raises it where it waits
                 failed = e
             posted.error = failed
+            assert posted.done is not None
             posted.done.set()
 
 
@@ -120,6 +122,7 @@ class P2P:
         self._recvs: dict[Message, _Posted] = {}  # issued receives not yet taken
         self._inflight: list[_Posted] = []  # posted groups whose sends are not yet waited for
         self._pending_bytes: dict[int, int] = defaultdict(int)
+        self._recv_nbytes: dict[Message, int] = {}  # issued receive -> its buffer's bytes
         self.peak_recv_bytes: dict[int, int] = defaultdict(int)  # consumer stage -> peak bytes of live buffers
 
     def produced(self, msg: Message, tensor: torch.Tensor) -> None:
@@ -129,15 +132,16 @@ class P2P:
         """Post the groups the plan puts at this boundary (before part `boundary`)."""
         assert self.plan is not None
         for g in self.plan.issue[boundary]:
-            posted = _Posted(g)
+            posted = _Posted(g, self.in_order)
             for m in g.sends:
                 posted.send_bufs.append(self._ready.pop(m))
             for m in g.recvs:
                 buf = self.buffer_for(m)
                 posted.recv_bufs[m] = buf
                 self._recvs[m] = posted
-                stage = self.consumer_stage(m)
-                self._pending_bytes[stage] += buf.untyped_storage().nbytes()
+                stage, nbytes = self.consumer_stage(m), buf.untyped_storage().nbytes()
+                self._recv_nbytes[m] = nbytes
+                self._pending_bytes[stage] += nbytes
                 self.peak_recv_bytes[stage] = max(self.peak_recv_bytes[stage], self._pending_bytes[stage])
             if self.in_order:
                 if g.peer not in self._streams:
@@ -152,15 +156,17 @@ class P2P:
 
     def receive(self, msg: Message, *, action: str) -> torch.Tensor:
         posted = self._recvs.pop(msg)
-        what = f"{action} waiting for the {msg.describe()} from rank {msg.src}"
+
+        def what() -> str:  # formatted only when a wait fails: receives are per action
+            return f"{action} waiting for the {msg.describe()} from rank {msg.src}"
+
         if self.in_order:
             self._wait_group(posted, what, msg.src)
         else:
             for work in posted.recv_works[msg]:
                 self._wait(work, what, msg.src)
-        buf = posted.recv_bufs.pop(msg)
-        self._pending_bytes[self.consumer_stage(msg)] -= buf.untyped_storage().nbytes()
-        return buf
+        self._pending_bytes[self.consumer_stage(msg)] -= self._recv_nbytes.pop(msg)
+        return posted.recv_bufs.pop(msg)
 
     def finish(self) -> None:
         """Wait for every operation of the step; fail if something was left unissued or untaken."""
@@ -170,7 +176,10 @@ class P2P:
             raise P2PError(f"rank {self.rank}: messages never issued or consumed this step: {left}")
         for posted in self._inflight:
             peer = posted.group.peer
-            what = f"end of step waiting for rank {peer} to take the {', '.join(m.describe() for m in posted.group.sends)}"
+
+            def what(posted: _Posted = posted, peer: int = peer) -> str:
+                return f"end of step waiting for rank {peer} to take the {', '.join(m.describe() for m in posted.group.sends)}"
+
             if self.in_order:
                 self._wait_group(posted, what, peer)
             else:  # a gloo work must be waited for once only: receives were, in receive()
@@ -193,38 +202,38 @@ class P2P:
             posted.recv_works = {m: posted.send_works for m in posted.recv_bufs}
             return
         # In order, every message of a pair has one tag: gloo then matches them by position, as NCCL does.
-        def tag(m: Message) -> int:
-            return 0 if self.in_order else m.tag(self.num_microbatches)
-
-        posted.send_works = [dist.isend(t, dst=peer, group=self.group, tag=tag(m))
+        M, in_order = self.num_microbatches, self.in_order
+        posted.send_works = [dist.isend(t, dst=peer, group=self.group, tag=0 if in_order else m.tag(M))
                              for m, t in zip(g.sends, posted.send_bufs)]
-        posted.recv_works = {m: [dist.irecv(b, src=peer, group=self.group, tag=tag(m))]
+        posted.recv_works = {m: [dist.irecv(b, src=peer, group=self.group, tag=0 if in_order else m.tag(M))]
                              for m, b in posted.recv_bufs.items()}
 
-    def _wait_group(self, posted: _Posted, what: str, peer: int) -> None:
+    def _wait_group(self, posted: _Posted, what: Callable[[], str], peer: int) -> None:
         """In order mode: wait until the peer's stream has run this group."""
+        assert posted.done is not None
         if not posted.done.wait(timeout=self.timeout.total_seconds() + 1.0):
             raise P2PError(
-                f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g}s (in-order "
+                f"rank {self.rank}: {what()} timed out after {self.timeout.total_seconds():g}s (in-order "
                 f"point-to-point): rank {peer} is stuck or dead, or the two ranks issue their messages in "
                 f"different orders (raise pipeline.p2p_timeout_s if it is only slow)")
         if posted.error is not None:
-            raise P2PError(f"rank {self.rank}: {what}: {posted.error}; in-order point-to-point also times out "
+            raise P2PError(f"rank {self.rank}: {what()}: {posted.error}; in-order point-to-point also times out "
                            f"when two ranks issue their messages in different orders") from None
 
-    def _wait(self, work: dist.Work, what: str, peer: int) -> None:
+    def _wait(self, work: dist.Work, what: Callable[[], str], peer: int) -> None:
+        """Wait for one work; `what` describes the wait, formatted only if it fails."""
         try:
             ok = work.wait(timeout=self.timeout)
         except RuntimeError as e:
             text = str(e)
             if "timed out" in text.lower() or "timeout" in text.lower():
                 raise P2PError(
-                    f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g}s: rank {peer} is "
+                    f"rank {self.rank}: {what()} timed out after {self.timeout.total_seconds():g}s: rank {peer} is "
                     f"stuck or dead (raise pipeline.p2p_timeout_s if it is only slow)"
                 ) from None
             raise P2PError(
-                f"rank {self.rank}: {what} failed: the connection to rank {peer} was lost, so that rank (or one it "
+                f"rank {self.rank}: {what()} failed: the connection to rank {peer} was lost, so that rank (or one it "
                 f"depends on) died; pipeline.p2p_timeout_s bounds every wait"
             ) from None
         if ok is False:
-            raise P2PError(f"rank {self.rank}: {what} did not complete (rank {peer})")
+            raise P2PError(f"rank {self.rank}: {what()} did not complete (rank {peer})")

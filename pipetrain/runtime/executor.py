@@ -88,6 +88,11 @@ class Executor:
         # the forward-only pass of evaluate().
         self._plan = build_plan(schedule, rank, lookahead=lookahead)
         self._eval_plan = forward_plan(self._plan)
+        # Per action, worked out once (not per action run): the message it receives and the one it
+        # sends (None: local or none), and per step its text for timings and error messages.
+        self._needs = {a: needed_by(a, schedule, rank) for a in self._plan.parts}
+        self._sends = {a: sent_by(a, schedule, rank) for a in self._plan.parts}
+        self._step_texts = [str(step) for step in schedule.steps[rank]]
         self.reducer = reducer
         self._reduces_at: dict[int, list[int]] = defaultdict(list)  # boundary -> stages reduced there
         if reducer is not None:
@@ -120,12 +125,12 @@ class Executor:
         boundary = 0  # index of the next atomic action: where the plan issues communication
         try:
             for index, step in enumerate(self.schedule.steps[self.rank]):
-                self._index, marks = index, [clock.mark()]
+                self._index, marks, text = index, [clock.mark()], self._step_texts[index]
                 for part, action in enumerate(step.parts()):
                     self._part = part
                     self._issue(boundary)
                     with self._range(action):
-                        self._run(action, str(step))
+                        self._run(action, text)
                     boundary += 1
                     marks.append(clock.mark())
                     if len(self._reduce_done) < len(self._reduce_marks):  # reductions in flight
@@ -190,11 +195,11 @@ class Executor:
             peer = msg.src if direction == "recv" else msg.dst
             comm.append(CommEvent(direction, msg.kind, msg.stage, msg.microbatch, peer, index, t0, t1))
         timings = []
-        for index, (step, marks) in enumerate(zip(self.schedule.steps[self.rank], spans)):
+        for index, (text, marks) in enumerate(zip(self._step_texts, spans)):
             t = [times[i] for i in marks]
             part_wait = [waits[(index, p)] for p in range(len(t) - 1)]
             part_ms = tuple(t[p + 1] - t[p] - part_wait[p] for p in range(len(t) - 1))
-            timings.append(ActionTiming(index, str(step), t[0], t[-1], sum(part_wait), part_ms))
+            timings.append(ActionTiming(index, text, t[0], t[-1], sum(part_wait), part_ms))
         return timings, comm
 
     def evaluate(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]:
@@ -330,7 +335,7 @@ class Executor:
 
     # ---- data movement: local hand-off or point-to-point ------------------------------
     def _give(self, kind: str, s: int, m: int, tensor: torch.Tensor, a: Action) -> None:
-        msg = sent_by(a, self.schedule, self.rank)
+        msg = self._sends[a] if a in self._sends else sent_by(a, self.schedule, self.rank)
         if msg is None:
             self._local[(kind, s, m)] = tensor
         else:
@@ -341,14 +346,15 @@ class Executor:
                 self._comm_marks.append(("send", msg, self._index, self._part, mark, mark))
 
     def _take(self, kind: str, src_stage: int, m: int, a: Action, step_text: str) -> torch.Tensor:
-        msg: Optional[Message] = needed_by(a, self.schedule, self.rank)
+        msg: Optional[Message] = self._needs[a] if a in self._needs else needed_by(a, self.schedule, self.rank)
         if msg is None:
             return self._local.pop((kind, src_stage, m))
         assert self.comm is not None
+        what = f"{step_text} on rank {self.rank}"
         if not self._recording:
-            return self.comm.receive(msg, action=f"{step_text} on rank {self.rank}")
+            return self.comm.receive(msg, action=what)
         m0 = self._clock.mark()
-        tensor = self.comm.receive(msg, action=f"{step_text} on rank {self.rank}")
+        tensor = self.comm.receive(msg, action=what)
         self._comm_marks.append(("recv", msg, self._index, self._part, m0, self._clock.mark()))
         return tensor
 
