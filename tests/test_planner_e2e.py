@@ -43,7 +43,9 @@ def test_schedule_auto_on_the_quickstart_picks_runs_and_reports(tmp_path):
 @pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
 def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     """partition=profile: the planner measures each layer's saved bytes as the executor counts them;
-    every rank's predicted peak (margin 0) is within 10% of what the run measured, and under the cap."""
+    every rank's predicted peak (margin 0) is within 10% of what the run measured, and under the cap.
+    Its step time, from layers timed as the ranks run them, is not the 5-12x too slow one of layers
+    timed at torch's default thread count on a loaded machine (the run is the slower one under load)."""
     run_dir = tmp_path / "run"
     res = run_cli([f"model={model}", "schedule=auto", "partition=profile", "plan.margin=0", "plan.memory_gb=0.2",
                    "plan.schedules=[1f1b,zbh1]", "plan.pp=[2]", "plan.microbatch_sizes=[2]", "trainer.max_steps=2",
@@ -57,3 +59,4 @@ def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     for p, m in zip(predicted, measured):
         assert m == pytest.approx(p, rel=0.10), (predicted, measured)
         assert m <= 0.2
+    assert 0.5 <= s["measured_step_ms"] / s["plan_pred_step_ms"] <= 4, (s["plan_pred_step_ms"], s["measured_step_ms"])

@@ -55,7 +55,8 @@ def workload(config: Config) -> Workload:
         def layers(mbs: int):
             saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev)
             return [dataclasses.replace(c, activation_bytes_per_token=a)
-                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev), saved)]
+                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev,
+                                                   threads=config.trainer.threads_per_rank), saved)]
     else:
         from pipetrain.plan import build_model
 
