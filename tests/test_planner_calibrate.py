@@ -40,15 +40,18 @@ def test_overheads_from_metrics_rows():
                 row[f"pipeline/stage{s}/{op}"] = 10.0 * layers + excess
         return row
 
-    runs = [([metrics(2, 4, 0.2 + 4 * 0.6, 500.0)], 512.0, [4, 4]),
-            ([metrics(4, 2, 0.2 + 2 * 0.6, 480.0)], 490.0, [2, 2, 2, 2])]
-    cal = overheads(runs, model_ms_per_layer={"f_ms": 10.0, "b_ms": 10.0, "w_ms": 10.0})
+    def model(layers):  # the planner's time of each stage: 10 ms per layer and op
+        return {op: [10.0 * n for n in layers] for op in ("f_ms", "b_ms", "w_ms")}
+
+    runs = [([metrics(2, 4, 0.2 + 4 * 0.6, 500.0)], 512.0, [4, 4], model([4, 4])),
+            ([metrics(4, 2, 0.2 + 2 * 0.6, 480.0)], 490.0, [2, 2, 2, 2], model([2, 2, 2, 2]))]
+    cal = overheads(runs)
     assert cal["action_overhead_ms"] == pytest.approx(0.2)
     assert cal["layer_overhead_ms"] == pytest.approx(0.6)
     assert cal["reduce_latency_ms"] == pytest.approx(6.0)
     assert cal["step_overhead_ms"] == pytest.approx(11.0)
     with pytest.raises(ValueError, match="log_every=1"):
-        overheads([([], 1.0, [4])], model_ms_per_layer={"f_ms": 1, "b_ms": 1, "w_ms": 1})
+        overheads([([], 1.0, [4], model([4]))])
 
 
 def test_each_overhead_adds_what_it_says():
