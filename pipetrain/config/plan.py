@@ -28,6 +28,7 @@ class PlanConfig:
     layer_overhead_ms: float = 0.0  # framework time per layer and op (F, B, W) beyond the model's costs (fitted by plan.calibrate)
     reduce_latency_ms: float = 0.0  # fixed cost of each stage's data-parallel gradient reduction (calibrated like the above)
     step_overhead_ms: float = 0.0  # fixed cost per optimizer step outside the pipeline (loss, grad norm, optimizer launch)
+    tp_latency_ms: float = 0.0  # fixed cost of each tensor-parallel collective (fitted by plan.calibrate when plan.tp lists tp > 1)
     calibrate: Optional[bool] = None  # time layers and train two short runs here to fit the four overheads above; null = on for schedule=auto on CPU
     calibrate_steps: int = 5  # steps of each calibration run (the first is warm-up and not counted)
     margin: float = 0.05  # fraction of the predicted peak added for fragmentation and workspaces
@@ -61,7 +62,8 @@ class PlanConfig:
                 raise ValueError(f"plan.{knob} must be > 0 (got {getattr(self, knob)})")
         if self.dp_gbs is not None and not self.dp_gbs > 0:
             raise ValueError(f"plan.dp_gbs must be > 0 (got {self.dp_gbs})")
-        for knob in ("optim_gbs", "margin", "action_overhead_ms", "layer_overhead_ms", "reduce_latency_ms", "step_overhead_ms"):
+        for knob in ("optim_gbs", "margin", "action_overhead_ms", "layer_overhead_ms", "reduce_latency_ms", "step_overhead_ms",
+                     "tp_latency_ms"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"plan.{knob} must be >= 0 (got {getattr(self, knob)})")
         if (self.p2p_latency_ms or 0) < 0:

@@ -92,3 +92,16 @@ def overheads(runs: Sequence[tuple[Sequence[Mapping[str, Any]], float, Sequence[
     return {"action_overhead_ms": per_action, "layer_overhead_ms": per_layer,
             "reduce_latency_ms": max(statistics.median(reduce), 0.0) if reduce else 0.0,
             "step_overhead_ms": max(statistics.median(fixed), 0.0)}
+
+
+def tp_latency(rows: Sequence[Mapping[str, Any]], *, model_f_ms: Sequence[float], layers: Sequence[int],
+               collectives: Sequence[int], action_ms: float, layer_ms: float) -> float:
+    """plan.tp_latency_ms from a tp > 1 run: per stage, its measured F beyond one tp rank's model F
+    (compute / tp plus the collectives' bytes over the bandwidth), the action and the layers'
+    overheads, shared by the F's TP collectives (`collectives` per stage); the median, >= 0."""
+    out = [(float(row[key]) - model - action_ms - n * layer_ms) / k
+           for row in rows for s, (model, n, k) in enumerate(zip(model_f_ms, layers, collectives))
+           if k and (key := f"pipeline/stage{s}/f_ms") in row and row[key] > 0]
+    if not out:
+        raise ValueError("calibration: the tp run's metrics hold no per-stage F times (pipeline/stageN/f_ms)")
+    return max(statistics.median(out), 0.0)
