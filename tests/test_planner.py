@@ -86,7 +86,8 @@ def test_bad_plan_input_names_the_knob(override, knob):
 
 def test_calibration_defaults_on_only_where_the_run_is_this_machines():
     """plan.calibrate=null: on for schedule=auto training on local CPU ranks; off for mode=plan
-    (it may plan another cluster) and for ranks started by torchrun; an explicit value wins.
+    (it may plan another cluster), mode=simulate (no process) and ranks started by torchrun; an
+    explicit value wins.
     Where it cannot run, one line says what to set, before any rank starts."""
     from pipetrain.planner.cmd import calibrating
     from pipetrain.planner.measure import check
@@ -95,6 +96,7 @@ def test_calibration_defaults_on_only_where_the_run_is_this_machines():
     assert calibrating(compose_config(auto))
     assert not calibrating(compose_config([*auto, "plan.calibrate=false"]))
     assert not calibrating(compose_config([*auto, "cluster=torchrun"]))
+    assert not calibrating(compose_config([*auto, "mode=simulate"]))
     assert not calibrating(compose_config(SLEEP)) and calibrating(compose_config([*SLEEP, "plan.calibrate=true"]))
     with pytest.raises(ValueError, match=r"plan\.world_size or plan\.calibrate=false") as err:
         check(compose_config([*SLEEP, "plan.calibrate=true"]), 3)

@@ -29,7 +29,7 @@ class PlanConfig:
     reduce_latency_ms: float = 0.0  # fixed cost of each stage's data-parallel gradient reduction (calibrated like the above)
     step_overhead_ms: float = 0.0  # fixed cost per optimizer step outside the pipeline (loss, grad norm, optimizer launch)
     tp_latency_ms: float = 0.0  # fixed cost of each tensor-parallel collective (fitted by plan.calibrate when plan.tp lists tp > 1)
-    calibrate: Optional[bool] = None  # time layers and train two short runs here to fit the four overheads above; null = on for schedule=auto on CPU
+    calibrate: Optional[bool] = None  # time layers and train short runs here to fit the overheads above; null = on for schedule=auto training on local CPU ranks
     calibrate_steps: int = 5  # steps of each calibration run (the first is warm-up and not counted)
     margin: float = 0.05  # fraction of the predicted peak added for fragmentation and workspaces
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (1: all, the safe bound)

@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipetrain.config import AUTO, Config, SleepModelConfig
+from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Candidate, Device, Row, Workload, candidates, search
@@ -74,11 +74,12 @@ def workload(config: Config) -> Workload:
 
 def calibrating(config: Config) -> bool:
     """plan.calibrate, its null resolved: on for schedule=auto (or plan.run) training on CPU ranks
-    started here, where the run is this machine's; mode=plan may plan for another cluster."""
+    started here, where the run is this machine's; mode=plan may plan for another cluster, and
+    mode=simulate starts no process."""
     p = config.plan
     if p.calibrate is not None:
         return p.calibrate
-    if not (config.schedule.name == AUTO or p.run) or config.cluster.name != "local":
+    if not (config.schedule.name == AUTO or p.run) or config.mode is not Mode.train or config.cluster.name != "local":
         return False
     from pipetrain.plan import profile_device
 
