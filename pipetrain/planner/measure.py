@@ -5,7 +5,7 @@ the uncalibrated plan's best row, metrics every step): zbh1 (each stage half the
 (four stages, a quarter each), so that F, B and W are timed apart at two stage sizes; a third at
 the smallest tp > 1 in plan.tp, if any, prices one TP collective (plan.tp_latency_ms). Their
 metrics against the planner's own per-layer costs (planner/cmd.py's Workload: the profile's on a
-real model, the configured sleeps on model=sleep) fit the four `plan` overheads
+real model, the configured sleeps on model=sleep) fit the `plan` overheads
 (planner/calibrate.py); the plan is then searched with them. bench/planner_accuracy.py calibrates
 through this function too.
 """
