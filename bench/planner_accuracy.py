@@ -9,11 +9,12 @@ weights, gradients and AdamW state on one rank, against a 25 MB cap).
    the median after the first step), and whether the measured best is the plan's first row or
    within 3% of it. Targets (issue 17): every row within 5%; best within 3%.
 
-Before the sweep, two short calibration runs (zbh1 and zbv, pp2 x dp2, metrics every step) measure what the
-model does not know: the executor's time per action and per layer beyond the sleeps, gloo's fixed cost per
-gradient reduction, and the step's cost outside the pipeline (pipetrain/planner/calibrate.py). The
-sweep is planned and run with them (plan.action_overhead_ms, plan.layer_overhead_ms, plan.reduce_latency_ms,
-plan.step_overhead_ms); each row also records the uncalibrated prediction and its error.
+The sweep is planned with `plan.calibrate=true`: before it, two short runs (zbh1 and zbv, pp2 x dp2, metrics
+every step; pipetrain/planner/measure.py) measure what the model does not know: the executor's time per
+action and per layer beyond the sleeps, gloo's fixed cost per gradient reduction, and the step's cost
+outside the pipeline. Each row is trained with those overheads (plan.action_overhead_ms, plan.layer_overhead_ms,
+plan.reduce_latency_ms, plan.step_overhead_ms, from plan.json's `calibration`) and also records the
+uncalibrated prediction and its error.
 Rows are interleaved over `--rounds` (every row once per round) and each row's measured step time is
 the median over rounds, so a burst of load on a shared machine does not land on one row only.
 
@@ -32,8 +33,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipetrain.planner.calibrate import overheads
-
 SWEEP = ["model=sleep", "model.layers=8", "model.params_per_layer=250000", "plan.world_size=4", "data.batch_size=16",
          "plan.schedules=[1f1b,zbh1,zbv,zb_auto]", "plan.microbatch_sizes=[1,2]", "plan.memory_gb=0.025",
          "plan.prune=false", "cluster.dp_bandwidth_gbs=0.7"]  # gloo all-reduce as bench/data_parallel_reduce.py measured it
@@ -46,37 +45,22 @@ def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 KEY = ("schedule", "pp", "dp", "v", "microbatches", "microbatch_size")
-# two short runs with 4 and 2 layers per stage (8 layers: zbh1 on pp2, zbv's 4 stages on pp2) separate the
-# executor's cost per action from its cost per layer
-CALIBRATION_ROWS = {"zbh1": (["plan.schedules=[zbh1]", "plan.pp=[2]", "plan.microbatch_sizes=[2]"], [4, 4]),
-                    "zbv": (["plan.schedules=[zbv]", "plan.pp=[2]", "plan.microbatch_sizes=[2]"], [2, 2, 2, 2])}
 
 
-def train_row(one: list[str], base: list[str], steps: int, run_dir: Path, work: Path, extra: list[str] = ()) -> dict:
+def train_row(one: list[str], base: list[str], steps: int, run_dir: Path, work: Path) -> dict:
     """`schedule=auto` narrowed to one row; its summary.json."""
     res = cli(["schedule=auto", *base, *one, f"trainer.max_steps={steps}", "trainer.eval_every=0",
-               "trainer.ckpt_at_end=false", "logger=[console,jsonl]", f"hydra.run.dir={run_dir}", *extra], work)
+               "trainer.ckpt_at_end=false", "logger=[console,jsonl]", f"hydra.run.dir={run_dir}"], work)
     if res.returncode:
         raise SystemExit(f"{run_dir.name} failed: {res.stderr[-2000:]}")
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def calibrate(base: list[str], layer_ms: float, steps: int, work: Path) -> dict[str, float]:
-    runs = []
-    for name, (one, layers) in CALIBRATION_ROWS.items():
-        run_dir = work / f"calibrate_{name}"
-        s = train_row(one, base, steps, run_dir, work, ["trainer.log_every=1"])
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-        runs.append((rows, s["measured_step_ms"], layers))
-    cal = overheads(runs, model_ms_per_layer={"f_ms": layer_ms, "b_ms": layer_ms, "w_ms": layer_ms})
-    return {k: round(v, 3) for k, v in cal.items()}
-
-
-def plan(args: list[str], work: Path, name: str) -> list[dict]:
+def plan(args: list[str], work: Path, name: str) -> dict:
     res = cli(["mode=plan", *args, f"hydra.run.dir={work / name}"], work)
     if res.returncode:
         raise SystemExit(res.stderr)
-    return json.loads((work / name / "plan.json").read_text())["rows"]
+    return json.loads((work / name / "plan.json").read_text())
 
 
 def main() -> None:
@@ -89,12 +73,12 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pipetrain-plan-bench-"))
     times = [f"model.f_ms={args.layer_ms}", f"model.b_ms={args.layer_ms}", f"model.w_ms={args.layer_ms}"]
-    base = [*SWEEP, *times]
-    cal = calibrate(base, args.layer_ms, args.steps, work)
+    base = [*SWEEP, *times]  # mode=plan: uncalibrated unless asked
+    raw = {tuple(r[k] for k in KEY): r for r in plan(base, work, "plan_uncalibrated")["rows"]}
+    planned = plan([*base, "plan.calibrate=true", f"plan.calibrate_steps={args.steps}"], work, "plan")
+    cal, rows = planned["calibration"], planned["rows"]
     print(f"calibration: {cal}", flush=True)
-    calibrated = [*base, *(f"plan.{k}={v}" for k, v in cal.items())]
-    raw = {tuple(r[k] for k in KEY): r for r in plan(base, work, "plan_uncalibrated")}
-    rows = plan(calibrated, work, "plan")
+    calibrated = [*base, *(f"plan.{k}={v}" for k, v in cal.items()), "plan.calibrate=false"]  # measured once
     feasible = [r for r in rows if r["feasible"]]
     print(f"{len(rows)} rows, {len(feasible)} feasible under the memory cap", flush=True)
     chosen = feasible[: args.runs]

@@ -136,7 +136,8 @@ def whole_layer_costs(config: Config) -> list[LayerCost]:
         from pipetrain.models.profile import profile_layers
 
         device = profile_device()
-        return profile_layers(build_model(m, device=device), batch=config.microbatch_size, seq=seq, device=device)
+        return profile_layers(build_model(m, device=device), batch=config.microbatch_size, seq=seq, device=device,
+                              threads=config.trainer.threads_per_rank)
     if isinstance(m, SleepModelConfig):
         return sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
                                  params_per_layer=m.params_per_layer)

@@ -389,6 +389,20 @@ def test_profile_measures_positive_times_and_caches(tmp_path, monkeypatch):
     assert len(list((tmp_path / "profile").glob("*.json"))) == 2
 
 
+def test_profile_times_at_the_ranks_thread_count_and_restores_torchs(tmp_path):
+    """On a shared CPU torch's default (a thread per core) timed GPT-2 tiny's blocks 50x slower
+    than the one thread a rank runs: the profile measures, and caches, at the count it is given."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        profile_layers(tiny(), batch=1, seq=8, iters=1, warmup=0, cache_dir=tmp_path, threads=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    (path,) = tmp_path.glob("*.json")
+    assert json.loads(path.read_text())["key"]["device"].endswith(":1threads")
+
+
 def test_profile_times_the_sleep_model_phases(tmp_path):
     warm_autograd()  # run alone, the profile's first backward would pay the sympy import
     model = SleepModel(layers=2, f_ms=4.0, b_ms=8.0, w_ms=12.0, hidden=8)

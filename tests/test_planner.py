@@ -76,8 +76,30 @@ def test_a_few_hundred_candidates_in_under_a_minute():
     ("plan.memory_gb=0", "plan.memory_gb"),
     ("plan.microbatch_sizes=[0]", "plan.microbatch_sizes"),
     ("plan.global_batch=3 plan.pp=[1]", "plan.global_batch"),  # dp = 4 does not divide 3
+    ("plan.calibrate_steps=1", "plan.calibrate_steps"),
 ])
 def test_bad_plan_input_names_the_knob(override, knob):
     with pytest.raises(ValueError, match=knob.replace(".", r"\.")) as err:
         make_rows(compose_config([*SLEEP, *override.split()]))
     assert "\n" not in str(err.value)
+
+
+def test_calibration_defaults_on_only_where_the_run_is_this_machines():
+    """plan.calibrate=null: on for schedule=auto training on local CPU ranks; off for mode=plan
+    (it may plan another cluster), mode=simulate (no process) and ranks started by torchrun; an
+    explicit value wins.
+    Where it cannot run, one line says what to set, before any rank starts."""
+    from pipetrain.planner.cmd import calibrating
+    from pipetrain.planner.measure import check
+
+    auto = ["schedule=auto", "trainer.device=cpu"]
+    assert calibrating(compose_config(auto))
+    assert not calibrating(compose_config([*auto, "plan.calibrate=false"]))
+    assert not calibrating(compose_config([*auto, "cluster=torchrun"]))
+    assert not calibrating(compose_config([*auto, "mode=simulate"]))
+    assert not calibrating(compose_config(SLEEP)) and calibrating(compose_config([*SLEEP, "plan.calibrate=true"]))
+    with pytest.raises(ValueError, match=r"plan\.world_size or plan\.calibrate=false") as err:
+        check(compose_config([*SLEEP, "plan.calibrate=true"]), 3)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="cluster=local"):
+        check(compose_config([*auto, "cluster=torchrun"]), 2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.compose import compose_config
-from pipetrain.planner.calibrate import fit, overheads
+from pipetrain.planner.calibrate import fit, overheads, tp_latency
 from pipetrain.planner.cmd import make_rows
 
 pytestmark = pytest.mark.pure
@@ -40,15 +40,28 @@ def test_overheads_from_metrics_rows():
                 row[f"pipeline/stage{s}/{op}"] = 10.0 * layers + excess
         return row
 
-    runs = [([metrics(2, 4, 0.2 + 4 * 0.6, 500.0)], 512.0, [4, 4]),
-            ([metrics(4, 2, 0.2 + 2 * 0.6, 480.0)], 490.0, [2, 2, 2, 2])]
-    cal = overheads(runs, model_ms_per_layer={"f_ms": 10.0, "b_ms": 10.0, "w_ms": 10.0})
+    def model(layers):  # the planner's time of each stage: 10 ms per layer and op
+        return {op: [10.0 * n for n in layers] for op in ("f_ms", "b_ms", "w_ms")}
+
+    runs = [([metrics(2, 4, 0.2 + 4 * 0.6, 500.0)], 512.0, [4, 4], model([4, 4])),
+            ([metrics(4, 2, 0.2 + 2 * 0.6, 480.0)], 490.0, [2, 2, 2, 2], model([2, 2, 2, 2]))]
+    cal = overheads(runs)
     assert cal["action_overhead_ms"] == pytest.approx(0.2)
     assert cal["layer_overhead_ms"] == pytest.approx(0.6)
     assert cal["reduce_latency_ms"] == pytest.approx(6.0)
     assert cal["step_overhead_ms"] == pytest.approx(11.0)
     with pytest.raises(ValueError, match="log_every=1"):
-        overheads([([], 1.0, [4])], model_ms_per_layer={"f_ms": 1, "b_ms": 1, "w_ms": 1})
+        overheads([([], 1.0, [4], model([4]))])
+
+
+def test_tp_latency_shares_the_f_excess_among_its_collectives():
+    # stage 0: 3 layers, 5 collectives in F; stage 1: 2 layers, 3; action 1 ms, 0.5 ms per layer, 2 ms each
+    rows = [{"pipeline/stage0/f_ms": 10.0 + 1.0 + 1.5 + 5 * 2.0, "pipeline/stage1/f_ms": 6.0 + 1.0 + 1.0 + 3 * 2.0}]
+    got = tp_latency(rows, model_f_ms=[10.0, 6.0], layers=[3, 2], collectives=[5, 3], action_ms=1.0, layer_ms=0.5)
+    assert got == pytest.approx(2.0)
+    assert tp_latency(rows, model_f_ms=[99.0, 99.0], layers=[3, 2], collectives=[5, 3], action_ms=0, layer_ms=0) == 0
+    with pytest.raises(ValueError, match="f_ms"):
+        tp_latency([{}], model_f_ms=[1.0], layers=[1], collectives=[1], action_ms=0, layer_ms=0)
 
 
 def test_each_overhead_adds_what_it_says():
@@ -66,5 +79,10 @@ def test_each_overhead_adds_what_it_says():
     dp = ["plan.world_size=4", "data.batch_size=8"]
     assert (_row([*dp, "plan.reduce_latency_ms=5"], "1f1b").pred_step_ms
             == pytest.approx(_row(dp, "1f1b").pred_step_ms + 5, abs=0.01))
+    # a TP collective costs its latency (pp2 x tp2 gpipe, M=2): a block has 2 in its F and 2 in its B, a
+    # stage 4 blocks, so every F and BW on the critical path (at least one of each) pays 8 or more
+    tp = ["plan.world_size=4", "plan.tp=[2]", "data.batch_size=2"]
+    base_tp = _row(tp, "gpipe").pred_step_ms
+    assert _row([*tp, "plan.tp_latency_ms=1"], "gpipe").pred_step_ms > base_tp + 8
     with pytest.raises(ValueError, match="plan.action_overhead_ms must be >= 0"):
         compose_config([*BASE, "plan.action_overhead_ms=-1"])

@@ -24,10 +24,13 @@ class PlanConfig:
     p2p_latency_ms: Optional[float] = None  # per transfer; null = sim.comm_ms
     dp_gbs: Optional[float] = None  # per-rank gradient-reduction bandwidth, GB/s; null = cluster.dp_bandwidth_gbs
     optim_gbs: float = 0.0  # memory bandwidth of the optimizer step, GB/s (0: the step is not timed)
-    action_overhead_ms: float = 0.0  # framework time per F, B, W or BW action beyond its layers' (calibrate: bench/planner_accuracy.py)
-    layer_overhead_ms: float = 0.0  # framework time per layer and op (F, B, W) beyond the model's costs (calibrate: bench/planner_accuracy.py)
+    action_overhead_ms: float = 0.0  # framework time per F, B, W or BW action beyond its layers' (fitted by plan.calibrate)
+    layer_overhead_ms: float = 0.0  # framework time per layer and op (F, B, W) beyond the model's costs (fitted by plan.calibrate)
     reduce_latency_ms: float = 0.0  # fixed cost of each stage's data-parallel gradient reduction (calibrated like the above)
     step_overhead_ms: float = 0.0  # fixed cost per optimizer step outside the pipeline (loss, grad norm, optimizer launch)
+    tp_latency_ms: float = 0.0  # fixed cost of each tensor-parallel collective (fitted by plan.calibrate when plan.tp lists tp > 1)
+    calibrate: Optional[bool] = None  # time layers and train short runs here to fit the overheads above; null = on for schedule=auto training on local CPU ranks
+    calibrate_steps: int = 5  # steps of each calibration run (the first is warm-up and not counted)
     margin: float = 0.05  # fraction of the predicted peak added for fragmentation and workspaces
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (1: all, the safe bound)
     schedules: Optional[list[str]] = None  # schedules to try; null = every built-in
@@ -52,12 +55,15 @@ class PlanConfig:
                 raise ValueError(f"plan.{knob} must be >= 1 (got {value})")
         if self.nodes < 1 or self.top < 1 or self.max_microbatches < 1:
             raise ValueError("plan.nodes, plan.top and plan.max_microbatches must be >= 1")
+        if self.calibrate_steps < 2:
+            raise ValueError(f"plan.calibrate_steps must be >= 2: the first step is warm-up (got {self.calibrate_steps})")
         for knob in ("memory_gb", "p2p_gbs", "time_limit_s"):
             if not getattr(self, knob) > 0:
                 raise ValueError(f"plan.{knob} must be > 0 (got {getattr(self, knob)})")
         if self.dp_gbs is not None and not self.dp_gbs > 0:
             raise ValueError(f"plan.dp_gbs must be > 0 (got {self.dp_gbs})")
-        for knob in ("optim_gbs", "margin", "action_overhead_ms", "layer_overhead_ms", "reduce_latency_ms", "step_overhead_ms"):
+        for knob in ("optim_gbs", "margin", "action_overhead_ms", "layer_overhead_ms", "reduce_latency_ms", "step_overhead_ms",
+                     "tp_latency_ms"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"plan.{knob} must be >= 0 (got {getattr(self, knob)})")
         if (self.p2p_latency_ms or 0) < 0:

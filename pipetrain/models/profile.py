@@ -10,6 +10,10 @@ For every layer, on its real input (the previous layers' output for one example 
        split backward pays for the weights.
 The embedding's input is integer, so its B is 0 and its whole backward is W.
 Each figure is the median over `iters` timed repetitions after `warmup` untimed ones.
+On CPU the layers are timed at the ranks' intra-op thread count (`threads`: trainer.threads_per_rank),
+not torch's default of one thread per core: on a 2-core machine shared with other jobs, two threads
+per matmul waited on each other and timed GPT-2 tiny's blocks at 50-90 ms where one thread (what
+the ranks run) takes 1 ms, a 12x too slow plan.
 
 Results are cached as JSON per (model class and config, batch, seq, device, dtype, torch
 version) under $PIPETRAIN_CACHE_DIR/profile (default ~/.cache/pipetrain/profile), written
@@ -18,6 +22,7 @@ to a temporary file and renamed, so concurrent ranks never read half a file.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -28,7 +33,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -36,7 +41,7 @@ from torch import nn
 from pipetrain.models.base import LayeredModel
 from pipetrain.models.costs import LayerCost
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: timed at the ranks' thread count (format 1 entries were timed at torch's default)
 
 
 def default_cache_dir() -> Path:
@@ -57,12 +62,35 @@ def profile_layers(
     device: torch.device | str | None = None,
     cache_dir: Path | str | None = None,
     refresh: bool = False,
+    threads: int | None = None,
 ) -> list[LayerCost]:
     """Measured per-layer costs for one microbatch of `batch` x `seq`; params, FLOPs and
-    activation bytes come from the model's analytic cost model. `refresh` re-measures."""
+    activation bytes come from the model's analytic cost model. `refresh` re-measures.
+    `threads`: on CPU, the intra-op threads to time with (what each rank runs); None: torch's current."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"profile needs iters >= 1 and warmup >= 0 (got iters={iters}, warmup={warmup})")
     dev = torch.device(device) if device is not None else next(model.parameters()).device
+    with _cpu_threads(dev, threads):
+        return _profile(model, batch=batch, seq=seq, iters=iters, warmup=warmup, device=dev, cache_dir=cache_dir,
+                        refresh=refresh)
+
+
+@contextlib.contextmanager
+def _cpu_threads(device: torch.device, threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to `threads` on CPU for the block, then restored."""
+    before = torch.get_num_threads()
+    if device.type == "cpu" and threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _profile(model: LayeredModel, *, batch: int, seq: int, iters: int, warmup: int, device: torch.device,
+             cache_dir: Path | str | None, refresh: bool) -> list[LayerCost]:
+    dev = device
     key = _cache_key(model, batch=batch, seq=seq, device=dev)
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = path / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from rich.console import Console
 
 from pipetrain.config import AUTO, Config
-from pipetrain.planner.cmd import apply_row, make_rows, table, write
+from pipetrain.planner.cmd import apply_row, plan_rows, table, write
 from pipetrain.metrics import names
 from pipetrain.planner.search import Row
 
@@ -28,7 +28,7 @@ def wants_plan(config: Config) -> bool:
 
 def choose(config: Config, run_dir: Path, console: Console) -> tuple[Config, Row]:
     """Plan and return the config that trains the best feasible row, and that row."""
-    rows, meta = make_rows(config)
+    config, rows, meta = plan_rows(config, run_dir, console)
     write(rows, meta, run_dir)
     console.print(table(rows, top=min(config.plan.top, 5)))
     if not rows or not rows[0].feasible:

@@ -15,7 +15,8 @@ numbers, each a `plan` key:
   plan.reduce_latency_ms   mean over ranks of measured - simulated exposed reduce (dp > 1 runs)
   plan.step_overhead_ms    median step time - median measured makespan with reduce
 
-Pure Python: reads the rows of metrics.jsonl (logged every step) and summary.json's step time.
+Pure Python: reads the rows of metrics.jsonl (logged every step) and summary.json's step time;
+planner/measure.py trains the short runs (`plan.calibrate=true`) and hands them here.
 """
 
 from __future__ import annotations
@@ -69,17 +70,17 @@ def excess(rows: Sequence[Mapping[str, Any]], *, model_ms: Mapping[str, Sequence
     return out
 
 
-def overheads(runs: Sequence[tuple[Sequence[Mapping[str, Any]], float, Sequence[int]]], *,
-              model_ms_per_layer: Mapping[str, float]) -> dict[str, float]:
+def overheads(runs: Sequence[tuple[Sequence[Mapping[str, Any]], float, Sequence[int], Mapping[str, Sequence[float]]]]
+              ) -> dict[str, float]:
     """The four `plan` overheads from short runs, each (metrics.jsonl rows of its measured steps
-    without the first, warm-up step; its median step time; the layers of each stage).
-    model_ms_per_layer: the model's F, B, W of one layer ("f_ms", "b_ms", "w_ms"). Two runs with
-    different layers per stage separate the cost per action from the cost per layer."""
+    without the first, warm-up step; its median step time; the layers of each stage; per op
+    ("f_ms", "b_ms", "w_ms") the model's time of each stage, the sum of its layers' as the planner
+    costs them). Two runs with different layers per stage separate the cost per action from the
+    cost per layer."""
     samples, reduce, fixed = [], [], []
-    for rows, step_ms, layers in runs:
+    for rows, step_ms, layers, model in runs:
         if not rows:
             raise ValueError("calibration needs at least one measured step after the first (trainer.log_every=1)")
-        model = {op: [n * model_ms_per_layer[op] for n in layers] for op in OPS}
         samples += excess(rows, model_ms=model, layers=layers)
         reduce += [statistics.fmean(m) - statistics.fmean(s) for row in rows
                    if (m := _ranked(row, "pipeline/reduce_exposed_ms"))
@@ -91,3 +92,16 @@ def overheads(runs: Sequence[tuple[Sequence[Mapping[str, Any]], float, Sequence[
     return {"action_overhead_ms": per_action, "layer_overhead_ms": per_layer,
             "reduce_latency_ms": max(statistics.median(reduce), 0.0) if reduce else 0.0,
             "step_overhead_ms": max(statistics.median(fixed), 0.0)}
+
+
+def tp_latency(rows: Sequence[Mapping[str, Any]], *, model_f_ms: Sequence[float], layers: Sequence[int],
+               collectives: Sequence[int], action_ms: float, layer_ms: float) -> float:
+    """plan.tp_latency_ms from a tp > 1 run: per stage, its measured F beyond one tp rank's model F
+    (compute / tp plus the collectives' bytes over the bandwidth), the action and the layers'
+    overheads, shared by the F's TP collectives (`collectives` per stage); the median, >= 0."""
+    out = [(float(row[key]) - model - action_ms - n * layer_ms) / k
+           for row in rows for s, (model, n, k) in enumerate(zip(model_f_ms, layers, collectives))
+           if k and (key := f"pipeline/stage{s}/f_ms") in row and row[key] > 0]
+    if not out:
+        raise ValueError("calibration: the tp run's metrics hold no per-stage F times (pipeline/stageN/f_ms)")
+    return max(statistics.median(out), 0.0)

@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipetrain.config import AUTO, Config, SleepModelConfig
+from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Candidate, Device, Row, Workload, candidates, search
@@ -45,7 +45,7 @@ def workload(config: Config) -> Workload:
 
         def layers(mbs: int):
             return costs  # the sleep model's times are per microbatch, whatever its size
-    elif config.partition.name == "profile":  # calibrated: F, B, W and saved bytes measured on this machine
+    elif config.partition.name == "profile" or calibrating(config):  # F, B, W and saved bytes measured here
         from pipetrain.models.profile import profile_layers, saved_bytes_per_token
         from pipetrain.plan import build_model, profile_device
 
@@ -55,7 +55,8 @@ def workload(config: Config) -> Workload:
         def layers(mbs: int):
             saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev)
             return [dataclasses.replace(c, activation_bytes_per_token=a)
-                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev), saved)]
+                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev,
+                                                   threads=config.trainer.threads_per_rank), saved)]
     else:
         from pipetrain.plan import build_model
 
@@ -69,6 +70,20 @@ def workload(config: Config) -> Workload:
     return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), p.w_keep, hidden=hidden,
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross)
+
+
+def calibrating(config: Config) -> bool:
+    """plan.calibrate, its null resolved: on for schedule=auto (or plan.run) training on CPU ranks
+    started here, where the run is this machine's; mode=plan may plan for another cluster, and
+    mode=simulate starts no process."""
+    p = config.plan
+    if p.calibrate is not None:
+        return p.calibrate
+    if not (config.schedule.name == AUTO or p.run) or config.mode is not Mode.train or config.cluster.name != "local":
+        return False
+    from pipetrain.plan import profile_device
+
+    return config.trainer.device == "cpu" or (config.trainer.device == "auto" and profile_device() == "cpu")
 
 
 def world_size(config: Config) -> int:
@@ -86,7 +101,7 @@ def device(config: Config) -> Device:
                   p2p_latency_ms=config.sim.comm_ms if p.p2p_latency_ms is None else p.p2p_latency_ms,
                   dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, tp_gbs=config.cluster.tp_bandwidth_gbs, optim_gbs=p.optim_gbs, margin=p.margin,
                   action_overhead_ms=p.action_overhead_ms, layer_overhead_ms=p.layer_overhead_ms, reduce_latency_ms=p.reduce_latency_ms,
-                  step_overhead_ms=p.step_overhead_ms,
+                  step_overhead_ms=p.step_overhead_ms, tp_latency_ms=p.tp_latency_ms,
                   lookahead=config.pipeline.p2p_lookahead, reduce_dtype=config.parallel.reduce_dtype)
 
 
@@ -130,6 +145,27 @@ def check_tp(config: Config) -> None:
         if p.sequence_parallel and m.has_seq and config.data.seq_len % tp:
             raise ValueError(f"plan.sequence_parallel splits data.seq_len={config.data.seq_len} across plan.tp {tp}: "
                              f"set data.seq_len to a multiple of {tp} or drop {tp} from plan.tp")
+
+
+def plan_rows(config: Config, run_dir: Path, console: Console) -> tuple[Config, list[Row], dict[str, Any]]:
+    """The ranked rows and what was searched; under plan.calibrate first the two short runs of
+    planner/measure.py (at the microbatch size of the uncalibrated plan's best row), then the plan
+    searched with their overheads: the returned config carries them, plan.json's `calibration` too."""
+    if not calibrating(config):
+        return (config, *make_rows(config))
+    from pipetrain.planner.measure import calibrate, calibrated
+
+    rows, _ = make_rows(config)
+    mbs = rows[0].candidate.microbatch_size if rows and rows[0].feasible else min(config.plan.microbatch_sizes)
+    cal = calibrate(config, workload(config), world=world_size(config), mbs=mbs,
+                    partition=PARTITIONS.get(config.partition.name, "balanced"),
+                    row_config=lambda c: apply_row(config, Row(c)), run_dir=run_dir,
+                    note=lambda text: console.print(text, markup=False, highlight=False))
+    console.print("plan.calibrate: " + ", ".join(f"plan.{k}={v:g}" for k, v in cal.items()), markup=False,
+                  highlight=False)
+    config = calibrated(config, cal)
+    rows, meta = make_rows(config)
+    return config, rows, {**meta, "calibration": cal}
 
 
 def make_rows(config: Config) -> tuple[list[Row], dict[str, Any]]:
@@ -178,7 +214,7 @@ def write(rows: list[Row], meta: dict[str, Any], run_dir: Path) -> None:
 
 def run_plan(config: Config, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(width=None if Console().is_terminal else 160)
-    rows, meta = make_rows(config)
+    config, rows, meta = plan_rows(config, run_dir, console)
     write(rows, meta, run_dir)
     console.print(table(rows, top=config.plan.top))
     console.print(f"{meta['candidates']} candidates, {meta['simulated']} simulated, {meta['feasible']} feasible "

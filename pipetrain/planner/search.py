@@ -67,6 +67,7 @@ class Device:
     layer_overhead_ms: float = 0.0  # added to every layer's F, B and W (the executor's own time per layer)
     reduce_latency_ms: float = 0.0  # added to every stage's data-parallel reduction
     step_overhead_ms: float = 0.0  # added once per step (loss, grad norm, optimizer launch)
+    tp_latency_ms: float = 0.0  # added to every TP collective (schedules/tp_cost.py)
     lookahead: int = 1  # receives posted ahead (pipeline.p2p_lookahead)
     reduce_dtype: str = "float32"
 
@@ -129,13 +130,13 @@ class Row:
 
 def tp_rank_layers(layers: Sequence[LayerCost], *, tp: int, sequence_parallel: bool, tokens: int, hidden: int,
                    vocab: int, value_bytes: int, bandwidth_gbs: float,
-                   replicated_bytes_per_token: float = 0.0) -> list[LayerCost]:
+                   replicated_bytes_per_token: float = 0.0, latency_ms: float = 0.0) -> list[LayerCost]:
     """One tp rank's layers (schedules/tp_cost.py: compute / tp plus the TP collectives, parameters
     / tp). Activations: / tp under sequence parallel; without it a block keeps its replicated part
     (`replicated_bytes_per_token`, the norms') whole and splits the rest (Korthikanti et al. 2022:
     sbh (10 + 24 / t) for their 34); 0 leaves the blocks' activations whole (tp_cost's bound)."""
     split = tp_layer_costs(layers, tp=tp, tokens=tokens, hidden=hidden, vocab=vocab, bytes_per_value=value_bytes,
-                           bandwidth_gbs=bandwidth_gbs, sequence_parallel=sequence_parallel)
+                           bandwidth_gbs=bandwidth_gbs, sequence_parallel=sequence_parallel, latency_ms=latency_ms)
     if tp == 1 or sequence_parallel or not replicated_bytes_per_token:
         return split
     return [dataclasses.replace(l, activation_bytes_per_token=replicated_bytes_per_token
@@ -176,7 +177,8 @@ class _Evaluator:
             w, o = self.work, self.device.layer_overhead_ms
             split = tp_rank_layers(self._whole[mbs], tp=tp, sequence_parallel=sp, tokens=mbs * w.seq, hidden=w.hidden,
                                    vocab=w.vocab, value_bytes=w.value_bytes, bandwidth_gbs=self.device.tp_gbs,
-                                   replicated_bytes_per_token=w.tp_replicated_bytes_per_token)
+                                   replicated_bytes_per_token=w.tp_replicated_bytes_per_token,
+                                   latency_ms=self.device.tp_latency_ms)
             self._layers[key] = tuple(dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l
                                       for l in split)
         return self._layers[key]

@@ -13,8 +13,8 @@ size C, V the vocabulary, s bytes per value:
 
 Sequence parallel (Korthikanti et al. 2022) replaces each all-reduce by a reduce-scatter plus an
 all-gather: the same ring bytes, 2(tp-1)/tp x S per all-reduce and (tp-1)/tp x S per all-gather
-(schedules/reduce_cost.py: ring_factor), over `cluster.tp_bandwidth_gbs`; latency terms are left
-out. Parameters stored per rank divide by tp (norms and position embeddings, replicated, are
+(schedules/reduce_cost.py: ring_factor), over `cluster.tp_bandwidth_gbs`, plus `latency_ms` per
+collective (0 unless the planner calibrated it: gloo on CPU pays about a millisecond each). Parameters stored per rank divide by tp (norms and position embeddings, replicated, are
 rounded in); activation bytes divide by tp under sequence parallel (every saved activation is
 split), and are left whole without it (conservative: the split attention and MLP activations
 are most of them, the replicated norms' inputs are not).
@@ -36,8 +36,14 @@ def comm_ms(nbytes: float, bandwidth_gbs: float) -> float:
     return nbytes / (bandwidth_gbs * 1e9) * 1e3
 
 
+def collectives(name: str) -> tuple[int, int]:
+    """(in F, in B) TP collectives of a layer named `name`, as the table above lists them."""
+    return {"embed": (1, 0), "head": (1, 1)}.get(name, (2, 2))
+
+
 def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden: int, vocab: int,
-                   bytes_per_value: int, bandwidth_gbs: float, sequence_parallel: bool = False) -> list[LayerCost]:
+                   bytes_per_value: int, bandwidth_gbs: float, sequence_parallel: bool = False,
+                   latency_ms: float = 0.0) -> list[LayerCost]:
     """Per-layer costs of one tp rank for one microbatch of `tokens` tokens."""
     if tp < 1:
         raise ValueError(f"parallel.tp must be >= 1 (got {tp})")
@@ -46,16 +52,12 @@ def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden:
     if not bandwidth_gbs > 0:
         raise ValueError(f"cluster.tp_bandwidth_gbs must be > 0 GB/s (got {bandwidth_gbs})")
     act = tokens * hidden * bytes_per_value  # one (N, C) activation
-    all_reduce = comm_ms(ring_factor(tp, all_reduce=True) * act, bandwidth_gbs)
-    logits = comm_ms(ring_factor(tp, all_reduce=False) * tokens * vocab * bytes_per_value, bandwidth_gbs)
+    all_reduce = latency_ms + comm_ms(ring_factor(tp, all_reduce=True) * act, bandwidth_gbs)
+    logits = latency_ms + comm_ms(ring_factor(tp, all_reduce=False) * tokens * vocab * bytes_per_value, bandwidth_gbs)
     out = []
     for layer in layers:
-        if layer.name == "embed":
-            extra_f, extra_b = all_reduce, 0.0
-        elif layer.name == "head":
-            extra_f, extra_b = logits, all_reduce
-        else:
-            extra_f, extra_b = 2 * all_reduce, 2 * all_reduce
+        n_f, n_b = collectives(layer.name)
+        extra_f, extra_b = (logits if layer.name == "head" else n_f * all_reduce), n_b * all_reduce
         out.append(dataclasses.replace(
             layer, f_ms=layer.f_ms / tp + extra_f, b_ms=layer.b_ms / tp + extra_b, w_ms=layer.w_ms / tp,
             params=-(-layer.params // tp), flops_per_token=layer.flops_per_token / tp,
