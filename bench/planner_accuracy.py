@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="times each row is trained, interleaved; the median counts")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner_accuracy.json"))
+    ap.add_argument("--note", default="", help="free text stored in the JSON (e.g. how loaded the machine was)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pipetrain-plan-bench-"))
     times = [f"model.f_ms={args.layer_ms}", f"model.b_ms={args.layer_ms}", f"model.w_ms={args.layer_ms}"]
@@ -116,7 +117,7 @@ def main() -> None:
     out.write_text(json.dumps({
         "layer_ms": args.layer_ms, "steps": args.steps, "rounds": args.rounds, "sweep": SWEEP,
         "python": platform.python_version(), "cpus": os.cpu_count(),
-        "note": "measured on a shared 2-core machine while other jobs ran", "calibration": cal,
+        "note": args.note, "calibration": cal,
         "rows": len(rows), "feasible": len(feasible),
         "infeasible_reasons": sorted({r["reason"].split(" by ")[0] for r in rows if not r["feasible"]}),
         "worst_abs_error": worst, "worst_abs_error_uncalibrated": max(abs(m["error_uncalibrated"]) for m in measured),
