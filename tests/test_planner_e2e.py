@@ -71,4 +71,17 @@ def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     for p, m in zip(predicted, measured):
         assert m == pytest.approx(p, rel=0.10), (predicted, measured)
         assert m <= 0.2
+    # the plan's second row too, trained as written (the top rows, not only the one auto picks)
+    second = next(r for r in json.loads((run_dir / "plan.json").read_text())["rows"][1:] if r["feasible"])
+    res2 = run_cli([f"model={model}", f"schedule={second['schedule']}", f"pipeline.degree={second['pp']}",
+                    f"pipeline.microbatches={second['microbatches']}", "partition=profile", "trainer.max_steps=2",
+                    "trainer.eval_every=0", "trainer.ckpt_at_end=false", "logger=[console]",
+                    f"hydra.run.dir={tmp_path / 'run2'}"],
+                   cwd=tmp_path, env_extra={"WANDB_MODE": "offline", "PIPETRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    assert res2.returncode == 0, res2.stderr
+    predicted2 = [m["total_gb"] for m in second["memory_per_rank"]]
+    measured2 = of_ranks(json.loads((tmp_path / "run2" / "summary.json").read_text()), PEAK_GB)
+    for p, m in zip(predicted2, measured2, strict=True):
+        assert m == pytest.approx(p, rel=0.10), (second["schedule"], predicted2, measured2)
+        assert m <= 0.2
     assert 0.5 <= s["measured_step_ms"] / s["plan_pred_step_ms"] <= 4, (s["plan_pred_step_ms"], s["measured_step_ms"])
