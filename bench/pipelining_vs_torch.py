@@ -59,7 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.launch.local import CPU_MALLOC_ENV, spawn_local
+from pipetrain.launch.forkserver import CPU_MALLOC_ENV
+from pipetrain.launch.local import spawn_local
 from pipetrain.models.gpt2 import GPT2
 from pipetrain.models.split import build_stage
 from pipetrain.partition.strategies import min_max_bounds

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from pipetrain.launch.local import CPU_MALLOC_ENV
+from pipetrain.launch.forkserver import CPU_MALLOC_ENV
 from pipetrain.models.gpt2 import GPT2
 from pipetrain.models.split import build_stage
 from pipetrain.runtime.backward import backward_full, backward_input, backward_weight

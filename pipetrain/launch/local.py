@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipetrain.launch import forkserver
-from pipetrain.launch.forkserver import CPU_MALLOC_ENV, inherited_environ  # noqa: F401 (benches import them here)
+from pipetrain.launch.forkserver import CPU_MALLOC_ENV, inherited_environ
 
 
 def free_port() -> int:

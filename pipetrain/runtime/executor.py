@@ -90,7 +90,7 @@ class Executor:
         self._eval_plan = forward_plan(self._plan)
         # Per action, worked out once (not per action run): the message it receives and the one it
         # sends (None: local or none), and per step its text for timings and error messages.
-        self._needs = {a: needed_by(a, schedule, rank) for a in self._plan.parts}
+        self._needs = dict(zip(self._plan.parts, self._plan.waits))  # the plan has them already
         self._sends = {a: sent_by(a, schedule, rank) for a in self._plan.parts}
         self._step_texts = [str(step) for step in schedule.steps[rank]]
         self.reducer = reducer
