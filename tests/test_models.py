@@ -4,6 +4,8 @@ tied copies, the MLP, the sleep model's phases, and the per-layer profiler."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -203,6 +205,20 @@ def test_meta_stages_materialize_the_weights_of_the_unsplit_model(name):
     assert not torch.equal(next(other.parameters()), next(real.parameters()))
     with pytest.raises(ValueError, match="seed="):
         build_stage(meta, range(0, 1), stage_id=0)
+
+
+def test_building_on_meta_draws_nothing_and_imports_no_dynamo():
+    """Every rank builds its model on meta: torch's default draw in nn.Embedding's constructor
+    (normal_ on meta goes through torch._refs) used to import torch._dynamo there, ~2.5 s of CPU
+    per rank. A fresh interpreter builds each family on meta without importing it."""
+    code = ("import sys, torch\n"
+            "from pipetrain.models.factory import build_model\n"
+            "with torch.device('meta'):\n"
+            "    for family, knobs in (('gpt2', {}), ('llama', {}), ('mlp', {})):\n"
+            "        build_model(family, **knobs)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stdout + res.stderr[-2000:]
 
 
 def test_meta_stage_keeps_ties_inside_it():

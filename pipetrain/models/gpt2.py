@@ -28,6 +28,7 @@ from torch import nn
 
 from pipetrain.models.causal_lm import CausalLM, layer_cost
 from pipetrain.models.costs import LayerCost
+from pipetrain.models.init import embedding
 
 # Knob values per preset; every preset uses dropout 0.0 and bias True unless overridden.
 # gpt2-tiny: 8 blocks (enough for 8 stages), width 128, and a 512-token (byte-level-sized)
@@ -49,8 +50,8 @@ class Embedding(nn.Module):
     def __init__(self, *, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
         super().__init__()
         self.block_size = block_size
-        self.wte = nn.Embedding(vocab_size, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
+        self.wte = embedding(vocab_size, n_embd)
+        self.wpe = embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torch import nn
 from pipetrain.config.models import LlamaModelConfig
 from pipetrain.models.causal_lm import CausalLM, layer_cost
 from pipetrain.models.costs import LayerCost
+from pipetrain.models.init import embedding
 
 INIT_STD = 0.02  # HF's initializer_range for every Llama-family config
 
@@ -149,7 +150,7 @@ class DecoderLayer(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, *, vocab_size: int, hidden: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden)
+        self.embed_tokens = embedding(vocab_size, hidden)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(idx)  # (B, T) -> (B, T, C); positions enter through RoPE
