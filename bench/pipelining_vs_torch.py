@@ -26,7 +26,9 @@ fails.
 Measurement: ONE spawn of P gloo ranks (1 thread each, glibc told to keep freed memory);
 for each round, the single-process baseline first (rank 0 runs it in subprocesses while
 the other ranks wait: the whole model, the whole global batch in one forward + backward,
-at 1 and at 2 threads), then for each schedule both sides in PAIRED steps: 1 warm-up step
+at 1 and at 2 threads; and at 1 thread in M microbatches with gradient accumulation, the work
+of the pipeline's ranks at their matmul shapes: P times its tokens/s is what P one-thread ranks
+reach with no bubble and free communication, the ceiling of any schedule here), then for each schedule both sides in PAIRED steps: 1 warm-up step
 per side, then --steps pairs, each pair one step of either side back to back, the side that
 goes first alternating from pair to pair (and by round), so a slow moment of the shared
 machine lands on both sides alike; each step after a barrier. A step's time is the slowest
@@ -307,11 +309,17 @@ def verify(pt: PipetrainSide, th: TorchSide, name: str, args) -> dict:
             "grad_max_abs_diff": diff[0].item(), "grad_max_abs": diff[1].item()}
 
 
-def run_baseline(threads: int, args: argparse.Namespace) -> dict:
-    """The whole model in a fresh process with `threads` threads (rank 0 calls this)."""
+# baseline runs: (threads, microbatches); 1 = the whole global batch at once
+BASELINES = {"1": (1, False), "2": (2, False), "1_microbatched": (1, True)}
+
+
+def run_baseline(key: str, args: argparse.Namespace) -> dict:
+    """The whole model in a fresh process (rank 0 calls this), as BASELINES[key] says."""
+    threads, micro = BASELINES[key]
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in drop} | CPU_MALLOC_ENV
-    cmd = [sys.executable, os.path.abspath(__file__), *args.argv, "--baseline-child", "--threads", str(threads)]
+    cmd = [sys.executable, os.path.abspath(__file__), *args.argv, "--baseline-child", "--threads", str(threads),
+           *(["--accumulate"] if micro else [])]
     res = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -322,7 +330,7 @@ def rank_main(rank: int, world: int, out: Path, args: argparse.Namespace) -> Non
     tokens = args.batch * args.seq
     names = args.schedule_list
     pipes: dict[str, dict[str, Any]] = {}
-    raw: dict[str, Any] = {"schedules": {}, "baseline": {"1": [], "2": []}}
+    raw: dict[str, Any] = {"schedules": {}, "baseline": {key: [] for key in BASELINES}}
     for name in names:  # build both sides once per schedule (fresh torch stages each), verify them
         sched = pipetrain_schedule(name, args)
         bounds = stage_cut(model, sched, args)
@@ -339,9 +347,9 @@ def rank_main(rank: int, world: int, out: Path, args: argparse.Namespace) -> Non
                   flush=True)
     for rnd in range(args.rounds):
         if rank == 0:  # the baseline, between rounds; the other ranks wait in the barrier
-            order = (1, 2) if rnd % 2 == 0 else (2, 1)
-            for th_count in order:
-                raw["baseline"][str(th_count)].append(run_baseline(th_count, args))
+            order = list(BASELINES) if rnd % 2 == 0 else list(reversed(BASELINES))
+            for key in order:
+                raw["baseline"][key].append(run_baseline(key, args))
         dist.barrier()
         for name in names:
             measured = run_pairs(pipes[name], args.steps, first=rnd)
@@ -373,17 +381,22 @@ def baseline_child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)  # before any work
     model = build_model(args)
     idx, tgt = global_batch(model, args)
+    parts = args.microbatches if args.accumulate else 1  # the pipeline's chunks, as torch cuts them
+    chunks = list(zip(idx.tensor_split(parts), tgt.tensor_split(parts)))
     times = []
     for i in range(args.steps + 1):  # the first step warms up
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        loss = model.loss(model(idx), tgt)
-        loss.backward()
+        total = 0.0
+        for x, y in chunks:
+            loss = model.loss(model(x), y) / parts
+            loss.backward()
+            total += loss.item()
         if i:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    print(json.dumps({"threads": args.threads, "step_s": times, "tokens_per_s": args.batch * args.seq / step,
-                      "loss": loss.item()}))
+    print(json.dumps({"threads": args.threads, "microbatches": parts, "step_s": times,
+                      "tokens_per_s": args.batch * args.seq / step, "loss": total}))
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -392,7 +405,7 @@ def baseline_child(args: argparse.Namespace) -> None:
 def summarize(raw: dict, args: argparse.Namespace) -> dict:
     tokens = args.batch * args.seq
     base = {}
-    for th in ("1", "2"):
+    for th in BASELINES:
         runs = raw["baseline"][th]
         base[th] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
                     "tokens_per_s_rounds": [r["tokens_per_s"] for r in runs], "loss": runs[0]["loss"]}
@@ -434,6 +447,10 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
                                     if "zbv" in rows and "1f1b" in rows else None),
         "best_pipetrain_schedule": best,
         "best_pipetrain_over_baseline_2t": rows[best]["pipetrain_over_baseline_2t"],
+        # P one-thread ranks at the microbatch's shapes, no bubble, free communication
+        "ceiling_over_baseline_2t": args.degree * base["1_microbatched"]["tokens_per_s"] / base2,
+        "best_pipetrain_over_ceiling": rows[best]["pipetrain"]["tokens_per_s"]
+        / (args.degree * base["1_microbatched"]["tokens_per_s"]),
     }
     lo, hi = (str(m) for m in (min(args.recv_scaling_m), max(args.recv_scaling_m)))
     scaling = {}
@@ -445,6 +462,7 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
         (v[f"ratio_M{hi}_over_M{lo}_max_over_stages"] for v in scaling.values()
          if v[f"ratio_M{hi}_over_M{lo}_max_over_stages"] is not None), default=None)
     return {"baseline": {"tokens_per_s_1thread": base["1"]["tokens_per_s"], "tokens_per_s_2threads": base2,
+                         "tokens_per_s_1thread_microbatched": base["1_microbatched"]["tokens_per_s"],
                          "runs": base}, "schedules": rows, "recv_buffer_scaling": scaling, "summary": summary}
 
 
@@ -462,13 +480,16 @@ def print_table(res: dict, args: argparse.Namespace) -> None:
               f"{r['grad_max_abs_diff']:9.1e} {r['pipetrain_over_baseline_2t']:8.3f}")
     b = res["baseline"]
     print(f"\nsingle process, whole batch: {b['tokens_per_s_1thread']:.0f} tok/s at 1 thread, "
-          f"{b['tokens_per_s_2threads']:.0f} tok/s at 2 threads")
+          f"{b['tokens_per_s_2threads']:.0f} tok/s at 2 threads; {b['tokens_per_s_1thread_microbatched']:.0f} tok/s "
+          f"at 1 thread in {args.microbatches} microbatches")
     s = res["summary"]
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     print(f"min ratio {s['min_ratio']:.3f} ({s['min_ratio_schedule']}); zbv ratio {fmt(s['zbv_ratio'])}; "
           f"dualpipev ratio {fmt(s['dualpipev_ratio'])}; pipetrain zbv/1f1b {fmt(s['pipetrain_zbv_over_1f1b'])}; "
           f"best pipetrain ({s['best_pipetrain_schedule']}) / 2-thread baseline "
-          f"{s['best_pipetrain_over_baseline_2t']:.3f}")
+          f"{s['best_pipetrain_over_baseline_2t']:.3f}; ceiling ({args.degree} x the 1-thread microbatched "
+          f"baseline) / 2-thread baseline {s['ceiling_over_baseline_2t']:.3f}, best / ceiling "
+          f"{s['best_pipetrain_over_ceiling']:.3f}")
     print("(ratio = pipetrain tok/s / torch tok/s, median over rounds; cpu = CPU s per step per rank)")
 
 
@@ -530,6 +551,7 @@ def main() -> None:
     ap.add_argument("--note", default="", help="free text stored in the JSON (e.g. which pipetrain was measured)")
     ap.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--accumulate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.argv = sys.argv[1:]
     if args.baseline_child:
@@ -547,7 +569,8 @@ def main() -> None:
     spawn_local(rank_main, args.degree, work, args)
     raw = json.loads((work / "raw.json").read_text())
     res = summarize(raw, args)
-    config = {k: v for k, v in vars(args).items() if k not in ("argv", "baseline_child", "threads", "out", "note")}
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("argv", "baseline_child", "threads", "accumulate", "out", "note")}
     config["microbatch"] = args.batch // args.microbatches
     config["tokens_per_step"] = args.batch * args.seq
     config["threads_per_rank"] = 1
