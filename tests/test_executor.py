@@ -9,6 +9,8 @@ NCCL's semantics, so what would deadlock or mix up messages on GPUs fails here.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -58,6 +60,9 @@ def run_all_schedules(rank: int, world: int, out, model_name: str) -> None:
                          "grads": [(s, n, p.grad.clone()) for s, n, p in rp.named_parameters()]}
             opt.step()
         results[name] = {**first, "params": [(s, n, p.detach().clone()) for s, n, p in rp.named_parameters()]}
+        rp.close()  # in-order mode's stream threads (one per peer) end with the pipeline, not with the process
+        streams = [t.name for t in threading.enumerate() if t.name.startswith("p2p-stream")]
+        assert not streams, (name, streams)
     torch.save(results, out / f"rank{rank}.pt")
 
 

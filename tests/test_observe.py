@@ -77,14 +77,15 @@ def test_measured_bubble_matches_the_simulated_one(sleep_runs, schedule):
     for m, s in zip(*([last[f"pipeline/{k}/rank{r}"] for r in range(4)] for k in ("bubble_measured", "bubble_simulated"))):
         assert BUSY_RATIO <= (1 - m) / (1 - s) <= 1 / BUSY_RATIO, last
     # the simulator was fed what the layers really took: ~20 ms F and ~40 ms BW per 1F1B stage
-    # (2 layers), ~10 ms each of F, B and W per ZB-V stage (1 layer). A sleep never ends early, so
-    # the floor is tight; late wake-ups on 2 loaded cores only lengthen an op, so the ceiling
-    # (1.5x + 2 ms) is loose yet still refuses an op counted twice or fed another op's time.
+    # (2 layers), ~10 ms each of F, B and W per ZB-V stage (1 layer). The floor is tight (a sleep
+    # ends at most ~1 ms early, paying back an earlier oversleep: sleep_module); late wake-ups on 2
+    # loaded cores only lengthen an op, so the ceiling (1.5x + 2 ms) is loose, yet it still refuses
+    # an op counted twice or fed another op's time.
     stages = 4 if schedule == "1f1b" else 8
     want = (20, 40, 0) if schedule == "1f1b" else (10, 10, 10)
     for key, ms in zip("fbw", want):
         got = [last[f"pipeline/stage{s}/{key}_ms"] for s in range(stages)]
-        assert all(0.97 * ms - 0.5 <= x <= 1.5 * ms + 2 for x in got), (key, got)
+        assert all(ms - 1.5 <= x <= 1.5 * ms + 2 for x in got), (key, got)
     if schedule == "1f1b":  # (P-1) / (M+P-1) = 3/19, the paper's 1F1B bubble at equal F and B
         assert abs(simulated - 3 / 19) <= 0.02
 

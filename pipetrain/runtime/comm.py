@@ -188,6 +188,14 @@ class P2P:
         self._inflight.clear()
         self.plan = None
 
+    def close(self) -> None:
+        """Stop the in-order streams' threads (each ends after the groups queued before it)."""
+        for stream in self._streams.values():
+            stream.queue.put(None)
+        for stream in self._streams.values():
+            stream.thread.join()
+        self._streams.clear()
+
     # ---- posting and waiting ------------------------------------------------------
     def _peer(self, pipeline_rank: int) -> int:
         return pipeline_rank if self._global is None else self._global[pipeline_rank]

@@ -109,6 +109,11 @@ class Executor:
         self.profile_ranges = False
         self._index = self._part = 0  # the step (and part of an F&B pair) being run
 
+    def close(self) -> None:
+        """Release what outlives a step: the point-to-point transport's threads (in-order mode)."""
+        if self.comm is not None:
+            self.comm.close()
+
     # ---- one optimizer step's worth of microbatches ---------------------------------
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """Run every action of this rank once; `microbatches[m]` is (input, target) of microbatch m."""

@@ -65,6 +65,9 @@ class RankPipeline:
         self.sync.sync()
         return result
 
+    def close(self) -> None:
+        self.executor.close()
+
     def norm_parameters(self) -> list[nn.Parameter]:
         """What this rank adds to the global gradient norm: the weights it owns in its pipeline
         (GradSync.owned), and under tensor parallel only its slices of split weights unless it

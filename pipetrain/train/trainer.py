@@ -200,6 +200,7 @@ class Trainer:
                 summary = self.monitor.summarize(self.loop())
             finally:
                 self.profiler.close()  # a capture cut short by an error still writes what it has
+                self.pipe.close()
             if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
                 (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
             self.monitor.finish(summary)
