@@ -108,11 +108,12 @@ def test_record_and_tables_carry_what_the_loggers_promise():
 def test_metrics_line_starts_with_the_step():
     rec = {"step": 100, "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "perf/tokens_per_s": 12345.0,
            "perf/step_time_s": 0.05, "perf/mfu": 0.12, "pipeline/bubble_measured": 0.2, "pipeline/bubble_simulated": 0.19,
-           "memory/peak_gb": (3 << 20) / 1e9, "memory/peak_gb/rank0": (2 << 20) / 1e9,
-           "memory/peak_gb/rank1": (3 << 20) / 1e9, "memory/activations_gb/rank0": (1 << 20) / 1e9}
+           "memory/peak_gb": 0.003, "memory/peak_gb/rank0": 0.002,
+           "memory/peak_gb/rank1": 0.003, "memory/activations_gb/rank0": 0.001}
     line = metrics_line(rec, 200, 12.0)
     assert line.startswith("step 100/200 loss 2.5000")
-    assert "bubble 20.0% (sim 19.0%)" in line and "mfu 12.0%" in line and "3.0MB" in line
+    assert "bubble 20.0% (sim 19.0%)" in line and "mfu 12.0%" in line
+    assert "mem 3.0MB (act 1.0MB)" in line  # the GB of memory/peak_gb, in decimal units like it
 
 
 def test_logger_choices_fail_with_the_knob():

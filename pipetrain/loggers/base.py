@@ -61,13 +61,14 @@ class Logger:
 
 
 def human_bytes(n: Optional[float]) -> str:
-    """1536 -> "1.5KB" (powers of 1024, as memory is usually shown)."""
+    """1500 -> "1.5KB": decimal units, as the memory/*_gb metrics and plan.memory_gb count them
+    (1 GB = 1e9 bytes), so the console and metrics.jsonl show the same number."""
     if n is None:
         return "-"
-    if abs(n) < 1024:
+    if abs(n) < 1000:
         return f"{n:.0f}B"
     for unit in ("KB", "MB", "GB"):
-        n /= 1024
-        if abs(n) < 1024:
+        n /= 1000
+        if abs(n) < 1000:
             return f"{n:.1f}{unit}"
-    return f"{n / 1024:.1f}TB"
+    return f"{n / 1000:.1f}TB"
