@@ -51,16 +51,16 @@ def run(config: Config, run_dir: Path) -> Any:
     if config.mode is Mode.simulate:
         return run_simulate(config, run_dir)
     # Train, eval, export: everything is checked (and simulated) here, before any process starts.
+    if not quiet:  # the run and checkpoint directories take files (no torch needed: before the start-up)
+        saves = config.mode is Mode.train and bool(config.trainer.ckpt_every or config.trainer.ckpt_at_end)
+        check_writable(run_dir, checkpoints=saves)
+        RunLock(run_dir).check()  # a second run here refuses now; launch() takes the lock
     if config.mode is not Mode.export:
         prestart(config)  # the ranks' start-up (torch's import) runs beside the checks, before ours
     from pipetrain.models.hf import check_pretrained
     from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
 
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
-    if not quiet:  # the run and checkpoint directories take files, before any rank starts
-        saves = config.mode is Mode.train and bool(config.trainer.ckpt_every or config.trainer.ckpt_at_end)
-        check_writable(run_dir, checkpoints=saves)
-        RunLock(run_dir).check()  # a second run here refuses now; launch() takes the lock
     check_pretrained(config.model)  # a missing, extra or mis-shaped key too
     changes = getattr(config.model, "pretrained_changes", None)
     if changes:
