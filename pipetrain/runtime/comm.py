@@ -189,11 +189,13 @@ class P2P:
         self.plan = None
 
     def close(self) -> None:
-        """Stop the in-order streams' threads (each ends after the groups queued before it)."""
+        """Stop the in-order streams' threads: each ends after the groups queued before it. After
+        a step that completed they are idle and end at once; after a failed one a stream may still
+        sit in a wait that only its timeout ends, so it is not waited for (the threads are daemons)."""
         for stream in self._streams.values():
             stream.queue.put(None)
         for stream in self._streams.values():
-            stream.thread.join()
+            stream.thread.join(timeout=1.0)
         self._streams.clear()
 
     # ---- posting and waiting ------------------------------------------------------
