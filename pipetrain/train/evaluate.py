@@ -86,7 +86,7 @@ def evaluate_file(trainer: Trainer, path: str) -> dict[str, Any]:
 def rank_eval(config: Config, plan: Plan, run_dir: Path) -> dict[str, Any]:
     """Entry point of one rank under mode=eval (the launcher's `entry`)."""
     run_dir = Path(run_dir)
-    trainer = Trainer(config, plan, run_dir)
+    trainer = Trainer(config, plan, run_dir, train_data=False)  # eval reads its own token file
     trainer.resume()
     result = evaluate_file(trainer, eval_token_file(config.data))
     if trainer.rank != 0:

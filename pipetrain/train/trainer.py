@@ -67,7 +67,8 @@ def resolve_device(choice: str) -> torch.device:
 class Trainer:
     """One rank's share of the training job."""
 
-    def __init__(self, config: Config, plan: Plan, run_dir: Path) -> None:
+    def __init__(self, config: Config, plan: Plan, run_dir: Path, *, train_data: bool = True) -> None:
+        """`train_data=False` (mode=eval): no training data source is built; eval reads its own file."""
         self.config, self.plan, self.run_dir = config, plan, Path(run_dir)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = resolve_device(config.trainer.device)
@@ -93,7 +94,7 @@ class Trainer:
         if weights is not None:
             weights.close()
         self.data = build_data(config.data, seed=config.trainer.seed,
-                               vocab_size=getattr(config.model, "vocab_size", 0), model=model)
+                               vocab_size=getattr(config.model, "vocab_size", 0), model=model) if train_data else None
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         self.state = TrainState()
@@ -128,6 +129,7 @@ class Trainer:
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This pipeline's microbatches of step `step`: its 1/dp rows of the global batch, split in M."""
+        assert self.data is not None, "this Trainer was built with train_data=False (mode=eval)"
         rows = local_rows(self.data.batch(step, split=split), self.groups.dp_index, self.config.layout.dp)
         return split_microbatches(rows, self.config.pipeline.microbatches)
 
