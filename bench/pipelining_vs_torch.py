@@ -28,9 +28,10 @@ for each round, the single-process baseline first (rank 0 runs it in subprocesse
 the other ranks wait: the whole model, the whole global batch in one forward + backward,
 at 1 and at 2 threads; and at 1 thread in M microbatches with gradient accumulation, the work
 of the pipeline's ranks at their matmul shapes: P times its tokens/s is what P one-thread ranks
-reach with no bubble and free communication, the ceiling of any schedule here), then for each schedule both sides in PAIRED steps: 1 warm-up step
-per side, then --steps pairs, each pair one step of either side back to back, the side that
-goes first alternating from pair to pair (and by round), so a slow moment of the shared
+reach with no bubble and free communication, the ceiling of any schedule here), then for each
+schedule both sides in PAIRED steps: 1 warm-up step per side, then --steps pairs, each pair one
+step of either side back to back, the side that goes first alternating from pair to pair (and
+by round), so a slow moment of the shared
 machine lands on both sides alike; each step after a barrier. A step's time is the slowest
 rank's (all_reduce MAX), CPU seconds per step are each rank's process_time delta.
 tokens/s = batch * seq / step time; a round's tokens/s is the median over its steps, the
@@ -439,6 +440,8 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
         return rows[name]["ratio_median"] if name in rows else None
 
     best = max(rows, key=lambda n: rows[n]["pipetrain"]["tokens_per_s"])
+    # P one-thread ranks at the microbatch's shapes, no bubble, free communication
+    ceiling = args.degree * base["1_microbatched"]["tokens_per_s"]
     worst = min(rows, key=lambda n: rows[n]["ratio_median"])
     summary = {
         "min_ratio": rows[worst]["ratio_median"], "min_ratio_schedule": worst,
@@ -447,10 +450,8 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
                                     if "zbv" in rows and "1f1b" in rows else None),
         "best_pipetrain_schedule": best,
         "best_pipetrain_over_baseline_2t": rows[best]["pipetrain_over_baseline_2t"],
-        # P one-thread ranks at the microbatch's shapes, no bubble, free communication
-        "ceiling_over_baseline_2t": args.degree * base["1_microbatched"]["tokens_per_s"] / base2,
-        "best_pipetrain_over_ceiling": rows[best]["pipetrain"]["tokens_per_s"]
-        / (args.degree * base["1_microbatched"]["tokens_per_s"]),
+        "ceiling_over_baseline_2t": ceiling / base2,
+        "best_pipetrain_over_ceiling": rows[best]["pipetrain"]["tokens_per_s"] / ceiling,
     }
     lo, hi = (str(m) for m in (min(args.recv_scaling_m), max(args.recv_scaling_m)))
     scaling = {}
