@@ -3,7 +3,7 @@
 weights, gradients and AdamW state on one rank, against a 25 MB cap).
 
 1. `mode=plan` over the sweep (plan.json: every row, feasible or why not);
-2. the top `--runs` feasible rows each trained for real through `pipetrain schedule=auto` with the
+2. every feasible row (or the top `--runs`) each trained for real through `pipetrain schedule=auto` with the
    plan group narrowed to that row (so the run takes the planner's own path), a few steps each;
 3. per row: predicted step time (summary.json's plan_pred_step_ms) vs measured (measured_step_ms,
    the median after the first step), and whether the measured best is the plan's first row or
@@ -18,7 +18,7 @@ uncalibrated prediction and its error.
 Rows are interleaved over `--rounds` (every row once per round) and each row's measured step time is
 the median over rounds, so a burst of load on a shared machine does not land on one row only.
 
-Usage: python bench/planner_accuracy.py [--layer-ms 10] [--runs 8] [--steps 6] [--rounds 3] [--out FILE]
+Usage: python bench/planner_accuracy.py [--layer-ms 10] [--runs 0] [--steps 6] [--rounds 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def plan(args: list[str], work: Path, name: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layer-ms", type=float, default=10.0, help="F, B and W of one sleep layer")
-    ap.add_argument("--runs", type=int, default=8, help="feasible rows to train (best first)")
+    ap.add_argument("--runs", type=int, default=0,
+                    help="feasible rows to train, best first (0: every feasible row, as issue 17 asks)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="times each row is trained, interleaved; the median counts")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner_accuracy.json"))
@@ -82,7 +83,7 @@ def main() -> None:
     calibrated = [*base, *(f"plan.{k}={v}" for k, v in cal.items()), "plan.calibrate=false"]  # measured once
     feasible = [r for r in rows if r["feasible"]]
     print(f"{len(rows)} rows, {len(feasible)} feasible under the memory cap", flush=True)
-    chosen = feasible[: args.runs]
+    chosen = feasible[: args.runs] if args.runs > 0 else feasible
     runs: list[list[dict]] = [[] for _ in chosen]
     for rnd in range(args.rounds):
         for i, row in enumerate(chosen):

@@ -21,6 +21,7 @@ import pytest
 
 from _dist import spawn
 from _logs import wandb_records
+from pipetrain.models.sleep_module import _MAX_CREDIT_MS
 from pipetrain.plan import make_plan
 
 # 10 ms per layer and op (F, B, W), 2 layers per 1F1B stage, 1 per ZB-V stage: the executor's
@@ -30,8 +31,11 @@ SLEEP = ["mode=train", "model=sleep", "data=synthetic", "model.layers=8", "model
          "trainer.max_steps=2", "trainer.eval_every=0", "trainer.ckpt_at_end=false", "trainer.device=cpu",
          "logger=[jsonl,trace]"]
 # Measured busy share over simulated: 1 where the executor adds nothing. On a quiet machine the
-# bubbles agree within 0.03 (~0.96 here); on 2 cores shared with other jobs, wake-ups are late.
-BUSY_RATIO = 0.85
+# bubbles agree within 0.03 (~0.96 here; the tight bound is bench/measured_bubble.py); on 2 cores
+# shared with other jobs wake-ups are late, and a ZB-V rank measured 1.18 once (bubble 0.23
+# against 0.35 simulated from that step's late op times). A miscounted bubble (0 or 1, another
+# rank's, a step's idle counted twice) is still far outside this band.
+BUSY_RATIO = 0.75
 GPT = ["mode=train", "model=gpt2-tiny", "data=synthetic", "pipeline.degree=2", "pipeline.microbatches=8",
        "data.batch_size=8", "data.seq_len=64", "trainer.max_steps=1", "trainer.eval_every=0",
        "trainer.ckpt_at_end=false", "trainer.device=cpu", "logger=[jsonl]"]
@@ -77,15 +81,17 @@ def test_measured_bubble_matches_the_simulated_one(sleep_runs, schedule):
     for m, s in zip(*([last[f"pipeline/{k}/rank{r}"] for r in range(4)] for k in ("bubble_measured", "bubble_simulated"))):
         assert BUSY_RATIO <= (1 - m) / (1 - s) <= 1 / BUSY_RATIO, last
     # the simulator was fed what the layers really took: ~20 ms F and ~40 ms BW per 1F1B stage
-    # (2 layers), ~10 ms each of F, B and W per ZB-V stage (1 layer). The floor is tight (a sleep
-    # ends at most ~1 ms early, paying back an earlier oversleep: sleep_module); late wake-ups on 2
-    # loaded cores only lengthen an op, so the ceiling (1.5x + 2 ms) is loose, yet it still refuses
-    # an op counted twice or fed another op's time.
+    # (2 layers: F sleeps twice, BW four times, SleepB and SleepW per layer), ~10 ms each of F, B
+    # and W per ZB-V stage (1 layer, one sleep each). The floor is exact: each sleep ends at most
+    # _MAX_CREDIT_MS early, paying back an earlier oversleep (sleep_module), so an op of k sleeps
+    # ends at most k of those early (CI saw a 1F1B BW of 38.3 ms: 4 sleeps paying back 1.7 ms).
+    # Late wake-ups on 2 loaded cores only lengthen an op, so the ceiling (1.5x + 2 ms) is loose,
+    # yet it still refuses an op counted twice or fed another op's time.
     stages = 4 if schedule == "1f1b" else 8
-    want = (20, 40, 0) if schedule == "1f1b" else (10, 10, 10)
-    for key, ms in zip("fbw", want):
+    want = ((20, 2), (40, 4), (0, 0)) if schedule == "1f1b" else ((10, 1), (10, 1), (10, 1))
+    for key, (ms, sleeps) in zip("fbw", want):
         got = [last[f"pipeline/stage{s}/{key}_ms"] for s in range(stages)]
-        assert all(ms - 1.5 <= x <= 1.5 * ms + 2 for x in got), (key, got)
+        assert all(ms - sleeps * _MAX_CREDIT_MS - 0.5 <= x <= 1.5 * ms + 2 for x in got), (key, got)
     if schedule == "1f1b":  # (P-1) / (M+P-1) = 3/19, the paper's 1F1B bubble at equal F and B
         assert abs(simulated - 3 / 19) <= 0.02
 
