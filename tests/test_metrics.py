@@ -132,3 +132,25 @@ def test_logger_knobs_compose(compose):
     assert cfg.logger == ["console", "jsonl", "wandb"]
     assert cfg.logging.wandb_tags == ["a", "b"] and cfg.logging.chosen_step(cfg.trainer.max_steps) == 3
     assert compose([]).logger == ["console", "jsonl"]
+
+
+@pytest.mark.parametrize("start_step, kept", [(0, [1, 2, 3, 4, 5, 6]), (4, [1, 2, 3, 4])])
+def test_jsonl_drops_the_rows_a_resumed_run_redoes(compose, tmp_path, start_step, kept):
+    """A run resumed at step 4 (a restart, or trainer.resume after a kill) redoes steps 5 and 6: their
+    old rows go, as does a line torn by the kill, and every step ends with one row. A fresh start
+    (step 0) in a directory that has rows appends after them, as before, but not onto a torn line."""
+    from pipetrain.loggers.base import RunInfo
+    from pipetrain.loggers.jsonl import JsonlLogger
+    from pipetrain.metrics.step import StepRecord
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "train/loss": 10.0 - s}) + "\n" for s in range(1, 7))
+                    + '{"step": 7, "train/lo')  # killed mid-write
+    logger = JsonlLogger()
+    logger.start(RunInfo(compose([]), tmp_path, 8, start_step, 8))
+    for step in range(start_step + 1, 9):
+        logger.log(StepRecord(step=step, loss=1.0, lr=1e-3, grad_norm=1.0, step_time_s=0.1, tokens_per_s=1.0))
+    logger.finish(None, None, None)
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == kept + list(range(start_step + 1, 9))
+    assert not [p for p in tmp_path.iterdir() if p.name != "metrics.jsonl"]  # no temporary file left

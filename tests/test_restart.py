@@ -63,6 +63,9 @@ def test_sigkilled_rank_restarts_and_ends_bitwise_equal(tmp_path):
     event = json.loads((run / "events.jsonl").read_text().splitlines()[-1])
     assert event["event"] == "restart" and event["resumed_step"] == EVERY and event["text"] == found[0]
     assert event["failed_rank"] == int(found[1]) and event["failed_step"] == int(found[2])
+    # the steps redone after the restart have one row each: the redone one
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, STEPS + 1))
 
     res = run_cli([*ARGS, "logger=[jsonl]", f"hydra.run.dir={ref}"], cwd=tmp_path)  # never hurt
     assert res.returncode == 0, res.stderr[-3000:]

@@ -1,6 +1,8 @@
 """`logger=[...,jsonl]`: metrics.jsonl, one JSON object per logged step.
 
-metrics.jsonl is opened for appending, so a resumed run continues the same file. Each line
+metrics.jsonl is opened for appending, so a resumed run continues the same file; the rows of the
+steps it is about to redo (logged after the checkpoint it resumed from, before a crash, a kill or a
+restart) are dropped first, so every step has one row, the one whose weights went on. Each line
 is a StepRecord's row() (metrics/step.py): `step` and every metric under its public name
 (metrics/names.py: train/loss, train/lr, perf/tokens_per_s, pipeline/bubble_measured,
 memory/peak_gb/rank0, ...), the names wandb and TensorBoard get too.
@@ -11,8 +13,10 @@ resumed_step, attempt). summary.json, what `pipetrain -m` sweeps read, is the tr
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import IO, Any, Optional
 
+from pipetrain.files import write_text_atomic
 from pipetrain.loggers.base import Logger, RunInfo
 from pipetrain.metrics.step import RunSummary, StepRecord
 
@@ -20,7 +24,10 @@ from pipetrain.metrics.step import RunSummary, StepRecord
 class JsonlLogger(Logger):
     def start(self, info: RunInfo) -> None:
         super().start(info)
-        self.file: Optional[IO[str]] = (info.run_dir / "metrics.jsonl").open("a")
+        path = info.run_dir / "metrics.jsonl"
+        if path.exists():
+            keep_rows_up_to(path, info.start_step if info.start_step > 0 else None)
+        self.file: Optional[IO[str]] = path.open("a")
 
     def log(self, record: StepRecord) -> None:
         if self.file is not None:
@@ -36,3 +43,21 @@ class JsonlLogger(Logger):
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+def keep_rows_up_to(path: Path, step: Optional[int]) -> None:
+    """Rewrite metrics.jsonl without the rows past `step` (None: keep every step) and without a
+    line torn by a kill mid-write, which the next row would otherwise continue; atomically, so a
+    crash here leaves the old file whole. Untouched when there is nothing to drop."""
+    text = path.read_text()
+    lines = text.splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and (step is None or (isinstance(row.get("step"), int) and row["step"] <= step)):
+            kept.append(line)
+    if kept != lines or not text.endswith("\n"):
+        write_text_atomic(path, "".join(line + "\n" for line in kept))

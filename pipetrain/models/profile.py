@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,6 +37,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from pipetrain.files import write_text_atomic
 from pipetrain.models.base import LayeredModel
 from pipetrain.models.costs import LayerCost
 
@@ -139,15 +139,7 @@ def _read_cache(path: Path, key: dict[str, Any], num_layers: int) -> list[LayerC
 
 
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def _sync(device: torch.device) -> None:

@@ -10,13 +10,13 @@ to what was measured (median step time after the first step; the largest peak me
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 from rich.console import Console
 
 from pipetrain.config import AUTO, Config
+from pipetrain.files import write_text_atomic
 from pipetrain.planner.cmd import apply_row, plan_rows, table, write
 from pipetrain.metrics import names
 from pipetrain.planner.search import Row
@@ -66,9 +66,7 @@ def report(row: Row, run_dir: Path, console: Console) -> Optional[dict[str, Any]
            "measured_peak_gb": measured_gb, "peak_memory_error": _error(measured_gb, row.pred_peak_gb),
            "plan_row": row.to_json()}
     summary.update(out)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(summary, indent=2) + "\n")
     err = out["step_time_error"]
     line = f"plan vs run: step {row.pred_step_ms:.1f} ms predicted, " + (
         f"{measured_ms:.1f} ms measured ({100 * err:+.1f}%)" if measured_ms is not None else "not measured")
