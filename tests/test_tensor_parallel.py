@@ -69,10 +69,10 @@ def train_cases(rank: int, world: int, out: Path, cases: list) -> None:
                     "params": full_parameters(trainer)}, out / f"{name}.rank{rank}.pt")
 
 
-def reference(compose, model: str, run_dir: Path) -> dict:
+def reference(compose, model: str, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     from pipetrain.train.trainer import Trainer
 
-    config = compose([*BASE, f"model={model}", "pipeline.degree=1"])
+    config = compose([*BASE, f"model={model}", "pipeline.degree=1", *extra])
     trainer = Trainer(config, make_plan(config), run_dir)
     records = [trainer.train_step() for _ in range(STEPS)]
     return {"losses": [r.loss for r in records], "norms": [r.grad_norm for r in records],
