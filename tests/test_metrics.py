@@ -5,6 +5,7 @@ No torch, no processes."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -154,3 +155,49 @@ def test_jsonl_drops_the_rows_a_resumed_run_redoes(compose, tmp_path, start_step
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
     assert steps == kept + list(range(start_step + 1, 9))
     assert not [p for p in tmp_path.iterdir() if p.name != "metrics.jsonl"]  # no temporary file left
+
+
+def _tensorboard_points(tb_dir) -> dict[tuple[int, str], list[float]]:
+    """(step, tag) -> values, read as TensorBoard reads a directory: event files in name order, and
+    a session START at step S (a SummaryWriter's purge_step) drops what came before at steps >= S."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    seen: list[tuple[int, str, float]] = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (length,) = struct.unpack("<Q", data[i:i + 8])
+            event = Event()
+            event.ParseFromString(data[i + 12:i + 12 + length])
+            i += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                seen = [p for p in seen if p[0] < event.step]
+            seen += [(event.step, v.tag, v.simple_value) for v in event.summary.value
+                     if v.WhichOneof("value") == "simple_value"]
+    points: dict[tuple[int, str], list[float]] = {}
+    for step, tag, value in seen:
+        points.setdefault((step, tag), []).append(value)
+    return points
+
+
+def test_tensorboard_hides_the_points_a_resumed_run_redoes(compose, tmp_path):
+    """Steps 1-6 logged, the run resumed at step 4 logs 5-8: TensorBoard shows one point per step,
+    the redone one for 5 and 6."""
+    from pipetrain.loggers.base import RunInfo
+    from pipetrain.loggers.tensorboard import TB_DIR, TensorBoardLogger
+    from pipetrain.metrics.step import RunSummary, StepRecord
+
+    for start, steps, loss in ((0, range(1, 7), 9.0), (4, range(5, 9), 1.0)):
+        # event files are named by second and pid: a resumed run is another process, seconds later;
+        # here both legs share the pid, so the second one starts in the next second
+        time.sleep(1.01 - time.time() % 1 if start else 0)
+        logger = TensorBoardLogger()
+        logger.start(RunInfo(compose([]), tmp_path, 8, start, 8))
+        for step in steps:
+            logger.log(StepRecord(step=step, loss=loss, lr=1e-3, grad_norm=1.0, step_time_s=0.1, tokens_per_s=1.0))
+        logger.finish(RunSummary(steps=steps[-1], first_loss=9.0, final_loss=loss, final_val_loss=None, skipped_steps=0,
+                                 tokens=0, step_time_s=0.1, tokens_per_s=1.0), None, None)
+    losses = {step: v for (step, tag), v in _tensorboard_points(tmp_path / TB_DIR).items() if tag == "train/loss"}
+    assert losses == {1: [9.0], 2: [9.0], 3: [9.0], 4: [9.0], 5: [1.0], 6: [1.0], 7: [1.0], 8: [1.0]}
