@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 def wandb_records(path: Path) -> Iterator:
@@ -31,12 +31,11 @@ def wandb_records(path: Path) -> Iterator:
             yield record
 
 
-def tensorboard_scalars(run_dir: Path) -> dict[int, dict[str, float]]:
-    """step -> {tag: value} of every scalar in a run's event files: TFRecords (`length (8) |
-    crc (4) | Event protobuf | crc (4)`), parsed with the Event message tensorboardX ships."""
+def tensorboard_events(run_dir: Path) -> Iterator[Any]:
+    """Every Event of a run's event files, files in name order as TensorBoard reads them: TFRecords
+    (`length (8) | crc (4) | Event protobuf | crc (4)`), parsed with the Event message tensorboardX ships."""
     from tensorboardX.proto.event_pb2 import Event
 
-    out: dict[int, dict[str, float]] = {}
     for path in sorted(run_dir.glob("events.out.tfevents.*")):
         data, i = path.read_bytes(), 0
         while i < len(data):
@@ -44,7 +43,14 @@ def tensorboard_scalars(run_dir: Path) -> dict[int, dict[str, float]]:
             event = Event()
             event.ParseFromString(data[i + 12:i + 12 + length])
             i += 12 + length + 4
-            for value in event.summary.value:
-                if value.WhichOneof("value") == "simple_value":
-                    out.setdefault(event.step, {})[value.tag] = value.simple_value
+            yield event
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[int, dict[str, float]]:
+    """step -> {tag: value} of every scalar in a run's event files."""
+    out: dict[int, dict[str, float]] = {}
+    for event in tensorboard_events(run_dir):
+        for value in event.summary.value:
+            if value.WhichOneof("value") == "simple_value":
+                out.setdefault(event.step, {})[value.tag] = value.simple_value
     return out

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from _logs import tensorboard_events
 from pipetrain.config.logs import LoggingConfig, check_loggers
 from pipetrain.loggers.console import metrics_line, rank_table
 from pipetrain.loggers.trace import measured_trace
@@ -160,22 +161,14 @@ def test_jsonl_drops_the_rows_a_resumed_run_redoes(compose, tmp_path, start_step
 def _tensorboard_points(tb_dir) -> dict[tuple[int, str], list[float]]:
     """(step, tag) -> values, read as TensorBoard reads a directory: event files in name order, and
     a session START at step S (a SummaryWriter's purge_step) drops what came before at steps >= S."""
-    import struct
-
-    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.proto.event_pb2 import SessionLog
 
     seen: list[tuple[int, str, float]] = []
-    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
-        data, i = path.read_bytes(), 0
-        while i < len(data):
-            (length,) = struct.unpack("<Q", data[i:i + 8])
-            event = Event()
-            event.ParseFromString(data[i + 12:i + 12 + length])
-            i += 12 + length + 4
-            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
-                seen = [p for p in seen if p[0] < event.step]
-            seen += [(event.step, v.tag, v.simple_value) for v in event.summary.value
-                     if v.WhichOneof("value") == "simple_value"]
+    for event in tensorboard_events(tb_dir):
+        if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+            seen = [p for p in seen if p[0] < event.step]
+        seen += [(event.step, v.tag, v.simple_value) for v in event.summary.value
+                 if v.WhichOneof("value") == "simple_value"]
     points: dict[tuple[int, str], list[float]] = {}
     for step, tag, value in seen:
         points.setdefault((step, tag), []).append(value)
