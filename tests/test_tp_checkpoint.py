@@ -53,3 +53,15 @@ def test_tp_checkpoint_resumes_at_other_degrees_within_1e4(compose, reference, t
             return {k: tuple(v.size) for k, v in md.items() if not k.startswith("rng.")}
 
         assert shapes(ckpt.step_dir(run, STEPS)) == shapes(ckpt.step_dir(reference, STEPS))
+
+
+def test_only_tp_rank_0_writes_the_unsplit_weights(reference):
+    """tp ranks gather each split weight (and its AdamW moments; the step count is a scalar every rank
+    offers) to tp rank 0, which alone writes it:
+    no other tp rank ever holds the unsplit tensor. pp=2 x tp=2, tp innermost: global ranks 0 and 2
+    are tp rank 0, and every split key's bytes lie in their files (DCP names them __<rank>_<n>.distcp)."""
+    md = dcp.FileSystemReader(ckpt.step_dir(reference, STEPS)).read_metadata()
+    split = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    writers = {(idx.fqn, info.relative_path.split("_")[2]) for idx, info in md.storage_data.items()
+               if idx.fqn.endswith(split) and idx.fqn.startswith(("model.", "optim.exp_avg", "optim.exp_avg_sq"))}
+    assert writers and {int(rank) for _, rank in writers} <= {0, 2}, sorted(writers)

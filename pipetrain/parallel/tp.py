@@ -230,16 +230,32 @@ def shard_layout(module: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
     return out
 
 
-def gather_full(local: torch.Tensor, dim: int, index: torch.Tensor, g: TPGroup) -> torch.Tensor:
-    """Collective over the tp group: the unsplit tensor from every rank's slice (tests, export)."""
-    parts = _all_gather(local.unsqueeze(0), 0, g)  # (tp, *local.shape)
-    indices = _all_gather(index.unsqueeze(0), 0, g)  # (tp, n)
+def gather_full(local: torch.Tensor, dim: int, index: torch.Tensor, g: TPGroup, *,
+                holder_only: bool = False) -> Optional[torch.Tensor]:
+    """Collective over the tp group: the unsplit tensor from every rank's slice (tests, export).
+    holder_only: only tp rank 0 receives the slices and assembles the tensor; the others get None
+    (a checkpoint needs it once, and the others then never hold the unsplit weight)."""
+    if holder_only:
+        parts, indices = _gather_to_first(local, g), _gather_to_first(index, g)
+        if parts is None or indices is None:
+            return None
+    else:
+        parts = _all_gather(local.unsqueeze(0), 0, g)  # (tp, *local.shape)
+        indices = _all_gather(index.unsqueeze(0), 0, g)  # (tp, n)
     shape = list(local.shape)
     shape[dim] *= g.size
     full = local.new_empty(shape)
     for part, idx in zip(parts, indices):
         full.index_copy_(dim, idx, part)
     return full
+
+
+def _gather_to_first(x: torch.Tensor, g: TPGroup) -> Optional[list[torch.Tensor]]:
+    """Every tp rank's `x` on tp rank 0 (in tp order), None elsewhere."""
+    x = x.contiguous()
+    out = [torch.empty_like(x) for _ in range(g.size)] if g.rank == 0 else None
+    dist.gather(x, out, group=g.group, group_dst=0)
+    return out
 
 
 def replace(parent: nn.Module, path: str, new: nn.Module) -> None:

@@ -3,22 +3,22 @@
 A tensor-parallel rank holds slices of its split weights (and of their AdamW moments) under the
 unsplit names. A checkpoint keeps the unsplit tensor under that name, whatever the degrees,
 so a run saved at tp=2 loads at tp=1 (or any tp, pp, dp): on save every tp rank gathers each
-split weight (first over FSDP2's dp shards, then over the tp group, by the indices each rank
-holds: GPT-2's c_attn slices are three blocks, q, k and v of the same heads) and hands DCP the
-whole tensor, which DCP writes once (every holder offers the same key); on load each rank reads
-the whole tensor and keeps its slice (and, under FSDP2, its dp shard of that slice).
+split weight (first over FSDP2's dp shards, then to tp rank 0, by the indices each rank holds:
+GPT-2's c_attn slices are three blocks, q, k and v of the same heads) and tp rank 0 hands DCP the
+whole tensor (the other tp ranks offer nothing under that key; with data-parallel replicas DCP
+writes it once, every replica's tp rank 0 offering the same key); on load each rank reads the
+whole tensor and keeps its slice (and, under FSDP2, its dp shard of that slice).
 
-Cost: a rank holds one whole split weight at a time per key in flight, and DCP's save needs
-them all at once: the stage's weights and moments unsplit, on every tp rank, while saving.
-Writing DTensor shards instead (torchtitan's _StridedShard for FSDP x TP on one dimension)
-would avoid it; not done yet.
+Cost: DCP's save needs its state dict at once, so tp rank 0 holds the stage's split weights and
+moments unsplit while saving (the other tp ranks only their slices). Writing DTensor shards instead
+(torchtitan's _StridedShard for FSDP x TP on one dimension) would avoid even that; not done yet.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
@@ -44,12 +44,13 @@ class TPShards:
                   for n, spec in getattr(m, "tp_shards", {}).items()}
         return cls(g, shards)
 
-    def full(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """Collective (dp shard group, then tp group): the unsplit tensor of `name` from this rank's `t`."""
+    def full(self, name: str, t: torch.Tensor, *, holder_only: bool = False) -> Optional[torch.Tensor]:
+        """Collective (dp shard group, then tp group): the unsplit tensor of `name` from this rank's `t`;
+        holder_only: on tp rank 0 only (None on the others)."""
         dtensor = _dtensor_type()
         local = t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else t
         dim, index = self.shards[name]
-        return gather_full(local.detach(), dim, index, self.g)
+        return gather_full(local.detach(), dim, index, self.g, holder_only=holder_only)
 
     def full_shape(self, name: str, t: torch.Tensor) -> torch.Size:
         dim, _ = self.shards[name]

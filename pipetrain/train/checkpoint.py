@@ -148,12 +148,15 @@ def save_state_dict(target: Checkpointable) -> dict[str, torch.Tensor]:
     split = target.tp.shards if target.tp is not None else {}
     for name in owned_names(sync):
         p = sync.local[name][0]
-        # a tp slice is saved unsplit (collective over the tp group: every tp rank owns the same names)
-        whole = (lambda t: target.tp.full(name, t) if t.dim() else t) if name in split else (lambda t: t)
-        out[f"model.{name}"] = whole(p.detach())
+        # a tp slice is saved unsplit, by tp rank 0 only (collective over the tp group: every tp rank
+        # owns the same names; the others get None and offer nothing under that key)
+        whole = (lambda t: target.tp.full(name, t, holder_only=True) if t.dim() else t) if name in split \
+            else (lambda t: t)
+        items = {f"model.{name}": whole(p.detach())}
         if id(p) in optimized:
             state = opt.state.get(p) or _fresh_adam_state(opt, p)
-            out.update({f"optim.{k}.{name}": whole(state[k]) for k in _adam_keys(opt)})
+            items.update({f"optim.{k}.{name}": whole(state[k]) for k in _adam_keys(opt)})
+        out.update({k: v for k, v in items.items() if v is not None})
     out.update(_rng_state())
     return out
 
