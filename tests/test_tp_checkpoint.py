@@ -56,10 +56,10 @@ def test_tp_checkpoint_resumes_at_other_degrees_within_1e4(compose, reference, t
 
 
 def test_only_tp_rank_0_writes_the_unsplit_weights(reference):
-    """tp ranks gather each split weight (and its AdamW moments; the step count is a scalar every rank
-    offers) to tp rank 0, which alone writes it:
-    no other tp rank ever holds the unsplit tensor. pp=2 x tp=2, tp innermost: global ranks 0 and 2
-    are tp rank 0, and every split key's bytes lie in their files (DCP names them __<rank>_<n>.distcp)."""
+    """tp ranks gather each split weight and its AdamW moments to tp rank 0, which alone writes them, so
+    no other tp rank ever holds the unsplit tensor (the step count is a scalar every rank offers).
+    pp=2 x tp=2, tp innermost: global ranks 0 and 2 are tp rank 0, and every split key's bytes lie in
+    their files (DCP names them __<rank>_<n>.distcp)."""
     md = dcp.FileSystemReader(ckpt.step_dir(reference, STEPS)).read_metadata()
     split = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     writers = {(idx.fqn, info.relative_path.split("_")[2]) for idx, info in md.storage_data.items()

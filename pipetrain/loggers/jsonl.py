@@ -26,7 +26,7 @@ class JsonlLogger(Logger):
         super().start(info)
         path = info.run_dir / "metrics.jsonl"
         if path.exists():
-            keep_rows_up_to(path, info.start_step if info.start_step > 0 else None)
+            keep_rows_up_to(path, info.start_step or None)  # a fresh start keeps every row
         self.file: Optional[IO[str]] = path.open("a")
 
     def log(self, record: StepRecord) -> None:

@@ -101,8 +101,8 @@ def _profile(model: LayeredModel, *, batch: int, seq: int, iters: int, warmup: i
     times = _measure(model, batch=batch, seq=seq, iters=iters, warmup=warmup, device=dev)
     analytic = model.cost_model(microbatch=batch, seq=seq, tflops=1.0)
     costs = [dataclasses.replace(c, f_ms=f, b_ms=b, w_ms=w) for c, (f, b, w) in zip(analytic, times)]
-    _write_atomic(path, {"key": key, "iters": iters, "warmup": warmup,
-                         "layers": [dataclasses.asdict(c) for c in costs]})
+    write_text_atomic(path, json.dumps({"key": key, "iters": iters, "warmup": warmup,
+                                        "layers": [dataclasses.asdict(c) for c in costs]}, indent=1))
     return costs
 
 
@@ -136,10 +136,6 @@ def _read_cache(path: Path, key: dict[str, Any], num_layers: int) -> list[LayerC
     if data.get("key") != key or len(data.get("layers", ())) != num_layers:
         return None  # a hash collision or a stale format: measure again
     return [LayerCost(**d) for d in data["layers"]]
-
-
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def _sync(device: torch.device) -> None:
