@@ -25,9 +25,7 @@ def test_mode_plan_prints_the_table_and_writes_json_and_csv(tmp_path):
 
 def test_schedule_auto_on_the_quickstart_picks_runs_and_reports(tmp_path):
     """On CPU schedule=auto calibrates by default (plan.calibrate: layers timed as the ranks run them,
-    two short runs fit the overheads): its predicted step time is the measured one within a bound
-    that holds on a loaded 2-core machine (layers timed at torch's default thread count predicted 1257 ms
-    for a 234 ms step)."""
+    two short runs fit the overheads), trains the best row and reports predicted vs measured."""
     run_dir = tmp_path / "run"
     res = run_cli(["schedule=auto", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=0",
                    "trainer.ckpt_at_end=false", "plan.schedules=[1f1b,zbh1,zb_auto]", "plan.microbatch_sizes=[2,4]",
@@ -48,15 +46,16 @@ def test_schedule_auto_on_the_quickstart_picks_runs_and_reports(tmp_path):
     assert summary["step_time_error"] == pytest.approx(summary["measured_step_ms"] / summary["plan_pred_step_ms"] - 1)
     assert summary["plan_row"]["schedule"] == best["schedule"]
     assert "plan vs run: step" in res.stdout and "measured" in res.stdout
-    assert 0.5 <= summary["measured_step_ms"] / summary["plan_pred_step_ms"] <= 2, summary
+    # how close the calibrated prediction comes is bench/planner_accuracy.py's to measure (timings in a
+    # test swing with the machine's load); here: every layer was timed as the ranks run them
+    assert_profiled_at_rank_threads(tmp_path / "cache")
 
 
 @pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
 def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     """partition=profile: the planner measures each layer's saved bytes as the executor counts them;
     every rank's predicted peak (margin 0) is within 10% of what the run measured, and under the cap.
-    Its step time, from layers timed as the ranks run them, is not the 5-12x too slow one of layers
-    timed at torch's default thread count on a loaded machine (the run is the slower one under load)."""
+    Its layers are timed as the ranks run them (one thread each)."""
     run_dir = tmp_path / "run"
     res = run_cli([f"model={model}", "schedule=auto", "partition=profile", "plan.calibrate=false", "plan.margin=0",
                    "plan.memory_gb=0.2",
@@ -84,4 +83,14 @@ def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     for p, m in zip(predicted2, measured2, strict=True):
         assert m == pytest.approx(p, rel=0.10), (second["schedule"], predicted2, measured2)
         assert m <= 0.2
-    assert 0.5 <= s["measured_step_ms"] / s["plan_pred_step_ms"] <= 4, (s["plan_pred_step_ms"], s["measured_step_ms"])
+    assert s["measured_step_ms"] > 0 and s["step_time_error"] is not None
+    assert_profiled_at_rank_threads(tmp_path / "cache")
+
+
+def assert_profiled_at_rank_threads(cache, threads=1):
+    """The planner's layer profiles were timed at trainer.threads_per_rank (default 1), the count each rank
+    runs, not torch's default of a thread per core (which timed GPT-2 tiny's blocks 5-12x too slow on a
+    loaded 2-core machine). Deterministic, where a predicted/measured step-time bound swung with load."""
+    keys = [json.loads(p.read_text())["key"] for p in sorted(cache.rglob("*.json"))]
+    devices = {k["device"] for k in keys if "device" in k}
+    assert devices and all(d.endswith(f":{threads}threads") for d in devices), devices
