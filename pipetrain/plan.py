@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.config import Config, ModelConfig, SleepModelConfig
-from pipetrain.models.costs import LayerCost
+from pipetrain.models.costs import LayerCost, chunk_costs, fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.partition.plan import PartitionPlan, require_chunks
 from pipetrain.partition.strategies import partition
@@ -159,8 +159,8 @@ def make_plan(config: Config) -> Plan:
     costs = layer_costs(config)
     part = make_partition(config, costs, schedule.placement.num_chunks)
     chunks = part.chunk_fbw()
-    if config.trainer.compile:  # a compiled stage's B computes its weight gradients too (runtime/executor.py)
-        chunks = [(f, b + w, 0.0) for f, b, w in chunks]
+    if config.trainer.compile:  # a compiled stage's B computes its weight gradients too
+        chunks = chunk_costs(fuse_weight_grads(part.layers), part.bounds)
     stage_costs = StageCosts.from_chunks(schedule, chunks)
     if config.schedule.name == "zb_auto":  # searched for this run's costs (same placement, so same stage costs)
         schedule = build_schedule(config, stage_costs)

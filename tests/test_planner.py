@@ -49,10 +49,14 @@ def test_plan_writes_ranked_rows_with_the_public_fields(tmp_path):
     assert table[0]["pred_step_ms"] == str(rows[0]["pred_step_ms"])
 
 
-def test_a_row_predicts_what_its_config_simulates():
-    """The best rows, turned into configs (apply_row), simulate to the planner's step time."""
-    cfg = compose_config([*SLEEP, "plan.memory_gb=1", "sim.comm_ms=0.5", "plan.schedules=[1f1b,zbh1,zbv,zb_auto]"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_row_predicts_what_its_config_simulates(compiled):
+    """The best rows, turned into configs (apply_row), simulate to the planner's step time; under
+    trainer.compile both cost B as b + w and W as nothing (a compiled stage's backward is fused)."""
+    cfg = compose_config([*SLEEP, "plan.memory_gb=1", "sim.comm_ms=0.5", "plan.schedules=[1f1b,zbh1,zbv,zb_auto]",
+                          f"trainer.compile={str(compiled).lower()}"])
     rows, _ = make_rows(cfg)
+    assert any(r.candidate.schedule != "1f1b" for r in rows[:6])
     for row in rows[:6]:
         run_cfg = apply_row(cfg, row)
         plan = make_plan(dataclasses.replace(run_cfg, mode=cfg.mode))

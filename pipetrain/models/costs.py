@@ -6,6 +6,7 @@ Times are per microbatch: f (forward), b (input-grad, B) and w (weight-grad, W) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -26,6 +27,13 @@ class LayerCost:
     @property
     def total_ms(self) -> float:
         return self.f_ms + self.b_ms + self.w_ms
+
+
+def fuse_weight_grads(layers: Sequence[LayerCost]) -> list[LayerCost]:
+    """The costs of layers compiled whole (trainer.compile): their backward computes the weight
+    gradients with the input gradients, so B costs b + w and W nothing (runtime/executor.py runs
+    a compiled stage's B fused and its W as a no-op)."""
+    return [dataclasses.replace(c, b_ms=c.b_ms + c.w_ms, w_ms=0.0) for c in layers]
 
 
 def chunk_costs(layers: Sequence[LayerCost], bounds: Sequence[range]) -> list[tuple[float, float, float]]:

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
+from pipetrain.models.costs import fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Candidate, Device, Row, Workload, candidates, search
@@ -67,7 +68,13 @@ def workload(config: Config) -> Workload:
             return model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
     hidden = next(getattr(m, k) for k in HIDDEN_KNOBS if hasattr(m, k))
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
-    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), p.w_keep, hidden=hidden,
+    w_keep = p.w_keep
+    if config.trainer.compile:  # compiled layers: B computes the weight gradients too (and frees what F saved)
+        unfused, w_keep = layers, 0.0
+
+        def layers(mbs: int):
+            return fuse_weight_grads(unfused(mbs))
+    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), w_keep, hidden=hidden,
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross)
 
