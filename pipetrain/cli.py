@@ -58,6 +58,7 @@ def run(config: Config, run_dir: Path) -> Any:
     if config.mode is not Mode.export:
         prestart(config)  # the ranks' start-up (torch's import) runs beside the checks, before ours
     from pipetrain.models.hf import check_pretrained
+    from pipetrain.plan import run_device
     from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
 
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
@@ -80,7 +81,7 @@ def run(config: Config, run_dir: Path) -> Any:
         return result
     result = launch(config, plan, run_dir)
     if planned is not None and not quiet:
-        report(planned, run_dir, console)
+        report(planned, run_dir, console, allocator_peak=run_device(config) == "cuda")
     return result
 
 

@@ -28,7 +28,7 @@ from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
-from pipetrain.schedules.simulate import StageCosts
+from pipetrain.schedules.simulate import StageCosts, split_stages
 from pipetrain.schedules.spec import RankCosts
 from pipetrain.schedules.tp_cost import tp_layer_costs
 from pipetrain.schedules.validate import validate
@@ -108,6 +108,11 @@ def profile_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def run_device(config: Config) -> str:
+    """Where this run's ranks compute: trainer.device, its auto resolved as the ranks resolve it."""
+    return profile_device() if config.trainer.device == "auto" else config.trainer.device
+
+
 def cost_source(config: Config) -> str:
     if config.partition.name == "profile":
         return f"measured:{profile_device()}"
@@ -162,6 +167,8 @@ def make_plan(config: Config) -> Plan:
     if config.trainer.compile:  # a compiled stage's B computes its weight gradients too
         chunks = chunk_costs(fuse_weight_grads(part.layers), part.bounds)
     stage_costs = StageCosts.from_chunks(schedule, chunks)
+    if config.trainer.activation_checkpointing:  # the backward passes run the forward again
+        stage_costs = stage_costs.with_recompute(set() if config.trainer.compile else split_stages(schedule))
     if config.schedule.name == "zb_auto":  # searched for this run's costs (same placement, so same stage costs)
         schedule = build_schedule(config, stage_costs)
     rc = registry.rank_costs(

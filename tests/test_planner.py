@@ -14,6 +14,7 @@ import pytest
 from pipetrain.compose import compose_config
 from pipetrain.plan import make_plan
 from pipetrain.planner.cmd import PLAN_CSV, PLAN_FILE, apply_row, make_rows, run_plan
+from pipetrain.partition.strategies import partition
 from pipetrain.schedules.simulate import simulate
 
 pytestmark = pytest.mark.pure
@@ -49,14 +50,16 @@ def test_plan_writes_ranked_rows_with_the_public_fields(tmp_path):
     assert table[0]["pred_step_ms"] == str(rows[0]["pred_step_ms"])
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_a_row_predicts_what_its_config_simulates(compiled):
+@pytest.mark.parametrize("compiled,recompute", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_row_predicts_what_its_config_simulates(compiled, recompute):
     """The best rows, turned into configs (apply_row), simulate to the planner's step time; under
-    trainer.compile both cost B as b + w and W as nothing (a compiled stage's backward is fused)."""
+    trainer.compile both cost B as b + w and W as nothing (a compiled stage's backward is fused), and
+    under recompute both run the forward again in B and in a W apart (StageCosts.with_recompute)."""
     cfg = compose_config([*SLEEP, "plan.memory_gb=1", "sim.comm_ms=0.5", "plan.schedules=[1f1b,zbh1,zbv,zb_auto]",
-                          f"trainer.compile={str(compiled).lower()}"])
+                          f"trainer.compile={str(compiled).lower()}", f"plan.recompute=[{str(recompute).lower()}]"])
     rows, _ = make_rows(cfg)
     assert any(r.candidate.schedule != "1f1b" for r in rows[:6])
+    assert all(r.candidate.recompute is recompute for r in rows)
     for row in rows[:6]:
         run_cfg = apply_row(cfg, row)
         plan = make_plan(dataclasses.replace(run_cfg, mode=cfg.mode))
@@ -107,3 +110,47 @@ def test_calibration_defaults_on_only_where_the_run_is_this_machines():
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="cluster=local"):
         check(compose_config([*auto, "cluster=torchrun"]), 2)
+
+
+def _sleep_plan(schedule, *extra):
+    return make_plan(compose_config(["mode=simulate", "model=sleep", "model.layers=4", "model.f_ms=10", "model.b_ms=10",
+                                     "model.w_ms=10", f"schedule={schedule}", "pipeline.degree=2",
+                                     "pipeline.microbatches=4", "trainer.activation_checkpointing=true", *extra]))
+
+
+def test_recompute_costs_what_the_executor_measured():
+    """trainer.activation_checkpointing, sleep model (2 layers of f = b = w = 10 ms per stage), measured per
+    action on 2 gloo ranks: zbh1 F 21, B 42, W 42 ms (non-reentrant checkpointing recomputes for W's
+    pass too), step 464 ms; 1f1b F 21, BW 62 ms (one pass, one recompute), step 418 ms. Before, every
+    simulation (mode=simulate, the run's up-front check) costed 260 ms for zbh1 as if nothing recomputed."""
+    zb, ofob = _sleep_plan("zbh1"), _sleep_plan("1f1b")
+    assert (zb.stage_costs.b, zb.stage_costs.w) == ((40.0, 40.0), (40.0, 40.0))
+    assert (ofob.stage_costs.b, ofob.stage_costs.w) == ((40.0, 40.0), (20.0, 20.0))
+    assert simulate(zb.schedule, zb.stage_costs).makespan == pytest.approx(440.0)
+    assert simulate(ofob.schedule, ofob.stage_costs).makespan == pytest.approx(400.0)
+    compiled = _sleep_plan("zbh1", "trainer.compile=true")  # fused: B does W's work and the one recompute
+    assert (compiled.stage_costs.b, compiled.stage_costs.w) == ((60.0, 60.0), (0.0, 0.0))
+
+
+def test_recompute_memory_keeps_each_layers_input_and_one_layer_recomputing():
+    """Per-layer checkpointing keeps each layer's input (token ids into the embedding: 8 bytes a token;
+    a boundary tensor into every other layer) for every microbatch in flight, and while a backward
+    recomputes a layer, that layer's activations: what the executor counts (263,168 bytes kept by
+    GPT-2 tiny's embedding and 4 blocks at 2 x 64 tokens, measured with its SavedBytes hooks)."""
+    from pipetrain.planner.cmd import workload
+
+    cfg = compose_config(["mode=plan", "model=gpt2-tiny", "plan.world_size=2", "plan.pp=[2]", "plan.schedules=[1f1b]",
+                          "plan.microbatch_sizes=[2]", "plan.recompute=[false,true]", "plan.prune=false",
+                          "data.batch_size=16", "data.seq_len=64", "plan.memory_gb=1", "plan.margin=0"])
+    rows, _ = make_rows(cfg)
+    by = {r.candidate.recompute: r for r in rows if r.candidate.pp == 2}
+    layers = workload(cfg).layers(2)
+    tokens, hidden = 2 * 64, cfg.model.n_embd
+    keep, full = by[True].memory[0], by[False].memory[0]
+    bounds = partition(layers, 2, by[True].candidate.partition).bounds
+    assert bounds[0] == range(0, 5)  # the embedding and 4 blocks, as measured
+    assert keep.activations == pytest.approx(2 * (8 * tokens + 4 * hidden * 4 * tokens))  # 2 in flight on rank 0
+    assert keep.activations == pytest.approx(2 * 263_168)
+    assert keep.recompute == pytest.approx(max(layers[i].activation_bytes_per_token for i in bounds[0]) * tokens)
+    assert full.recompute == 0 and keep.states == full.states
+    assert keep.total < full.total

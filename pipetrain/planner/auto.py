@@ -4,7 +4,8 @@ Before any process starts: the plan group's search (planner/cmd.py) over the con
 (`plan.world_size`, default the configured layout's) and global batch, its table and plan.json /
 plan.csv in the run directory; the first feasible row becomes the run's layout, schedule,
 microbatching, recompute and partition. After the run: summary.json gains the prediction next
-to what was measured (median step time after the first step; the largest peak memory of any rank).
+to what was measured (median step time after the first step; the largest peak memory of any rank,
+compared with the part of the prediction the run can measure: `measurable_peak_gb`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pipetrain.config import AUTO, Config
 from pipetrain.files import write_text_atomic
 from pipetrain.planner.cmd import apply_row, plan_rows, table, write
 from pipetrain.metrics import names
+from pipetrain.planner.memory import GB
 from pipetrain.planner.search import Row
 
 
@@ -51,8 +53,18 @@ def _error(measured: Optional[float], predicted: Optional[float]) -> Optional[fl
     return None if measured is None or not predicted else measured / predicted - 1.0
 
 
-def report(row: Row, run_dir: Path, console: Console) -> Optional[dict[str, Any]]:
-    """Add the prediction and its error to summary.json (atomically) and print them."""
+def measurable_peak_gb(row: Row, allocator_peak: bool) -> Optional[float]:
+    """The row's predicted peak as the run measures it: all of it where an allocator's peak is read
+    (GPU); on CPU, where the run counts the bytes its forwards keep plus the states, without the one
+    layer a backward recomputes at a time under activation recompute (RankMemory.recompute)."""
+    if not row.memory:
+        return None
+    return max(m.total - (0.0 if allocator_peak else m.recompute) for m in row.memory) / GB
+
+
+def report(row: Row, run_dir: Path, console: Console, *, allocator_peak: bool) -> Optional[dict[str, Any]]:
+    """Add the prediction and its error to summary.json (atomically) and print them.
+    `allocator_peak`: the ranks measured their peak memory with the CUDA allocator."""
     path = run_dir / "summary.json"
     if not path.exists():
         return None
@@ -60,10 +72,12 @@ def report(row: Row, run_dir: Path, console: Console) -> Optional[dict[str, Any]
     measured_ms = summary[names.STEP_TIME] * 1e3 if summary.get(names.STEP_TIME) else None
     peaks = names.of_ranks(summary, names.PEAK_GB) or []  # GB per rank
     measured_gb = max(peaks) if peaks else None
+    comparable_gb = measurable_peak_gb(row, allocator_peak)
     out = {"plan_pred_step_ms": row.pred_step_ms, "measured_step_ms": measured_ms,
            "step_time_error": _error(measured_ms, row.pred_step_ms),
            "plan_pred_peak_gb": row.pred_peak_gb, "plan_pred_peak_rank": row.peak.rank if row.peak else None,
-           "measured_peak_gb": measured_gb, "peak_memory_error": _error(measured_gb, row.pred_peak_gb),
+           "plan_pred_measurable_peak_gb": comparable_gb,
+           "measured_peak_gb": measured_gb, "peak_memory_error": _error(measured_gb, comparable_gb),
            "plan_row": row.to_json()}
     summary.update(out)
     write_text_atomic(path, json.dumps(summary, indent=2) + "\n")
@@ -71,7 +85,9 @@ def report(row: Row, run_dir: Path, console: Console) -> Optional[dict[str, Any]
     line = f"plan vs run: step {row.pred_step_ms:.1f} ms predicted, " + (
         f"{measured_ms:.1f} ms measured ({100 * err:+.1f}%)" if measured_ms is not None else "not measured")
     if measured_gb is not None:
-        line += (f"; peak memory {row.pred_peak_gb:.3g} GB predicted, {measured_gb:.3g} GB measured "
+        unseen = "" if comparable_gb == row.pred_peak_gb else \
+            f" (of {row.pred_peak_gb:.3g}: a CPU run does not see the layer a backward recomputes)"
+        line += (f"; peak memory {comparable_gb:.3g} GB predicted{unseen}, {measured_gb:.3g} GB measured "
                  f"({100 * out['peak_memory_error']:+.1f}%)")
     console.print(line, markup=False, highlight=False)
     return out

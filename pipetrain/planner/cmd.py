@@ -74,7 +74,9 @@ def workload(config: Config) -> Workload:
 
         def layers(mbs: int):
             return fuse_weight_grads(unfused(mbs))
-    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), w_keep, hidden=hidden,
+    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), w_keep,
+                    input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
+                    fused_backward=config.trainer.compile, hidden=hidden,
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross)
 
@@ -88,9 +90,9 @@ def calibrating(config: Config) -> bool:
         return p.calibrate
     if not (config.schedule.name == AUTO or p.run) or config.mode is not Mode.train or config.cluster.name != "local":
         return False
-    from pipetrain.plan import profile_device
+    from pipetrain.plan import run_device
 
-    return config.trainer.device == "cpu" or (config.trainer.device == "auto" and profile_device() == "cpu")
+    return run_device(config) == "cpu"
 
 
 def world_size(config: Config) -> int:

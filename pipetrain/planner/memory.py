@@ -8,7 +8,10 @@
                of its F; B frees all but the share W needs (`w_keep`, zero-bubble's split: W
                needs the inputs of the linear layers), W frees the rest; BW frees all at once.
                Per layer and token: the model's analytic bytes (Korthikanti et al. 2022's
-               formula for GPT, models/gpt2.py), or only the stage input with recompute.
+               formula for GPT, models/gpt2.py), or with recompute (per-layer checkpointing)
+               each layer's input only: token ids into the first, a boundary tensor into the rest.
+  recompute    with recompute, one layer's activations while a backward recomputes it (the
+               largest layer of the rank's stages): on a GPU part of the allocator's peak.
   receive      buffers posted ahead for incoming activations and gradients: (lookahead + 1)
                per direction and stage on the rank, each one microbatch's stage-boundary tensor.
   margin       a fraction of the above for allocator fragmentation and workspaces.
@@ -55,17 +58,22 @@ class RankMemory:
 
     rank: int
     states: float
-    activations: float
+    activations: float  # what the forwards keep for the backwards, at the simulated peak
     receive: float
     margin: float
+    # under activation recompute, one layer's activations while a backward pass recomputes it: on a
+    # GPU part of the allocator's peak; a CPU run's measured peak (the bytes forwards keep, plus
+    # states) does not see it
+    recompute: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.states + self.activations + self.receive + self.margin
+        return self.states + self.activations + self.recompute + self.receive + self.margin
 
     def to_json(self) -> dict[str, float]:
         return {"rank": self.rank, "states_gb": self.states / GB, "activations_gb": self.activations / GB,
-                "receive_gb": self.receive / GB, "margin_gb": self.margin / GB, "total_gb": self.total / GB}
+                "recompute_gb": self.recompute / GB, "receive_gb": self.receive / GB, "margin_gb": self.margin / GB,
+                "total_gb": self.total / GB}
 
 
 def peak_activation_bytes(row: Sequence[TimedStep], act_bytes: Mapping[int, float], w_keep: float = 1.0) -> float:

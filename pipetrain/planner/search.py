@@ -1,7 +1,7 @@
 """Score one (layout, schedule, v, M, microbatch size, recompute) by simulation, and rank many.
 
 Time: the simulator's makespan of the actual schedule under the partition's per-stage F, B, W
-(recompute adds F to B), each cross-rank transfer costing latency + boundary bytes / bandwidth
+(recompute adds F to B, and to W where a stage runs W apart: StageCosts.with_recompute), each cross-rank transfer costing latency + boundary bytes / bandwidth
 (`comm_ms`), the data-parallel reduce lane (schedules/reduce_cost.py) and what it leaves exposed
 after the last backward, plus the optimizer step (state bytes over memory bandwidth), plus the
 calibrated overheads a run adds (per action, per layer, per reduction, per step: planner/calibrate.py).
@@ -25,11 +25,11 @@ from pipetrain.models.costs import LayerCost, chunk_costs
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import GB, RankMemory, StateBytes, peak_activation_bytes, rank_memory
 from pipetrain.schedules import registry
-from pipetrain.schedules.ir import Op, Schedule
+from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
-from pipetrain.schedules.simulate import StageCosts, simulate
+from pipetrain.schedules.simulate import StageCosts, simulate, split_stages
 from pipetrain.schedules.tp_cost import tp_layer_costs
 from pipetrain.schedules.zb_auto import zb_auto_order
 
@@ -43,6 +43,10 @@ class Workload:
     boundary_bytes_per_token: float  # the tensor crossing a stage boundary, per token
     state: StateBytes = StateBytes()
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W
+    # what activation recompute keeps per token of the first layer's input (token ids: 8 bytes);
+    # None: the boundary tensor, like every other layer's input
+    input_bytes_per_token: Optional[float] = None
+    fused_backward: bool = False  # trainer.compile: B computes the weight gradients too, W nothing
     # tensor parallel (schedules/tp_cost.py): a block's width, the vocabulary, bytes per value of the
     # tp collectives, and the activation bytes per token of a block that tp leaves whole without
     # sequence parallel (the norms' inputs and outputs; Korthikanti et al. 2022's 10 of 34)
@@ -147,19 +151,17 @@ def tp_rank_layers(layers: Sequence[LayerCost], *, tp: int, sequence_parallel: b
 
 def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: bool,
                  action_ms: float = 0.0, split: Optional[set[int]] = None) -> StageCosts:
-    """Per stage id (f, b, w); recompute runs the stage's forward again inside its B. `action_ms`
-    is added to every action: to f, b and w of the stages in `split` (they run B and W apart; all
-    stages when None), to f and b only of the others (their BW is one action of b + w)."""
+    """Per stage id (f, b, w); recompute runs the stage's forward again in its backward passes
+    (StageCosts.with_recompute). `action_ms` is added to every action: to f, b and w of the stages
+    in `split` (they run B and W apart; all stages when None), to f and b only of the others
+    (their BW is one action of b + w)."""
     per = [chunks[pl.chunk_of(s)] for s in range(pl.num_stages)]
+    costs = StageCosts(*(tuple(c[i] for c in per) for i in range(3)))
+    if recompute:
+        costs = costs.with_recompute(split)
     w_extra = [action_ms if split is None or s in split else 0.0 for s in range(pl.num_stages)]
-    return StageCosts(tuple(f + action_ms for f, _, _ in per),
-                      tuple(b + (f if recompute else 0.0) + action_ms for f, b, _ in per),
-                      tuple(w + x for (_, _, w), x in zip(per, w_extra)))
-
-
-def _split_stages(sched: Schedule) -> set[int]:
-    """Stages on which the schedule runs a W action (B and W apart)."""
-    return {a.stage for row in sched.steps for step in row for a in step.parts() if a.op is Op.W}
+    return StageCosts(tuple(f + action_ms for f in costs.f), tuple(b + action_ms for b in costs.b),
+                      tuple(w + x for w, x in zip(costs.w, w_extra)))
 
 
 class _Evaluator:
@@ -212,22 +214,27 @@ class _Evaluator:
         part = partition(layers, pl.num_chunks, c.partition)
         tokens = c.microbatch_size * w.seq
         boundary = w.boundary_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
-        act_chunk = [boundary if c.recompute else math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens
-                     for rng in part.bounds]
-        full_chunk = [math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
+        # recompute (per-layer checkpointing) keeps each layer's input, and while a backward pass
+        # recomputes a layer, that one layer's activations (`transient`, added to the rank's peak)
+        first = boundary if w.input_bytes_per_token is None else w.input_bytes_per_token * tokens
+        act_chunk = [math.fsum(first if i == 0 else boundary for i in rng) if c.recompute
+                     else math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
+        full_layer = [max(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
         sp = [float(part.chunk_params()[pl.chunk_of(s)]) for s in range(pl.num_stages)]  # mirrors hold copies
         params_rank = [math.fsum(sp[s] for s in pl.stages_of(r)) for r in range(c.pp)]
         static = self.static(c, params_rank, boundary, pl.stages_per_rank)
-        transient = [max(full_chunk[pl.chunk_of(s)] for s in pl.stages_of(r)) if c.recompute else 0.0
+        transient = [max(full_layer[pl.chunk_of(s)] for s in pl.stages_of(r)) if c.recompute else 0.0
                      for r in range(c.pp)]
         chunks = chunk_costs(layers, part.bounds)
-        costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms)
+        fused: Optional[set[int]] = set() if w.fused_backward else None  # compiled: no stage runs W's work
+        costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms, fused)
         comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
         room = [cap / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
         worst = min(range(c.pp), key=lambda r: room[r])
         if room[worst] < 0:
             row.reason = f"OOM on rank {worst} by {-room[worst] * (1 + d.margin) / GB:.1f} GB (weights and optimizer state alone)"
-            row.memory = [RankMemory(m.rank, m.states, t, m.receive, d.margin * (m.total + t)) for m, t in zip(static, transient)]
+            row.memory = [RankMemory(m.rank, m.states, 0.0, m.receive, d.margin * (m.total + t), recompute=t)
+                          for m, t in zip(static, transient)]
             return row
         if c.schedule == "zb_auto":
             sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_chunk[pl.chunk_of(r)] for r in range(c.pp)])
@@ -235,8 +242,8 @@ class _Evaluator:
                 return row
         else:
             sched = registry.build(c.schedule, c.pp, c.microbatches, c.v)
-            if d.action_overhead_ms:
-                costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms, _split_stages(sched))
+            if fused is None and (d.action_overhead_ms or c.recompute):  # now known: the stages running W apart
+                costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms, split_stages(sched))
         red = None
         if c.dp > 1:
             sched = add_reduces(sched)
@@ -245,11 +252,12 @@ class _Evaluator:
             red = tuple(r + d.reduce_latency_ms for r in red)
         sim = simulate(sched, costs, comm_ms=comm_ms, check=False, reduce_ms=red)
         act_stage = {s: act_chunk[pl.chunk_of(s)] for s in range(pl.num_stages)}
+        keep = 1.0 if c.recompute and fused is None else w.w_keep  # W recomputes from the kept inputs
         row.memory = []
         for r, m in enumerate(static):
-            act = peak_activation_bytes(sim.timeline[r], act_stage, w.w_keep) + transient[r]
-            base = m.states + act + m.receive
-            row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base))
+            act = peak_activation_bytes(sim.timeline[r], act_stage, keep)
+            base = m.states + act + transient[r] + m.receive
+            row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base, recompute=transient[r]))
         opt_ms = max(m.states for m in static) / (d.optim_gbs * GB) * 1e3 if d.optim_gbs > 0 else 0.0
         row.pred_step_ms = sim.makespan_with_reduce + opt_ms + d.step_overhead_ms
         row.bubble = sim.bubble_fraction_mean
