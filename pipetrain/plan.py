@@ -49,6 +49,7 @@ class Plan:
     # Data parallel: per stage id, the ms its gradient reduction keeps a rank's communication
     # lane busy (bytes over cluster.dp_bandwidth_gbs, schedules/reduce_cost.py); None when dp = 1.
     reduce_ms: tuple[float, ...] | None = None
+    recompute_stages: frozenset[int] = frozenset()  # stage ids whose layers recompute (trainer.activation_checkpointing)
 
     @property
     def layer_costs(self) -> tuple[LayerCost, ...]:
@@ -167,8 +168,9 @@ def make_plan(config: Config) -> Plan:
     if config.trainer.compile:  # a compiled stage's B computes its weight gradients too
         chunks = chunk_costs(fuse_weight_grads(part.layers), part.bounds)
     stage_costs = StageCosts.from_chunks(schedule, chunks)
-    if config.trainer.activation_checkpointing:  # the backward passes run the forward again
-        stage_costs = stage_costs.with_recompute(set() if config.trainer.compile else split_stages(schedule))
+    recompute = recompute_stages(config, schedule.placement.num_stages)
+    if recompute:  # their backward passes run the forward again
+        stage_costs = stage_costs.with_recompute(set() if config.trainer.compile else split_stages(schedule), recompute)
     if config.schedule.name == "zb_auto":  # searched for this run's costs (same placement, so same stage costs)
         schedule = build_schedule(config, stage_costs)
     rc = registry.rank_costs(
@@ -179,7 +181,23 @@ def make_plan(config: Config) -> Plan:
         formula = registry.get(config.schedule.name).analytic_bubble
         if formula is not None:
             analytic = formula(schedule.num_ranks, schedule.placement.stages_per_rank, rc)
-    return Plan(schedule, part, stage_costs, rc, analytic, cost_source(config), plan_reduce_ms(config, schedule, part))
+    return Plan(schedule, part, stage_costs, rc, analytic, cost_source(config), plan_reduce_ms(config, schedule, part),
+                recompute)
+
+
+def recompute_stages(config: Config, num_stages: int) -> frozenset[int]:
+    """The stage ids that recompute: none without trainer.activation_checkpointing, else
+    trainer.recompute_stages (every stage when null), each checked against the schedule's stages."""
+    t = config.trainer
+    if not t.activation_checkpointing:
+        return frozenset()
+    if t.recompute_stages is None:
+        return frozenset(range(num_stages))
+    bad = [s for s in t.recompute_stages if s >= num_stages]
+    if bad:
+        raise ValueError(f"trainer.recompute_stages={list(t.recompute_stages)}: stage {bad[0]} does not exist, the "
+                         f"schedule has stages 0..{num_stages - 1}: list stage ids below {num_stages}")
+    return frozenset(t.recompute_stages)
 
 
 def plan_reduce_ms(config: Config, schedule: Schedule, part: PartitionPlan) -> tuple[float, ...] | None:

@@ -129,3 +129,26 @@ def test_activation_checkpointing_same_gradients_less_memory(name):
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=0)
     assert ckpt.peak_activation_bytes < 0.5 * plain.peak_activation_bytes
+
+
+@pytest.mark.pure
+def test_recompute_on_some_stages_same_gradients_memory_between():
+    """trainer.recompute_stages: two stages on one rank (looped placement, v=2); stage 0 alone
+    recomputing keeps gradients equal and its activations between none and all recomputing."""
+    results = {}
+    for recompute in (False, {0}, True):
+        model = make_model("gpt2-tiny")
+        sched = registry.build("interleaved_1f1b", 1, M, 2)
+        half = len(model.layers) // 2
+        rp = build_rank_pipeline(model, [range(half), range(half, len(model.layers))], sched, 0,
+                                 microbatch_size=MB, seq_len=SEQ, activation_checkpointing=recompute)
+        assert [m.checkpoint_layers for _, m in sorted(rp.stages.items())] == \
+            ([recompute] * 2 if isinstance(recompute, bool) else [True, False])
+        res = rp.train_step(batches(model, 0))
+        results[str(recompute)] = (res, {n: p.grad.clone() for _, n, p in rp.named_parameters()})
+    (plain, g0), (some, g1), (every, g2) = results["False"], results["{0}"], results["True"]
+    assert plain.loss == pytest.approx(some.loss, abs=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=0)
+        torch.testing.assert_close(g2[n], g0[n], atol=1e-6, rtol=0)
+    assert every.peak_activation_bytes < some.peak_activation_bytes < plain.peak_activation_bytes

@@ -50,16 +50,23 @@ def test_plan_writes_ranked_rows_with_the_public_fields(tmp_path):
     assert table[0]["pred_step_ms"] == str(rows[0]["pred_step_ms"])
 
 
-@pytest.mark.parametrize("compiled,recompute", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("compiled,recompute", [(False, "false"), (True, "false"), (False, "true"), (True, "true"),
+                                                (False, "partial")])
 def test_a_row_predicts_what_its_config_simulates(compiled, recompute):
     """The best rows, turned into configs (apply_row), simulate to the planner's step time; under
     trainer.compile both cost B as b + w and W as nothing (a compiled stage's backward is fused), and
-    under recompute both run the forward again in B and in a W apart (StageCosts.with_recompute)."""
+    under recompute both run the forward again in B and in a W apart (StageCosts.with_recompute), on
+    every stage or (plan.recompute_partial) on the first ranks' stages (trainer.recompute_stages)."""
+    partial = recompute == "partial"
     cfg = compose_config([*SLEEP, "plan.memory_gb=1", "sim.comm_ms=0.5", "plan.schedules=[1f1b,zbh1,zbv,zb_auto]",
-                          f"trainer.compile={str(compiled).lower()}", f"plan.recompute=[{str(recompute).lower()}]"])
+                          f"trainer.compile={str(compiled).lower()}", f"plan.recompute=[{'true' if partial else recompute}]",
+                          f"plan.recompute_partial={str(partial).lower()}"])
     rows, _ = make_rows(cfg)
     assert any(r.candidate.schedule != "1f1b" for r in rows[:6])
-    assert all(r.candidate.recompute is recompute for r in rows)
+    assert all(r.candidate.recompute is (recompute != "false") for r in rows)
+    if partial:  # the first ranks recompute, the last not: faster than all of them (the sleep model's memory is small)
+        piped = [r.candidate for r in rows[:8] if r.candidate.pp > 1]
+        assert piped and all(c.recompute_ranks is not None for c in piped), piped
     for row in rows[:6]:
         run_cfg = apply_row(cfg, row)
         plan = make_plan(dataclasses.replace(run_cfg, mode=cfg.mode))
@@ -141,9 +148,12 @@ def test_recompute_memory_keeps_each_layers_input_and_one_layer_recomputing():
 
     cfg = compose_config(["mode=plan", "model=gpt2-tiny", "plan.world_size=2", "plan.pp=[2]", "plan.schedules=[1f1b]",
                           "plan.microbatch_sizes=[2]", "plan.recompute=[false,true]", "plan.prune=false",
-                          "data.batch_size=16", "data.seq_len=64", "plan.memory_gb=1", "plan.margin=0"])
+                          "plan.recompute_partial=true", "data.batch_size=16", "data.seq_len=64", "plan.memory_gb=1",
+                          "plan.margin=0"])
     rows, _ = make_rows(cfg)
-    by = {r.candidate.recompute: r for r in rows if r.candidate.pp == 2}
+    by = {r.candidate.recompute_label: r for r in rows if r.candidate.pp == 2}
+    assert set(by) == {"no", "yes", "rank 0"}
+    by[True], by[False] = by["yes"], by["no"]
     layers = workload(cfg).layers(2)
     tokens, hidden = 2 * 64, cfg.model.n_embd
     keep, full = by[True].memory[0], by[False].memory[0]
@@ -154,3 +164,17 @@ def test_recompute_memory_keeps_each_layers_input_and_one_layer_recomputing():
     assert keep.recompute == pytest.approx(max(layers[i].activation_bytes_per_token for i in bounds[0]) * tokens)
     assert full.recompute == 0 and keep.states == full.states
     assert keep.total < full.total
+    # rank 0 alone recomputing: its memory is the all-recompute row's, rank 1's the plain row's
+    some = by["rank 0"].memory
+    assert (some[0].activations, some[0].recompute) == (keep.activations, keep.recompute)
+    assert (some[1].activations, some[1].recompute) == (by[False].memory[1].activations, 0)
+    assert by[False].pred_step_ms < by["rank 0"].pred_step_ms < by[True].pred_step_ms
+
+
+def test_recompute_stages_needs_checkpointing_and_existing_stages():
+    with pytest.raises(ValueError, match="set trainer.activation_checkpointing=true"):
+        compose_config(["trainer.recompute_stages=[0]"])
+    with pytest.raises(ValueError, match="stage 2 does not exist"):
+        _sleep_plan("1f1b", "trainer.recompute_stages=[0,2]")
+    plan = _sleep_plan("1f1b", "trainer.recompute_stages=[0]")  # BW pays f on stage 0 alone
+    assert plan.recompute_stages == {0} and (plan.stage_costs.b, plan.stage_costs.w) == ((40.0, 20.0), (20.0, 20.0))

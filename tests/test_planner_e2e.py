@@ -65,7 +65,8 @@ def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     layer's input kept; before, the plan counted one boundary tensor per stage and the whole stage's
     activations on top, 49% high). Its layers are timed as the ranks run them (one thread each)."""
     run_dir = tmp_path / "run"
-    searched = ["plan.recompute=[false,true]", "plan.prune=false"] if model == "llama-tiny" else []
+    searched = ["plan.recompute=[false,true]", "plan.recompute_partial=true", "plan.prune=false"] \
+        if model == "llama-tiny" else []
     res = run_cli([f"model={model}", "schedule=auto", "partition=profile", "plan.calibrate=false", "plan.margin=0",
                    "plan.memory_gb=0.2", *searched,
                    "plan.schedules=[1f1b,zbh1]", "plan.pp=[2]", "plan.microbatch_sizes=[2]", "trainer.max_steps=2",
@@ -88,6 +89,8 @@ def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     res2 = run_cli([f"model={model}", f"schedule={second['schedule']}", f"pipeline.degree={second['pp']}",
                     f"pipeline.microbatches={second['microbatches']}", "partition=profile", "trainer.max_steps=2",
                     f"trainer.activation_checkpointing={str(second['recompute']).lower()}",
+                    *([f"trainer.recompute_stages=[{','.join(map(str, range(second['recompute_ranks'])))}]"]
+                      if second["recompute_ranks"] else []),
                     "trainer.eval_every=0", "trainer.ckpt_at_end=false", "logger=[console]",
                     f"hydra.run.dir={tmp_path / 'run2'}"],
                    cwd=tmp_path, env_extra={"WANDB_MODE": "offline", "PIPETRAIN_CACHE_DIR": str(tmp_path / "cache")})

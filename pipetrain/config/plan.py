@@ -40,6 +40,9 @@ class PlanConfig:
     virtual_stages: list[int] = field(default_factory=lambda: [2])  # v for interleaved_1f1b / looped_bfs
     microbatch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # sequences per microbatch
     recompute: list[bool] = field(default_factory=lambda: [False])  # trainer.activation_checkpointing values to try
+    # with true in plan.recompute: also recompute on the first k pipeline ranks only (k = 1..pp-1), the
+    # ranks a 1F1B-like schedule fills with the most microbatches (trainer.recompute_stages)
+    recompute_partial: bool = False
     dp_shard: bool = False  # dp > 1 as FSDP2 shards (parallel.dp_shard) instead of replicas
     max_microbatches: int = 256  # skip candidates with more microbatches
     objective: str = "tokens_per_s"  # tokens_per_s | tokens_per_s_per_gb

@@ -22,7 +22,11 @@ class TrainerConfig:
     max_skipped_steps: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
     threads_per_rank: int = 1  # torch.set_num_threads per rank on CPU
-    activation_checkpointing: bool = False  # recompute each stage's forward in its backward
+    activation_checkpointing: bool = False  # recompute each stage's forward in its backward (per layer)
+    # with activation_checkpointing: the stage ids that recompute (null: every stage). The first
+    # ranks of 1F1B-like schedules keep the most microbatches in flight: recomputing there alone
+    # can fit the memory at less cost (mode=plan searches it with plan.recompute_partial=true)
+    recompute_stages: Optional[list[int]] = None
     # fp32 | bf16. bf16: parameters, gradients and optimizer state stay fp32; stages compute under
     # bf16 autocast and the tensors crossing between stages are bf16 (half the bytes); loss and
     # reductions in fp32. On CPU too (slower there than fp32 unless the CPU has bf16 matmuls).
@@ -43,6 +47,13 @@ class TrainerConfig:
             raise ValueError(f"trainer.on_nonfinite must be stop or skip (got {self.on_nonfinite!r})")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
+        if self.recompute_stages is not None:
+            if not self.activation_checkpointing:
+                raise ValueError("trainer.recompute_stages names the stages that recompute: set "
+                                 "trainer.activation_checkpointing=true too (or drop trainer.recompute_stages)")
+            if min(self.recompute_stages, default=0) < 0 or len(set(self.recompute_stages)) < len(self.recompute_stages):
+                raise ValueError(f"trainer.recompute_stages must list distinct stage ids >= 0 "
+                                 f"(got {list(self.recompute_stages)})")
         if self.precision not in PRECISIONS:
             raise ValueError(f"trainer.precision must be {' or '.join(PRECISIONS)} (got {self.precision!r})")
 

@@ -26,7 +26,7 @@ from pipetrain.schedules import registry
 
 PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
 CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "v", "microbatches", "microbatch_size", "recompute",
-               "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
+               "recompute_ranks", "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
                "exposed_comm_ms", "memory_budget", "reason")
 HIDDEN_KNOBS = ("n_embd", "hidden_size", "hidden", "d_hidden")  # the width crossing a stage boundary
 # activation values per token and unit of width a block keeps whole under tp without sequence parallel:
@@ -123,7 +123,8 @@ def plan_candidates(config: Config) -> list[Candidate]:
     part = PARTITIONS.get(config.partition.name, "balanced")
     cands = candidates(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
                        num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
-                       virtual_stages=p.virtual_stages, recompute=p.recompute, pp_degrees=p.pp,
+                       virtual_stages=p.virtual_stages, recompute=p.recompute,
+                       recompute_partial=p.recompute_partial, pp_degrees=p.pp,
                        dp_shard=p.dp_shard, partition=part, max_microbatches=p.max_microbatches,
                        tp_degrees=p.tp, sequence_parallel=p.sequence_parallel)
     if not cands:
@@ -204,7 +205,7 @@ def table(rows: list[Row], *, top: int) -> Table:
     for i, r in enumerate(rows[:top]):
         c, peak = r.candidate, r.peak
         t.add_row(str(i + 1), c.layout, c.schedule, str(c.v), str(c.microbatches), str(c.microbatch_size),
-                  "yes" if c.recompute else "no", _fmt(r.pred_step_ms, ".1f"), _fmt(r.tokens_per_s, ",.0f"),
+                  c.recompute_label, _fmt(r.pred_step_ms, ".1f"), _fmt(r.tokens_per_s, ",.0f"),
                   _fmt(None if r.bubble is None else 100 * r.bubble, ".1f"),
                   "-" if peak is None else f"{r.pred_peak_gb:.3g} ({peak.rank})", _fmt(r.exposed_comm_ms, ".1f"),
                   ("" if r.feasible else r.reason) + (f" budget {r.memory_budget:g}" if r.memory_budget else ""))
@@ -244,6 +245,8 @@ def apply_row(config: Config, row: Row) -> Config:
         parallel=dataclasses.replace(config.parallel, dp_replicate=dp_rep, dp_shard=dp_shard, tp=c.tp,
                                      sequence_parallel=c.sequence_parallel),
         data=dataclasses.replace(config.data, batch_size=c.dp * c.microbatches * c.microbatch_size),
-        trainer=dataclasses.replace(config.trainer, activation_checkpointing=c.recompute),
+        trainer=dataclasses.replace(config.trainer, activation_checkpointing=c.recompute,
+                                    recompute_stages=None if c.recompute_ranks is None else sorted(
+                                        c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v)))),
         partition=dataclasses.replace(config.partition, boundaries=None,
                                       name="profile" if c.partition == "time" else c.partition))

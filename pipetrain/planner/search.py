@@ -89,6 +89,22 @@ class Candidate:
     partition: str = "balanced"
     tp: int = 1  # tensor-parallel degree inside every stage (world = pp x dp x tp)
     sequence_parallel: bool = False  # tp > 1: activations and stage tensors split on the sequence
+    recompute_ranks: Optional[int] = None  # with recompute: only the stages of pipeline ranks below this (None: all)
+
+    def recompute_stages(self, pl: Placement) -> frozenset[int]:
+        """The stage ids that recompute."""
+        if not self.recompute:
+            return frozenset()
+        ranks = range(self.pp if self.recompute_ranks is None else self.recompute_ranks)
+        return frozenset(s for r in ranks for s in pl.stages_of(r))
+
+    @property
+    def recompute_label(self) -> str:
+        if not self.recompute:
+            return "no"
+        if self.recompute_ranks is None:
+            return "yes"
+        return "rank 0" if self.recompute_ranks == 1 else f"ranks 0-{self.recompute_ranks - 1}"
 
     @property
     def layout(self) -> str:
@@ -123,7 +139,8 @@ class Row:
         return {
             "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "tp": c.tp, "sequence_parallel": c.sequence_parallel,
             "v": c.v, "microbatches": c.microbatches,
-            "microbatch_size": c.microbatch_size, "recompute": c.recompute, "dp_shard": c.dp_shard,
+            "microbatch_size": c.microbatch_size, "recompute": c.recompute, "recompute_ranks": c.recompute_ranks,
+            "dp_shard": c.dp_shard,
             "partition": c.partition, "layout": c.layout, "feasible": self.feasible, "reason": self.reason,
             "pred_step_ms": self.pred_step_ms, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
             "pred_peak_gb": self.pred_peak_gb, "peak_rank": peak.rank if peak else None,
@@ -149,16 +166,16 @@ def tp_rank_layers(layers: Sequence[LayerCost], *, tp: int, sequence_parallel: b
             for l in split]
 
 
-def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: bool,
+def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: frozenset[int],
                  action_ms: float = 0.0, split: Optional[set[int]] = None) -> StageCosts:
-    """Per stage id (f, b, w); recompute runs the stage's forward again in its backward passes
-    (StageCosts.with_recompute). `action_ms` is added to every action: to f, b and w of the stages
-    in `split` (they run B and W apart; all stages when None), to f and b only of the others
+    """Per stage id (f, b, w); the `recompute` stages run their forward again in their backward
+    passes (StageCosts.with_recompute). `action_ms` is added to every action: to f, b and w of the
+    stages in `split` (they run B and W apart; all stages when None), to f and b only of the others
     (their BW is one action of b + w)."""
     per = [chunks[pl.chunk_of(s)] for s in range(pl.num_stages)]
     costs = StageCosts(*(tuple(c[i] for c in per) for i in range(3)))
     if recompute:
-        costs = costs.with_recompute(split)
+        costs = costs.with_recompute(split, recompute)
     w_extra = [action_ms if split is None or s in split else 0.0 for s in range(pl.num_stages)]
     return StageCosts(tuple(f + action_ms for f in costs.f), tuple(b + action_ms for b in costs.b),
                       tuple(w + x for w, x in zip(costs.w, w_extra)))
@@ -216,18 +233,20 @@ class _Evaluator:
         boundary = w.boundary_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
         # recompute (per-layer checkpointing) keeps each layer's input, and while a backward pass
         # recomputes a layer, that one layer's activations (`transient`, added to the rank's peak)
+        rc = c.recompute_stages(pl)
         first = boundary if w.input_bytes_per_token is None else w.input_bytes_per_token * tokens
-        act_chunk = [math.fsum(first if i == 0 else boundary for i in rng) if c.recompute
-                     else math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
+        kept = [math.fsum(first if i == 0 else boundary for i in rng) for rng in part.bounds]
+        full = [math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
         full_layer = [max(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
+        act_stage = {s: (kept if s in rc else full)[pl.chunk_of(s)] for s in range(pl.num_stages)}
         sp = [float(part.chunk_params()[pl.chunk_of(s)]) for s in range(pl.num_stages)]  # mirrors hold copies
         params_rank = [math.fsum(sp[s] for s in pl.stages_of(r)) for r in range(c.pp)]
         static = self.static(c, params_rank, boundary, pl.stages_per_rank)
-        transient = [max(full_layer[pl.chunk_of(s)] for s in pl.stages_of(r)) if c.recompute else 0.0
+        transient = [max((full_layer[pl.chunk_of(s)] for s in pl.stages_of(r) if s in rc), default=0.0)
                      for r in range(c.pp)]
         chunks = chunk_costs(layers, part.bounds)
         fused: Optional[set[int]] = set() if w.fused_backward else None  # compiled: no stage runs W's work
-        costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms, fused)
+        costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, fused)
         comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
         room = [cap / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
         worst = min(range(c.pp), key=lambda r: room[r])
@@ -237,13 +256,13 @@ class _Evaluator:
                           for m, t in zip(static, transient)]
             return row
         if c.schedule == "zb_auto":
-            sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_chunk[pl.chunk_of(r)] for r in range(c.pp)])
+            sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_stage[r] for r in range(c.pp)])
             if sched is None:
                 return row
         else:
             sched = registry.build(c.schedule, c.pp, c.microbatches, c.v)
-            if fused is None and (d.action_overhead_ms or c.recompute):  # now known: the stages running W apart
-                costs = _stage_costs(pl, chunks, c.recompute, d.action_overhead_ms, split_stages(sched))
+            if fused is None and (d.action_overhead_ms or rc):  # now known: the stages running W apart
+                costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, split_stages(sched))
         red = None
         if c.dp > 1:
             sched = add_reduces(sched)
@@ -251,8 +270,7 @@ class _Evaluator:
                             dp_shard=c.dp if c.dp_shard else 1, bandwidth_gbs=d.dp_gbs, reduce_dtype=d.reduce_dtype)
             red = tuple(r + d.reduce_latency_ms for r in red)
         sim = simulate(sched, costs, comm_ms=comm_ms, check=False, reduce_ms=red)
-        act_stage = {s: act_chunk[pl.chunk_of(s)] for s in range(pl.num_stages)}
-        keep = 1.0 if c.recompute and fused is None else w.w_keep  # W recomputes from the kept inputs
+        keep = 1.0 if rc and fused is None else w.w_keep  # W recomputes from the kept inputs
         row.memory = []
         for r, m in enumerate(static):
             act = peak_activation_bytes(sim.timeline[r], act_stage, keep)
@@ -272,10 +290,12 @@ class _Evaluator:
 
 def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
                microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], recompute: Sequence[bool] = (False,),
+               recompute_partial: bool = False,
                pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False, partition: str = "balanced",
                max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,),
                sequence_parallel: bool = False) -> list[Candidate]:
-    """Every valid combination: pp x dp x tp = world, M = global_batch / (dp x microbatch size)."""
+    """Every valid combination: pp x dp x tp = world, M = global_batch / (dp x microbatch size).
+    `recompute_partial`: where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp)."""
     out = []
     for tp, pp in [(t, p) for t in tp_degrees if world % t == 0
                    for p in (pp_degrees or [q for q in range(1, world // t + 1) if world // t % q == 0])]:
@@ -295,12 +315,16 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                         continue
                     for rc in recompute:
                         out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition, tp, sp))
+                        if rc and recompute_partial:
+                            out.extend(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition, tp, sp, k)
+                                       for k in range(1, pp))
     return out
 
 
 def lower_bound_ms(ev: _Evaluator, c: Candidate) -> float:
     """No schedule beats every rank busy from start to end with its share of the work."""
-    total = math.fsum(l.total_ms + (l.f_ms if c.recompute else 0.0)
+    every = c.recompute and c.recompute_ranks is None  # recomputing on some ranks only: bound without it
+    total = math.fsum(l.total_ms + (l.f_ms if every else 0.0)
                       for l in ev.layers(c.microbatch_size, c.tp, c.sequence_parallel))
     return c.microbatches * total / c.pp
 

@@ -51,16 +51,18 @@ class StageCosts:
         per_stage = [chunks[pl.chunk_of(s)] for s in range(pl.num_stages)]
         return cls(*(tuple(c[i] for c in per_stage) for i in range(3)))
 
-    def with_recompute(self, split: Optional[Collection[int]] = None) -> "StageCosts":
-        """The costs under activation recompute (trainer.activation_checkpointing): a stage's backward
-        runs its forward again, so B pays f, and on the stages in `split` (those running W apart from
-        B; None: every stage) W pays f once more, since non-reentrant checkpointing recomputes for the
-        second backward pass too (sleep model, zbh1: B and W each 20 -> 42 ms with f 21 ms). A fused
-        BW is one pass: it pays f once."""
+    def with_recompute(self, split: Optional[Collection[int]] = None,
+                       stages: Optional[Collection[int]] = None) -> "StageCosts":
+        """The costs under activation recompute (trainer.activation_checkpointing) on `stages` (None:
+        every stage): a stage's backward runs its forward again, so B pays f, and on the stages in
+        `split` (those running W apart from B; None: every stage) W pays f once more, since
+        non-reentrant checkpointing recomputes for the second backward pass too (sleep model, zbh1:
+        B and W each 20 -> 42 ms with f 21 ms). A fused BW is one pass: it pays f once."""
         n = len(self.f)
+        on = range(n) if stages is None else stages
         again = range(n) if split is None else split
-        return StageCosts(self.f, tuple(b + f for f, b in zip(self.f, self.b)),
-                          tuple(w + (self.f[s] if s in again else 0.0) for s, w in enumerate(self.w)))
+        return StageCosts(self.f, tuple(b + (f if s in on else 0.0) for s, (f, b) in enumerate(zip(self.f, self.b))),
+                          tuple(w + (self.f[s] if s in on and s in again else 0.0) for s, w in enumerate(self.w)))
 
     def action(self, a: Action) -> float:
         s = a.stage

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -88,7 +88,7 @@ def build_rank_pipeline(
     timeout_s: float = 300.0,
     device: torch.device | str = "cpu",
     group: Optional[dist.ProcessGroup] = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | Collection[int] = False,
     p2p_lookahead: int = 1,
     p2p_in_order: bool = False,
     group_ranks: Optional[list[int]] = None,
@@ -107,7 +107,9 @@ def build_rank_pipeline(
     the stages (FSDP2 under dp_shard) and builds their gradient reducer (the schedule then
     carries REDUCE_GRAD marks); `tp` splits every stage's layers over its tensor-parallel group
     first (parallel/tp_plan.py); `compile_layers` (trainer.compile) compiles each layer of
-    every stage after tensor parallel and before data parallel (torchtitan's order). `precision` is trainer.precision (fp32 | bf16); `seed`
+    every stage after tensor parallel and before data parallel (torchtitan's order);
+    `activation_checkpointing`: True recomputes every stage's layers in its backward, a collection
+    of stage ids those stages' (trainer.recompute_stages). `precision` is trainer.precision (fp32 | bf16); `seed`
     initialises the stages of a model built on meta, or `init_rule` gives their values
     (model.pretrained: models/hf.PretrainedWeights reads them from the folder's files)."""
     if precision not in COMPUTE_DTYPES:
@@ -122,7 +124,8 @@ def build_rank_pipeline(
     if tp is not None:  # torchtitan's order: cut, tensor parallel, (compile,) data parallel
         stages = {s: tp.wrap(mod) for s, mod in stages.items()}
     for mod in stages.values():
-        mod.checkpoint_layers = activation_checkpointing
+        mod.checkpoint_layers = activation_checkpointing if isinstance(activation_checkpointing, bool) else \
+            mod.stage_id in activation_checkpointing
         if compile_layers:  # in place (nn.Module.compile): parameter names stay the unsplit ones
             for layer in mod.layers.values():
                 layer.compile()
