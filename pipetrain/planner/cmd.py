@@ -76,6 +76,7 @@ def workload(config: Config) -> Workload:
             return fuse_weight_grads(unfused(mbs))
     return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), w_keep,
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
+                    first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
                     fused_backward=config.trainer.compile, hidden=hidden,
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross)

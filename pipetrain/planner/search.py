@@ -46,6 +46,10 @@ class Workload:
     # what activation recompute keeps per token of the first layer's input (token ids: 8 bytes);
     # None: the boundary tensor, like every other layer's input
     input_bytes_per_token: Optional[float] = None
+    # the inputs of the first stage's other layers, per token: the embedding's output in the parameters'
+    # dtype (the first stage's residual stream stays fp32 under bf16 autocast, where a later stage's,
+    # started from a bf16 boundary tensor, stays bf16); None: the boundary tensor
+    first_stage_bytes_per_token: Optional[float] = None
     fused_backward: bool = False  # trainer.compile: B computes the weight gradients too, W nothing
     # tensor parallel (schedules/tp_cost.py): a block's width, the vocabulary, bytes per value of the
     # tp collectives, and the activation bytes per token of a block that tp leaves whole without
@@ -235,7 +239,9 @@ class _Evaluator:
         # recomputes a layer, that one layer's activations (`transient`, added to the rank's peak)
         rc = c.recompute_stages(pl)
         first = boundary if w.input_bytes_per_token is None else w.input_bytes_per_token * tokens
-        kept = [math.fsum(first if i == 0 else boundary for i in rng) for rng in part.bounds]
+        inner = boundary if w.first_stage_bytes_per_token is None else \
+            w.first_stage_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
+        kept = [first + inner * (len(rng) - 1) if rng.start == 0 else boundary * len(rng) for rng in part.bounds]
         full = [math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
         full_layer = [max(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
         act_stage = {s: (kept if s in rc else full)[pl.chunk_of(s)] for s in range(pl.num_stages)}
