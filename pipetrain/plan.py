@@ -66,8 +66,10 @@ def build_schedule(config: Config, stage_costs: StageCosts | None = None) -> Sch
     s, p = config.schedule, config.pipeline
     if s.name == "zb_auto" and stage_costs is not None:
         registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
+        rc = recompute_stages(config, p.degree) if not config.trainer.compile else frozenset()
+        keep = [1.0 if j in rc else s.w_keep for j in range(p.degree)]  # W recomputes from what B kept
         steps = zb_auto_order(p.degree, p.microbatches, f=stage_costs.f, b=stage_costs.b, w=stage_costs.w,
-                              comm=config.sim.comm_ms, budget=budget_of(s.memory_budget, p.degree), w_keep=s.w_keep)
+                              comm=config.sim.comm_ms, budget=budget_of(s.memory_budget, p.degree), w_keep=keep)
         schedule = Schedule.build(s.name, registry.placement_for(s.name, p.degree), p.microbatches, steps)
     elif s.name == registry.CUSTOM:
         schedule = registry.load_custom(

@@ -15,6 +15,7 @@ from pipetrain.compose import compose_config
 from pipetrain.plan import make_plan
 from pipetrain.planner.cmd import PLAN_CSV, PLAN_FILE, apply_row, make_rows, run_plan
 from pipetrain.partition.strategies import partition
+from pipetrain.schedules.ir import Op
 from pipetrain.schedules.simulate import simulate
 
 pytestmark = pytest.mark.pure
@@ -135,6 +136,9 @@ def test_recompute_costs_what_the_executor_measured():
     assert (ofob.stage_costs.b, ofob.stage_costs.w) == ((40.0, 40.0), (20.0, 20.0))
     assert simulate(zb.schedule, zb.stage_costs).makespan == pytest.approx(440.0)
     assert simulate(ofob.schedule, ofob.stage_costs).makespan == pytest.approx(400.0)
+    mixed = _sleep_plan("dualpipev")  # B and W apart, and BW: one backward pass, one recompute
+    bw = next(a for row in mixed.schedule.steps for step in row for a in step.parts() if a.op is Op.BW)
+    assert (mixed.stage_costs.action(bw), mixed.stage_costs.b[bw.stage], mixed.stage_costs.w[bw.stage]) == (30, 20, 20)
     compiled = _sleep_plan("zbh1", "trainer.compile=true")  # fused: B does W's work and the one recompute
     assert (compiled.stage_costs.b, compiled.stage_costs.w) == ((60.0, 60.0), (0.0, 0.0))
 
@@ -185,3 +189,20 @@ def test_recompute_stages_needs_checkpointing_and_existing_stages():
         _sleep_plan("1f1b", "trainer.recompute_stages=[0,2]")
     plan = _sleep_plan("1f1b", "trainer.recompute_stages=[0]")  # BW pays f on stage 0 alone
     assert plan.recompute_stages == {0} and (plan.stage_costs.b, plan.stage_costs.w) == ((40.0, 20.0), (20.0, 20.0))
+
+
+@pytest.mark.parametrize("w_keep", [0.0, 1.0])
+def test_recompute_keeps_inputs_until_w_on_its_stages_only(w_keep):
+    """A recomputing stage keeps its layer inputs until W recomputes from them, whatever plan.w_keep; a
+    stage that does not recompute frees (1 - w_keep) at B. zb_auto is searched under the same rule, so
+    its rows fit the budgets they were searched for (before: with w_keep=0, the all-recompute zb_auto
+    row was OOM on rank 1 at 0.02 GB and rank 1 of the partial zbh1 row was costed as if w_keep were 1)."""
+    cfg = compose_config(["mode=plan", "model=gpt2-tiny", "plan.world_size=2", "plan.pp=[2]", "plan.microbatch_sizes=[2]",
+                          "plan.schedules=[zbh1,zb_auto]", "plan.recompute=[false,true]", "plan.recompute_partial=true",
+                          "plan.prune=false", "data.batch_size=32", "data.seq_len=64", "plan.memory_gb=0.03",
+                          "plan.margin=0", f"plan.w_keep={w_keep}"])
+    rows = {(r.candidate.schedule, r.candidate.recompute_label): r for r in make_rows(cfg)[0] if r.candidate.pp == 2}
+    plain, some = rows[("zbh1", "no")].memory, rows[("zbh1", "rank 0")].memory
+    assert some[1].activations == pytest.approx(plain[1].activations)  # rank 1 does not recompute
+    assert some[0].activations < plain[0].activations
+    assert rows[("zb_auto", "yes")].feasible and rows[("zb_auto", "rank 0")].feasible

@@ -89,7 +89,7 @@ def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     res2 = run_cli([f"model={model}", f"schedule={second['schedule']}", f"pipeline.degree={second['pp']}",
                     f"pipeline.microbatches={second['microbatches']}", "partition=profile", "trainer.max_steps=2",
                     f"trainer.activation_checkpointing={str(second['recompute']).lower()}",
-                    *([f"trainer.recompute_stages=[{','.join(map(str, range(second['recompute_ranks'])))}]"]
+                    *([f"trainer.recompute_stages=[{','.join(map(str, second['recompute_stages']))}]"]
                       if second["recompute_ranks"] else []),
                     "trainer.eval_every=0", "trainer.ckpt_at_end=false", "logger=[console]",
                     f"hydra.run.dir={tmp_path / 'run2'}"],

@@ -42,8 +42,9 @@ def choose(config: Config, run_dir: Path, console: Console) -> tuple[Config, Row
                          f"smaller plan.microbatch_sizes")
     best = rows[0]
     c = best.candidate
+    recompute = {"no": "", "yes": ", recompute"}.get(c.recompute_label, f", recompute on {c.recompute_label}")
     console.print(f"plan: training row 1 of {meta['candidates']}: {c.layout}, {c.schedule} v={c.v}, M={c.microbatches}, "
-                  f"microbatch {c.microbatch_size}{', recompute' if c.recompute else ''}; predicted "
+                  f"microbatch {c.microbatch_size}{recompute}; predicted "
                   f"{best.pred_step_ms:.1f} ms/step, peak {best.pred_peak_gb:.3g} GB on rank {best.peak.rank}",
                   markup=False, highlight=False)
     return apply_row(config, best), best
@@ -59,7 +60,7 @@ def measurable_peak_gb(row: Row, allocator_peak: bool) -> Optional[float]:
     layer a backward recomputes at a time under activation recompute (RankMemory.recompute)."""
     if not row.memory:
         return None
-    return max(m.total - (0.0 if allocator_peak else m.recompute) for m in row.memory) / GB
+    return max(m.total if allocator_peak else m.counted for m in row.memory) / GB
 
 
 def report(row: Row, run_dir: Path, console: Console, *, allocator_peak: bool) -> Optional[dict[str, Any]]:
@@ -84,7 +85,7 @@ def report(row: Row, run_dir: Path, console: Console, *, allocator_peak: bool) -
     err = out["step_time_error"]
     line = f"plan vs run: step {row.pred_step_ms:.1f} ms predicted, " + (
         f"{measured_ms:.1f} ms measured ({100 * err:+.1f}%)" if measured_ms is not None else "not measured")
-    if measured_gb is not None:
+    if measured_gb is not None and comparable_gb is not None:
         unseen = "" if comparable_gb == row.pred_peak_gb else \
             f" (of {row.pred_peak_gb:.3g}: a CPU run does not see the layer a backward recomputes)"
         line += (f"; peak memory {comparable_gb:.3g} GB predicted{unseen}, {measured_gb:.3g} GB measured "

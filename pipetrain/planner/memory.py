@@ -22,7 +22,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
 from pipetrain.schedules.ir import Op
 from pipetrain.schedules.simulate import TimedStep
@@ -70,24 +70,33 @@ class RankMemory:
     def total(self) -> float:
         return self.states + self.activations + self.recompute + self.receive + self.margin
 
+    @property
+    def counted(self) -> float:
+        """The total without the recompute part and its share of the margin: what a CPU run counts."""
+        base = self.total - self.margin
+        return self.total - self.recompute * (1.0 + self.margin / base) if base > 0 else self.total
+
     def to_json(self) -> dict[str, float]:
         return {"rank": self.rank, "states_gb": self.states / GB, "activations_gb": self.activations / GB,
                 "recompute_gb": self.recompute / GB, "receive_gb": self.receive / GB, "margin_gb": self.margin / GB,
                 "total_gb": self.total / GB}
 
 
-def peak_activation_bytes(row: Sequence[TimedStep], act_bytes: Mapping[int, float], w_keep: float = 1.0) -> float:
+def peak_activation_bytes(row: Sequence[TimedStep], act_bytes: Mapping[int, float],
+                          w_keep: Union[float, Mapping[int, float]] = 1.0) -> float:
     """Most activation bytes alive at once on one rank's simulated timeline.
 
-    `act_bytes[stage]`: what one microbatch's F on that stage keeps. Frees come before
-    allocations at equal times (a W ending as the next F starts leaves room for it).
+    `act_bytes[stage]`: what one microbatch's F on that stage keeps; `w_keep`: the share B keeps
+    for W, one for all stages or per stage. Frees come before allocations at equal times (a W
+    ending as the next F starts leaves room for it).
     """
-    if not 0.0 <= w_keep <= 1.0:
+    keeps = w_keep if isinstance(w_keep, Mapping) else {s: w_keep for s in act_bytes}
+    if not all(0.0 <= k <= 1.0 for k in keeps.values()):
         raise ValueError(f"w_keep must be in [0, 1] (got {w_keep})")
     events: list[tuple[float, float]] = []
     for ts in row:
         for a in ts.step.parts():
-            size = act_bytes[a.stage]
+            size, w_keep = act_bytes[a.stage], keeps[a.stage]
             if a.op is Op.F:
                 events.append((ts.start, size))
             elif a.op is Op.B:

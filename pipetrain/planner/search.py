@@ -144,6 +144,7 @@ class Row:
             "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "tp": c.tp, "sequence_parallel": c.sequence_parallel,
             "v": c.v, "microbatches": c.microbatches,
             "microbatch_size": c.microbatch_size, "recompute": c.recompute, "recompute_ranks": c.recompute_ranks,
+            "recompute_stages": sorted(c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v))),
             "dp_shard": c.dp_shard,
             "partition": c.partition, "layout": c.layout, "feasible": self.feasible, "reason": self.reason,
             "pred_step_ms": self.pred_step_ms, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
@@ -182,7 +183,8 @@ def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recomp
         costs = costs.with_recompute(split, recompute)
     w_extra = [action_ms if split is None or s in split else 0.0 for s in range(pl.num_stages)]
     return StageCosts(tuple(f + action_ms for f in costs.f), tuple(b + action_ms for b in costs.b),
-                      tuple(w + x for w, x in zip(costs.w, w_extra)))
+                      tuple(w + x for w, x in zip(costs.w, w_extra)),
+                      tuple(costs.fused(s) + action_ms for s in range(pl.num_stages)))  # a BW is one action
 
 
 class _Evaluator:
@@ -213,7 +215,7 @@ class _Evaluator:
                 for r, p in enumerate(params_rank)]
 
     def zb_auto(self, row: Row, pl: Placement, costs: StageCosts, comm_ms: float,
-                fits: list[float]) -> Optional[Schedule]:
+                fits: list[float], keeps: dict[int, float]) -> Optional[Schedule]:
         """zb_auto searched under each rank's own budget: the microbatches of activations its memory
         leaves (`fits`), at most 2P (ZB-2p's); None (with the reason on the row) when one does not fit."""
         c = row.candidate
@@ -224,7 +226,7 @@ class _Evaluator:
             return None
         row.memory_budget, row.budgets = budgets[low], budgets
         steps = zb_auto_order(c.pp, c.microbatches, f=costs.f, b=costs.b, w=costs.w, comm=comm_ms,
-                              budget=budgets, w_keep=self.work.w_keep)
+                              budget=budgets, w_keep=[keeps[s] for s in range(c.pp)])
         return Schedule.build(c.schedule, pl, c.microbatches, steps)
 
     def evaluate(self, c: Candidate) -> Row:
@@ -245,13 +247,16 @@ class _Evaluator:
         full = [math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
         full_layer = [max(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
         act_stage = {s: (kept if s in rc else full)[pl.chunk_of(s)] for s in range(pl.num_stages)}
+        fused: Optional[set[int]] = set() if w.fused_backward else None  # compiled: no stage runs W's work
+        # the share B keeps for W: all of it on a recomputing stage that runs W (which recomputes from
+        # the kept inputs), else the workload's w_keep
+        keep = {s: 1.0 if fused is None and s in rc else w.w_keep for s in range(pl.num_stages)}
         sp = [float(part.chunk_params()[pl.chunk_of(s)]) for s in range(pl.num_stages)]  # mirrors hold copies
         params_rank = [math.fsum(sp[s] for s in pl.stages_of(r)) for r in range(c.pp)]
         static = self.static(c, params_rank, boundary, pl.stages_per_rank)
         transient = [max((full_layer[pl.chunk_of(s)] for s in pl.stages_of(r) if s in rc), default=0.0)
                      for r in range(c.pp)]
         chunks = chunk_costs(layers, part.bounds)
-        fused: Optional[set[int]] = set() if w.fused_backward else None  # compiled: no stage runs W's work
         costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, fused)
         comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
         room = [cap / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
@@ -262,7 +267,7 @@ class _Evaluator:
                           for m, t in zip(static, transient)]
             return row
         if c.schedule == "zb_auto":
-            sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_stage[r] for r in range(c.pp)])
+            sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_stage[r] for r in range(c.pp)], keep)
             if sched is None:
                 return row
         else:
@@ -276,7 +281,6 @@ class _Evaluator:
                             dp_shard=c.dp if c.dp_shard else 1, bandwidth_gbs=d.dp_gbs, reduce_dtype=d.reduce_dtype)
             red = tuple(r + d.reduce_latency_ms for r in red)
         sim = simulate(sched, costs, comm_ms=comm_ms, check=False, reduce_ms=red)
-        keep = 1.0 if rc and fused is None else w.w_keep  # W recomputes from the kept inputs
         row.memory = []
         for r, m in enumerate(static):
             act = peak_activation_bytes(sim.timeline[r], act_stage, keep)

@@ -31,12 +31,19 @@ class StageCosts:
     f: tuple[float, ...]
     b: tuple[float, ...]
     w: tuple[float, ...]
+    # a fused BW per stage where it is not b + w (a recomputing stage that also runs W apart pays
+    # the recompute once in a BW, in both its B and its W); empty: b + w
+    bw: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if not len(self.f) == len(self.b) == len(self.w):
-            raise ValueError("StageCosts needs one f, b and w per stage")
-        if min(self.f + self.b + self.w, default=0.0) < 0:
+        if not len(self.f) == len(self.b) == len(self.w) or self.bw and len(self.bw) != len(self.f):
+            raise ValueError("StageCosts needs one f, b and w (and bw, where given) per stage")
+        if min(self.f + self.b + self.w + self.bw, default=0.0) < 0:
             raise ValueError("stage costs must be >= 0 ms")
+
+    def fused(self, s: int) -> float:
+        """One microbatch's BW on stage `s`."""
+        return self.bw[s] if self.bw else self.b[s] + self.w[s]
 
     @classmethod
     def uniform(cls, num_stages: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> "StageCosts":
@@ -61,12 +68,14 @@ class StageCosts:
         n = len(self.f)
         on = range(n) if stages is None else stages
         again = range(n) if split is None else split
-        return StageCosts(self.f, tuple(b + (f if s in on else 0.0) for s, (f, b) in enumerate(zip(self.f, self.b))),
-                          tuple(w + (self.f[s] if s in on and s in again else 0.0) for s, w in enumerate(self.w)))
+        extra = [self.f[s] if s in on else 0.0 for s in range(n)]
+        return StageCosts(self.f, tuple(b + x for b, x in zip(self.b, extra)),
+                          tuple(w + (x if s in again else 0.0) for s, (w, x) in enumerate(zip(self.w, extra))),
+                          tuple(self.fused(s) + extra[s] for s in range(n)))
 
     def action(self, a: Action) -> float:
         s = a.stage
-        return {Op.F: self.f[s], Op.B: self.b[s], Op.W: self.w[s], Op.BW: self.b[s] + self.w[s]}[a.op]
+        return {Op.F: self.f[s], Op.B: self.b[s], Op.W: self.w[s], Op.BW: self.fused(s)}[a.op]
 
     def step(self, step: Step, fb_overlap: float = 0.0) -> float:
         if isinstance(step, Overlap):

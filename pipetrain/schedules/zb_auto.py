@@ -67,7 +67,7 @@ class _Builder:
     """
 
     def __init__(self, P: int, M: int, costs: tuple[list[float], list[float], list[float]], comm: float,
-                 budget: list[float], w_keep: float, *, overrun: float, fill_small_gaps: int) -> None:
+                 budget: list[float], w_keep: list[float], *, overrun: float, fill_small_gaps: int) -> None:
         self.P, self.M, self.comm = P, M, comm
         self.cost = {Op.F: costs[0], Op.B: costs[1], Op.W: costs[2]}
         self.budget, self.w_keep = budget, w_keep
@@ -101,10 +101,10 @@ class _Builder:
             self.live[j] += 1.0
         elif op is Op.B:
             self.nb[j] += 1
-            self.live[j] -= 1.0 - self.w_keep
+            self.live[j] -= 1.0 - self.w_keep[j]
         else:
             self.nw[j] += 1
-            self.live[j] -= self.w_keep
+            self.live[j] -= self.w_keep[j]
 
     def fits_f(self, j: int) -> bool:
         return self.live[j] + 1.0 <= self.budget[j] + _EPS
@@ -180,18 +180,20 @@ class _Builder:
 
 def zb_auto_order(
     P: int, M: int, *, f: Costs = 1.0, b: Costs = 1.0, w: Costs = 1.0, comm: float = 0.0,
-    budget: Optional[Union[float, Sequence[float]]] = None, w_keep: float = 1.0,
+    budget: Optional[Union[float, Sequence[float]]] = None, w_keep: Costs = 1.0,
 ) -> list[list[Action]]:
     """Per rank (= stage, loop placement, one stage per rank), the greedy zero-bubble order.
 
     `budget`: each rank's activation budget in microbatches (one number for all, or one per
-    rank); None: 2P-1 (ZB-H2's). `w_keep`: the share of a microbatch's activations B keeps for W.
+    rank); None: 2P-1 (ZB-H2's). `w_keep`: the share of a microbatch's activations B keeps for W
+    (one number, or one per stage: 1 on a recomputing stage, whose kept inputs live until W).
     """
     check_basic("zb_auto", P, M)
     budgets = _per_stage(default_budget(P) if budget is None else budget, P, "budget")
     require(min(budgets) >= 1.0, f"zb_auto needs an activation budget of at least 1 microbatch per rank "
                                  f"(got {min(budgets)}): raise schedule.memory_budget")
-    require(0.0 <= w_keep <= 1.0, f"zb_auto: w_keep must be in [0, 1] (got {w_keep})")
+    keeps = _per_stage(w_keep, P, "w_keep")
+    require(all(0.0 <= k <= 1.0 for k in keeps), f"zb_auto: w_keep must be in [0, 1] (got {w_keep})")
     if comm < 0:
         raise ValueError(f"zb_auto: comm must be >= 0 ms (got {comm})")
     costs = (_per_stage(f, P, "F"), _per_stage(b, P, "B"), _per_stage(w, P, "W"))
@@ -201,7 +203,7 @@ def zb_auto_order(
     # paper's cost). All start offsets are alike, so the span is what separates the candidates.
     for overrun in (0.0, 0.5, 1.0):
         for fill in (0, 1, 2):  # W into a gap it overruns: never, unless it grows the worst bubble, always
-            cand = _Builder(P, M, costs, float(comm), budgets, w_keep, overrun=overrun, fill_small_gaps=fill)
+            cand = _Builder(P, M, costs, float(comm), budgets, keeps, overrun=overrun, fill_small_gaps=fill)
             cand.solve()
             if best is None or sum(cand.score()) < sum(best.score()):
                 best = cand
