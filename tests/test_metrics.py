@@ -63,6 +63,18 @@ def test_a_run_that_matches_the_simulation_measures_as_simulated(name, P, M, v):
             assert m.measured.costs.b[s] + m.measured.costs.w[s] == pytest.approx(2.2)
 
 
+def test_a_bw_beside_b_and_w_apart_is_simulated_at_its_own_median():
+    """dualpipev runs B and W apart and BW on every stage; under recompute a BW costs f + b + w, not
+    b + w + 2f (measured, sleep model P=2 M=8: 715 ms a step; its costs re-simulated with BW as
+    B + W gave 884 ms)."""
+    sched = registry.build("dualpipev", 2, 8, 2)
+    costs = StageCosts((1.0,) * 4, (2.0,) * 4, (2.0,) * 4, (3.0,) * 4)
+    sim = simulate(sched, costs)
+    m = measure_step(1, sched, samples_from_sim(sim))
+    assert [m.measured.costs.fused(s) for s in range(4)] == pytest.approx([3.0] * 4)
+    assert m.simulated.makespan == pytest.approx(sim.makespan)
+
+
 def test_time_blocked_in_receives_is_idle_and_ranks_share_one_clock():
     sched = registry.build("1f1b", 4, 8)
     sim = simulate(sched, StageCosts.uniform(4, 2.0, 2.0, 2.0))

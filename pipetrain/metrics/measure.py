@@ -45,7 +45,9 @@ def parts_ms(step: Step, timing: ActionTiming) -> list[tuple[Op, int, float]]:
 
 def stage_costs(schedule: Schedule, samples: Sequence[RankSample]) -> StageCosts:
     """Median measured F, B, W per stage. A stage that only ran full backwards (BW) gets
-    b = median BW and w = 0, which the simulator adds back up for its BW actions."""
+    b = median BW and w = 0, which the simulator adds back up for its BW actions; one that ran
+    both (dualpipe, dualpipev) keeps its BW median apart (under recompute a BW recomputes once,
+    B and W once each)."""
     times: dict[tuple[Op, int], list[float]] = defaultdict(list)
     for s in samples:
         row = schedule.steps[s.rank]
@@ -63,7 +65,7 @@ def stage_costs(schedule: Schedule, samples: Sequence[RankSample]) -> StageCosts
         else:
             b.append(med.get((Op.BW, st), 0.0))
             w.append(0.0)
-    return StageCosts(f, tuple(b), tuple(w))
+    return StageCosts(f, tuple(b), tuple(w), tuple(med.get((Op.BW, st), b[st] + w[st]) for st in range(n)))
 
 
 @dataclass(frozen=True)
