@@ -14,7 +14,7 @@ import torch
 from pipetrain.models.factory import build_model
 from pipetrain.models.gpt2 import GPT2, PRESETS, gpt2_layer_params, gpt2_param_count
 from pipetrain.models.mlp import MLPModel
-from pipetrain.models.profile import default_cache_dir, profile_layers
+from pipetrain.models.profile import default_cache_dir, profile_layers, saved_bytes_per_token
 from pipetrain.models import sleep_module
 from pipetrain.models.sleep_module import SleepModel
 from pipetrain.models.split import build_stage, split_model
@@ -427,3 +427,17 @@ def test_profile_times_the_sleep_model_phases(tmp_path):
         assert 4.0 - EARLY_MS <= c.f_ms < 4.0 + SLACK_MS and 8.0 - EARLY_MS <= c.b_ms < 8.0 + SLACK_MS
         # W is timed as BW - B, a difference of two timings: a late B shows up as a short W
         assert 12.0 - 4.0 <= c.w_ms < 12.0 + SLACK_MS
+
+
+def test_saved_bytes_under_bf16_autocast_as_the_first_and_a_later_stage_keep_them():
+    """Under bf16 autocast a later stage receives bf16 and its residual stream stays bf16; the first
+    stage's starts from the fp32 embedding and stays fp32: a block saves less in a later stage than in
+    the first, and both less than in fp32 (the planner uses the later view, and the first stage's ratio)."""
+    model = tiny()
+    fp32 = saved_bytes_per_token(model, batch=2, seq=16)
+    first = saved_bytes_per_token(model, batch=2, seq=16, precision="bf16")
+    later = saved_bytes_per_token(model, batch=2, seq=16, precision="bf16", boundary_inputs=True)
+    assert fp32 == saved_bytes_per_token(model, batch=2, seq=16, boundary_inputs=True)  # no autocast: one view
+    assert first[0] == later[0]  # the embedding takes token ids either way
+    for i in range(1, len(model.layers) - 1):  # the blocks
+        assert later[i] < first[i] < fp32[i], (i, fp32[i], first[i], later[i])

@@ -57,17 +57,18 @@ def cpu_counted_gb(rank_memory):
     return rank_memory["total_gb"] - rank_memory["recompute_gb"]
 
 
-@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
-def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
+@pytest.mark.parametrize("model,precision", [("gpt2-tiny", "fp32"), ("llama-tiny", "fp32"), ("gpt2-tiny", "bf16")])
+def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model, precision):
     """partition=profile: the planner measures each layer's saved bytes as the executor counts them;
     every rank's predicted peak (margin 0) is within 10% of what the run measured, and under the cap,
     for the row auto trains and for the plan's best row with activation recompute (llama-tiny: each
     layer's input kept; before, the plan counted one boundary tensor per stage and the whole stage's
-    activations on top, 49% high). Its layers are timed as the ranks run them (one thread each)."""
+    activations on top, 56-61% high), and under bf16 autocast (saved bytes measured under it; before,
+    at fp32: 31% and 21% high). Its layers are timed as the ranks run them (one thread each)."""
     run_dir = tmp_path / "run"
     searched = ["plan.recompute=[false,true]", "plan.recompute_partial=true", "plan.prune=false"] \
         if model == "llama-tiny" else []
-    res = run_cli([f"model={model}", "schedule=auto", "partition=profile", "plan.calibrate=false", "plan.margin=0",
+    res = run_cli([f"model={model}", f"trainer.precision={precision}", "schedule=auto", "partition=profile", "plan.calibrate=false", "plan.margin=0",
                    "plan.memory_gb=0.2", *searched,
                    "plan.schedules=[1f1b,zbh1]", "plan.pp=[2]", "plan.microbatch_sizes=[2]", "trainer.max_steps=2",
                    "trainer.eval_every=0", "trainer.ckpt_at_end=false", "logger=[console]", f"hydra.run.dir={run_dir}"],
@@ -81,6 +82,8 @@ def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model):
     for p, m in zip(predicted, measured):
         assert m == pytest.approx(p, rel=0.10), (predicted, measured)
         assert m <= 0.2
+    if precision == "bf16":
+        return
     # another top row too, trained as written (not only the one auto picks): the second, or the best
     # with recompute where the plan searched it
     rows = json.loads((run_dir / "plan.json").read_text())["rows"]

@@ -31,6 +31,9 @@ from torch import nn
 from pipetrain.models.costs import LayerCost
 from pipetrain.models.init import init_parameters
 
+# trainer.precision -> the stages' compute dtype (None: no autocast, boundaries in the parameters' dtype)
+COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from pipetrain.files import write_text_atomic
-from pipetrain.models.base import LayeredModel
+from pipetrain.models.base import COMPUTE_DTYPES, LayeredModel
 from pipetrain.models.costs import LayerCost
 
 CACHE_FORMAT = 2  # 2: timed at the ranks' thread count (format 1 entries were timed at torch's default)
@@ -203,21 +203,32 @@ def _time_once(layer: nn.Module, inp: torch.Tensor, *, target: torch.Tensor | No
 
 
 def saved_bytes_per_token(model: LayeredModel, *, batch: int, seq: int,
-                          device: torch.device | str | None = None) -> list[float]:
+                          device: torch.device | str | None = None, precision: str = "fp32",
+                          boundary_inputs: bool = False) -> list[float]:
     """Per layer, the bytes autograd saves in its forward for one microbatch, per token: the
     executor's own count (runtime/step_result.SavedBytes), so a plan's activation memory and the
     run's measured one are the same quantity. A tensor two neighbouring layers both save is
-    counted in each (the executor counts it once per stage): the estimate errs high."""
+    counted in each (the executor counts it once per stage): the estimate errs high.
+
+    `precision` (trainer.precision): under bf16 the layers run under autocast to it, as the stages
+    do. Each layer then takes the previous one's output as it is (the first stage's view: the
+    residual stream stays in the parameters' dtype from the embedding on), or with
+    `boundary_inputs` cast to the compute dtype (a later stage's view: it receives that dtype and
+    its residual stream stays in it)."""
     from pipetrain.runtime.step_result import SavedBytes
 
+    compute_dtype = COMPUTE_DTYPES[precision]
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     work = model if next(model.parameters()).device == dev else copy.deepcopy(model).to(dev)
     x, _ = work.example_batch(microbatch=batch, seq=seq, generator=torch.Generator().manual_seed(0), device=dev)
+    autocast = torch.autocast(dev.type, dtype=compute_dtype) if compute_dtype is not None else contextlib.nullcontext()
     out = []
-    for layer in work.layers:
+    for i, layer in enumerate(work.layers):
         counter = SavedBytes()
+        if boundary_inputs and compute_dtype is not None and i > 0 and x.is_floating_point():
+            x = x.to(compute_dtype)
         inp = x.detach().requires_grad_(x.is_floating_point())
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), autocast:
             x = layer(inp)
         out.append(counter.bytes / (batch * seq))
     return out

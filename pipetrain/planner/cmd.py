@@ -12,7 +12,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from rich.console import Console
 from rich.table import Table
@@ -40,6 +40,7 @@ PARTITIONS = {"uniform": "uniform", "params": "params", "flops": "flops", "balan
 def workload(config: Config) -> Workload:
     m, p = config.model, config.plan
     seq = config.data.seq_len if m.has_seq else 1
+    first_stage: Optional[Callable[[int], list[float]]] = None
     if isinstance(m, SleepModelConfig):
         costs = sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
                                   params_per_layer=m.params_per_layer)
@@ -52,12 +53,23 @@ def workload(config: Config) -> Workload:
 
         dev = profile_device()
         model = build_model(m, device=dev)
+        precision = config.trainer.precision  # bf16: saved bytes under the stages' autocast
 
-        def layers(mbs: int):
-            saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev)
+        def layers(mbs: int):  # saved bytes as a later stage keeps them (its residual stream in bf16)
+            saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision,
+                                          boundary_inputs=True)
             return [dataclasses.replace(c, activation_bytes_per_token=a)
                     for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev,
                                                    threads=config.trainer.threads_per_rank), saved)]
+
+        def first_stage_ratio(mbs: int) -> list[float]:  # the first stage's residual stream stays fp32
+            later = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision,
+                                          boundary_inputs=True)
+            first = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision)
+            return [a / b if b else 1.0 for a, b in zip(first, later)]
+
+        if precision != "fp32":
+            first_stage = first_stage_ratio
     else:
         from pipetrain.plan import build_model
 
@@ -77,7 +89,7 @@ def workload(config: Config) -> Workload:
     return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), w_keep,
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
                     first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
-                    fused_backward=config.trainer.compile, hidden=hidden,
+                    fused_backward=config.trainer.compile, first_stage_activation_ratio=first_stage, hidden=hidden,
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross)
 

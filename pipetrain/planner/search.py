@@ -50,6 +50,9 @@ class Workload:
     # dtype (the first stage's residual stream stays fp32 under bf16 autocast, where a later stage's,
     # started from a bf16 boundary tensor, stays bf16); None: the boundary tensor
     first_stage_bytes_per_token: Optional[float] = None
+    # microbatch size -> per layer, what the layer saves in the first stage over what `layers` says
+    # (bf16 autocast: the first stage's residual stream stays fp32, a later stage's is bf16); None: 1
+    first_stage_activation_ratio: Optional[Callable[[int], Sequence[float]]] = None
     fused_backward: bool = False  # trainer.compile: B computes the weight gradients too, W nothing
     # tensor parallel (schedules/tp_cost.py): a block's width, the vocabulary, bytes per value of the
     # tp collectives, and the activation bytes per token of a block that tp leaves whole without
@@ -192,6 +195,14 @@ class _Evaluator:
         self.work, self.device = work, device
         self._whole: dict[int, tuple[LayerCost, ...]] = {}
         self._layers: dict[tuple[int, int, bool], tuple[LayerCost, ...]] = {}
+        self._ratio: dict[int, tuple[float, ...]] = {}
+
+    def first_stage_ratio(self, mbs: int) -> Sequence[float]:
+        if self.work.first_stage_activation_ratio is None:
+            return [1.0] * len(self.layers(mbs))
+        if mbs not in self._ratio:
+            self._ratio[mbs] = tuple(self.work.first_stage_activation_ratio(mbs))
+        return self._ratio[mbs]
 
     def layers(self, mbs: int, tp: int = 1, sp: bool = False) -> tuple[LayerCost, ...]:
         """One tp rank's per-layer costs of one microbatch, calibrated overhead included."""
@@ -244,8 +255,10 @@ class _Evaluator:
         inner = boundary if w.first_stage_bytes_per_token is None else \
             w.first_stage_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
         kept = [first + inner * (len(rng) - 1) if rng.start == 0 else boundary * len(rng) for rng in part.bounds]
-        full = [math.fsum(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
-        full_layer = [max(layers[i].activation_bytes_per_token for i in rng) * tokens for rng in part.bounds]
+        ratio = self.first_stage_ratio(c.microbatch_size)
+        saves = [[layers[i].activation_bytes_per_token * (ratio[i] if rng.start == 0 else 1.0) * tokens for i in rng]
+                 for rng in part.bounds]
+        full, full_layer = [math.fsum(x) for x in saves], [max(x) for x in saves]
         act_stage = {s: (kept if s in rc else full)[pl.chunk_of(s)] for s in range(pl.num_stages)}
         fused: Optional[set[int]] = set() if w.fused_backward else None  # compiled: no stage runs W's work
         # the share B keeps for W: all of it on a recomputing stage that runs W (which recomputes from

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.models.base import LayeredModel
+from pipetrain.models.base import COMPUTE_DTYPES, LayeredModel
 from pipetrain.models.init import InitRule
 from pipetrain.models.split import build_stage
 from pipetrain.runtime.comm import P2P
@@ -31,9 +31,6 @@ from pipetrain.parallel.tp_plan import TensorParallel
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.p2p import Kind, Message
-
-# trainer.precision -> the executor's compute dtype (None: no autocast, boundaries in the parameters' dtype)
-COMPUTE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclass
