@@ -14,6 +14,7 @@ import pytest
 from pipetrain.compose import compose_config
 from pipetrain.plan import make_plan
 from pipetrain.planner.cmd import PLAN_CSV, PLAN_FILE, apply_row, make_rows, run_plan
+from pipetrain.planner.search import candidates
 from pipetrain.partition.strategies import partition
 from pipetrain.schedules.ir import Op
 from pipetrain.schedules.simulate import simulate
@@ -74,6 +75,35 @@ def test_a_row_predicts_what_its_config_simulates(compiled, recompute):
         sim = simulate(plan.schedule, plan.stage_costs, comm_ms=run_cfg.sim.comm_ms, reduce_ms=plan.reduce_ms)
         assert sim.makespan_with_reduce == pytest.approx(row.pred_step_ms, rel=1e-6), row.to_json()
         assert run_cfg.layout.world == 4 and run_cfg.data.batch_size == 32
+
+
+@pytest.mark.parametrize("schedules,at_pp1", [
+    (["gpipe", "zbv", "1f1b", "zbh1"], ["1f1b"]),  # one rank: gradient accumulation, 1F1B's memory
+    (["zbv", "gpipe", "zbh2"], ["gpipe"]),  # the first listed one-stage schedule
+    (["zbv", "dualpipev"], ["zbv", "dualpipev"]),  # nothing else listed: kept as asked
+])
+def test_pp1_is_one_row_per_microbatching_not_one_per_schedule(schedules, at_pp1):
+    """On one pipeline rank every schedule runs the same M microbatches back to back: a row per
+    schedule (8 identical step times on the quickstart's pp1 x dp2, interleaved_1f1b's ranked first)
+    told the user nothing and let a two-stage-per-rank order win a tie."""
+    cands = candidates(world=2, global_batch=16, num_layers=8, schedules=schedules, microbatch_sizes=[1, 2],
+                       virtual_stages=[2])
+    assert sorted({c.schedule for c in cands if c.pp == 1}) == sorted(at_pp1)
+    assert {c.schedule for c in cands if c.pp == 2} == set(schedules)
+    assert len([c for c in cands if c.pp == 1 and c.schedule == at_pp1[0]]) == 2  # M = 8 and 16 at dp 2
+
+
+def test_a_small_models_oom_says_by_how_much(tmp_path):
+    """plan.memory_gb under the sleep model's 0.2 MB per rank: the reason keeps two digits of the
+    overshoot (a tenth of a GB printed every one as 'by 0.0 GB')."""
+    run_plan(compose_config([*SLEEP, "model.params_per_layer=1000", "plan.memory_gb=0.0002"]), tmp_path)
+    rows = json.loads((tmp_path / PLAN_FILE).read_text())["rows"]
+    simulated = [r for r in rows if not r["feasible"] and " by " in r["reason"] and "(weights" not in r["reason"]]
+    assert simulated
+    for r in simulated:
+        over = float(re.match(r"^OOM on rank \d+ by ([\d.]+) GB$", r["reason"]).group(1))
+        assert over > 0 and over == pytest.approx(r["pred_peak_gb"] - 0.0002, rel=0.06), r
+    assert any(re.match(r"^OOM on rank \d+ by 0\.0*[1-9]\d GB \(weights", r["reason"]) for r in rows)
 
 
 def test_a_few_hundred_candidates_in_under_a_minute():

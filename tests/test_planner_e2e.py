@@ -21,6 +21,8 @@ def test_mode_plan_prints_the_table_and_writes_json_and_csv(tmp_path):
     assert rows[0]["feasible"] and not rows[-1]["feasible"]
     assert (run_dir / "plan.csv").read_text().startswith("rank,layout,schedule,pp,dp,")
     assert "plan: best first" in res.stdout and "OOM on rank" in res.stdout
+    # what the numbers rest on, before the table: the world, the budget, the batch, the times' source
+    assert "plan: sleep, 4 devices x 0.0002 GB, batch 32; layer times: the sleep model's" in res.stdout
 
 
 def test_schedule_auto_on_the_quickstart_picks_runs_and_reports(tmp_path):

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from pipetrain.config import AUTO, Config
 from pipetrain.files import write_text_atomic
-from pipetrain.planner.cmd import apply_row, plan_rows, table, write
+from pipetrain.planner.cmd import apply_row, assumptions, plan_rows, table, write
 from pipetrain.metrics import names
 from pipetrain.planner.memory import GB
 from pipetrain.planner.search import Row
@@ -30,6 +30,7 @@ def wants_plan(config: Config) -> bool:
 
 def choose(config: Config, run_dir: Path, console: Console) -> tuple[Config, Row]:
     """Plan and return the config that trains the best feasible row, and that row."""
+    console.print(assumptions(config), markup=False, highlight=False)
     config, rows, meta = plan_rows(config, run_dir, console)
     write(rows, meta, run_dir)
     console.print(table(rows, top=min(config.plan.top, 5)))

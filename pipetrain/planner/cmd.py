@@ -127,6 +127,24 @@ def device(config: Config) -> Device:
                   lookahead=config.pipeline.p2p_lookahead, reduce_dtype=config.parallel.reduce_dtype)
 
 
+def assumptions(config: Config) -> str:
+    """One line of what the plan's numbers rest on: the world, the budget, the batch, where the
+    layers' times come from, and the links, so a table of GPU-speed predictions is not read as this
+    machine's (or the reverse)."""
+    p, m = config.plan, config.model
+    d = device(config)
+    seq = f" x {config.data.seq_len} tokens" if m.has_seq else ""
+    if isinstance(m, SleepModelConfig):
+        times = "the sleep model's f/b/w_ms"
+    elif config.partition.name == "profile" or calibrating(config):
+        times = "measured on this machine"
+    else:
+        times = f"FLOPs at {p.tflops or config.sim.tflops:g} TFLOP/s ({'plan' if p.tflops else 'sim'}.tflops)"
+    return (f"plan: {m.name}, {world_size(config)} devices x {p.memory_gb:g} GB, batch "
+            f"{p.global_batch or config.data.batch_size}{seq}; layer times: {times}; links: p2p {d.p2p_gbs:g} GB/s "
+            f"+ {d.p2p_latency_ms:g} ms, dp {d.dp_gbs:g} GB/s, tp {d.tp_gbs:g} GB/s")
+
+
 def plan_candidates(config: Config) -> list[Candidate]:
     p = config.plan
     names = p.schedules or registry.names()
@@ -237,6 +255,7 @@ def write(rows: list[Row], meta: dict[str, Any], run_dir: Path) -> None:
 
 def run_plan(config: Config, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(width=None if Console().is_terminal else 160)
+    console.print(assumptions(config), markup=False, highlight=False)
     config, rows, meta = plan_rows(config, run_dir, console)
     write(rows, meta, run_dir)
     console.print(table(rows, top=config.plan.top))

@@ -21,6 +21,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
@@ -28,6 +29,16 @@ from pipetrain.schedules.ir import Op
 from pipetrain.schedules.simulate import TimedStep
 
 GB = 1e9
+
+
+def gb_text(nbytes: float) -> str:
+    """Bytes as GB with a tenth of a GB's precision where that shows anything (3.1), else two
+    significant digits without an exponent (0.0031): an OOM of a small model still says by how much."""
+    gb = nbytes / GB
+    if abs(gb) >= 0.1:
+        return f"{gb:.1f}"
+    digits = 1 - math.floor(math.log10(abs(gb))) if gb else 1
+    return f"{gb:.{digits}f}"
 
 
 @dataclass(frozen=True)

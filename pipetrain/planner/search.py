@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from pipetrain.models.costs import LayerCost, chunk_costs
 from pipetrain.partition.strategies import partition
-from pipetrain.planner.memory import GB, RankMemory, StateBytes, peak_activation_bytes, rank_memory
+from pipetrain.planner.memory import GB, RankMemory, gb_text, StateBytes, peak_activation_bytes, rank_memory
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.placement import Placement
@@ -275,7 +275,7 @@ class _Evaluator:
         room = [cap / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
         worst = min(range(c.pp), key=lambda r: room[r])
         if room[worst] < 0:
-            row.reason = f"OOM on rank {worst} by {-room[worst] * (1 + d.margin) / GB:.1f} GB (weights and optimizer state alone)"
+            row.reason = f"OOM on rank {worst} by {gb_text(-room[worst] * (1 + d.margin))} GB (weights and optimizer state alone)"
             row.memory = [RankMemory(m.rank, m.states, 0.0, m.receive, d.margin * (m.total + t), recompute=t)
                           for m, t in zip(static, transient)]
             return row
@@ -307,7 +307,7 @@ class _Evaluator:
         row.tokens_per_s = c.dp * c.microbatches * tokens / (row.pred_step_ms / 1e3) if row.pred_step_ms > 0 else math.inf
         over = row.peak.total - cap
         row.feasible = over <= 0
-        row.reason = "" if row.feasible else f"OOM on rank {row.peak.rank} by {over / GB:.1f} GB"
+        row.reason = "" if row.feasible else f"OOM on rank {row.peak.rank} by {gb_text(over)} GB"
         return row
 
 
@@ -325,7 +325,7 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
         if world % (pp * tp):
             continue
         dp, sp = world // (pp * tp), sequence_parallel and tp > 1
-        for name in schedules:
+        for name in (one_stage_schedules(schedules) if pp == 1 else schedules):
             spec = registry.get(name)
             for v in ([spec.fixed_stages_per_rank] if spec.fixed_stages_per_rank else virtual_stages):
                 if pp * v > num_layers:
@@ -342,6 +342,17 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                             out.extend(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition, tp, sp, k)
                                        for k in range(1, pp))
     return out
+
+
+def one_stage_schedules(schedules: Sequence[str]) -> list[str]:
+    """The schedules worth a pp=1 row: on one rank every schedule is gradient accumulation over M
+    microbatches (no bubble, no transfers), so one row says it, 1f1b's where listed (one microbatch's
+    activations live; gpipe keeps all M). Splitting the model into v >= 2 stages on the one rank only
+    adds actions, so those schedules are left out unless nothing else is listed."""
+    single = [n for n in schedules if registry.get(n).fixed_stages_per_rank == 1]
+    if not single:
+        return list(schedules)
+    return ["1f1b"] if "1f1b" in single else single[:1]
 
 
 def lower_bound_ms(ev: _Evaluator, c: Candidate) -> float:
