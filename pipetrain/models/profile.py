@@ -232,3 +232,25 @@ def saved_bytes_per_token(model: LayeredModel, *, batch: int, seq: int,
             x = layer(inp)
         out.append(counter.bytes / (batch * seq))
     return out
+
+
+def loss_saved_bytes_per_token(model: LayeredModel, *, seq: int, precision: str = "fp32") -> float:
+    """The bytes the loss saves for its backward, per token (a causal LM's cross-entropy: the log-softmax
+    of the logits, fp32 under bf16 autocast too, and the int64 targets), counted as the executor counts a
+    last stage's forward, which runs the loss inside its count. The loss runs outside the layers, so
+    per-layer checkpointing does not drop it: a recomputing last stage keeps it per microbatch in flight
+    beside its layers' inputs. Measured on CPU over a few tokens (the model may live on meta: only its
+    shapes and loss function are used; a vocabulary of 128k at 4k tokens would be 2 GB)."""
+    from pipetrain.runtime.step_result import SavedBytes
+
+    tokens = min(seq, 8)
+    spec = model.boundary_specs(microbatch=1, seq=tokens)[-1]
+    target_spec = model.target_spec(microbatch=1, seq=tokens)
+    compute = COMPUTE_DTYPES[precision]
+    out = torch.zeros(spec.shape, dtype=compute or spec.dtype, requires_grad=True)
+    target = torch.zeros(target_spec.shape, dtype=target_spec.dtype)
+    counter = SavedBytes()
+    autocast = torch.autocast("cpu", dtype=compute) if compute is not None else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), autocast:
+        model.loss(out, target)
+    return counter.bytes / tokens

@@ -41,6 +41,7 @@ def workload(config: Config) -> Workload:
     m, p = config.model, config.plan
     seq = config.data.seq_len if m.has_seq else 1
     first_stage: Optional[Callable[[int], list[float]]] = None
+    loss_bytes = 0.0  # the sleep model has no loss of its own to keep
     if isinstance(m, SleepModelConfig):
         costs = sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
                                   params_per_layer=m.params_per_layer)
@@ -48,12 +49,13 @@ def workload(config: Config) -> Workload:
         def layers(mbs: int):
             return costs  # the sleep model's times are per microbatch, whatever its size
     elif config.partition.name == "profile" or calibrating(config):  # F, B, W and saved bytes measured here
-        from pipetrain.models.profile import profile_layers, saved_bytes_per_token
+        from pipetrain.models.profile import loss_saved_bytes_per_token, profile_layers, saved_bytes_per_token
         from pipetrain.plan import build_model, profile_device
 
         dev = profile_device()
         model = build_model(m, device=dev)
         precision = config.trainer.precision  # bf16: saved bytes under the stages' autocast
+        loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=precision)
 
         def layers(mbs: int):  # saved bytes as a later stage keeps them (its residual stream in bf16)
             saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision,
@@ -71,13 +73,18 @@ def workload(config: Config) -> Workload:
         if precision != "fp32":
             first_stage = first_stage_ratio
     else:
+        from pipetrain.models.profile import loss_saved_bytes_per_token
         from pipetrain.plan import build_model
 
         model = build_model(m, device="meta")
         tflops = p.tflops or config.sim.tflops
+        loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=config.trainer.precision)
 
-        def layers(mbs: int):
-            return model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
+        def layers(mbs: int):  # the analytic head counts the loss's bytes: the Workload holds them apart
+            costs = model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
+            head = costs[-1]
+            return [*costs[:-1], dataclasses.replace(
+                head, activation_bytes_per_token=max(head.activation_bytes_per_token - loss_bytes, 0.0))]
     hidden = next(getattr(m, k) for k in HIDDEN_KNOBS if hasattr(m, k))
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
     w_keep = p.w_keep
@@ -91,7 +98,8 @@ def workload(config: Config) -> Workload:
                     first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
                     fused_backward=config.trainer.compile, first_stage_activation_ratio=first_stage, hidden=hidden,
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
-                    tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross)
+                    tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
+                    loss_bytes_per_token=loss_bytes)
 
 
 def calibrating(config: Config) -> bool:

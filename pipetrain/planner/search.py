@@ -61,6 +61,10 @@ class Workload:
     vocab: int = 0
     value_bytes: int = 4
     tp_replicated_bytes_per_token: float = 0.0
+    # what the loss saves per token beyond the last layer's own (a causal LM's log-softmax and targets):
+    # kept per microbatch in flight on the last stage with or without recompute (it runs outside the
+    # checkpointed layers); `layers` leaves it out of the last layer
+    loss_bytes_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -254,11 +258,13 @@ class _Evaluator:
         first = boundary if w.input_bytes_per_token is None else w.input_bytes_per_token * tokens
         inner = boundary if w.first_stage_bytes_per_token is None else \
             w.first_stage_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
-        kept = [first + inner * (len(rng) - 1) if rng.start == 0 else boundary * len(rng) for rng in part.bounds]
+        loss = [w.loss_bytes_per_token * tokens if rng.stop == len(layers) else 0.0 for rng in part.bounds]
+        kept = [(first + inner * (len(rng) - 1) if rng.start == 0 else boundary * len(rng)) + lo
+                for rng, lo in zip(part.bounds, loss)]
         ratio = self.first_stage_ratio(c.microbatch_size)
         saves = [[layers[i].activation_bytes_per_token * (ratio[i] if rng.start == 0 else 1.0) * tokens for i in rng]
                  for rng in part.bounds]
-        full, full_layer = [math.fsum(x) for x in saves], [max(x) for x in saves]
+        full, full_layer = [math.fsum(x) + lo for x, lo in zip(saves, loss)], [max(x) for x in saves]
         act_stage = {s: (kept if s in rc else full)[pl.chunk_of(s)] for s in range(pl.num_stages)}
         fused: Optional[set[int]] = set() if w.fused_backward else None  # compiled: no stage runs W's work
         # the share B keeps for W: all of it on a recomputing stage that runs W (which recomputes from

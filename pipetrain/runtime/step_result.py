@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch import nn
 
 from pipetrain.metrics.records import ActionTiming, CommEvent
 
@@ -37,6 +38,12 @@ class SavedBytes:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        # A saved weight (a LayerNorm's, a Linear's transposed view of its own) is the parameter's
+        # storage, held by the model whatever is in flight: counting it made every microbatch in
+        # flight carry a copy of the stage's weights (GPT-2 tiny's tied 512 x 128 head: 2 KB per
+        # token at 2 x 64 tokens). A weight cast under autocast is a new tensor and counts.
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t.detach()
         if key not in self._seen:
             self._seen.add(key)
             self.bytes += t.untyped_storage().nbytes()
