@@ -429,6 +429,33 @@ def test_profile_times_the_sleep_model_phases(tmp_path):
         assert 12.0 - 4.0 <= c.w_ms < 12.0 + SLACK_MS
 
 
+def test_autocast_weight_copies_are_what_a_bf16_forward_saves_of_its_weights():
+    """models/profile.autocast_weight_bytes: per layer, the bf16 copies of the Linear weights that a
+    forward under autocast saves (found here as the saved bf16 tensors shaped like a Linear weight or
+    its transpose): none for the embedding (a lookup), the tied 512 x 128 weight for the head."""
+    from pipetrain.models.profile import autocast_weight_bytes
+
+    model = tiny()
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    shapes |= {s[::-1] for s in shapes}
+    x, _ = model.example_batch(microbatch=2, seq=16, generator=torch.Generator().manual_seed(0))
+    expected = autocast_weight_bytes(model, precision="bf16")
+    assert autocast_weight_bytes(model) == [0.0] * len(model.layers)
+    for i, layer in enumerate(model.layers):
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            x = layer(inp)
+        assert sum(saved.values()) == expected[i], (i, model.layer_names[i])
+    assert expected[0] == 0 and expected[-1] == 2 * 512 * 128
+
+
 def test_saved_bytes_under_bf16_autocast_as_the_first_and_a_later_stage_keep_them():
     """Under bf16 autocast a later stage receives bf16 and its residual stream stays bf16; the first
     stage's starts from the fp32 embedding and stays fp32: a block saves less in a later stage than in
@@ -443,8 +470,8 @@ def test_saved_bytes_under_bf16_autocast_as_the_first_and_a_later_stage_keep_the
     assert fp32 == saved_bytes_per_token(model, batch=2, seq=16, boundary_inputs=True)  # no autocast: one view
     assert first[0] == later[0]  # the embedding takes token ids either way
     for i in range(1, len(model.layers) - 1):  # the blocks
-        cast = 2 * sum(p.numel() for m in model.layers[i].modules() if isinstance(m, torch.nn.Linear)
-                       for p in m.parameters(recurse=False)) / tokens  # bf16 weight copies, per token
+        cast = 2 * sum(m.weight.numel() for m in model.layers[i].modules()
+                       if isinstance(m, torch.nn.Linear)) / tokens  # bf16 weight copies, per token
         assert later[i] < first[i] and first[i] - cast < fp32[i], (i, fp32[i], first[i], later[i], cast)
         # the activations alone: within the analytic 17 C values a token (no weights, ~24 KB a token here)
         analytic = model.cost_model(microbatch=2, seq=16, tflops=1.0)[i].activation_bytes_per_token

@@ -239,3 +239,26 @@ def test_recompute_keeps_inputs_until_w_on_its_stages_only(w_keep):
     assert some[1].activations == pytest.approx(plain[1].activations)  # rank 1 does not recompute
     assert some[0].activations < plain[0].activations
     assert rows[("zb_auto", "yes")].feasible and rows[("zb_auto", "rank 0")].feasible
+
+
+@pytest.mark.parametrize("dp_shard", [False, True])
+def test_bf16_rows_keep_autocasts_weight_copies_per_microbatch_in_flight(dp_shard):
+    """Under trainer.precision=bf16 each microbatch's forward makes its own bf16 copies of the Linear
+    weights (a new autocast region each) and its graph holds them until its backward: gpipe's 8
+    microbatches in flight hold 8 copies of the stage's weights beside the activations. FSDP2 rows
+    compute in bf16 parameters (parallel.param_dtype) and make none."""
+    from pipetrain.planner.cmd import workload
+
+    base = ["mode=plan", "model=gpt2-tiny", "plan.world_size=4", "plan.pp=[2]", "plan.schedules=[gpipe]",
+            "plan.microbatch_sizes=[2]", "data.batch_size=32", "data.seq_len=64", "plan.memory_gb=1", "plan.margin=0",
+            "plan.prune=false", f"plan.dp_shard={str(dp_shard).lower()}"]
+    fp32 = make_rows(compose_config(base))[0][0]
+    bf16_cfg = compose_config([*base, "trainer.precision=bf16"])
+    bf16 = make_rows(bf16_cfg)[0][0]
+    assert (fp32.candidate.pp, fp32.candidate.dp, fp32.candidate.microbatches) == (2, 2, 8)
+    copies = workload(bf16_cfg).weight_copy_bytes
+    bounds = partition(workload(bf16_cfg).layers(2), 2, bf16.candidate.partition).bounds
+    for r, rng in enumerate(bounds):
+        extra = 0.0 if dp_shard else 8 * sum(copies[i] for i in rng)
+        assert bf16.memory[r].activations - fp32.memory[r].activations == pytest.approx(extra), r
+    assert dp_shard or min(sum(copies[i] for i in rng) for rng in bounds) > 0

@@ -254,3 +254,17 @@ def loss_saved_bytes_per_token(model: LayeredModel, *, seq: int, precision: str 
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), autocast:
         model.loss(out, target)
     return counter.bytes / tokens
+
+
+def autocast_weight_bytes(model: LayeredModel, *, precision: str = "fp32") -> list[float]:
+    """Per layer, the bytes of the compute-dtype copies autocast makes of its Linear weights in one
+    forward and saves for the input gradient (0 under fp32). Each microbatch's forward makes its own
+    (a new autocast region each), and its graph holds them until its backward: per microbatch in
+    flight, like activations, but not per token. Biases are cast too but not saved. Counted from
+    the modules alone, so a model on the meta device works."""
+    dtype = COMPUTE_DTYPES[precision]
+    if dtype is None:
+        return [0.0] * len(model.layers)
+    size = torch.empty((), dtype=dtype, device="meta").element_size()
+    return [float(size * sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear)))
+            for layer in model.layers]

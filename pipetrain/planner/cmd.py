@@ -41,7 +41,7 @@ def workload(config: Config) -> Workload:
     m, p = config.model, config.plan
     seq = config.data.seq_len if m.has_seq else 1
     first_stage: Optional[Callable[[int], list[float]]] = None
-    loss_bytes = 0.0  # the sleep model has no loss of its own to keep
+    loss_bytes, copies = 0.0, []  # the sleep model has no loss and no weights of its own to keep
     if isinstance(m, SleepModelConfig):
         costs = sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
                                   params_per_layer=m.params_per_layer)
@@ -49,36 +49,40 @@ def workload(config: Config) -> Workload:
         def layers(mbs: int):
             return costs  # the sleep model's times are per microbatch, whatever its size
     elif config.partition.name == "profile" or calibrating(config):  # F, B, W and saved bytes measured here
-        from pipetrain.models.profile import loss_saved_bytes_per_token, profile_layers, saved_bytes_per_token
+        from pipetrain.models.profile import (autocast_weight_bytes, loss_saved_bytes_per_token, profile_layers,
+                                              saved_bytes_per_token)
         from pipetrain.plan import build_model, profile_device
 
         dev = profile_device()
         model = build_model(m, device=dev)
         precision = config.trainer.precision  # bf16: saved bytes under the stages' autocast
         loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=precision)
+        copies = autocast_weight_bytes(model, precision=precision)
+
+        def activations(mbs: int, **view) -> list[float]:  # measured, without the weight copies (held apart)
+            saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision, **view)
+            return [max(a - c / (mbs * seq), 0.0) for a, c in zip(saved, copies)]
 
         def layers(mbs: int):  # saved bytes as a later stage keeps them (its residual stream in bf16)
-            saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision,
-                                          boundary_inputs=True)
             return [dataclasses.replace(c, activation_bytes_per_token=a)
                     for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev,
-                                                   threads=config.trainer.threads_per_rank), saved)]
+                                                   threads=config.trainer.threads_per_rank),
+                                    activations(mbs, boundary_inputs=True))]
 
         def first_stage_ratio(mbs: int) -> list[float]:  # the first stage's residual stream stays fp32
-            later = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision,
-                                          boundary_inputs=True)
-            first = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision)
+            later, first = activations(mbs, boundary_inputs=True), activations(mbs)
             return [a / b if b else 1.0 for a, b in zip(first, later)]
 
         if precision != "fp32":
             first_stage = first_stage_ratio
     else:
-        from pipetrain.models.profile import loss_saved_bytes_per_token
+        from pipetrain.models.profile import autocast_weight_bytes, loss_saved_bytes_per_token
         from pipetrain.plan import build_model
 
         model = build_model(m, device="meta")
         tflops = p.tflops or config.sim.tflops
         loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=config.trainer.precision)
+        copies = autocast_weight_bytes(model, precision=config.trainer.precision)
 
         def layers(mbs: int):  # the analytic head counts the loss's bytes: the Workload holds them apart
             costs = model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
@@ -99,7 +103,7 @@ def workload(config: Config) -> Workload:
                     fused_backward=config.trainer.compile, first_stage_activation_ratio=first_stage, hidden=hidden,
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
-                    loss_bytes_per_token=loss_bytes)
+                    loss_bytes_per_token=loss_bytes, weight_copy_bytes=tuple(copies))
 
 
 def calibrating(config: Config) -> bool:

@@ -65,6 +65,10 @@ class Workload:
     # kept per microbatch in flight on the last stage with or without recompute (it runs outside the
     # checkpointed layers); `layers` leaves it out of the last layer
     loss_bytes_per_token: float = 0.0
+    # per layer, bytes per microbatch in flight of the bf16 copies autocast makes of its Linear weights
+    # (models/profile.autocast_weight_bytes; empty: none); `layers` leaves them out. FSDP2 rows compute
+    # in bf16 parameters and make none
+    weight_copy_bytes: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -262,8 +266,9 @@ class _Evaluator:
         kept = [(first + inner * (len(rng) - 1) if rng.start == 0 else boundary * len(rng)) + lo
                 for rng, lo in zip(part.bounds, loss)]
         ratio = self.first_stage_ratio(c.microbatch_size)
-        saves = [[layers[i].activation_bytes_per_token * (ratio[i] if rng.start == 0 else 1.0) * tokens for i in rng]
-                 for rng in part.bounds]
+        copies = w.weight_copy_bytes if w.weight_copy_bytes and not (c.dp_shard and c.dp > 1) else [0.0] * len(layers)
+        saves = [[layers[i].activation_bytes_per_token * (ratio[i] if rng.start == 0 else 1.0) * tokens
+                  + copies[i] / c.tp for i in rng] for rng in part.bounds]
         full, full_layer = [math.fsum(x) + lo for x, lo in zip(saves, loss)], [max(x) for x in saves]
         act_stage = {s: (kept if s in rc else full)[pl.chunk_of(s)] for s in range(pl.num_stages)}
         fused: Optional[set[int]] = set() if w.fused_backward else None  # compiled: no stage runs W's work
