@@ -1,5 +1,6 @@
 """Does a row the planner calls feasible stay under the memory cap when it runs? GPT-2 tiny and
-Llama tiny on 2 CPU ranks (issue 17: "no row predicted feasible exceeds the cap when run").
+Llama tiny on 2 CPU ranks, in fp32 and under bf16 autocast (issue 17: "no row predicted feasible
+exceeds the cap when run").
 
 1. `mode=plan partition=profile` (each layer's F, B, W and saved bytes measured here) over
    (1f1b, zbh1, zbv, gpipe) x microbatch size (1, 2, 4) x recompute (off, every layer) on pp2, with the
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from planner_accuracy import plan, train_row
 
-MODELS = ("gpt2-tiny", "llama-tiny")
+RUNS = (("gpt2-tiny", "fp32"), ("llama-tiny", "fp32"), ("gpt2-tiny", "bf16"), ("llama-tiny", "bf16"))
 SPACE = ["partition=profile", "plan.calibrate=false", "plan.pp=[2]", "plan.schedules=[1f1b,zbh1,zbv,gpipe]",
          "plan.microbatch_sizes=[1,2,4]", "plan.recompute=[false,true]", "plan.prune=false"]
 
@@ -45,22 +46,23 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pipetrain-plan-cap-"))
     os.environ.setdefault("PIPETRAIN_CACHE_DIR", str(work / "cache"))
     results = []
-    for model in MODELS:
-        base = [f"model={model}", f"plan.memory_gb={args.cap_gb}", *SPACE]
-        rows = plan(base, work, f"plan_{model}")["rows"]
+    for model, precision in RUNS:
+        name = f"{model}_{precision}"
+        base = [f"model={model}", f"trainer.precision={precision}", f"plan.memory_gb={args.cap_gb}", *SPACE]
+        rows = plan(base, work, f"plan_{name}")["rows"]
         feasible = [r for r in rows if r["feasible"]]
-        print(f"{model}: {len(rows)} rows, {len(feasible)} feasible under {args.cap_gb:g} GB", flush=True)
+        print(f"{model} {precision}: {len(rows)} rows, {len(feasible)} feasible under {args.cap_gb:g} GB", flush=True)
         for i, row in enumerate(feasible):
             one = [f"plan.schedules=[{row['schedule']}]", f"plan.microbatch_sizes=[{row['microbatch_size']}]",
                    f"plan.recompute=[{str(row['recompute']).lower()}]"]
-            s = train_row(one, base, args.steps, work / f"{model}_{i}", work)
+            s = train_row(one, base, args.steps, work / f"{name}_{i}", work)
             got = s["plan_row"]
             assert (got["schedule"], got["microbatches"], got["recompute"]) == \
                 (row["schedule"], row["microbatches"], row["recompute"]), (got, row)
             measured = [s[f"memory/peak_gb/rank{r}"] for r in range(len(got["memory_per_rank"]))]
             expected = [expected_gb(m) for m in got["memory_per_rank"]]
             errors = [m / e - 1 for m, e in zip(measured, expected)]
-            results.append({"model": model, "plan_rank": row["rank"], "schedule": row["schedule"],
+            results.append({"model": model, "precision": precision, "plan_rank": row["rank"], "schedule": row["schedule"],
                             "microbatches": row["microbatches"], "microbatch_size": row["microbatch_size"],
                             "recompute": row["recompute"], "pred_peak_gb": row["pred_peak_gb"],
                             "expected_gb_per_rank": [round(e, 6) for e in expected],
@@ -71,7 +73,7 @@ def main() -> None:
                   f"recompute {'yes' if r['recompute'] else 'no ':3} predicted {r['pred_peak_gb']:.4f} GB (cap "
                   f"{args.cap_gb:g}); measured per rank {', '.join(f'{m:.4f}' for m in measured)} GB; error vs "
                   f"expected {', '.join(f'{100 * e:+.1f}%' for e in errors)}", flush=True)
-        results.append({"model": model, "rows": len(rows), "feasible": len(feasible),
+        results.append({"model": model, "precision": precision, "rows": len(rows), "feasible": len(feasible),
                         "infeasible": len(rows) - len(feasible)})
     trained = [r for r in results if "schedule" in r]
     worst = max(abs(e) for r in trained for e in r["errors"])

@@ -20,8 +20,8 @@ from pipetrain.config.describe import Setting, first_sentence, settings
 # The config groups, in the order a user meets them (conf/<group>/*.yaml is one option each).
 GROUPS = ("pipeline", "schedule", "model", "partition", "data", "cluster")
 # Settings sections in the order printed: the groups, then the ungrouped settings.
-SECTIONS = ("pipeline", "schedule", "partition", "data", "trainer", "optim", "sim", "parallel", "cluster",
-            "logging", "profile", "export")
+SECTIONS = ("pipeline", "schedule", "partition", "data", "trainer", "optim", "checkpoint", "sim", "plan", "parallel",
+            "cluster", "launch", "run", "logging", "profile", "export")
 EXAMPLES = (
     ("pipetrain", "the quickstart: GPT-2 tiny, 2 ranks, 1F1B, 200 steps on CPU"),
     ("pipetrain mode=simulate model=sleep schedule=zbv pipeline.degree=8 pipeline.microbatches=32",
@@ -29,6 +29,10 @@ EXAMPLES = (
     ("pipetrain -m mode=simulate model=sleep schedule=1f1b,zbh1,zbv", "a sweep: one comparison table"),
     ("pipetrain +recipe=gpt2 trainer.max_steps=1 data.batch_size=8 data.seq_len=128", "a recipe, overridden"),
     ("pipetrain model=llama-tiny schedule=zbh1 logger=[console,jsonl,wandb]", "another model, schedule and loggers"),
+    ("pipetrain mode=plan model=llama3.1-8b plan.world_size=32 plan.memory_gb=80 plan.global_batch=256 "
+     "data.seq_len=4096 plan.tp=[1,2,4]",
+     "which layout, schedule, microbatching and recompute fit a cluster, ranked by simulation (plan.json)"),
+    ("pipetrain schedule=auto", "plan on this machine, train the best row, report predicted vs measured"),
     ("pipetrain trainer.resume=auto hydra.run.dir=runs/a", "resume the newest checkpoint of a run"),
     ("pipetrain --cfg job model=gpt2", "print the composed config and exit"),
 )

@@ -262,3 +262,40 @@ def test_bf16_rows_keep_autocasts_weight_copies_per_microbatch_in_flight(dp_shar
         extra = 0.0 if dp_shard else 8 * sum(copies[i] for i in rng)
         assert bf16.memory[r].activations - fp32.memory[r].activations == pytest.approx(extra), r
     assert dp_shard or min(sum(copies[i] for i in rng) for rng in bounds) > 0
+
+
+def test_plan_partitions_searches_the_cut_and_a_row_trains_its_own():
+    """plan.partitions tries each strategy; a row's partition is the one its config trains with (it
+    simulates to the row's step time); strategies that cut alike are one row (the first listed)."""
+    base = ["mode=plan", "model=gpt2", "plan.world_size=4", "plan.memory_gb=8", "data.batch_size=16",
+            "data.seq_len=256", "plan.schedules=[1f1b,zbv]", "plan.pp=[4]", "plan.microbatch_sizes=[1]", "plan.prune=false",
+            "plan.p2p_gbs=1000000"]  # transfers free, as mode=simulate's sim.comm_ms=0 has them
+    cfg = compose_config([*base, "plan.partitions=[uniform,params,flops,balanced]"])
+    rows, meta = make_rows(cfg)
+    by = {(r.candidate.schedule, r.candidate.partition): r for r in rows}
+    # balanced cuts GPT-2 as flops does (merged into flops, listed first); under zbv's 8 stages flops cuts as params
+    assert {p for s, p in by if s == "1f1b"} == {"uniform", "params", "flops"}
+    assert {p for s, p in by if s == "zbv"} == {"uniform", "params"}
+    assert meta["merged"] == 3 and len(rows) == meta["candidates"] - 3 == 5
+    assert by["1f1b", "uniform"].cut != by["1f1b", "flops"].cut
+    # the embedding and head hold most parameters: a params cut puts fewer blocks beside them
+    assert by["1f1b", "params"].cut[0][1] < by["1f1b", "uniform"].cut[0][1]
+    for row in rows[:3]:
+        run_cfg = apply_row(cfg, row)
+        assert run_cfg.partition.name == row.candidate.partition
+        plan = make_plan(dataclasses.replace(run_cfg, mode=cfg.mode))
+        assert tuple((r.start, r.stop) for r in plan.partition.bounds) == row.cut
+        sim = simulate(plan.schedule, plan.stage_costs, comm_ms=run_cfg.sim.comm_ms, reduce_ms=plan.reduce_ms)
+        assert sim.makespan_with_reduce == pytest.approx(row.pred_step_ms, rel=1e-6), row.to_json()
+    # one strategy (the sleep model's equal layers cut alike by all): nothing to merge
+    one, meta1 = make_rows(compose_config([*SLEEP, "plan.memory_gb=1", "plan.partitions=[uniform,params]"]))
+    assert meta1["merged"] == len(one) and {r.candidate.partition for r in one} == {"uniform"}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("plan.partitions=[manual]", "plan.partitions"),
+    ("plan.partitions=[profile]", "partition=profile"),
+])
+def test_plan_partitions_bad_input_says_what_to_change(override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_rows(compose_config(["mode=plan", "model=gpt2-tiny", override]))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 OBJECTIVES = ("tokens_per_s", "tokens_per_s_per_gb")
+PLAN_PARTITIONS = ("uniform", "params", "flops", "balanced", "profile")  # the strategies a plan can cut by
 
 
 @dataclass
@@ -44,6 +45,9 @@ class PlanConfig:
     # ranks a 1F1B-like schedule fills with the most microbatches (trainer.recompute_stages)
     recompute_partial: bool = False
     dp_shard: bool = False  # dp > 1 as FSDP2 shards (parallel.dp_shard) instead of replicas
+    # partition strategies to try (uniform, params, flops, balanced, profile: by measured time, with
+    # partition=profile); null = the configured partition's. Rows of two strategies that cut alike are one row
+    partitions: Optional[list[str]] = None
     max_microbatches: int = 256  # skip candidates with more microbatches
     objective: str = "tokens_per_s"  # tokens_per_s | tokens_per_s_per_gb
     time_limit_s: float = 60.0  # stop simulating candidates after this long (the rest are listed unevaluated)
@@ -83,3 +87,8 @@ class PlanConfig:
             raise ValueError("plan.virtual_stages must list v >= 2 (for interleaved_1f1b / looped_bfs)")
         if not self.recompute:
             raise ValueError("plan.recompute must list at least one of true, false")
+        if self.partitions is not None:
+            unknown = [n for n in self.partitions if n not in PLAN_PARTITIONS]
+            if unknown or not self.partitions:
+                raise ValueError(f"plan.partitions={self.partitions} must list strategies from "
+                                 f"{', '.join(PLAN_PARTITIONS)} (partition=manual's cut is not searched)")

@@ -26,7 +26,7 @@ from pipetrain.schedules import registry
 
 PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
 CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "v", "microbatches", "microbatch_size", "recompute",
-               "recompute_ranks", "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
+               "recompute_ranks", "partition", "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
                "exposed_comm_ms", "memory_budget", "reason")
 HIDDEN_KNOBS = ("n_embd", "hidden_size", "hidden", "d_hidden")  # the width crossing a stage boundary
 # activation values per token and unit of width a block keeps whole under tp without sequence parallel:
@@ -163,12 +163,12 @@ def plan_candidates(config: Config) -> list[Candidate]:
     for n in names:
         registry.get(n)  # an unknown name fails with the list of choices
     check_tp(config)
-    part = PARTITIONS.get(config.partition.name, "balanced")
+    part = plan_partitions(config)
     cands = candidates(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
                        num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
                        virtual_stages=p.virtual_stages, recompute=p.recompute,
                        recompute_partial=p.recompute_partial, pp_degrees=p.pp,
-                       dp_shard=p.dp_shard, partition=part, max_microbatches=p.max_microbatches,
+                       dp_shard=p.dp_shard, partitions=part, max_microbatches=p.max_microbatches,
                        tp_degrees=p.tp, sequence_parallel=p.sequence_parallel)
     if not cands:
         raise ValueError(
@@ -176,6 +176,17 @@ def plan_candidates(config: Config) -> list[Candidate]:
             f"{p.global_batch or config.data.batch_size}: make plan.global_batch a multiple of dp x a microbatch "
             f"size in plan.microbatch_sizes, or widen plan.pp / plan.schedules")
     return cands
+
+
+def plan_partitions(config: Config) -> list[str]:
+    """The planner's strategies to cut by: plan.partitions, or the configured partition's (manual: balanced)."""
+    names = config.plan.partitions
+    if not names:
+        return [PARTITIONS.get(config.partition.name, "balanced")]
+    if "profile" in names and config.partition.name != "profile" and not calibrating(config):
+        raise ValueError("plan.partitions lists profile (cut by measured time) but the plan costs layers by "
+                         "FLOPs: set partition=profile so it measures them, or drop profile from plan.partitions")
+    return [PARTITIONS[n] for n in names]
 
 
 def check_tp(config: Config) -> None:
@@ -231,6 +242,7 @@ def make_rows(config: Config) -> tuple[list[Row], dict[str, Any]]:
     meta = {"world_size": world_size(config), "memory_gb": p.memory_gb,
             "global_batch": p.global_batch or config.data.batch_size, "model": config.model.name,
             "objective": p.objective, "candidates": len(cands),
+            "merged": len(cands) - len(rows),  # rows of partition strategies that cut alike (one_row_per_cut)
             "simulated": sum(r.pred_step_ms is not None for r in rows),
             "feasible": sum(r.feasible for r in rows), "elapsed_s": round(time.perf_counter() - start, 3)}
     return rows, meta
@@ -240,17 +252,27 @@ def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _ms(x: Optional[float]) -> str:
+    """A time in ms with a tenth's precision, or three significant digits below 1 ms (a tiny model at
+    GPU speed: 0.0712, not 0.1)."""
+    return "-" if x is None else format(x, ".1f" if x >= 1 else ".3g")
+
+
 def table(rows: list[Row], *, top: int) -> Table:
     t = Table(title="plan: best first (feasible rows first)", header_style="bold")
-    for col in ("#", "layout", "schedule", "v", "M", "mbs", "recompute", "step ms", "tokens/s", "bubble %",
-                "peak GB (rank)", "comm ms", "note"):
-        t.add_column(col, justify="left" if col in ("layout", "schedule", "note") else "right")
+    cuts = len({r.candidate.partition for r in rows}) > 1  # plan.partitions searched: show each row's
+    cols = ["#", "layout", "schedule", "v", "M", "mbs", "recompute", *(["partition"] if cuts else []), "step ms",
+            "tokens/s", "bubble %", "peak GB (rank)", "comm ms", "note"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("layout", "schedule", "partition", "note") else "right")
+    user_name = {planner: user for user, planner in PARTITIONS.items()}
     for i, r in enumerate(rows[:top]):
         c, peak = r.candidate, r.peak
         t.add_row(str(i + 1), c.layout, c.schedule, str(c.v), str(c.microbatches), str(c.microbatch_size),
-                  c.recompute_label, _fmt(r.pred_step_ms, ".1f"), _fmt(r.tokens_per_s, ",.0f"),
+                  c.recompute_label, *([user_name.get(c.partition, c.partition)] if cuts else []),
+                  _ms(r.pred_step_ms), _fmt(r.tokens_per_s, ",.0f"),
                   _fmt(None if r.bubble is None else 100 * r.bubble, ".1f"),
-                  "-" if peak is None else f"{r.pred_peak_gb:.3g} ({peak.rank})", _fmt(r.exposed_comm_ms, ".1f"),
+                  "-" if peak is None else f"{r.pred_peak_gb:.3g} ({peak.rank})", _ms(r.exposed_comm_ms),
                   ("" if r.feasible else r.reason) + (f" budget {r.memory_budget:g}" if r.memory_budget else ""))
     return t
 
@@ -271,7 +293,8 @@ def run_plan(config: Config, run_dir: Path, console: Console | None = None) -> d
     config, rows, meta = plan_rows(config, run_dir, console)
     write(rows, meta, run_dir)
     console.print(table(rows, top=config.plan.top))
-    console.print(f"{meta['candidates']} candidates, {meta['simulated']} simulated, {meta['feasible']} feasible "
+    merged = f" ({meta['merged']} cut alike by another partition: one row each)" if meta["merged"] else ""
+    console.print(f"{meta['candidates']} candidates{merged}, {meta['simulated']} rows simulated, {meta['feasible']} feasible "
                   f"under {meta['memory_gb']:g} GB per device, in {meta['elapsed_s']:.1f} s -> "
                   f"{run_dir / PLAN_FILE}, {PLAN_CSV}", markup=False, highlight=False)
     return {**meta, "best": rows[0].to_json() if rows else None}

@@ -139,6 +139,7 @@ class Row:
     memory: list[RankMemory] = field(default_factory=list)
     memory_budget: Optional[float] = None  # zb_auto: the smallest rank budget (microbatches)
     budgets: Optional[list[float]] = None  # zb_auto: every rank's budget (schedule.memory_budget)
+    cut: tuple[tuple[int, int], ...] = ()  # the partition's layer range of each chunk, (start, stop)
 
     @property
     def peak(self) -> Optional[RankMemory]:
@@ -254,6 +255,7 @@ class _Evaluator:
         layers = self.layers(c.microbatch_size, c.tp, c.sequence_parallel)
         pl = registry.placement_for(c.schedule, c.pp, c.v)
         part = partition(layers, pl.num_chunks, c.partition)
+        row.cut = tuple((r.start, r.stop) for r in part.bounds)
         tokens = c.microbatch_size * w.seq
         boundary = w.boundary_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
         # recompute (per-layer checkpointing) keeps each layer's input, and while a backward pass
@@ -325,11 +327,12 @@ class _Evaluator:
 def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
                microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], recompute: Sequence[bool] = (False,),
                recompute_partial: bool = False,
-               pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False, partition: str = "balanced",
-               max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,),
+               pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False,
+               partitions: Sequence[str] = ("balanced",), max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,),
                sequence_parallel: bool = False) -> list[Candidate]:
-    """Every valid combination: pp x dp x tp = world, M = global_batch / (dp x microbatch size).
-    `recompute_partial`: where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp)."""
+    """Every valid combination: pp x dp x tp = world, M = global_batch / (dp x microbatch size), each
+    partition strategy. `recompute_partial`: where recompute is tried, also on the first k pipeline
+    ranks only (1 <= k < pp)."""
     out = []
     for tp, pp in [(t, p) for t in tp_degrees if world % t == 0
                    for p in (pp_degrees or [q for q in range(1, world // t + 1) if world // t % q == 0])]:
@@ -347,10 +350,10 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                     M = global_batch // (dp * mbs)
                     if M > max_microbatches or not spec.is_valid(pp, M, v):
                         continue
-                    for rc in recompute:
-                        out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition, tp, sp))
+                    for rc, part in [(rc, part) for rc in recompute for part in partitions]:
+                        out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, part, tp, sp))
                         if rc and recompute_partial:
-                            out.extend(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, partition, tp, sp, k)
+                            out.extend(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, part, tp, sp, k)
                                        for k in range(1, pp))
     return out
 
@@ -404,4 +407,15 @@ def search(work: Workload, device: Device, cands: Sequence[Candidate], *, object
         if row.feasible:
             best = min(best, row.pred_step_ms / (c.dp * c.microbatches * c.microbatch_size))
         rows.append(row)
-    return rank_rows(rows, objective)
+    return rank_rows(one_row_per_cut(rows, [c.partition for c in cands]), objective)
+
+
+def one_row_per_cut(rows: Sequence[Row], partitions: Sequence[str]) -> list[Row]:
+    """Rows that differ only in a partition strategy that cut the layers alike are one row: the one of
+    the strategy listed first (a model of equal layers cuts the same by every strategy)."""
+    order = {name: i for i, name in reversed(list(enumerate(partitions)))}
+    kept: dict[tuple, Row] = {}
+    for row in sorted(rows, key=lambda r: order.get(r.candidate.partition, 0)):
+        key = (dataclasses.replace(row.candidate, partition=""), row.cut or row.candidate.partition)
+        kept.setdefault(key, row)
+    return list(kept.values())
