@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import re
 import time
 
@@ -79,7 +80,8 @@ def test_a_row_predicts_what_its_config_simulates(compiled, recompute):
 
 @pytest.mark.parametrize("schedules,at_pp1", [
     (["gpipe", "zbv", "1f1b", "zbh1"], ["1f1b"]),  # one rank: gradient accumulation, 1F1B's memory
-    (["zbv", "gpipe", "zbh2"], ["gpipe"]),  # the first listed one-stage schedule
+    (["zbv", "gpipe", "zbh2"], ["zbh2"]),  # a one-stage schedule that keeps fewer than gpipe's M
+    (["zbv", "gpipe"], ["gpipe"]),  # the only one-stage schedule listed
     (["zbv", "dualpipev"], ["zbv", "dualpipev"]),  # nothing else listed: kept as asked
 ])
 def test_pp1_is_one_row_per_microbatching_not_one_per_schedule(schedules, at_pp1):
@@ -262,6 +264,31 @@ def test_bf16_rows_keep_autocasts_weight_copies_per_microbatch_in_flight(dp_shar
         extra = 0.0 if dp_shard else 8 * sum(copies[i] for i in rng)
         assert bf16.memory[r].activations - fp32.memory[r].activations == pytest.approx(extra), r
     assert dp_shard or min(sum(copies[i] for i in rng) for rng in bounds) > 0
+    if dp_shard:  # FSDP2 told to compute in fp32 parameters under bf16: autocast copies them again
+        f32 = make_rows(compose_config([*base, "trainer.precision=bf16", "parallel.dp_shard=2",
+                                        "parallel.param_dtype=float32"]))[0][0]
+        assert f32.memory[0].activations - fp32.memory[0].activations == pytest.approx(
+            8 * sum(copies[i] for i in bounds[0]))
+
+
+def test_the_loss_is_costed_once_for_a_model_whose_formula_leaves_it_out():
+    """mlp's analytic last layer keeps its input only; its MSE loss keeps the output and target beside
+    it: the last rank's activations are the layer's and the loss's, each once (the language models'
+    formula counts the loss in the head, and the planner takes it out there before adding it back)."""
+    from pipetrain.planner.cmd import workload
+
+    cfg = compose_config(["mode=plan", "model=mlp", "plan.world_size=2", "plan.pp=[2]", "plan.schedules=[1f1b]",
+                          "plan.microbatch_sizes=[4]", "data.batch_size=8", "plan.memory_gb=1", "plan.margin=0"])
+    work = workload(cfg)
+    from pipetrain.plan import build_model
+
+    analytic = build_model(cfg.model, device="meta").cost_model(microbatch=4, seq=1, tflops=1.0)[-1]
+    assert work.layers(4)[-1].activation_bytes_per_token == analytic.activation_bytes_per_token
+    assert work.loss_bytes_per_token > 0
+    row = make_rows(cfg)[0][0]
+    bounds = partition(work.layers(4), 2, row.candidate.partition).bounds
+    last = math.fsum(work.layers(4)[i].activation_bytes_per_token for i in bounds[1]) * 4
+    assert row.memory[1].activations == pytest.approx(last + work.loss_bytes_per_token * 4)  # 1 in flight
 
 
 def test_plan_partitions_searches_the_cut_and_a_row_trains_its_own():
@@ -287,9 +314,12 @@ def test_plan_partitions_searches_the_cut_and_a_row_trains_its_own():
         assert tuple((r.start, r.stop) for r in plan.partition.bounds) == row.cut
         sim = simulate(plan.schedule, plan.stage_costs, comm_ms=run_cfg.sim.comm_ms, reduce_ms=plan.reduce_ms)
         assert sim.makespan_with_reduce == pytest.approx(row.pred_step_ms, rel=1e-6), row.to_json()
-    # one strategy (the sleep model's equal layers cut alike by all): nothing to merge
-    one, meta1 = make_rows(compose_config([*SLEEP, "plan.memory_gb=1", "plan.partitions=[uniform,params]"]))
-    assert meta1["merged"] == len(one) and {r.candidate.partition for r in one} == {"uniform"}
+    # the sleep model's equal layers cut alike by every strategy: one row each, the first listed's, merged
+    # before pruning (a pruned row of the second strategy would stand beside the first's)
+    for prune in ("false", "true"):
+        one, meta1 = make_rows(compose_config([*SLEEP, "plan.memory_gb=1", "plan.partitions=[uniform,params]",
+                                               f"plan.prune={prune}"]))
+        assert meta1["merged"] == len(one) and {r.candidate.partition for r in one} == {"uniform"}
 
 
 @pytest.mark.parametrize("override,message", [

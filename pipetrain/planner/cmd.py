@@ -84,11 +84,13 @@ def workload(config: Config) -> Workload:
         loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=config.trainer.precision)
         copies = autocast_weight_bytes(model, precision=config.trainer.precision)
 
-        def layers(mbs: int):  # the analytic head counts the loss's bytes: the Workload holds them apart
+        in_head = loss_bytes if m.has_seq else 0.0  # a language model's analytic head counts the loss (mlp's not)
+
+        def layers(mbs: int):  # the Workload holds the loss's bytes apart from the last layer's
             costs = model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
             head = costs[-1]
             return [*costs[:-1], dataclasses.replace(
-                head, activation_bytes_per_token=max(head.activation_bytes_per_token - loss_bytes, 0.0))]
+                head, activation_bytes_per_token=max(head.activation_bytes_per_token - in_head, 0.0))]
     hidden = next(getattr(m, k) for k in HIDDEN_KNOBS if hasattr(m, k))
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
     w_keep = p.w_keep
@@ -103,7 +105,8 @@ def workload(config: Config) -> Workload:
                     fused_backward=config.trainer.compile, first_stage_activation_ratio=first_stage, hidden=hidden,
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
-                    loss_bytes_per_token=loss_bytes, weight_copy_bytes=tuple(copies))
+                    loss_bytes_per_token=loss_bytes, weight_copy_bytes=tuple(copies),
+                    fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"))
 
 
 def calibrating(config: Config) -> bool:
@@ -242,7 +245,7 @@ def make_rows(config: Config) -> tuple[list[Row], dict[str, Any]]:
     meta = {"world_size": world_size(config), "memory_gb": p.memory_gb,
             "global_batch": p.global_batch or config.data.batch_size, "model": config.model.name,
             "objective": p.objective, "candidates": len(cands),
-            "merged": len(cands) - len(rows),  # rows of partition strategies that cut alike (one_row_per_cut)
+            "merged": len(cands) - len(rows),  # candidates whose partition strategies cut alike (one_candidate_per_cut)
             "simulated": sum(r.pred_step_ms is not None for r in rows),
             "feasible": sum(r.feasible for r in rows), "elapsed_s": round(time.perf_counter() - start, 3)}
     return rows, meta
@@ -254,8 +257,10 @@ def _fmt(x: Any, spec: str) -> str:
 
 def _ms(x: Optional[float]) -> str:
     """A time in ms with a tenth's precision, or three significant digits below 1 ms (a tiny model at
-    GPU speed: 0.0712, not 0.1)."""
-    return "-" if x is None else format(x, ".1f" if x >= 1 else ".3g")
+    GPU speed: 0.0712, not 0.1); 0 below a microsecond (a difference of two makespans)."""
+    if x is None:
+        return "-"
+    return "0" if abs(x) < 1e-3 else format(x, ".1f" if abs(x) >= 1 else ".3g")
 
 
 def table(rows: list[Row], *, top: int) -> Table:

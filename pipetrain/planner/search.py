@@ -69,6 +69,7 @@ class Workload:
     # (models/profile.autocast_weight_bytes; empty: none); `layers` leaves them out. FSDP2 rows compute
     # in bf16 parameters and make none
     weight_copy_bytes: tuple[float, ...] = ()
+    fsdp_casts: bool = False  # FSDP2 rows keep the copies too (parallel.param_dtype set to fp32 under bf16)
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,8 @@ class _Evaluator:
         kept = [(first + inner * (len(rng) - 1) if rng.start == 0 else boundary * len(rng)) + lo
                 for rng, lo in zip(part.bounds, loss)]
         ratio = self.first_stage_ratio(c.microbatch_size)
-        copies = w.weight_copy_bytes if w.weight_copy_bytes and not (c.dp_shard and c.dp > 1) else [0.0] * len(layers)
+        bf16_params = c.dp_shard and c.dp > 1 and not w.fsdp_casts  # FSDP2 computes in bf16 parameters: no copies
+        copies = w.weight_copy_bytes if w.weight_copy_bytes and not bf16_params else [0.0] * len(layers)
         saves = [[layers[i].activation_bytes_per_token * (ratio[i] if rng.start == 0 else 1.0) * tokens
                   + copies[i] / c.tp for i in rng] for rng in part.bounds]
         full, full_layer = [math.fsum(x) + lo for x, lo in zip(saves, loss)], [max(x) for x in saves]
@@ -366,7 +368,8 @@ def one_stage_schedules(schedules: Sequence[str]) -> list[str]:
     single = [n for n in schedules if registry.get(n).fixed_stages_per_rank == 1]
     if not single:
         return list(schedules)
-    return ["1f1b"] if "1f1b" in single else single[:1]
+    # the fewest activations live: 1f1b's one microbatch, then any but gpipe (which keeps all M)
+    return ["1f1b"] if "1f1b" in single else sorted(single, key=lambda n: n == "gpipe")[:1]
 
 
 def lower_bound_ms(ev: _Evaluator, c: Candidate) -> float:
@@ -392,6 +395,7 @@ def search(work: Workload, device: Device, cands: Sequence[Candidate], *, object
     """Evaluate candidates, cheapest lower bound first; with `prune`, skip the simulation of a
     candidate whose lower bound cannot beat the best feasible step time found so far."""
     ev = _Evaluator(work, device)
+    cands = one_candidate_per_cut(ev, cands)
     bound = {c: lower_bound_ms(ev, c) for c in cands}  # costs every microbatch size first (a profile, if calibrating)
     start, best = time.perf_counter(), math.inf
     rows = []
@@ -407,15 +411,18 @@ def search(work: Workload, device: Device, cands: Sequence[Candidate], *, object
         if row.feasible:
             best = min(best, row.pred_step_ms / (c.dp * c.microbatches * c.microbatch_size))
         rows.append(row)
-    return rank_rows(one_row_per_cut(rows, [c.partition for c in cands]), objective)
+    return rank_rows(rows, objective)
 
 
-def one_row_per_cut(rows: Sequence[Row], partitions: Sequence[str]) -> list[Row]:
-    """Rows that differ only in a partition strategy that cut the layers alike are one row: the one of
-    the strategy listed first (a model of equal layers cuts the same by every strategy)."""
-    order = {name: i for i, name in reversed(list(enumerate(partitions)))}
-    kept: dict[tuple, Row] = {}
-    for row in sorted(rows, key=lambda r: order.get(r.candidate.partition, 0)):
-        key = (dataclasses.replace(row.candidate, partition=""), row.cut or row.candidate.partition)
-        kept.setdefault(key, row)
+def one_candidate_per_cut(ev: "_Evaluator", cands: Sequence[Candidate]) -> list[Candidate]:
+    """Candidates that differ only in a partition strategy that cuts the layers alike are one: the
+    first listed (a model of equal layers cuts the same by every strategy; at pp=1 every strategy
+    cuts one chunk). Decided before pruning, so a merged strategy never shows as a pruned row."""
+    if len({c.partition for c in cands}) < 2:
+        return list(cands)
+    kept: dict[tuple, Candidate] = {}
+    for c in cands:
+        layers = ev.layers(c.microbatch_size, c.tp, c.sequence_parallel)
+        cut = partition(layers, registry.placement_for(c.schedule, c.pp, c.v).num_chunks, c.partition).bounds
+        kept.setdefault((dataclasses.replace(c, partition=""), tuple((r.start, r.stop) for r in cut)), c)
     return list(kept.values())
