@@ -15,7 +15,7 @@ import pytest
 from pipetrain.compose import compose_config
 from pipetrain.plan import make_plan
 from pipetrain.planner.cmd import PLAN_CSV, PLAN_FILE, apply_row, make_rows, run_plan
-from pipetrain.planner.search import candidates
+from pipetrain.planner.space import candidates
 from pipetrain.partition.strategies import partition
 from pipetrain.schedules.ir import Op
 from pipetrain.schedules.simulate import simulate

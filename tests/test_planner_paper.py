@@ -19,7 +19,8 @@ import pytest
 
 from pipetrain.models.costs import LayerCost
 from pipetrain.planner.memory import StateBytes
-from pipetrain.planner.search import Candidate, Device, Workload, search
+from pipetrain.planner.search import Device, Workload, search
+from pipetrain.planner.space import Candidate
 
 pytestmark = pytest.mark.pure
 

@@ -21,7 +21,8 @@ from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
 from pipetrain.models.costs import fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.planner.memory import StateBytes
-from pipetrain.planner.search import Candidate, Device, Row, Workload, candidates, search
+from pipetrain.planner.search import Device, Row, Workload, search
+from pipetrain.planner.space import Candidate, candidates
 from pipetrain.schedules import registry
 
 PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"

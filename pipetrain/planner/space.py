@@ -1,0 +1,96 @@
+"""The planner's search space: one `Candidate` per (pp x dp x tp layout, schedule, v, M, microbatch
+size, recompute, partition strategy) that the `plan` group allows; planner/search.py scores them.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from pipetrain.schedules import registry
+from pipetrain.schedules.placement import Placement
+
+
+@dataclass(frozen=True)
+class Candidate:
+    schedule: str
+    pp: int
+    dp: int
+    v: int
+    microbatches: int
+    microbatch_size: int
+    recompute: bool = False
+    dp_shard: bool = False  # FSDP2 sharding over dp (else replicas)
+    partition: str = "balanced"
+    tp: int = 1  # tensor-parallel degree inside every stage (world = pp x dp x tp)
+    sequence_parallel: bool = False  # tp > 1: activations and stage tensors split on the sequence
+    recompute_ranks: Optional[int] = None  # with recompute: only the stages of pipeline ranks below this (None: all)
+
+    def recompute_stages(self, pl: Placement) -> frozenset[int]:
+        """The stage ids that recompute."""
+        if not self.recompute:
+            return frozenset()
+        ranks = range(self.pp if self.recompute_ranks is None else self.recompute_ranks)
+        return frozenset(s for r in ranks for s in pl.stages_of(r))
+
+    @property
+    def recompute_label(self) -> str:
+        if not self.recompute:
+            return "no"
+        if self.recompute_ranks is None:
+            return "yes"
+        return "rank 0" if self.recompute_ranks == 1 else f"ranks 0-{self.recompute_ranks - 1}"
+
+    @property
+    def layout(self) -> str:
+        tp = f" x tp{self.tp}" + (" (sp)" if self.sequence_parallel else "") if self.tp > 1 else ""
+        return f"pp{self.pp} x dp{self.dp}{tp}" + (" (fsdp)" if self.dp_shard and self.dp > 1 else "")
+
+
+
+def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
+               microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], recompute: Sequence[bool] = (False,),
+               recompute_partial: bool = False,
+               pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False,
+               partitions: Sequence[str] = ("balanced",), max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,),
+               sequence_parallel: bool = False) -> list[Candidate]:
+    """Every valid combination: pp x dp x tp = world, M = global_batch / (dp x microbatch size), each
+    partition strategy. `recompute_partial`: where recompute is tried, also on the first k pipeline
+    ranks only (1 <= k < pp)."""
+    out = []
+    for tp, pp in [(t, p) for t in tp_degrees if world % t == 0
+                   for p in (pp_degrees or [q for q in range(1, world // t + 1) if world // t % q == 0])]:
+        if world % (pp * tp):
+            continue
+        dp, sp = world // (pp * tp), sequence_parallel and tp > 1
+        for name in (one_stage_schedules(schedules) if pp == 1 else schedules):
+            spec = registry.get(name)
+            for v in ([spec.fixed_stages_per_rank] if spec.fixed_stages_per_rank else virtual_stages):
+                if pp * v > num_layers:
+                    continue
+                for mbs in microbatch_sizes:
+                    if global_batch % (dp * mbs):
+                        continue
+                    M = global_batch // (dp * mbs)
+                    if M > max_microbatches or not spec.is_valid(pp, M, v):
+                        continue
+                    for rc, part in [(rc, part) for rc in recompute for part in partitions]:
+                        out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, part, tp, sp))
+                        if rc and recompute_partial:
+                            out.extend(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, part, tp, sp, k)
+                                       for k in range(1, pp))
+    return out
+
+
+def one_stage_schedules(schedules: Sequence[str]) -> list[str]:
+    """The schedules worth a pp=1 row: on one rank every schedule is gradient accumulation over M
+    microbatches (no bubble, no transfers), so one row says it, 1f1b's where listed (one microbatch's
+    activations live; gpipe keeps all M). Splitting the model into v >= 2 stages on the one rank only
+    adds actions, so those schedules are left out unless nothing else is listed."""
+    single = [n for n in schedules if registry.get(n).fixed_stages_per_rank == 1]
+    if not single:
+        return list(schedules)
+    # the fewest activations live: 1f1b's one microbatch, then any but gpipe (which keeps all M)
+    return ["1f1b"] if "1f1b" in single else sorted(single, key=lambda n: n == "gpipe")[:1]
