@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ def workload(config: Config) -> Workload:
     m, p = config.model, config.plan
     seq = config.data.seq_len if m.has_seq else 1
     first_stage: Optional[Callable[[int], list[float]]] = None
-    loss_bytes, copies = 0.0, []  # the sleep model has no loss and no weights of its own to keep
+    model = None  # the real models', built below (the sleep model is pure Python)
     if isinstance(m, SleepModelConfig):
         costs = sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
                                   params_per_layer=m.params_per_layer)
@@ -50,48 +51,50 @@ def workload(config: Config) -> Workload:
         def layers(mbs: int):
             return costs  # the sleep model's times are per microbatch, whatever its size
     elif config.partition.name == "profile" or calibrating(config):  # F, B, W and saved bytes measured here
-        from pipetrain.models.profile import (autocast_weight_bytes, loss_saved_bytes_per_token, profile_layers,
-                                              saved_bytes_per_token)
+        from pipetrain.models.profile import profile_layers, saved_bytes_per_token
         from pipetrain.plan import build_model, profile_device
 
         dev = profile_device()
         model = build_model(m, device=dev)
         precision = config.trainer.precision  # bf16: saved bytes under the stages' autocast
-        loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=precision)
-        copies = autocast_weight_bytes(model, precision=precision)
 
-        def activations(mbs: int, **view) -> list[float]:  # measured, without the weight copies (held apart)
-            saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision, **view)
-            return [max(a - c / (mbs * seq), 0.0) for a, c in zip(saved, copies)]
+        @functools.lru_cache(maxsize=None)  # each view once per microbatch size (layers and the ratio read it)
+        def activations(mbs: int, boundary_inputs: bool) -> tuple[float, ...]:  # without the weight copies
+            saved = saved_bytes_per_token(model, batch=mbs, seq=seq, device=dev, precision=precision,
+                                          boundary_inputs=boundary_inputs)
+            return tuple(max(a - c / (mbs * seq), 0.0) for a, c in zip(saved, copies))
 
         def layers(mbs: int):  # saved bytes as a later stage keeps them (its residual stream in bf16)
             return [dataclasses.replace(c, activation_bytes_per_token=a)
                     for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev,
                                                    threads=config.trainer.threads_per_rank),
-                                    activations(mbs, boundary_inputs=True))]
+                                    activations(mbs, True))]
 
         def first_stage_ratio(mbs: int) -> list[float]:  # the first stage's residual stream stays fp32
-            later, first = activations(mbs, boundary_inputs=True), activations(mbs)
+            later, first = activations(mbs, True), activations(mbs, False)
             return [a / b if b else 1.0 for a, b in zip(first, later)]
 
         if precision != "fp32":
             first_stage = first_stage_ratio
     else:
-        from pipetrain.models.profile import autocast_weight_bytes, loss_saved_bytes_per_token
         from pipetrain.plan import build_model
 
         model = build_model(m, device="meta")
         tflops = p.tflops or config.sim.tflops
-        loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=config.trainer.precision)
-        copies = autocast_weight_bytes(model, precision=config.trainer.precision)
 
-        in_head = loss_bytes if m.has_seq else 0.0  # a language model's analytic head counts the loss (mlp's not)
-
-        def layers(mbs: int):  # the Workload holds the loss's bytes apart from the last layer's
+        def layers(mbs: int):  # the Workload holds the loss's bytes (`in_head`, below) apart from the head's
             costs = model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
             head = costs[-1]
             return [*costs[:-1], dataclasses.replace(
                 head, activation_bytes_per_token=max(head.activation_bytes_per_token - in_head, 0.0))]
+    # what the loss keeps and autocast's weight copies, both held apart from the layers' per-token bytes
+    loss_bytes, copies = 0.0, []
+    if model is not None:
+        from pipetrain.models.profile import autocast_weight_bytes, loss_saved_bytes_per_token
+
+        loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=config.trainer.precision)
+        copies = autocast_weight_bytes(model, precision=config.trainer.precision)
+    in_head = loss_bytes if m.has_seq else 0.0  # a language model's analytic head counts the loss (mlp's not)
     hidden = next(getattr(m, k) for k in HIDDEN_KNOBS if hasattr(m, k))
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
     w_keep = p.w_keep

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 from pipetrain.models.costs import LayerCost, chunk_costs
+from pipetrain.partition.plan import PartitionPlan
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import GB, RankMemory, gb_text, StateBytes, peak_activation_bytes, rank_memory
 from pipetrain.planner.space import Candidate
@@ -172,6 +173,7 @@ class _Evaluator:
         self._whole: dict[int, tuple[LayerCost, ...]] = {}
         self._layers: dict[tuple[int, int, bool], tuple[LayerCost, ...]] = {}
         self._ratio: dict[int, tuple[float, ...]] = {}
+        self._cuts: dict[tuple, PartitionPlan] = {}
 
     def first_stage_ratio(self, mbs: int) -> Sequence[float]:
         if self.work.first_stage_activation_ratio is None:
@@ -194,6 +196,15 @@ class _Evaluator:
             self._layers[key] = tuple(dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l
                                       for l in split)
         return self._layers[key]
+
+    def cut(self, c: Candidate) -> PartitionPlan:
+        """The candidate's partition of its layers into its placement's chunks (one per layer costs,
+        chunk count and strategy: the merge of alike strategies and the evaluation share it)."""
+        chunks = registry.placement_for(c.schedule, c.pp, c.v).num_chunks
+        key = (c.microbatch_size, c.tp, c.sequence_parallel, chunks, c.partition)
+        if key not in self._cuts:
+            self._cuts[key] = partition(self.layers(c.microbatch_size, c.tp, c.sequence_parallel), chunks, c.partition)
+        return self._cuts[key]
 
     def static(self, c: Candidate, params_rank: list[float], boundary: float, stages: int) -> list[RankMemory]:
         shard = c.dp if c.dp_shard else 1
@@ -221,7 +232,7 @@ class _Evaluator:
         cap = d.memory_gb * GB
         layers = self.layers(c.microbatch_size, c.tp, c.sequence_parallel)
         pl = registry.placement_for(c.schedule, c.pp, c.v)
-        part = partition(layers, pl.num_chunks, c.partition)
+        part = self.cut(c)
         row.cut = tuple((r.start, r.stop) for r in part.bounds)
         tokens = c.microbatch_size * w.seq
         boundary = w.boundary_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
@@ -342,7 +353,5 @@ def one_candidate_per_cut(ev: "_Evaluator", cands: Sequence[Candidate]) -> list[
         return list(cands)
     kept: dict[tuple, Candidate] = {}
     for c in cands:
-        layers = ev.layers(c.microbatch_size, c.tp, c.sequence_parallel)
-        cut = partition(layers, registry.placement_for(c.schedule, c.pp, c.v).num_chunks, c.partition).bounds
-        kept.setdefault((dataclasses.replace(c, partition=""), tuple((r.start, r.stop) for r in cut)), c)
+        kept.setdefault((dataclasses.replace(c, partition=""), ev.cut(c).bounds), c)
     return list(kept.values())
