@@ -56,6 +56,11 @@ def train_row(one: list[str], base: list[str], steps: int, run_dir: Path, work: 
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def write_result(out: Path, fields: dict) -> None:
+    """A planner bench's JSON: its fields and the machine it ran on."""
+    out.write_text(json.dumps({**fields, "python": platform.python_version(), "cpus": os.cpu_count()}, indent=2) + "\n")
+
+
 def plan(args: list[str], work: Path, name: str) -> dict:
     res = cli(["mode=plan", *args, f"hydra.run.dir={work / name}"], work)
     if res.returncode:
@@ -115,16 +120,15 @@ def main() -> None:
     gap = first["measured_step_ms"] / best["measured_step_ms"] - 1
     worst = max(abs(m["error"]) for m in measured)
     out = Path(args.out)
-    out.write_text(json.dumps({
+    write_result(out, {
         "layer_ms": args.layer_ms, "steps": args.steps, "rounds": args.rounds, "sweep": SWEEP,
-        "python": platform.python_version(), "cpus": os.cpu_count(),
         "note": args.note, "calibration": cal,
         "rows": len(rows), "feasible": len(feasible),
         "infeasible_reasons": sorted({r["reason"].split(" by ")[0] for r in rows if not r["feasible"]}),
         "worst_abs_error": worst, "worst_abs_error_uncalibrated": max(abs(m["error_uncalibrated"]) for m in measured),
         "target_error": 0.05, "measured_best_plan_rank": best["plan_rank"],
         "plan_first_vs_measured_best": round(gap, 4), "target_best_gap": 0.03, "measured": measured,
-    }, indent=2) + "\n")
+    })
     print(f"worst |error| {100 * worst:.1f}% (target 5%); measured best is plan row #{best['plan_rank']}, "
           f"plan's first row {100 * gap:+.1f}% slower than it (target 3%); wrote {out}")
 

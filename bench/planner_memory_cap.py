@@ -17,13 +17,11 @@ Usage: python bench/planner_memory_cap.py [--cap-gb 0.035] [--steps 2] [--out FI
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import tempfile
 from pathlib import Path
 
-from planner_accuracy import plan, train_row
+from planner_accuracy import plan, train_row, write_result
 
 RUNS = (("gpt2-tiny", "fp32"), ("llama-tiny", "fp32"), ("gpt2-tiny", "bf16"), ("llama-tiny", "bf16"))
 SPACE = ["partition=profile", "plan.calibrate=false", "plan.pp=[2]", "plan.schedules=[1f1b,zbh1,zbv,gpipe]",
@@ -79,11 +77,9 @@ def main() -> None:
     worst = max(abs(e) for r in trained for e in r["errors"])
     over = [r for r in trained if not r["under_cap"]]
     out = Path(args.out)
-    out.write_text(json.dumps({
-        "cap_gb": args.cap_gb, "steps": args.steps, "space": SPACE, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "note": args.note, "trained_rows": len(trained), "rows_over_cap": len(over),
-        "worst_abs_error": round(worst, 4), "target_error": 0.10, "results": results,
-    }, indent=2) + "\n")
+    write_result(out, {"cap_gb": args.cap_gb, "steps": args.steps, "space": SPACE, "note": args.note,
+                       "trained_rows": len(trained), "rows_over_cap": len(over), "worst_abs_error": round(worst, 4),
+                       "target_error": 0.10, "results": results})
     print(f"{len(trained)} feasible rows trained: {len(over)} over the {args.cap_gb:g} GB cap; worst per-rank "
           f"|measured / expected - 1| {100 * worst:.1f}% (target 10%); wrote {out}")
 
