@@ -6,15 +6,46 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 REPO = Path(__file__).resolve().parents[1]
-TIERS = ("pure", "dist", "e2e")  # pyproject.toml [tool.pytest.ini_options] markers
+TIERS = ("pure", "dist", "e2e", "gpu")  # pyproject.toml [tool.pytest.ini_options] markers
+HIDDEN = "CUDA hidden from this run: select the gpu tier alone (python -m pytest -m gpu) to run it"
+
+
+def gpu_visible(markexpr: str) -> bool:
+    """The one rule for CUDA in tests: visible only when the -m expression selects the gpu tier
+    and no other tier (`-m gpu`, `-m "gpu and not slow"`). Everything else (a plain run, `-m "not
+    slow"`, `-m "gpu or pure"`) runs with CUDA hidden, so a pure / dist / e2e test never resolves
+    trainer.device=auto or cluster.backend=auto to CUDA / NCCL on a GPU machine."""
+    if not markexpr:
+        return False
+    from _pytest.mark.expression import Expression  # what -m itself evaluates
+
+    expr = Expression.compile(markexpr)
+    selects = lambda tier: expr.evaluate(lambda name, **_: name == tier)  # noqa: E731
+    return selects("gpu") and not any(selects(tier) for tier in TIERS if tier != "gpu")
+
+
+def pytest_configure(config):
+    # Before any test module imports torch, and inherited by every process a test starts (the
+    # ranks of tests/_dist.py, the `pipetrain` command): CUDA reads the variable when it initialises.
+    if not gpu_visible(config.option.markexpr):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def pytest_collection_modifyitems(config, items):
     """Every test is in exactly one tier (its own mark or its module's `pytestmark`), so that
-    `-m pure`, `-m dist`, `-m e2e` split the suite without overlap."""
+    `-m pure`, `-m dist`, `-m e2e`, `-m gpu` split the suite without overlap. gpu tests are
+    skipped where CUDA is hidden (see gpu_visible) or absent."""
     wrong = [item.nodeid for item in items if len({m.name for m in item.iter_markers()} & set(TIERS)) != 1]
     if wrong:
         raise pytest.UsageError(f"mark each test with exactly one tier of {TIERS}: {', '.join(wrong[:5])}")
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        import torch
+
+        reason = "no CUDA device is visible" if gpu_visible(config.option.markexpr) else HIDDEN
+        if not torch.cuda.is_available():
+            for item in gpu:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
