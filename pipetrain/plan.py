@@ -80,7 +80,7 @@ def build_schedule(config: Config, stage_costs: StageCosts | None = None) -> Sch
         schedule = registry.build(s.name, p.degree, p.microbatches, s.virtual_stages)
     if config.layout.dp > 1:  # each stage's gradients reduced over dp once, after its last W (or at the end)
         schedule = add_reduces(schedule, at_end=not config.parallel.overlap_reduce)
-    validate(schedule, p2p_lookahead=p.p2p_lookahead)
+    validate(schedule, p2p_lookahead=p.p2p_lookahead, p2p_transport=p.p2p_transport)
     return schedule
 
 

@@ -35,6 +35,7 @@ from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
 from pipetrain.partition.strategies import manual_bounds
 from pipetrain.schedules import registry
+from pipetrain.schedules.p2p import TRANSPORT_STREAMS
 
 
 class Mode(str, enum.Enum):
@@ -49,12 +50,18 @@ class Mode(str, enum.Enum):
 class PipelineConfig:
     degree: int = 2  # P: pipeline ranks
     microbatches: int = 8  # M: microbatches per optimizer step, for every schedule
-    p2p_timeout_s: float = 300.0  # longest wait for a peer's tensor before the rank fails, naming the peer
+    p2p_timeout_s: float = 300.0  # longest wait for a peer's tensor before the rank fails (NCCL: the pair groups' watchdog)
     # Receives are posted this many actions before the action that consumes them (0 = just in
     # time); receive buffers alive per rank stay <= lookahead + 1, whatever the microbatch count.
     p2p_lookahead: int = 1
-    # gloo behaves like NCCL: one in-order stream per pair of ranks, messages matched by
-    # position (tests use it to catch what would deadlock or mismatch on GPUs). Slower.
+    # A 2-rank process group (an NCCL communicator and stream) per pair of ranks that exchange tensors,
+    # so a send never queues behind a receive from another peer (pair_groups), or the pipeline's one
+    # process group, whose NCCL stream runs a rank's groups to all peers in issue order (one_group:
+    # plans that would deadlock there are refused before any process starts).
+    p2p_transport: str = "pair_groups"
+    # gloo behaves like NCCL under p2p_transport: in-order streams (one per pair of ranks, or one per
+    # rank for one_group), messages matched by position (tests use it to catch what would deadlock or
+    # mismatch on GPUs). Slower.
     p2p_in_order: bool = False
 
     def __post_init__(self) -> None:
@@ -66,6 +73,9 @@ class PipelineConfig:
             raise ValueError(f"pipeline.p2p_timeout_s must be >= 0.001 seconds (1 ms, got {self.p2p_timeout_s})")
         if self.p2p_lookahead < 0:
             raise ValueError(f"pipeline.p2p_lookahead must be >= 0 actions (got {self.p2p_lookahead})")
+        if self.p2p_transport not in TRANSPORT_STREAMS:
+            raise ValueError(f"pipeline.p2p_transport must be {' or '.join(TRANSPORT_STREAMS)} "
+                             f"(got {self.p2p_transport!r})")
 
 
 AUTO = "auto"  # schedule=auto: plan (mode=plan's search), then train the best row

@@ -50,6 +50,11 @@ from pipetrain.schedules.deps import Walk, walk
 from pipetrain.schedules.ir import Action, Comm, CommOp, Op, Schedule
 
 
+# pipeline.p2p_transport -> the stream rule NCCL gives its batch_isend_irecv groups (p2p_check.STREAM_RULES):
+# a 2-rank process group per pair of ranks that exchange tensors, or the pipeline's one process group.
+TRANSPORT_STREAMS = {"pair_groups": "pair", "one_group": "rank"}
+
+
 class PlanError(ValueError):
     """A point-to-point plan that NCCL would deadlock on or mismatch; names the ranks and messages."""
 
@@ -227,6 +232,18 @@ def crossings(schedule: Schedule, rank: int) -> Crossings:
     (neighbours looked up once per stage: the validator runs this on 10^5 actions)."""
     nbrs = {s: _neighbours(schedule, rank, s) for s in schedule.placement.stages_of(rank)}
     return tuple((a, *_messages(a, rank, nbrs[a.stage])) for a in schedule.actions(rank))
+
+
+def exchange_pairs(schedule: Schedule) -> tuple[tuple[int, int], ...]:
+    """The pairs of ranks (a < b) that exchange tensors in a step, sorted: neighbours, the wrap-around
+    of looped placements, mirror pairs, whatever the placement makes cross (the transport gives each
+    its own process group). Derived from every rank's messages, so it holds for hand-written plans too."""
+    pairs = set()
+    for r in range(schedule.num_ranks):
+        for _, need, _ in crossings(schedule, r):
+            if need is not None:
+                pairs.add((min(need.src, need.dst), max(need.src, need.dst)))
+    return tuple(sorted(pairs))
 
 
 def message_order(schedule: Schedule, result: Optional[Walk] = None,

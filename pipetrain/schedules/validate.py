@@ -10,7 +10,9 @@ Reduced once: a schedule carrying gradient reductions (data parallel) has one pe
 per holding rank, after that stage's last weight gradient (schedules/reduce.py).
 
 NCCL-safe: the point-to-point plan (schedules/p2p.py) issues, per pair of ranks, its
-messages in one order on both sides and never waits on an operation issued after it.
+messages in one order on both sides and never waits on an operation issued after it,
+under the stream rule of the configured transport (pipeline.p2p_transport: a stream per
+pair of ranks, or one per rank for a single process group).
 
 Failures raise `ScheduleError` (a ValueError) whose message ends with the
 rank x step grid, the failing slot marked `>...<`.
@@ -22,7 +24,7 @@ from collections import Counter
 
 from pipetrain.schedules.deps import Key, Walk, walk
 from pipetrain.schedules.ir import Op, Schedule
-from pipetrain.schedules.p2p import PlanError
+from pipetrain.schedules.p2p import TRANSPORT_STREAMS, PlanError
 from pipetrain.schedules.p2p_check import check_plan
 from pipetrain.schedules.reduce import ReduceError, check_reduces
 
@@ -140,21 +142,45 @@ def check_deadlock_free(schedule: Schedule) -> Walk:
     _fail(schedule, f"deadlock: {len(result.stuck)} rank(s) blocked", marks)
 
 
-def check_p2p(schedule: Schedule, *, lookahead: int = 1, unit_walk: Walk | None = None) -> None:
-    """The point-to-point plan obeys NCCL's in-order rule (schedules/p2p.py: check_plan)."""
+def check_p2p(schedule: Schedule, *, lookahead: int = 1, unit_walk: Walk | None = None,
+              transport: str = "pair_groups") -> None:
+    """The point-to-point plan obeys NCCL's in-order rule under the transport's stream rule
+    (schedules/p2p_check.py: check_plan), on any machine: a plan that would hang on GPUs is
+    refused on a laptop too. One line, naming the ranks, the messages and the knob to change."""
+    if transport not in TRANSPORT_STREAMS:
+        raise ValueError(f"pipeline.p2p_transport must be one of {', '.join(TRANSPORT_STREAMS)} (got {transport!r})")
+    streams = TRANSPORT_STREAMS[transport]
     try:
-        check_plan(schedule, lookahead=lookahead, unit_walk=unit_walk)
+        check_plan(schedule, lookahead=lookahead, unit_walk=unit_walk, streams=streams)
     except PlanError as e:
-        raise ScheduleError(f"schedule {schedule.name!r}: {e}") from None
+        raise ScheduleError(f"schedule {schedule.name!r}: {e}{_p2p_fix(schedule, lookahead, unit_walk, streams)}") from None
 
 
-def validate(schedule: Schedule, *, p2p_lookahead: int = 1) -> None:
+def _p2p_fix(schedule: Schedule, lookahead: int, unit_walk: Walk | None, streams: str) -> str:
+    """The knobs that make a plan refused under one stream per rank pass (tried only on failure)."""
+    if streams == "pair":
+        return ""
+    fixes = []
+    for knob, kw in (("pipeline.p2p_transport=pair_groups", {"streams": "pair"}),
+                     ("pipeline.p2p_lookahead=0", {"streams": "rank", "lookahead": 0})):
+        if knob.endswith("=0") and lookahead == 0:
+            continue
+        try:
+            check_plan(schedule, **{"lookahead": lookahead, "unit_walk": unit_walk, "run": True, **kw})
+            fixes.append(knob)
+        except PlanError:
+            pass
+    return f": set {' or '.join(fixes)}" if fixes else ""
+
+
+def validate(schedule: Schedule, *, p2p_lookahead: int = 1, p2p_transport: str = "pair_groups") -> None:
     """Raise ScheduleError if the schedule is misplaced, incomplete, deadlocks, or its
-    point-to-point plan would deadlock or mismatch messages on NCCL."""
+    point-to-point plan would deadlock or mismatch messages on NCCL with `p2p_transport`
+    (pipeline.p2p_transport: pair_groups, a stream per pair; one_group, a stream per rank)."""
     check_placement(schedule)
     check_complete(schedule)
     unit_walk = check_deadlock_free(schedule)
-    check_p2p(schedule, lookahead=p2p_lookahead, unit_walk=unit_walk)
+    check_p2p(schedule, lookahead=p2p_lookahead, unit_walk=unit_walk, transport=p2p_transport)
     try:
         check_reduces(schedule)
     except ReduceError as e:
