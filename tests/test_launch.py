@@ -51,7 +51,8 @@ def allreduce_entry(config, plan, run_dir: Path) -> dict:
     dist.all_reduce(t)  # sum of 1..world on every rank
     record = {"rank": rank, "world": world, "sum": t.item(), "pid": os.getpid(),
               "backend": dist.get_backend(), "schedule": plan.schedule.name, "plan_ranks": plan.schedule.num_ranks,
-              "run_dir": str(run_dir), "malloc": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
+              "run_dir": str(run_dir), "malloc": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+              "devices": [config.trainer.device, config.cluster.backend]}
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     (Path(run_dir) / f"rank{rank}.json").write_text(json.dumps(record))
     return record if rank == 0 else {}
@@ -209,6 +210,8 @@ def test_local_spawns_one_process_per_rank_and_returns_rank0(tmp_path):
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert result == records[0] and result["rank"] == 0
     assert all(r["world"] == 2 and r["sum"] == 3.0 and r["backend"] == "gloo" for r in records)
+    # trainer.device=auto / cluster.backend=auto were decided by the launcher, once; the ranks got its answer
+    assert all(r["devices"] == ["cpu", "gloo"] for r in records)
     pids = {r["pid"] for r in records}
     assert len(pids) == 2 and os.getpid() not in pids
     assert records[1]["malloc"] == "2000000000"  # CPU_MALLOC_ENV reached the gloo ranks

@@ -197,6 +197,7 @@ class Config:
         self.profile.check(max_steps=self.trainer.max_steps)
         # SLURM: nodes x ranks per node must be the world
         self.cluster.check_world(self.layout.world, world_text(*self.layout.shape))
+        self.cluster.check_device(self.trainer.device)  # NCCL with the CPU, gloo with CUDA: refused here
         if self.partition.name == "manual":  # the strategy's own message, with an example for this model
             manual_bounds(self.model.num_layers, self.num_chunks, self.partition.boundaries)
 

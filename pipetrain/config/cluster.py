@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 CLUSTERS = ("local", "torchrun", "slurm", "submitit_local")
-BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when the ranks train on CUDA, else gloo
+BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl when the ranks train on CUDA, else gloo (launch/devices.py)
 
 # Knobs that only some clusters read: setting one elsewhere would silently do nothing.
 _READ_BY: dict[str, tuple[str, ...]] = {
@@ -102,11 +102,26 @@ class ClusterConfig:
         if self.name in ("slurm", "submitit_local"):
             self.tasks_per_node(world, what)
 
+    def check_device(self, device: str) -> None:
+        """Cross-check with trainer.device (check_backend)."""
+        check_backend(self.backend, device)
+
     def fixed_world(self) -> Optional[int]:
         """The world size this cluster option fixes before pipetrain decides (None: pipetrain decides)."""
         if self.name in ("slurm", "submitit_local") and self.ranks_per_node is not None:
             return self.nodes * self.ranks_per_node
         return None
+
+
+def check_backend(backend: str, device: str) -> None:
+    """cluster.backend against trainer.device, before any rank starts: NCCL carries CUDA tensors only,
+    and gloo's send / recv (the pipeline's P2P) CPU tensors only (torch's backend table)."""
+    if backend == "nccl" and device == "cpu":
+        raise ValueError("cluster.backend=nccl carries CUDA tensors but trainer.device=cpu: set "
+                         "trainer.device=cuda (or auto), or cluster.backend=gloo (or auto)")
+    if backend == "gloo" and device == "cuda":
+        raise ValueError("cluster.backend=gloo cannot send CUDA tensors between ranks (trainer.device=cuda): set "
+                         "cluster.backend=nccl (or auto), or trainer.device=cpu")
 
 
 def tasks_per_node(world: int, nodes: int, ranks_per_node: Optional[int], what: str = "") -> int:

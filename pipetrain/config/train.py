@@ -20,7 +20,8 @@ class TrainerConfig:
     resume: Optional[str] = None  # auto: newest checkpoint in the run directory; or a checkpoint path
     on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss does
     max_skipped_steps: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
-    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda
+    # auto: cuda when every rank on a host gets a GPU of its own, else cpu (launch/devices.py) | cpu | cuda
+    device: str = "auto"
     threads_per_rank: int = 1  # torch.set_num_threads per rank on CPU
     activation_checkpointing: bool = False  # recompute each stage's forward in its backward (per layer)
     # with activation_checkpointing: the stage ids that recompute (null: every stage). The first

@@ -24,7 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from pipetrain.launch import forkserver
 from pipetrain.launch.errors import RankFailedError, RunStopped, read_stopped
 from pipetrain.launch.forkserver import CPU_MALLOC_ENV, inherited_environ
-from pipetrain.launch.rank import Entry, elastic_worker, resolve_backend
+from pipetrain.launch.rank import Entry, elastic_worker, resolve_devices
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dict:
     """Start the world's workers (pipeline.degree x dp degrees) running `entry`; return rank 0's result."""
-    backend = resolve_backend(config.cluster.backend, config.trainer.device)
+    backend = resolve_devices(config).cluster.backend  # launch() decided it: the ranks get that config
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     env = CPU_MALLOC_ENV if backend == "gloo" else {}
     forkserver.warm(backend)

@@ -30,6 +30,11 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
     cluster = config.cluster
     layout = config.layout
     cluster.check_world(layout.world, world_text(*layout.shape))
+    from pipetrain.launch.rank import resolve_devices
+    from pipetrain.launch.resolvers import process_rank
+
+    # trainer.device / cluster.backend auto decided once, here, before the ranks start (launch/devices.py)
+    config = resolve_devices(config, note=print if process_rank(cluster.name) == 0 else None)
     run_dir = Path(run_dir).resolve()
     if cluster.name == "local":
         from pipetrain.launch.elastic import launch_local

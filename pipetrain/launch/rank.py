@@ -9,6 +9,8 @@ launcher reports the rank that failed first instead of a wall of tracebacks.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.config.parallel import world_text
+from pipetrain.launch.devices import choose, gpu_index, ranks_sharing_gpus
 from pipetrain.launch.env import RankEnv, torchrun_env
 from pipetrain.launch.forkserver import Inherit
 
@@ -32,14 +35,20 @@ Entry = Callable[["Config", "Plan", Path], dict]
 STOPPED_EXIT = 143  # a worker's exit code after a stop on a signal: 128 + SIGTERM, as a shell reports it
 
 
-def resolve_backend(choice: str, device: str) -> str:
-    """cluster.backend=auto: NCCL when the ranks train on CUDA (trainer.device), else gloo."""
-    cuda = torch.cuda.is_available()
-    if choice == "auto":
-        return "nccl" if cuda and device != "cpu" else "gloo"
-    if choice == "nccl" and not cuda:
-        raise ValueError("cluster.backend=nccl needs a CUDA GPU and none is visible: set cluster.backend=gloo or auto")
-    return choice
+def resolve_devices(config: Config, *, note: Optional[Callable[[str], None]] = None) -> Config:
+    """config with trainer.device and cluster.backend decided for this host's GPUs (launch/devices.py:
+    auto -> cpu / cuda, gloo / nccl). The launcher calls it before any rank starts and hands the
+    result to the ranks; a rank calls it again, which keeps what is already decided."""
+    devices = choose(config.trainer.device, config.cluster.backend, gpus=torch.cuda.device_count(),
+                     local_ranks=ranks_sharing_gpus(config.cluster, config.layout.world, os.environ))
+    if devices.note and note is not None:
+        note(devices.note)
+    if (devices.device, devices.backend) == (config.trainer.device, config.cluster.backend):
+        return config
+    resolved = copy.copy(config)  # the caller's config stays as composed
+    resolved.trainer = dataclasses.replace(config.trainer, device=devices.device)
+    resolved.cluster = dataclasses.replace(config.cluster, backend=devices.backend)
+    return resolved
 
 
 def one_line(err: BaseException) -> str:
@@ -79,16 +88,20 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
                 f"{env.world_size} ranks were started but {what}: start {world} ranks "
                 f"(e.g. torchrun --nproc_per_node={world}) or {fix}"
             )
-        backend = resolve_backend(config.cluster.backend, config.trainer.device)
+        config = resolve_devices(config, note=print if env.rank == 0 else None)
+        backend = config.cluster.backend
         os.environ.update(env.exported())  # the trainer (and torch) read LOCAL_RANK, RANK, ...
-        if backend == "nccl":
-            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        gpu = None
+        if backend == "nccl":  # the one rule for this rank's GPU; the trainer reads it back (current_device)
+            gpu = torch.device("cuda", gpu_index(env.local_rank, torch.cuda.device_count()))
+            torch.cuda.set_device(gpu)
         if owns_group:
             timeout = datetime.timedelta(seconds=max(300.0, config.pipeline.p2p_timeout_s))
             store = _attempt_store(env, timeout)
             init = None if store else "env://" if env.use_env_store else f"tcp://{env.master_addr}:{env.master_port}"
+            # device_id (NCCL): the communicator is created now, on this GPU, and new groups split from it
             dist.init_process_group(backend, init_method=init, store=store, rank=env.rank, world_size=env.world_size,
-                                    timeout=timeout)
+                                    timeout=timeout, device_id=gpu)
         elif dist.get_world_size() != world:
             raise ValueError(f"the process group has {dist.get_world_size()} ranks but {what}")
         if agree:

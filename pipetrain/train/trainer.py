@@ -49,19 +49,18 @@ class NonFiniteLoss(RuntimeError):
 
 
 def resolve_device(choice: str) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+    """trainer.device as the launcher decided it (launch/devices.py): on CUDA, the GPU run_rank made
+    current (local rank % visible GPUs), so one rule picks it. auto here (a Trainer built outside
+    the launcher) follows the same rule for a single rank."""
+    if choice == "auto":
+        from pipetrain.launch.devices import choose
+
+        choice = choose("auto", "auto", gpus=torch.cuda.device_count(), local_ranks=1).device
+    if choice == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("trainer.device=cuda but no CUDA device is visible: use trainer.device=cpu or auto")
-    import os
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if local >= torch.cuda.device_count():
-        raise ValueError(
-            f"local rank {local} needs GPU {local} but this host has {torch.cuda.device_count()}: one GPU per rank; "
-            f"use trainer.device=cpu, fewer ranks per host (pipeline.degree / cluster.ranks_per_node), or more GPUs"
-        )
-    return torch.device("cuda", local)
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class Trainer:
