@@ -22,7 +22,10 @@ class TrainerConfig:
     max_skipped_steps: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
     # auto: cuda when every rank on a host gets a GPU of its own, else cpu (launch/devices.py) | cpu | cuda
     device: str = "auto"
-    threads_per_rank: int = 1  # torch.set_num_threads per rank on CPU
+    threads_per_rank: int = 1  # torch.set_num_threads per rank (on CUDA too: the host work of every rank)
+    # precision=fp32 on CUDA: matmuls on TF32 tensor cores (set_float32_matmul_precision("high"): 10-bit
+    # mantissa, several times fp32's speed on A100 / H100, what nanoGPT trains with); false: exact fp32
+    tf32: bool = True
     activation_checkpointing: bool = False  # recompute each stage's forward in its backward (per layer)
     # with activation_checkpointing: the stage ids that recompute (null: every stage). The first
     # ranks of 1F1B-like schedules keep the most microbatches in flight: recomputing there alone

@@ -71,8 +71,11 @@ class Trainer:
         self.config, self.plan, self.run_dir = config, plan, Path(run_dir)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device = resolve_device(config.trainer.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.trainer.threads_per_rank)
+        # on CUDA too: the host work (initialising weights, staging checkpoints, data) of 8 ranks
+        # per node, each using every core, would oversubscribe the node
+        torch.set_num_threads(config.trainer.threads_per_rank)
+        if self.device.type == "cuda":  # fp32 matmuls on TF32 tensor cores, or exact (trainer.tf32)
+            torch.set_float32_matmul_precision("high" if config.trainer.tf32 else "highest")
         self.groups = build_groups(config.layout, self.device.type)  # the one DeviceMesh (under dp)
         torch.manual_seed(config.trainer.seed)  # dropout; weights come from (seed, name) below
         model = build_model(config.model, device="meta")  # shapes only: each rank materializes its stages
