@@ -50,7 +50,7 @@ def full_parameters(trainer) -> dict[str, torch.Tensor]:
         stage = trainer.pipe.stages[s]
         t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         if tp is not None and name in stage.tp_shards:
-            t = gather_full(t, *stage.tp_shards[name], tp.g)
+            t = gather_full(t, stage.tp_shards[name], tp.g)
         out[stage.tied.get(name, name)] = t
     return out
 

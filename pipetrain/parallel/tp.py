@@ -47,26 +47,27 @@ class TPGroup:
 
 
 def _all_reduce(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """A new tensor: the sum of `x` over the tp group (`x` itself untouched)."""
     out = x.contiguous().clone()
     dist.all_reduce(out, group=g.group)
     return out
 
 
 def _all_gather(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(g.size)]
-    dist.all_gather(parts, x.contiguous(), group=g.group)
-    return torch.cat(parts, dim=dim)
+    """Every tp rank's `x`, concatenated on `dim` in tp order: one all_gather_into_tensor into a
+    (tp, *x.shape) buffer (the list API copies through per-rank buffers, then cat copies again)."""
+    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))  # concatenated on dim 0: gloo takes no stack
+    dist.all_gather_into_tensor(out, x.contiguous(), group=g.group)
+    return out.view(g.size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)  # a view for dim 0; one copy otherwise
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, g: TPGroup) -> torch.Tensor:
-    # all-reduce then keep this rank's chunk: gloo has no reduce-scatter of arbitrary tensors
-    # on every version; NCCL does it in place of the all-reduce (same result, fewer bytes).
-    if x.is_cuda:
-        parts = [p.contiguous() for p in x.chunk(g.size, dim=dim)]
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=g.group)
-        return out
-    return _all_reduce(x, g).chunk(g.size, dim=dim)[g.rank].contiguous()
+    """This rank's chunk on `dim` of the sum of `x` over the tp group (`x` untouched): one
+    reduce_scatter_tensor over the chunks stacked first (gloo has it too in torch >= 2.6)."""
+    chunks = x.unflatten(dim, (g.size, x.shape[dim] // g.size)).movedim(dim, 0).contiguous()  # (tp, ..., n/tp, ...)
+    out = x.new_empty(chunks.shape[1:])
+    dist.reduce_scatter_tensor(out, chunks.flatten(0, 1), group=g.group)
+    return out
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -77,13 +78,23 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        # a copy: autograd may hand this same gradient tensor to other nodes too (AddBackward
+        # returns one tensor for both of its inputs), so reducing it in place could change theirs
         return _all_reduce(grad, ctx.g), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """Forward: the sum over the tp group, IN PLACE on `x` (callers pass the fresh output of the
+    F.linear / embedding before it, which no autograd node saved: mark_dirty makes autograd check
+    that, raising at backward rather than reading a changed saved tensor); backward identity."""
+
     @staticmethod
     def forward(ctx, x, g):  # type: ignore[override]
-        return _all_reduce(x, g)
+        if not x.is_contiguous():  # in-place collectives need dense memory
+            return _all_reduce(x, g)
+        dist.all_reduce(x, group=g.group)
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -159,13 +170,36 @@ def gather_last(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
     return _Gather.apply(x, x.dim() - 1, g, False)
 
 
+@dataclass(frozen=True)
+class Split:
+    """How one weight is split over the tp group: on dimension `dim` of unsplit length `size`,
+    each of `blocks` equal consecutive blocks cut in tp equal parts (GPT-2's fused c_attn:
+    blocks=3, so tp rank r holds q, k and v of the same heads). Any tp rank's indices are a
+    function of these numbers alone: no rank ever needs another's index tensor."""
+
+    dim: int
+    size: int
+    blocks: int = 1
+
+    def index(self, tp: int, rank: int, *, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The unsplit indices along `dim` that tp rank `rank` of `tp` holds, on `device`."""
+        block = self.size // self.blocks
+        part = block // tp
+        return torch.cat([torch.arange(b * block + rank * part, b * block + (rank + 1) * part, device=device)
+                          for b in range(self.blocks)])
+
+
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, index: torch.Tensor, g: TPGroup, *, gather_output: bool = False,
+    """Rows `split.index(tp, rank)` of the weight (and bias): blocks=3 for GPT-2's fused c_attn."""
+
+    def __init__(self, linear: nn.Linear, g: TPGroup, *, blocks: int = 1, gather_output: bool = False,
                  enter: bool = True) -> None:
         super().__init__()
         # enter=False: the caller already brought the input into the region (one collective
         # for Llama's q, k, v and for gate, up: `enter_region`)
-        self.g, self.gather_output, self.index, self.enter = g, gather_output, index, enter
+        self.g, self.gather_output, self.enter = g, gather_output, enter
+        self.split = Split(0, linear.out_features, blocks)
+        index = self.split.index(g.size, g.rank, device=linear.weight.device)
         self.weight = nn.Parameter(linear.weight.detach()[index].clone())  # (out/tp, in)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[index].clone())
 
@@ -175,13 +209,17 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, index: torch.Tensor, g: TPGroup) -> None:
+    """Columns `split.index(tp, rank)` of the weight; the bias whole (added once, after the sum)."""
+
+    def __init__(self, linear: nn.Linear, g: TPGroup) -> None:
         super().__init__()
-        self.g, self.index = g, index
+        self.g, self.split = g, Split(1, linear.in_features)
+        index = self.split.index(g.size, g.rank, device=linear.weight.device)
         self.weight = nn.Parameter(linear.weight.detach()[:, index].clone())  # (out, in/tp)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # F.linear's output is fresh and saved by no autograd node: the all-reduce runs in place on it
         y = leave_tp(F.linear(x, self.weight), self.g)  # (B, T, out) summed over tp (SP: (B, T/tp, out))
         return y if self.bias is None else y + self.bias
 
@@ -195,7 +233,7 @@ class VocabParallelEmbedding(nn.Module):
         self.g = g
         rows = emb.num_embeddings // g.size
         self.start, self.rows = g.rank * rows, rows
-        self.index = torch.arange(self.start, self.start + rows)
+        self.split = Split(0, rows * g.size)
         self.weight = weight if weight is not None else nn.Parameter(
             emb.weight.detach()[self.start: self.start + rows].clone())
 
@@ -206,47 +244,37 @@ class VocabParallelEmbedding(nn.Module):
         return _ReduceFromTP.apply(y.masked_fill(outside.unsqueeze(-1), 0.0), self.g)
 
 
-def chunk_index(size: int, g: TPGroup, *, blocks: int = 1) -> torch.Tensor:
-    """Indices of this rank's 1/tp of each of `blocks` equal consecutive blocks of `size`
-    (GPT-2's fused c_attn: blocks=3, so rank r holds q, k and v of the same heads)."""
-    block = size // blocks
-    part = block // g.size
-    return torch.cat([torch.arange(b * block + g.rank * part, b * block + (g.rank + 1) * part)
-                      for b in range(blocks)])
-
-
-def shard_layout(module: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
-    """Local parameter name -> (the dimension it is split on, the unsplit indices this rank holds
-    along it), for a module after `parallelize`."""
-    out: dict[str, tuple[int, torch.Tensor]] = {}
+def shard_layout(module: nn.Module) -> dict[str, Split]:
+    """Local parameter name -> how it is split over the tp group, for a module after `parallelize`."""
+    out: dict[str, Split] = {}
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(sub, (ColumnParallelLinear, VocabParallelEmbedding)):
-            out[f"{prefix}weight"] = (0, sub.index)
+            out[f"{prefix}weight"] = sub.split
             if getattr(sub, "bias", None) is not None:
-                out[f"{prefix}bias"] = (0, sub.index)
+                out[f"{prefix}bias"] = sub.split
         elif isinstance(sub, RowParallelLinear):
-            out[f"{prefix}weight"] = (1, sub.index)
+            out[f"{prefix}weight"] = sub.split
     return out
 
 
-def gather_full(local: torch.Tensor, dim: int, index: torch.Tensor, g: TPGroup, *,
-                holder_only: bool = False) -> Optional[torch.Tensor]:
-    """Collective over the tp group: the unsplit tensor from every rank's slice (tests, export).
+def gather_full(local: torch.Tensor, split: Split, g: TPGroup, *, holder_only: bool = False) -> Optional[torch.Tensor]:
+    """Collective over the tp group: the unsplit tensor from every rank's slice (checkpoints, tests).
+    Only the slices cross the group; each rank's indices are computed here, on the data's device
+    (NCCL takes no CPU tensors, and index_copy_ wants its index where its data is).
     holder_only: only tp rank 0 receives the slices and assembles the tensor; the others get None
     (a checkpoint needs it once, and the others then never hold the unsplit weight)."""
     if holder_only:
-        parts, indices = _gather_to_first(local, g), _gather_to_first(index, g)
-        if parts is None or indices is None:
+        parts = _gather_to_first(local, g)
+        if parts is None:
             return None
     else:
-        parts = _all_gather(local.unsqueeze(0), 0, g)  # (tp, *local.shape)
-        indices = _all_gather(index.unsqueeze(0), 0, g)  # (tp, n)
+        parts = list(_all_gather(local.unsqueeze(0), 0, g))  # tp x local.shape
     shape = list(local.shape)
-    shape[dim] *= g.size
+    shape[split.dim] = split.size
     full = local.new_empty(shape)
-    for part, idx in zip(parts, indices):
-        full.index_copy_(dim, idx, part)
+    for r, part in enumerate(parts):
+        full.index_copy_(split.dim, split.index(g.size, r, device=full.device), part)
     return full
 
 

@@ -5,7 +5,7 @@ and before FSDP2 (torchtitan's order: pipeline split, then tensor parallel, then
                 row-parallel; this rank's H/tp query and KV/tp key/value heads (query head j
                 still reads KV head j // (H/KV): tp divides KV).
   GPT-2 block   c_attn column-parallel split per head: rank r holds rows r of q, of k and of v
-                (`chunk_index(3C, blocks=3)`), not the first 3C/tp rows of the fused matrix;
+                (`Split(0, 3C, blocks=3)`), not the first 3C/tp rows of the fused matrix;
                 c_fc column-parallel; both c_proj row-parallel.
   embedding     vocab-parallel (GPT-2's wpe stays whole: it is added after the all-reduce).
   head          lm_head column-parallel on the vocabulary, logits gathered (the loss unchanged).
@@ -26,7 +26,7 @@ from torch import nn
 from pipetrain.models import gpt2, llama
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.tp import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
-                                   all_reduce_grads, chunk_index, enter_region, replace, shard_layout,
+                                   all_reduce_grads, enter_region, replace, shard_layout,
                                    split_sequence)
 
 if TYPE_CHECKING:
@@ -38,8 +38,7 @@ Memo = dict[int, nn.Parameter]  # id(unsplit Parameter) -> its local slice (ties
 def _column(layer: nn.Module, path: str, g: TPGroup, *, blocks: int = 1, gather: bool = False,
             memo: Memo, enter: bool = True) -> None:
     lin = layer.get_submodule(path)
-    new = ColumnParallelLinear(lin, chunk_index(lin.out_features, g, blocks=blocks), g, gather_output=gather,
-                               enter=enter)
+    new = ColumnParallelLinear(lin, g, blocks=blocks, gather_output=gather, enter=enter)
     if id(lin.weight) in memo:  # the head of a stage that also holds the tied embedding
         new.weight = memo[id(lin.weight)]
     memo[id(lin.weight)] = new.weight
@@ -48,7 +47,7 @@ def _column(layer: nn.Module, path: str, g: TPGroup, *, blocks: int = 1, gather:
 
 def _row(layer: nn.Module, path: str, g: TPGroup) -> None:
     lin = layer.get_submodule(path)
-    replace(layer, path, RowParallelLinear(lin, chunk_index(lin.in_features, g), g))
+    replace(layer, path, RowParallelLinear(lin, g))
 
 
 def _embedding(layer: nn.Module, path: str, g: TPGroup, memo: Memo) -> None:
@@ -112,7 +111,7 @@ PLANS: dict[type, Callable[[nn.Module, TPGroup, Memo], list[str]]] = {
 
 def parallelize_stage(stage: nn.Module, g: TPGroup) -> nn.Module:
     """Split a StageModule's layers over the tp group in place. Sets `stage.tp_shards`
-    (local name -> (split dimension, unsplit indices held)) and `stage.tp_partial` (local names
+    (local name -> its `Split`: dimension, unsplit length, blocks) and `stage.tp_partial` (local names
     whose gradients the tp group sums after the step)."""
     memo: Memo = {}
     partial: list[str] = []

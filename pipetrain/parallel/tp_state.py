@@ -3,8 +3,9 @@
 A tensor-parallel rank holds slices of its split weights (and of their AdamW moments) under the
 unsplit names. A checkpoint keeps the unsplit tensor under that name, whatever the degrees,
 so a run saved at tp=2 loads at tp=1 (or any tp, pp, dp): on save every tp rank gathers each
-split weight (first over FSDP2's dp shards, then to tp rank 0, by the indices each rank holds:
-GPT-2's c_attn slices are three blocks, q, k and v of the same heads) and tp rank 0 hands DCP the
+split weight (first over FSDP2's dp shards, then to tp rank 0, which places each rank's slice by
+that rank's indices, computed where they are used: GPT-2's c_attn slices are three blocks, q, k
+and v of the same heads; only the data crosses the group) and tp rank 0 hands DCP the
 whole tensor (the other tp ranks offer nothing under that key; with data-parallel replicas DCP
 writes it once, every replica's tp rank 0 offering the same key); on load each rank reads the
 whole tensor and keeps its slice (and, under FSDP2, its dp shard of that slice).
@@ -23,7 +24,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
-from pipetrain.parallel.tp import TPGroup, gather_full
+from pipetrain.parallel.tp import Split, TPGroup, gather_full
 
 
 def _dtensor_type():
@@ -33,10 +34,10 @@ def _dtensor_type():
 
 @dataclass(frozen=True)
 class TPShards:
-    """Canonical name -> (split dimension, unsplit indices this tp rank holds), and the group."""
+    """Canonical name -> how it is split over the tp group (`Split`), and the group."""
 
     g: TPGroup
-    shards: Mapping[str, tuple[int, torch.Tensor]]
+    shards: Mapping[str, Split]
 
     @classmethod
     def of(cls, g: TPGroup, stages: Mapping[int, nn.Module]) -> TPShards:
@@ -49,19 +50,19 @@ class TPShards:
         holder_only: on tp rank 0 only (None on the others)."""
         dtensor = _dtensor_type()
         local = t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else t
-        dim, index = self.shards[name]
-        return gather_full(local.detach(), dim, index, self.g, holder_only=holder_only)
+        return gather_full(local.detach(), self.shards[name], self.g, holder_only=holder_only)
 
     def full_shape(self, name: str, t: torch.Tensor) -> torch.Size:
-        dim, _ = self.shards[name]
+        split = self.shards[name]
         shape = list(t.shape)
-        shape[dim] *= self.g.size
+        shape[split.dim] = split.size
         return torch.Size(shape)
 
     def keep_local(self, name: str, full: torch.Tensor, into: torch.Tensor) -> None:
-        """Copy this rank's slice of the unsplit `full` into `into` (a plain tensor or an FSDP2 DTensor)."""
-        dim, index = self.shards[name]
-        mine = full.index_select(dim, index)
+        """Copy this rank's slice of the unsplit `full` into `into` (a plain tensor or an FSDP2 DTensor);
+        the index is made on `full`'s device (index_select wants both on one)."""
+        split = self.shards[name]
+        mine = full.index_select(split.dim, split.index(self.g.size, self.g.rank, device=full.device))
         dtensor = _dtensor_type()
         with torch.no_grad():
             if dtensor is not None and isinstance(into, dtensor):
