@@ -115,12 +115,22 @@ def _adam_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if optimizer.defaults.get("amsgrad") else ())
 
 
-def _fresh_adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+def _step_on_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+    """Does AdamW keep `p`'s step on p's device? Fused and capturable do (their kernels read it
+    there); the others keep it on the CPU (torch's rule: Optimizer._process_value_according_to_param_policy)."""
+    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), optimizer.defaults)
+    return bool(group.get("fused") or group.get("capturable"))
+
+
+def _fresh_adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter,
+                      like: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """AdamW's state before its first update (torch.optim.adamw._init_group): a step of 0 and zero
-    moments. Saving it for a weight that has no state yet is therefore exact."""
-    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
-    step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-    zeros = {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in _adam_keys(optimizer)[1:]}
+    moments. Saving it for a weight that has no state yet is therefore exact. `like`: what the
+    moments are shaped as (a tp slice loads through its unsplit tensor, on the CPU); the step
+    follows the parameter, never `like`: on p's device for fused / capturable AdamW."""
+    step = torch.zeros((), dtype=torch.float32, device=p.device if _step_on_device(optimizer, p) else "cpu")
+    like = p if like is None else like
+    zeros = {k: torch.zeros_like(like, memory_format=torch.preserve_format) for k in _adam_keys(optimizer)[1:]}
     return {"step": step, **zeros}
 
 
@@ -272,7 +282,7 @@ def _load_targets(target: Checkpointable, available: set[str]) -> tuple[dict[str
         like = torch.empty(target.tp.full_shape(name, p), dtype=p.dtype) if name in split else p.detach()
         targets[f"model.{name}"] = like
         if id(p) in optimized:
-            adam[name] = _fresh_adam_state(opt, like)
+            adam[name] = _fresh_adam_state(opt, p, like)
             targets.update({f"optim.{k}.{name}": t for k, t in adam[name].items()})
     missing = sorted(k for k in targets if k not in available)
     if missing:
@@ -294,6 +304,20 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(targets, checkpoint_id=path, no_dist=not dist.is_initialized())
+    _restore(target, targets, adam)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > meta["world_size"]:  # RNG states are per rank; the data position is the step
+        notes.append(f"saved by {meta['world_size']} rank(s): ranks {meta['world_size']}..{world - 1} "
+                     f"keep their seeded RNG state")
+    st = target.state
+    st.step, st.tokens, st.skipped = meta["step"], meta["tokens"], meta.get("skipped", 0)
+    for n in notes:
+        note(f"checkpoint: {n}")
+    return meta
+
+
+def _restore(target: Checkpointable, targets: dict[str, torch.Tensor], adam: dict[str, dict]) -> None:
+    """The loaded tensors into the target: this rank's tp slices, every local copy, AdamW's state, RNG."""
     sync, opt = target.sync, target.optimizer
     split = target.tp.shards if target.tp is not None else {}
     for name in split:
@@ -311,20 +335,16 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
             torch.set_rng_state(t)
         elif key.startswith("rng.cuda."):
             torch.cuda.set_rng_state(t)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > meta["world_size"]:  # RNG states are per rank; the data position is the step
-        notes.append(f"saved by {meta['world_size']} rank(s): ranks {meta['world_size']}..{world - 1} "
-                     f"keep their seeded RNG state")
-    st = target.state
-    st.step, st.tokens, st.skipped = meta["step"], meta["tokens"], meta.get("skipped", 0)
-    for n in notes:
-        note(f"checkpoint: {n}")
-    return meta
 
 
 def _slice_of(target: Checkpointable, name: str, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A copy of a loaded optimizer tensor for parameter `p`: under tensor parallel, its slice."""
-    if target.tp is None or name not in target.tp.shards or not t.dim():
+    """A copy of a loaded optimizer tensor for parameter `p`: under tensor parallel, its slice.
+    The step goes where torch's own load_state_dict puts it (fp32 on p's device for fused /
+    capturable AdamW, as it was otherwise), whatever tensor it was read into."""
+    if not t.dim():
+        return t.to(dtype=torch.float32, device=p.device, copy=True) if _step_on_device(target.optimizer, p) \
+            else t.clone()
+    if target.tp is None or name not in target.tp.shards:
         return t.clone()
     mine = torch.zeros_like(p.detach(), memory_format=torch.preserve_format)
     target.tp.keep_local(name, t, mine)
