@@ -60,7 +60,8 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
 def prestart(config: Config) -> None:
     """cluster=local on CPU: start the server the ranks fork from now (launch/forkserver.py), before
     this process imports torch, so that its imports overlap our checks and simulation. Unless the
-    config says NCCL or CUDA; with both on auto a GPU machine starts one it will not use."""
+    config says NCCL or CUDA; with both on auto a machine with a GPU for each rank starts one it
+    will not use (launch() decides the device after this, launch/devices.py)."""
     if config.cluster.name == "local" and config.cluster.backend != "nccl" and config.trainer.device != "cuda":
         from pipetrain.launch.forkserver import warm
 
