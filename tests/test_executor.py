@@ -10,13 +10,18 @@ NCCL's semantics, so what would deadlock or mix up messages on GPUs fails here.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from _dist import spawn
+from pipetrain.metrics.measure import measure_step
+from pipetrain.metrics.records import RankSample
 from pipetrain.models.factory import build_model
 from pipetrain.partition.uniform import uniform_bounds
+from pipetrain.runtime.clock import StepClock
 from pipetrain.train.pipeline import build_rank_pipeline
 from pipetrain.schedules import registry
 
@@ -152,3 +157,76 @@ def test_recompute_on_some_stages_same_gradients_memory_between():
         torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=0)
         torch.testing.assert_close(g2[n], g0[n], atol=1e-6, rtol=0)
     assert every.peak_activation_bytes < some.peak_activation_bytes < plain.peak_activation_bytes
+
+
+# ---- inputs moved once per step (F10); ranks on one axis by a collective (F12) ----------------
+
+class Noted(torch.Tensor):
+    """A microbatch tensor that notes each `.to()` of it in its process's log; what comes out is
+    a plain tensor, so the step computes as it would on plain ones."""
+
+    @classmethod
+    def of(cls, t: torch.Tensor, log: list, what: str) -> "Noted":
+        out = t.as_subclass(cls)
+        out.log, out.what = log, what
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to:
+            args[0].log.append(("to", args[0].what))
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+
+
+LATE_S, SKEW_S = 0.1, 3600.0
+
+
+def late_and_skewed(rank: int, world: int, out) -> None:
+    """Rank 1 starts each step LATE_S after rank 0, and its host timer reads an hour ahead (as
+    another host's clock might); every move of a microbatch tensor and every stage forward is logged."""
+    model = make_model("mlp", device="meta")
+    sched = registry.build("1f1b", world, 4)
+    rp = build_rank_pipeline(model, uniform_bounds(len(model.layers), world), sched, rank, microbatch_size=MB,
+                             timeout_s=60, seed=0)
+    rp.executor.clock = StepClock(torch.device("cpu"), host_clock=lambda: time.perf_counter() + SKEW_S * rank)
+    log: list = []
+    for s, mod in rp.stages.items():
+        mod.register_forward_pre_hook(lambda *_, s=s: log.append(("F", s)))
+    steps = []
+    for step in range(2):
+        mbs = [(Noted.of(x, log, "input"), Noted.of(y, log, "target")) for x, y in batches(model, step)[:4]]
+        del log[:]
+        dist.barrier()
+        if rank == 1:
+            time.sleep(LATE_S)
+        began = time.time()  # one host here: its clock is the truth the measurement must agree with
+        res = rp.train_step(mbs)
+        sample = RankSample(rank=rank, step_ms=res.step_ms, timings=res.timings, sync_ms=res.sync_ms)
+        steps.append({"sample": sample, "began": began, "log": list(log)})
+    torch.save(steps, out / f"rank{rank}.pt")
+
+
+@pytest.mark.dist
+def test_inputs_move_once_before_the_step_and_ranks_align_on_a_collective_not_host_clocks(tmp_path):
+    spawn(late_and_skewed, 2, tmp_path)
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    sched = registry.build("1f1b", 2, 4)
+    for step in range(2):
+        got = [per_rank[r][step] for r in range(2)]
+        # F10: rank 0 (first stage) moves its 4 inputs, rank 1 (last stage) its 4 targets, each once
+        # and all before the step's first forward (not one at each forward or loss); no rank moves
+        # what it does not read
+        for r, want in ((0, "input"), (1, "target")):
+            log = got[r]["log"]
+            first_f = next(i for i, e in enumerate(log) if e[0] == "F")
+            assert [e for e in log if e[0] == "to"] == [("to", want)] * 4, (r, log)
+            assert all(e[0] == "to" for e in log[:first_f]) and first_f == 4, (r, log)
+        # F12: rank 1's host timer is an hour off, yet the measured start of its step lies where this
+        # host's one clock puts it (LATE_S after rank 0's), and the makespan is the step's, not an hour
+        m = measure_step(step + 1, sched, [g["sample"] for g in got])
+        true_late_ms = (got[1]["began"] - got[0]["began"]) * 1e3
+        assert true_late_ms >= LATE_S * 1e3 * 0.9
+        assert m.offsets_ms[0] == 0.0 and abs(m.offsets_ms[1] - true_late_ms) < 25.0, (m.offsets_ms, true_late_ms)
+        assert true_late_ms < m.makespan_ms < true_late_ms + 1000.0
+

@@ -37,9 +37,11 @@ def samples_from_sim(sim, *, wait_ms: float = 0.0, skew_ms: float = 0.0) -> list
             if wait_ms:
                 comm.append(CommEvent("recv", "act", 0, 0, (r + 1) % sim.schedule.num_ranks, i,
                                       start, start + wait_ms))
-        out.append(RankSample(rank=r, t0_wall=skew_ms * r / 1e3, step_ms=sim.makespan, timings=timings, comm=comm,
+        # every rank leaves the step's loss all-reduce at one moment, 1 ms after the last action
+        # on the common axis: on rank r's own clock that is skew_ms * r earlier
+        out.append(RankSample(rank=r, step_ms=sim.makespan, timings=timings, comm=comm,
                               peak_activation_sets=sim.peak_activations_per_rank[r], peak_activation_bytes=1000 * (r + 1),
-                              param_bytes=10, grad_bytes=10, optimizer_bytes=20))
+                              param_bytes=10, grad_bytes=10, optimizer_bytes=20, sync_ms=sim.makespan + 1.0 - skew_ms * r))
     return out
 
 

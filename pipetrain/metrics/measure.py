@@ -1,8 +1,11 @@
 """From every rank's measurements of one step to the numbers a user compares with the paper.
 
-  - One time axis: each rank's times are shifted by when its step began (`t0_wall`); the
-    step's makespan runs from the earliest rank's start to the last action's end on any rank,
-    the same definition the simulator uses (every rank ready at 0, makespan = last end).
+  - One time axis: every rank leaves the step's closing loss all-reduce at the same moment,
+    `sync_ms` after its own step began on its own clock, so rank r began max(sync_ms) -
+    sync_ms[r] after the earliest. No host clock enters (across hosts they disagree by
+    milliseconds; on GPU the host's time is when work was queued, not run). The step's
+    makespan runs from the earliest rank's start to the last action's end on any rank, the
+    same definition the simulator uses (every rank ready at 0, makespan = last end).
   - Measured bubble of rank r = 1 - compute busy time / makespan, busy time being the sum of
     its actions' spans less the time they sat blocked in point-to-point receives. Executor
     overhead between actions counts as idle, as it would on the paper's timeline.
@@ -195,6 +198,15 @@ def measured_result(schedule: Schedule, samples: Sequence[RankSample], offsets: 
                      reductions=tuple(lanes) if any(lanes) else ())
 
 
+def start_offsets(samples: Sequence[RankSample]) -> tuple[float, ...]:
+    """Where each rank's step began, in ms after the earliest rank's, from the shared end of the
+    step's loss all-reduce. Without it (one process, no collective) every rank began at 0."""
+    if any(s.sync_ms is None for s in samples):
+        return (0.0,) * len(samples)
+    last = max(s.sync_ms for s in samples)  # type: ignore[type-var]
+    return tuple(last - s.sync_ms for s in samples)  # type: ignore[operator]
+
+
 def measure_step(step: int, schedule: Schedule, samples: Sequence[RankSample], *,
                  comm_ms: float = 0.0, reduce_ms: Sequence[float] | None = None) -> StepMeasurement:
     """Combine every rank's sample of one step (one per rank, any order); `reduce_ms` (per stage,
@@ -202,8 +214,7 @@ def measure_step(step: int, schedule: Schedule, samples: Sequence[RankSample], *
     samples = tuple(sorted(samples, key=lambda s: s.rank))
     if [s.rank for s in samples] != list(range(schedule.num_ranks)):
         raise ValueError(f"need one sample per rank 0..{schedule.num_ranks - 1}, got ranks {[s.rank for s in samples]}")
-    base = min(s.t0_wall for s in samples)
-    offsets = tuple((s.t0_wall - base) * 1e3 for s in samples)
+    offsets = start_offsets(samples)
     costs = stage_costs(schedule, samples)
     measured = measured_result(schedule, samples, offsets, costs)
     simulated = simulate(schedule, costs, comm_ms=comm_ms, check=False, reduce_ms=reduce_ms)

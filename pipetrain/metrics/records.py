@@ -6,8 +6,9 @@ travels to rank 0 in one `gather_object` (train/monitor.py), where metrics/measu
 them into measured bubbles, the simulator's prediction and a timeline.
 
 Times are milliseconds from the start of the rank's step (its own clock: perf_counter on
-CPU, CUDA events on GPU); `RankSample.t0_wall` (time.time() at that start) puts the ranks
-of one host on one time axis.
+CPU, CUDA events on GPU); `RankSample.sync_ms`, when the step's closing loss all-reduce ended
+on that clock, puts the ranks on one time axis: every rank leaves that collective at the same
+moment, whatever its host's clock says (hosts' clocks disagree by milliseconds).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ class RankSample:
     """One rank's measurements of one optimizer step."""
 
     rank: int
-    t0_wall: float  # time.time() at the start of the step
     step_ms: float
     timings: list[ActionTiming]
     comm: list[CommEvent] = field(default_factory=list)
@@ -62,7 +62,9 @@ class RankSample:
     optimizer_bytes: int = 0
     reduce_exposed_ms: float = 0.0  # data parallel: waiting for the gradient reductions after the last action
     reduce_issued_ms: dict[int, float] = field(default_factory=dict)  # stage -> when its reduction was issued
-    reduce_done_ms: dict[int, float] = field(default_factory=dict)  # stage -> when the executor saw it done
+    # stage -> when the executor saw it done: an upper bound of the reduction's end (runtime/executor.py)
+    reduce_done_ms: dict[int, float] = field(default_factory=dict)
+    sync_ms: Optional[float] = None  # the end of the step's loss all-reduce (None: one process, no collective)
 
     @property
     def static_bytes(self) -> int:

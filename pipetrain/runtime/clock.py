@@ -1,29 +1,35 @@
 """Timestamps inside one executor step, cheap enough to take around every action.
 
-CPU: `time.perf_counter`. GPU: a CUDA event recorded on the current stream per mark, all
-read once after the step's single synchronize, so timing adds no per-action synchronisation
-and measures when the GPU reached each point (kernels run asynchronously to the host; an
-event recorded after a receive's wait completes when the stream got the data).
+CPU: the host timer (`time.perf_counter`). GPU: a CUDA event recorded on the current stream
+per mark, all read once after the step's single synchronize, so timing adds no per-action
+synchronisation and measures when the GPU reached each point (kernels run asynchronously to
+the host; an event recorded after a receive's wait completes when the stream got the data).
+
+Every time is relative to the step's mark 0 on the rank's own clock. Ranks are never put on
+one axis by a host clock (hosts disagree by milliseconds under NTP, and on GPU the host's
+time says when work was queued, not run): the executor marks the end of the step's closing
+loss all-reduce, a moment every rank shares, and metrics/measure.py aligns on that mark.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 
 class StepClock:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, host_clock: Callable[[], float] = time.perf_counter) -> None:
+        """`host_clock`: seconds on an origin of its own (the CPU marks read it); any other host's
+        clock, with another origin, measures the same step alike."""
         self.cuda = device.type == "cuda"
+        self.host_clock = host_clock
         self._marks: list[Any] = []
-        self.t0_wall = 0.0
 
     def start(self) -> None:
-        """The step's origin: mark 0, and the wall clock that aligns ranks (time.time())."""
+        """The step's origin: mark 0."""
         self._marks.clear()
-        self.t0_wall = time.time()
         self.mark()
 
     def mark(self) -> int:
@@ -33,7 +39,7 @@ class StepClock:
             event.record()
             self._marks.append(event)
         else:
-            self._marks.append(time.perf_counter())
+            self._marks.append(self.host_clock())
         return len(self._marks) - 1
 
     def resolve(self) -> list[float]:

@@ -17,11 +17,15 @@ comes from the schedule's placement. Per action:
 Under data parallel the schedule carries `{stage}REDUCE_GRAD` marks (schedules/reduce.py):
 there the stage's gradient reduction is started (runtime/grad_reduce.py), and after the
 last action the executor waits for all of them; that wait is the step's exposed reduce time.
-When each one was issued and when it was seen done (polled between actions, then in the final
-wait) is kept per stage, for the measured trace's reduction rows.
+When each was issued and seen done is kept per stage (the trace's reduction rows); "seen done"
+is an upper bound of its end, a mark at the first action boundary after the reducer reported
+it complete or after the final wait (on GPU a compute-stream event, never before the end).
 
 After the last action, the summed loss is all-reduced so every rank (rank 0 logs it)
 holds the mean loss of the step (over every pipeline's microbatches under data parallel).
+All ranks leave it at one moment: its mark (`sync_ms`) puts them on one axis, not host clocks.
+Inputs (where a chain starts) and targets (where it ends) move to the device once per step,
+before the first action, pinned and non-blocking (runtime/batch.py).
 
 Mixed precision (`compute_dtype`, e.g. bf16 for trainer.precision=bf16): parameters and
 their gradients stay fp32; every stage runs under torch.autocast, and a floating-point
@@ -49,6 +53,7 @@ import torch.distributed as dist
 
 from pipetrain.metrics.records import ActionTiming, CommEvent
 from pipetrain.runtime.step_result import SavedBytes, StepResult
+from pipetrain.runtime.batch import counted_targets, to_device
 from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input, backward_weight
 from pipetrain.runtime.clock import StepClock
 from pipetrain.runtime.comm import P2P
@@ -93,6 +98,10 @@ class Executor:
         self._needs = dict(zip(self._plan.parts, self._plan.waits))  # the plan has them already
         self._sends = {a: sent_by(a, schedule, rank) for a in self._plan.parts}
         self._step_texts = [str(step) for step in schedule.steps[rank]]
+        # The microbatches whose input (a chain's first stage) or target (its last) this rank reads
+        fs = [a for a in schedule.actions(rank) if a.op is Op.F]
+        self._reads = ({a.microbatch for a in fs if pl.prev_stage(a.stage) is None},
+                       {a.microbatch for a in fs if pl.next_stage(a.stage) is None})
         self.reducer = reducer
         self._reduces_at: dict[int, list[int]] = defaultdict(list)  # boundary -> stages reduced there
         if reducer is not None:
@@ -102,7 +111,8 @@ class Executor:
                 raise ValueError("a gradient reducer needs a schedule with REDUCE_GRAD marks (schedules/reduce.py)")
         self._forward_only = False
         self.compute_dtype = compute_dtype  # None: the parameters' dtype throughout; else autocast to it
-        self._clock = StepClock(self.device)
+        # The step's timestamps; replaceable (a clock with another host timer measures alike)
+        self.clock = StepClock(self.device)
         self._recording = False  # inside step(): sends and receives are timed
         # profile.enabled: every action a `PP:<action>` torch.profiler range (the trainer sets it
         # for the captured steps only; record_function costs a few microseconds even unprofiled)
@@ -124,7 +134,7 @@ class Executor:
             self.reducer.begin()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        clock, spans = self._clock, []  # spans: per step, its marks at the start and after each part
+        clock, spans = self.clock, []  # spans: per step, its marks at the start and after each part
         clock.start()
         self._recording = True
         boundary = 0  # index of the next atomic action: where the plan issues communication
@@ -151,17 +161,19 @@ class Executor:
         finally:
             self._recording = False
         assert not self._ctx and not self._wstore, "validated schedule left work behind"
+        loss, sync = self._mean_loss(mark=True)
         times = clock.resolve()
         timings, comm = self._timings(spans, times)
+        cuda = self.device.type == "cuda"
         return StepResult(
-            loss=self._mean_loss(),
+            loss=loss,
             timings=timings,
             comm=comm,
             step_ms=times[end],
-            t0_wall=clock.t0_wall,
+            sync_ms=times[sync] if sync is not None else None,
             peak_activation_sets=self._peak_sets,
             peak_activation_bytes=self._peak_bytes,
-            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
             peak_recv_buffer_bytes=dict(self.comm.peak_recv_bytes) if self.comm is not None else {},
             reduce_exposed_ms=times[end] - times[compute_end],
             reduce_issued_ms={s: times[m] for s, m in self._reduce_marks.items()},
@@ -178,14 +190,14 @@ class Executor:
 
     def _reduction_done(self, stage: int) -> None:
         if stage not in self._reduce_done:
-            self._reduce_done[stage] = self._clock.mark()
+            self._reduce_done[stage] = self.clock.mark()
 
     def _issue(self, boundary: int) -> None:
         if self.comm is not None:
             self.comm.issue(boundary)
         if self._recording and boundary in self._reduces_at:
             for s in self._reduces_at[boundary]:
-                self._reduce_marks[s] = self._clock.mark()
+                self._reduce_marks[s] = self.clock.mark()
                 with self._range(f"{s}REDUCE_GRAD"):
                     self.reducer.reduce(s)  # type: ignore[union-attr]
 
@@ -232,13 +244,16 @@ class Executor:
         finally:
             self._forward_only = False
         self._ctx.clear()
-        return self._mean_loss()
+        return self._mean_loss()[0]
 
     def _reset(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         M = self.schedule.num_microbatches
         if len(microbatches) != M:
             raise ValueError(f"expected {M} microbatches (pipeline.microbatches), got {len(microbatches)}")
-        self._batch = microbatches
+        self._batch = microbatches  # as given (evaluate() counts targets on the host)
+        inputs, targets = self._reads
+        self._inputs = {m: to_device(microbatches[m][0], self.device) for m in sorted(inputs)}
+        self._targets = {m: to_device(microbatches[m][1], self.device) for m in sorted(targets)}
         # Per step: an FSDP2 stage's parameters are the unsharded tensors only after its first forward.
         self._params: dict[int, list[torch.nn.Parameter]] = {}
         self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -267,7 +282,7 @@ class Executor:
         pl, s, m = self.schedule.placement, a.stage, a.microbatch
         prev = pl.prev_stage(s)
         if prev is None:
-            x = self._batch[m][0].to(self.device)
+            x = self._inputs[m]
         else:
             x = self._take("act", prev, m, a, step_text)
         if x.is_floating_point() and not self._forward_only:
@@ -278,9 +293,9 @@ class Executor:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast():
             out = self.stages[s](x)
             if pl.next_stage(s) is None:
-                loss = self.stages[s].loss(out, self._batch[m][1].to(self.device))
+                loss = self.stages[s].loss(out, self._targets[m])
                 if self._forward_only:  # evaluate(): weighted by its targets, so the mean is per token
-                    n = _counted_targets(self._batch[m][1])
+                    n = counted_targets(self._batch[m][1])
                     self._loss_sum += loss.detach().double() * n if n else 0.0
                     self._losses += n
                 else:
@@ -347,7 +362,7 @@ class Executor:
             assert self.comm is not None
             self.comm.produced(msg, tensor)
             if self._recording:
-                mark = self._clock.mark()
+                mark = self.clock.mark()
                 self._comm_marks.append(("send", msg, self._index, self._part, mark, mark))
 
     def _take(self, kind: str, src_stage: int, m: int, a: Action, step_text: str) -> torch.Tensor:
@@ -358,9 +373,9 @@ class Executor:
         what = f"{step_text} on rank {self.rank}"
         if not self._recording:
             return self.comm.receive(msg, action=what)
-        m0 = self._clock.mark()
+        m0 = self.clock.mark()
         tensor = self.comm.receive(msg, action=what)
-        self._comm_marks.append(("recv", msg, self._index, self._part, m0, self._clock.mark()))
+        self._comm_marks.append(("recv", msg, self._index, self._part, m0, self.clock.mark()))
         return tensor
 
     # ---- bookkeeping ------------------------------------------------------------------
@@ -374,20 +389,17 @@ class Executor:
     def _free(self, s: int, m: int) -> None:
         self._live_bytes -= self._act_bytes.pop((s, m))
 
-    def _mean_loss(self) -> Optional[float]:
+    def _mean_loss(self, *, mark: bool = False) -> tuple[Optional[float], Optional[int]]:
+        """(the step's mean loss, with `mark` the clock mark taken as the all-reduce ended: on GPU
+        stream-ordered after it; None without a process group)."""
         if self.loss_group is None and not dist.is_initialized():
-            return float(self._loss_sum / self._losses) if self._losses else None
+            return (float(self._loss_sum / self._losses) if self._losses else None), None
         dev = self._reduce_device()
         buf = torch.stack([self._loss_sum.to(dev), torch.tensor(float(self._losses), dtype=torch.float64, device=dev)])
         dist.all_reduce(buf, group=self.loss_group)
+        sync = self.clock.mark() if mark else None
         total, count = buf.tolist()
-        return total / count if count else None
+        return (total / count if count else None), sync
 
     def _reduce_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
-
-
-def _counted_targets(target: torch.Tensor) -> int:
-    """Targets a microbatch's loss averages over: token ids other than -1 (the loss's
-    ignore_index); a regression target (floats) counts as one."""
-    return 1 if target.is_floating_point() else int((target != -1).sum())

@@ -18,7 +18,9 @@ class StepResult:
     timings: list[ActionTiming] = field(default_factory=list)  # one per step of the rank's list, with receive waits
     comm: list[CommEvent] = field(default_factory=list)  # every cross-rank send and receive of the step
     step_ms: float = 0.0
-    t0_wall: float = 0.0  # time.time() when the step began: puts the ranks' timings on one axis
+    # ms from the step's start to the end of its closing loss all-reduce, which every rank leaves
+    # at one moment: puts the ranks' timings on one axis (None: no process group, one rank)
+    sync_ms: Optional[float] = None
     peak_activation_sets: int = 0  # most (stage, microbatch) sets alive at once
     peak_activation_bytes: int = 0  # bytes autograd saved for them, at that peak
     peak_memory_bytes: Optional[int] = None  # torch.cuda.max_memory_allocated on GPU

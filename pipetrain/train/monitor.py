@@ -91,11 +91,11 @@ class Monitor:
     def sample(self, result: StepResult, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> RankSample:
         grad_bytes = _nbytes(p for p in params if p.requires_grad)
         return RankSample(
-            rank=self.rank, t0_wall=result.t0_wall, step_ms=result.step_ms, timings=result.timings, comm=result.comm,
+            rank=self.rank, step_ms=result.step_ms, timings=result.timings, comm=result.comm,
             peak_activation_sets=result.peak_activation_sets, peak_activation_bytes=result.peak_activation_bytes,
             cuda_peak_bytes=result.peak_memory_bytes, param_bytes=_nbytes(params), grad_bytes=grad_bytes,
             optimizer_bytes=optimizer_state_bytes(optimizer, grad_bytes), reduce_exposed_ms=result.reduce_exposed_ms,
-            reduce_issued_ms=result.reduce_issued_ms, reduce_done_ms=result.reduce_done_ms,
+            reduce_issued_ms=result.reduce_issued_ms, reduce_done_ms=result.reduce_done_ms, sync_ms=result.sync_ms,
         )
 
     def gather(self, step: int, result: StepResult, *, params: list[torch.nn.Parameter],
