@@ -121,6 +121,33 @@ def test_record_and_tables_carry_what_the_loggers_promise():
     assert rank_table(m).row_count == 3  # two ranks and the mean
 
 
+def test_gpu_reserved_peak_is_reported_beside_the_allocated_one_and_absent_on_cpu():
+    """F9: on GPU the allocator's reserved peak (allocated + cached, fragmentation included) goes
+    beside memory/peak_gb (allocated, unchanged) in the record, summary.json and the console line."""
+    from pipetrain.metrics.step import RunSummary
+
+    sched = registry.build("1f1b", 2, 4)
+    sim = simulate(sched, StageCosts.uniform(2, 1.0, 1.0, 0.0))
+    cpu = measure_step(1, sched, samples_from_sim(sim))
+    assert not [k for k in cpu.record() if "reserved" in k]
+    gpu_samples = samples_from_sim(sim)
+    for r, s in enumerate(gpu_samples):
+        s.cuda_peak_bytes, s.cuda_reserved_bytes = 3000 * (r + 1), 5000 * (r + 1)
+    rec = measure_step(1, sched, gpu_samples).record()
+    assert [rec[f"memory/peak_gb/rank{r}"] for r in range(2)] == [3000e-9, 6000e-9]
+    assert [rec[f"memory/peak_reserved_gb/rank{r}"] for r in range(2)] == [5000e-9, 10000e-9]
+    assert rec["memory/peak_reserved_gb"] == 10000e-9
+    line = metrics_line({"step": 1, "train/loss": 1.0, "train/lr": 1e-3, "train/grad_norm": 1.0,
+                         "perf/tokens_per_s": 1.0, "perf/step_time_s": 1.0, **rec}, 2, None)
+    assert "mem 6.0KB (act 2.0KB, reserved 10.0KB)" in line, line
+    summary = RunSummary(steps=1, first_loss=1.0, final_loss=1.0, final_val_loss=None, skipped_steps=0, tokens=8,
+                         step_time_s=1.0, tokens_per_s=8.0, measured=True, peak_memory_bytes_per_rank=[3000, 6000],
+                         peak_reserved_bytes_per_rank=[5000, 10000])
+    out = summary.to_json()
+    assert out["memory/peak_gb"] == 6000e-9 and out["memory/peak_reserved_gb/rank1"] == 10000e-9
+    assert "memory/peak_reserved_gb" not in RunSummary(**{**summary.__dict__, "peak_reserved_bytes_per_rank": []}).to_json()
+
+
 def test_metrics_line_starts_with_the_step():
     rec = {"step": 100, "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "perf/tokens_per_s": 12345.0,
            "perf/step_time_s": 0.05, "perf/mfu": 0.12, "pipeline/bubble_measured": 0.2, "pipeline/bubble_simulated": 0.19,

@@ -3,6 +3,7 @@
   - a progress bar with ETA over the steps (on a terminal; piped output gets the lines only),
   - a compact metrics line every trainer.log_every steps (and at the first and last step):
     `step 10/200 loss 2.3456 ... | bubble 21.3% (sim 19.8%) | mem 12.3MB (act 4.5MB) | eta 12s`,
+    on GPU `mem 12.3GB (act 4.5GB, reserved 14.1GB)` (allocated peak; reserved, with the cache),
     with `| reduce 18ms (sim 16ms)` after the bubble under data parallel (the most exposed reduce
     time of any rank, measured and simulated),
   - at the end, a per-rank table of the last step (measured vs simulated bubble, peak memory
@@ -46,7 +47,9 @@ def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> 
         if reduce and reduce_sim:
             parts.append(f"| reduce {max(reduce):.0f}ms (sim {max(reduce_sim):.0f}ms)")
         act = max(names.of_ranks(r, names.ACTIVATIONS_GB) or [0.0])
-        parts.append(f"| mem {human_bytes(r[names.PEAK_GB] * 1e9)} (act {human_bytes(act * 1e9)})")
+        reserved = (f", reserved {human_bytes(r[names.PEAK_RESERVED_GB] * 1e9)}"  # on GPU
+                    if r.get(names.PEAK_RESERVED_GB) is not None else "")
+        parts.append(f"| mem {human_bytes(r[names.PEAK_GB] * 1e9)} (act {human_bytes(act * 1e9)}{reserved})")
     if eta_s is not None:
         parts.append(f"| eta {eta_s:.0f}s")
     return " ".join(parts)

@@ -126,6 +126,7 @@ class StepMeasurement:
                 "bubble": self.bubble_per_rank[r], "simulated_bubble": self.simulated.bubble_fraction_per_rank[r],
                 "peak_memory_bytes": s.peak_memory_bytes, "activation_bytes": s.peak_activation_bytes,
                 "other_bytes": s.peak_memory_bytes - s.peak_activation_bytes,
+                **({"reserved_bytes": s.cuda_reserved_bytes} if s.cuda_reserved_bytes is not None else {}),
                 **{f"{op.lower()}_ms": ops[op] for op in OPS}, "wait_ms": self.wait_ms(r),
             })
             if self.data_parallel:
@@ -167,6 +168,10 @@ class StepMeasurement:
             **names.per_stage({op: [rounded(x) for x in v] for op, v in (("f_ms", costs.f), ("b_ms", costs.b),
                                                                         ("w_ms", costs.w))}),
         }
+        reserved = [s.cuda_reserved_bytes for s in self.samples]
+        if all(b is not None for b in reserved):  # on GPU
+            out.update({names.PEAK_RESERVED_GB: max(names.gb(b) for b in reserved),
+                        **names.per_rank(names.PEAK_RESERVED_GB, [names.gb(b) for b in reserved])})
         if self.data_parallel:
             out.update(
                 {names.MAKESPAN_REDUCE: rounded(self.measured.makespan_with_reduce),

@@ -9,7 +9,9 @@ wandb and TensorBoard.
              measured median of one microbatch), under data parallel reduce_exposed_ms(_simulated)
              per rank and makespan_with_reduce_ms(_simulated)
   memory/    peak_gb (the most of any rank; per rank under /rank<r>), activations_gb, static_gb,
-             activation_sets per rank; GB = 10^9 bytes
+             activation_sets per rank; on GPU also peak_reserved_gb (the caching allocator's
+             reserved peak: allocated + cached blocks, so fragmentation too; peak_gb is the
+             allocated peak); GB = 10^9 bytes
 
 A per-rank or per-stage value is its own scalar (`memory/peak_gb/rank0`), so every logger takes
 the same flat {name: number} dict. Pure Python.
@@ -27,6 +29,7 @@ MAKESPAN, MAKESPAN_SIM = "pipeline/makespan_ms", "pipeline/makespan_simulated_ms
 REDUCE, REDUCE_SIM = "pipeline/reduce_exposed_ms", "pipeline/reduce_exposed_simulated_ms"
 MAKESPAN_REDUCE, MAKESPAN_REDUCE_SIM = "pipeline/makespan_with_reduce_ms", "pipeline/makespan_with_reduce_simulated_ms"
 PEAK_GB, ACTIVATIONS_GB, STATIC_GB = "memory/peak_gb", "memory/activations_gb", "memory/static_gb"
+PEAK_RESERVED_GB = "memory/peak_reserved_gb"
 ACTIVATION_SETS = "memory/activation_sets"
 
 

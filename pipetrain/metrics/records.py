@@ -57,6 +57,8 @@ class RankSample:
     peak_activation_sets: int = 0
     peak_activation_bytes: int = 0  # saved-tensor bytes alive at the peak (autograd hooks)
     cuda_peak_bytes: Optional[int] = None  # the CUDA allocator's peak over the step, on GPU
+    # its peak of reserved memory (allocated + cached blocks, fragmentation included), on GPU
+    cuda_reserved_bytes: Optional[int] = None
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0

@@ -92,6 +92,7 @@ class RunSummary:
     simulated_bubble_fraction_per_rank: list[float] = field(default_factory=list)
     peak_memory_bytes_per_rank: list[int] = field(default_factory=list)  # the most any measured step used
     peak_activation_bytes_per_rank: list[int] = field(default_factory=list)
+    peak_reserved_bytes_per_rank: list[int] = field(default_factory=list)  # GPU: the allocator's reserved peak
     mfu: Optional[float] = None
     # Data parallel: the most exposed reduce ms of any rank, median over the measured steps after the first
     reduce_exposed_ms: Optional[float] = None
@@ -115,6 +116,9 @@ class RunSummary:
                 **names.per_rank(names.ACTIVATIONS_GB, [names.gb(b) for b in self.peak_activation_bytes_per_rank]),
                 names.MFU: self.mfu,
             })
+            if self.peak_reserved_bytes_per_rank:  # on GPU
+                reserved = [names.gb(b) for b in self.peak_reserved_bytes_per_rank]
+                out.update({names.PEAK_RESERVED_GB: max(reserved), **names.per_rank(names.PEAK_RESERVED_GB, reserved)})
             if self.reduce_exposed_ms is not None:
                 out.update({names.REDUCE: self.reduce_exposed_ms, names.REDUCE_SIM: self.simulated_reduce_exposed_ms})
         return out

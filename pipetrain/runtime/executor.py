@@ -174,6 +174,7 @@ class Executor:
             peak_activation_sets=self._peak_sets,
             peak_activation_bytes=self._peak_bytes,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(self.device) if cuda else None,
             peak_recv_buffer_bytes=dict(self.comm.peak_recv_bytes) if self.comm is not None else {},
             reduce_exposed_ms=times[end] - times[compute_end],
             reduce_issued_ms={s: times[m] for s, m in self._reduce_marks.items()},

@@ -24,6 +24,7 @@ class StepResult:
     peak_activation_sets: int = 0  # most (stage, microbatch) sets alive at once
     peak_activation_bytes: int = 0  # bytes autograd saved for them, at that peak
     peak_memory_bytes: Optional[int] = None  # torch.cuda.max_memory_allocated on GPU
+    peak_reserved_bytes: Optional[int] = None  # torch.cuda.max_memory_reserved on GPU (+ cached, fragmented)
     peak_recv_buffer_bytes: dict[int, int] = field(default_factory=dict)  # stage -> most bytes of posted receives
     reduce_exposed_ms: float = 0.0  # end of the last action -> every gradient reduction done (data parallel)
     reduce_issued_ms: dict[int, float] = field(default_factory=dict)  # stage -> when its reduction started

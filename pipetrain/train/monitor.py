@@ -11,7 +11,9 @@ of showing up as a late start, and so as bubble, in the next step.
 Memory per rank is split into activations (the bytes autograd saved for the live
 microbatches, counted by the executor's saved-tensor hooks) and the rest: on GPU the CUDA
 allocator's peak minus the activations; on CPU the parameters, gradients and optimizer
-state, counted from the tensors themselves.
+state, counted from the tensors themselves. On GPU the allocator's reserved peak is reported
+beside it (memory/peak_reserved_gb): what the process holds from the device, cached and
+fragmented blocks included (still without the CUDA context and NCCL's own buffers).
 
 The monitor gets what it reads (config, plan, device, run directory; at each logged step the
 rank's parameters and optimizer), never the trainer: the trainer depends on it, not back.
@@ -86,6 +88,7 @@ class Monitor:
         self.reduces: list[tuple[int, float, float]] = []  # data parallel: (step, measured, simulated) most exposed
         self.peak_memory: list[int] = []  # per rank, the most over the measured steps
         self.peak_activations: list[int] = []
+        self.peak_reserved: list[int] = []  # GPU: per rank, the most reserved over the measured steps
 
     # ---- every rank -----------------------------------------------------------------------
     def sample(self, result: StepResult, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> RankSample:
@@ -93,7 +96,8 @@ class Monitor:
         return RankSample(
             rank=self.rank, step_ms=result.step_ms, timings=result.timings, comm=result.comm,
             peak_activation_sets=result.peak_activation_sets, peak_activation_bytes=result.peak_activation_bytes,
-            cuda_peak_bytes=result.peak_memory_bytes, param_bytes=_nbytes(params), grad_bytes=grad_bytes,
+            cuda_peak_bytes=result.peak_memory_bytes, cuda_reserved_bytes=result.peak_reserved_bytes,
+            param_bytes=_nbytes(params), grad_bytes=grad_bytes,
             optimizer_bytes=optimizer_state_bytes(optimizer, grad_bytes), reduce_exposed_ms=result.reduce_exposed_ms,
             reduce_issued_ms=result.reduce_issued_ms, reduce_done_ms=result.reduce_done_ms, sync_ms=result.sync_ms,
         )
@@ -157,6 +161,9 @@ class Monitor:
         act = [s.peak_activation_bytes for s in m.samples]
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, mem)] if self.peak_memory else mem
         self.peak_activations = [max(a, b) for a, b in zip(self.peak_activations, act)] if self.peak_activations else act
+        reserved = [s.cuda_reserved_bytes for s in m.samples]
+        if all(b is not None for b in reserved):
+            self.peak_reserved = [max(a, b) for a, b in zip(self.peak_reserved, reserved)] if self.peak_reserved else reserved
 
     def note(self, text: str) -> None:
         for lg in self.loggers:
@@ -183,6 +190,7 @@ class Monitor:
             bubble_fraction_per_rank=[rounded(x) for x in last.bubble_per_rank],
             simulated_bubble_fraction_per_rank=[rounded(x) for x in last.simulated.bubble_fraction_per_rank],
             peak_memory_bytes_per_rank=self.peak_memory, peak_activation_bytes_per_rank=self.peak_activations,
+            peak_reserved_bytes_per_rank=self.peak_reserved,
             mfu=self.mfu(summary.tokens_per_s) if summary.tokens_per_s else None,
             reduce_exposed_ms=statistics.median(b[1] for b in reduces) if reduces else None,
             simulated_reduce_exposed_ms=statistics.median(b[2] for b in reduces) if reduces else None,
