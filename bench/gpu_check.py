@@ -1,0 +1,141 @@
+"""The one-GPU check (issue 24): the `gpu` test tier, then a bf16 throughput run of Llama 3.2 1B.
+
+Run through bench/gpu_check.sh (which installs what is missing first). On one GPU:
+
+1. versions: torch, CUDA, NCCL, the GPU;
+2. `python -m pytest -m gpu tests/test_gpu.py` (CUDA is visible to that tier only);
+3. `model=llama3.2-1b pipeline.degree=1 schedule=zbv trainer.precision=bf16`: one rank holding two
+   stages (zbv's V: local hand-off, split B and W), synthetic tokens, 2,048-token sequences, eager and
+   then with trainer.compile=true; per run tokens/s and MFU (summary.json, the median step after
+   warm-up), the allocator's peak (max_memory_allocated and, where reported, max_memory_reserved)
+   and the planner's predicted peak for the same config, with their ratio.
+   Targets (issue 24): MFU >= 0.40 on an H100/H200 in bf16; allocator peak within 10% of the prediction.
+
+`--cpu` is the dry run of all of it on this machine: the gpu tier with PIPETRAIN_GPU_DRYRUN=1 (its
+tests run on the CPU where that means anything) and the same runs with model=llama-tiny, short
+sequences and few steps, so a mistake in the check itself shows before GPU time is spent.
+
+Writes bench/results/gpu_check.json (or --out): every field above, the commands that produced them
+(as a user types them) and the machine. Paths in it are relative to the repo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+GPU_RUN = ["model=llama3.2-1b", "data=synthetic", "data.seq_len=2048", "data.batch_size=32",
+           "pipeline.degree=1", "pipeline.microbatches=8", "schedule=zbv", "trainer.precision=bf16",
+           "trainer.device=cuda", "trainer.max_steps=12", "trainer.log_every=4"]
+CPU_RUN = ["model=llama-tiny", "data=synthetic", "data.seq_len=64", "data.batch_size=8",
+           "pipeline.degree=1", "pipeline.microbatches=4", "schedule=zbv", "trainer.precision=bf16",
+           "trainer.device=cpu", "trainer.max_steps=4", "trainer.log_every=2"]
+COMMON = ["trainer.eval_every=0", "trainer.ckpt_at_end=false", "logger=[console,jsonl]"]
+
+
+def sh(cmd: list[str], *, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
+           "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        out.update(gpu=torch.cuda.get_device_name(0), nccl=".".join(map(str, torch.cuda.nccl.version())),
+                   gpu_memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))
+    return out
+
+
+def gpu_tier(cpu: bool, work: Path) -> dict:
+    env = {"PIPETRAIN_GPU_DRYRUN": "1"} if cpu else {}
+    junit = work / "gpu_tier.xml"
+    t0 = time.perf_counter()
+    res = sh([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider",
+              "tests/test_gpu.py", f"--junitxml={junit}"], env=env, timeout=420)
+    tail = (res.stdout + res.stderr).strip().splitlines()
+    print("\n".join(tail[-25:]), flush=True)
+    return {"command": "python -m pytest -q -m gpu tests/test_gpu.py" + (" (PIPETRAIN_GPU_DRYRUN=1)" if cpu else ""),
+            "returncode": res.returncode, "result": tail[-1] if tail else "", "seconds": round(time.perf_counter() - t0, 1),
+            "failures": [line for line in tail if line.startswith(("FAILED", "ERROR"))]}
+
+
+def predicted_peak_gb(args: list[str], work: Path) -> float | None:
+    """The planner's memory model for exactly this config (pipetrain/planner/predict.py)."""
+    res = sh([sys.executable, "-m", "pipetrain.planner.predict", *args], timeout=300)
+    if res.returncode:
+        print(res.stderr[-1500:], flush=True)
+        return None
+    return json.loads(res.stdout.strip().splitlines()[-1])["peak_gb"]
+
+
+def train(args: list[str], name: str, work: Path) -> dict:
+    run_dir = work / name
+    cmd = ["pipetrain", *args, *COMMON, f"hydra.run.dir={run_dir}"]
+    t0 = time.perf_counter()
+    res = sh([sys.executable, "-m", "pipetrain.cli", *cmd[1:]], env={"WANDB_MODE": "offline"}, timeout=420)
+    out = {"command": " ".join(a for a in cmd if not a.startswith("hydra.run.dir")), "returncode": res.returncode,
+           "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"{name}: rc {res.returncode} in {out['seconds']} s", flush=True)
+    if res.returncode:
+        out["error"] = res.stderr.strip().splitlines()[-5:]
+        print(res.stderr[-3000:], flush=True)
+        return out
+    s = json.loads((run_dir / "summary.json").read_text())
+    peak = s.get("memory/peak_gb")
+    out.update(tokens_per_s=s.get("perf/tokens_per_s"), step_time_s=s.get("perf/step_time_s"), mfu=s.get("perf/mfu"),
+               peak_allocated_gb=peak, peak_reserved_gb=s.get("memory/peak_reserved_gb"),
+               first_loss=s.get("train/first_loss"), loss=s.get("train/loss"))
+    pred = predicted_peak_gb(args, work)
+    out["predicted_peak_gb"] = pred
+    if pred and peak:
+        out["peak_over_predicted"] = round(peak / pred - 1, 4)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="dry run on the CPU (llama-tiny, the gpu tier dry-run)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_check.json"))
+    ap.add_argument("--skip-tests", action="store_true", help="only the throughput runs")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="pipetrain-gpu-check-"))
+    result: dict = {"mode": "cpu dry run" if args.cpu else "gpu", "versions": versions()}
+    print(json.dumps(result["versions"]), flush=True)
+    if not args.cpu and not result["versions"]["cuda_available"]:
+        raise SystemExit("no CUDA device is visible: run bench/gpu_check.sh --cpu for the dry run")
+    run = CPU_RUN if args.cpu else GPU_RUN
+    result["runs"] = {"eager": train(run, "eager", work),
+                      "compiled": train(run + ["trainer.compile=true"], "compiled", work)}
+    if not args.skip_tests:
+        result["gpu_tier"] = gpu_tier(args.cpu, work)
+    done = [r for r in result["runs"].values() if r.get("mfu") is not None]
+    best = max(done, key=lambda r: r["mfu"], default=None)
+    result["targets"] = {
+        "mfu_at_least_0.40": None if best is None else best["mfu"] >= 0.40,
+        "peak_within_10pct_of_prediction": None if best is None or "peak_over_predicted" not in best
+        else abs(best["peak_over_predicted"]) <= 0.10,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}", flush=True)
+    failed = [r for r in result["runs"].values() if r["returncode"]]
+    if failed or (not args.skip_tests and result["gpu_tier"]["returncode"]):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

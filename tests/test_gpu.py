@@ -1,0 +1,246 @@
+"""The `gpu` tier: what one CUDA GPU can show (review cuda-nccl-review.md, sections 4 and 5).
+
+Selected with `python -m pytest -m gpu` (tests/conftest.py hides CUDA from every other test);
+skipped where no GPU is visible. `bench/gpu_check.sh` runs this tier on a GPU machine, and
+`bench/gpu_check.sh --cpu` runs it here as a dry run of the test code itself: with
+PIPETRAIN_GPU_DRYRUN=1 each test runs on the CPU with gloo where that means anything
+(the checks of CUDA-only behaviour skip).
+
+What two or more GPUs would be needed for (pipeline P2P on NCCL, TP/DP numerics over NCCL) is
+not here: NCCL refuses two ranks on one device. The CPU suite's emulation of NCCL's rules
+(pipeline.p2p_in_order, the p2p_check sweep) covers those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import run_cli
+
+DRYRUN = os.environ.get("PIPETRAIN_GPU_DRYRUN") == "1"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (DRYRUN or torch.cuda.is_available()), reason="needs a CUDA GPU (the gpu tier)"),
+]
+DEVICE = torch.device("cpu") if DRYRUN else torch.device("cuda", 0)
+BACKEND = "gloo" if DRYRUN else "nccl"
+cuda_only = pytest.mark.skipif(DRYRUN, reason="CUDA-only behaviour: nothing to dry-run on the CPU")
+CLI_DEVICE = "cpu" if DRYRUN else "cuda"
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """A world-1 process group on this process (NCCL on the GPU), torn down afterwards."""
+    store = dist.HashStore()
+    kwargs = {} if DRYRUN else {"device_id": DEVICE}
+    if not DRYRUN:
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(BACKEND, store=store, rank=0, world_size=1, **kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- NCCL with one rank -------------------------------------------------------------------
+def test_world_of_one_collectives_the_trainer_uses():
+    """G1: the fp64 loss all-reduce, object collectives and barrier of the trainer, over NCCL."""
+    with world_of_one():
+        loss = torch.tensor([1.5, 2.0], dtype=torch.float64, device=DEVICE)
+        dist.all_reduce(loss)
+        assert loss.tolist() == [1.5, 2.0]
+        objs = [{"plan": 1}, "dir"]
+        dist.broadcast_object_list(objs, src=0)
+        gathered = [None]
+        dist.all_gather_object(gathered, {"rank": 0})
+        dist.barrier()
+        assert objs == [{"plan": 1}, "dir"] and gathered == [{"rank": 0}]
+
+
+@cuda_only
+def test_cpu_tensor_over_nccl_fails():
+    """Why index tensors must live on the data's device (F2) and nccl + cpu is refused (F4)."""
+    with world_of_one():
+        with pytest.raises(Exception):
+            dist.all_reduce(torch.ones(2))
+            torch.cuda.synchronize()
+
+
+# ---- split backward and FSDP2 under CUDA ----------------------------------------------------
+def _block(C: int = 64, H: int = 4) -> torch.nn.Module:
+    from tests.test_backward import Block
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Block(C, H), Block(C, H)).to(DEVICE)
+
+
+def test_split_backward_equals_fused_under_autocast():
+    """G7: B then W gives the fused backward's gradients under bf16 autocast on CUDA."""
+    from pipetrain.runtime.backward import backward_full, backward_input, backward_weight
+
+    model = _block()
+    params = list(model.parameters())
+    x = torch.randn(2, 16, 64, device=DEVICE)
+    g = torch.randn(2, 16, 64, device=DEVICE)
+
+    def run(split: bool):
+        for p in params:
+            p.grad = None
+        xin = x.clone().requires_grad_()
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            out = model(xin)
+        if split:
+            gin, work = backward_input([out], [g.to(out.dtype)], [xin], params)
+            assert all(p.grad is None for p in params)
+            backward_weight(work)
+        else:
+            gin = backward_full([out], [g.to(out.dtype)], [xin], params)
+        return gin[0].float(), [p.grad.clone() for p in params]
+
+    ref_in, ref = run(False)
+    got_in, got = run(True)
+    for a, b in zip([ref_in, *ref], [got_in, *got]):
+        assert (a - b).norm() <= 2e-2 * a.norm() + 1e-6
+
+
+def _pipeline(config, *, dp=None, seed=0):
+    from pipetrain.plan import build_model, make_plan
+    from pipetrain.train.pipeline import build_rank_pipeline
+
+    from pipetrain.schedules.reduce import add_reduces
+
+    plan = make_plan(config)
+    model = build_model(config.model, device="meta")
+    schedule = plan.schedule if dp is None else add_reduces(plan.schedule)  # what a dp run's plan carries
+    return plan, build_rank_pipeline(model, plan.chunk_bounds, schedule, 0,
+                                     microbatch_size=config.microbatch_size, seq_len=config.data.seq_len,
+                                     device=DEVICE, dp=dp, seed=seed)
+
+
+class _OneRankFsdp:
+    """parallel/dp.DataParallel's two calls, over a one-rank mesh (FSDP2 needs no peer to run)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def wrap(self, stage):
+        from pipetrain.parallel.fsdp import shard_stage
+
+        return shard_stage(stage, self.mesh, param_dtype=None, reduce_dtype=torch.float32)
+
+    def reducer(self, stages):
+        from pipetrain.parallel.fsdp import FsdpReduce
+
+        return FsdpReduce(stages)
+
+
+def test_fsdp2_on_a_one_rank_mesh_driven_by_the_executor(compose):
+    """G8: FSDP2 stages run as the executor runs them (split B/W of zbv, REDUCE_GRAD, explicit
+    post-backward per param group) give the unsharded pipeline's loss and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipetrain.train.data import split_microbatches
+
+    config = compose(["model=gpt2-tiny", "pipeline.degree=1", "schedule=zbv", "pipeline.microbatches=4",
+                      "data=synthetic", "data.batch_size=4", "data.seq_len=32"])
+    with world_of_one():
+        mesh = init_device_mesh(DEVICE.type, (1,), mesh_dim_names=("dp_shard",))
+        _, plain = _pipeline(config)
+        _, sharded = _pipeline(config, dp=_OneRankFsdp(mesh))
+        torch.manual_seed(1)
+        batch = torch.randint(0, 256, (4, 33))
+        mbs = split_microbatches((batch[:, :-1], batch[:, 1:]), 4)
+        loss_a, loss_b = plain.executor.step(mbs).loss, sharded.executor.step(mbs).loss
+        assert abs(loss_a - loss_b) <= 1e-5 * abs(loss_a)
+        ref = {(s, n): p.grad for s, n, p in plain.named_parameters()}
+        for s, n, p in sharded.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(grad, ref[(s, n)], atol=1e-5, rtol=1e-4)
+
+
+# ---- timing ---------------------------------------------------------------------------------
+@cuda_only
+def test_step_clock_measures_gpu_time_not_host_time():
+    """G12: CUDA-event marks around two GPU sleeps read their lengths, however fast the host queued them."""
+    from pipetrain.runtime.clock import StepClock
+
+    cycles_per_ms = _cycles_per_ms()
+    clock = StepClock(DEVICE)
+    clock.start()
+    torch.cuda._sleep(int(50 * cycles_per_ms))
+    clock.mark()
+    torch.cuda._sleep(int(30 * cycles_per_ms))
+    clock.mark()
+    t = clock.resolve()
+    assert 40 < t[1] < 65 and 20 < t[2] - t[1] < 42, t
+
+
+def _cycles_per_ms() -> float:
+    """GPU clock cycles in one ms of torch.cuda._sleep (measured, as torch's own tests do)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    return 1_000_000 / start.elapsed_time(end)
+
+
+# ---- the pipetrain command on one GPU ---------------------------------------------------------
+RUN = ["model=llama-tiny", "data=builtin", "data.batch_size=8", "data.seq_len=64", "pipeline.degree=1",
+       "pipeline.microbatches=4", "schedule=zbv", "trainer.precision=bf16", f"trainer.device={CLI_DEVICE}",
+       "trainer.log_every=5", "trainer.eval_every=0", "logger=[console,jsonl]"]
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_one_rank_zbv_bf16_run_async_checkpoints_profiler_then_resume(tmp_path):
+    """The review's runs zbv_bf16 and zbv_resume: one rank, two local stages (zbv: local hand-off,
+    split B and W), bf16 autocast, fused AdamW, CUDA-event timings, async checkpoints every 10
+    steps, the profiler and a memory snapshot at step 5; then a resume to step 40."""
+    args = RUN + ["run.name=g", "trainer.max_steps=30", "trainer.ckpt_every=10", "checkpoint.async_save=true",
+                  "profile.enabled=true", "profile.start_step=5", f"profile.memory_snapshot={not DRYRUN}"]
+    res = run_cli(args, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "outputs" / "g"
+    s = _summary(run_dir)
+    assert s["train/loss"] < s["train/first_loss"], s
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert len([c for c in ckpts if c.startswith("step")]) >= 3, ckpts
+    profiled = [p.name for p in (run_dir / "profile").rglob("*") if p.is_file()]
+    assert profiled, "the profiler wrote nothing"
+    if not DRYRUN:
+        assert any(n.endswith("_memory.pickle") for n in profiled), profiled
+        assert s["memory/peak_gb"] > 0
+    res = run_cli(RUN + ["run.name=g", "trainer.max_steps=40", "trainer.resume=auto"], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed" in (res.stdout + res.stderr) and "step 30" in (res.stdout + res.stderr)
+    assert _summary(run_dir)["steps"] == 40
+
+
+def test_one_rank_1f1b_fp32(tmp_path):
+    """The review's run 1f1b_fp32: fused AdamW on fp32, one stage, one rank."""
+    args = [a for a in RUN if not a.startswith(("schedule=", "trainer.precision"))]
+    res = run_cli(args + ["run.name=f", "schedule=1f1b", "trainer.max_steps=20"], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = _summary(tmp_path / "outputs" / "f")
+    assert s["steps"] == 20 and s["train/loss"] < s["train/first_loss"]
+
+
+@cuda_only
+def test_nccl_with_cpu_tensors_is_refused_before_any_rank(tmp_path):
+    """The review's run nccl_cpu (F4): refused in one line, before a process is spawned."""
+    res = run_cli(["cluster.backend=nccl", "trainer.device=cpu", "trainer.max_steps=1", "run.name=n"],
+                  cwd=tmp_path, timeout=120)
+    assert res.returncode != 0
+    assert "cluster.backend" in res.stderr and "trainer.device" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "outputs" / "n" / "metrics.jsonl").exists()
