@@ -32,10 +32,16 @@ class CheckpointConfig:
     # write with DCP's async_save: training goes on while a background thread writes the files
     # (the copy to host memory still blocks; the time a save blocks training is reported)
     async_save: bool = False
+    # timeout of the checkpoint phase's collectives (a gloo group of their own, not NCCL's 300 s
+    # watchdog): ranks wait there while others write, hash before a resume, or delete old ones
+    timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.keep_last < 0:
             raise ValueError(f"checkpoint.keep_last must be >= 0 (got {self.keep_last}; 0 keeps every checkpoint)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"checkpoint.timeout_s must be > 0 seconds (got {self.timeout_s}): e.g. "
+                             f"checkpoint.timeout_s=3600 for a checkpoint of hundreds of GB")
 
 
 @dataclass

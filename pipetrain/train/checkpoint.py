@@ -27,6 +27,9 @@ adds meta.json (with the sha256 manifest of every other file, each rank hashing 
 it wrote) and renames the directory to step_000123. A crash at any point leaves either no
 step_000123 or a complete one; the newest checkpoint is the highest whole step_* (a damaged one
 is reported and passed over: train/checkpoint_dirs.py). checkpoint.keep_last prunes older ones.
+The checkpoint phase's collectives (DCP's, the barriers, the manifest, the resume's spread
+hashing) run on a gloo group of their own with checkpoint.timeout_s (train/checkpoint_group.py),
+so no rank waits on file work inside an NCCL collective.
 
 meta.json's fingerprint and the resume rules: train/checkpoint_meta.py.
 
@@ -43,9 +46,9 @@ import os
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +59,7 @@ from pipetrain.train.checkpoint_dirs import (  # noqa: F401  (the layout on disk
     CKPT_DIR, DCP_METADATA, META, Note, damage, list_checkpoints, manifest, newest_checkpoint, prune,
     resolve_resume, silent, step_dir, step_dirs,
 )
+from pipetrain.train.checkpoint_group import CheckpointGroup, pick
 from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
 
 if TYPE_CHECKING:
@@ -80,13 +84,19 @@ class Checkpointable:
     optimizer: torch.optim.Optimizer
     state: TrainState
     tp: Optional[TPShards] = None  # tensor parallel: the weights split across tp ranks (saved unsplit)
+    # the checkpoint phase's own gloo group (checkpoint.timeout_s), made at the first resume or save
+    comm: CheckpointGroup = field(default_factory=CheckpointGroup, compare=False, repr=False)
+
+    def group(self, config: Optional[Config] = None) -> Optional[dist.ProcessGroup]:
+        """Collective on first use: the group the checkpoint phase's collectives run on."""
+        return self.comm.get(config.checkpoint.timeout_s if config is not None else None)
 
 
 def preflight(config: Config, run_dir: Path) -> Optional[Path]:
     """For the CLI, before any process starts: the checkpoint trainer.resume names (None: fresh),
     checked against this run's model. Raises the same one-line ValueErrors the ranks would. A
-    checkpoint named explicitly is checked byte by byte here; `auto` by sizes (rank 0 reads the
-    bytes before loading, and reports a damaged one it passes over)."""
+    checkpoint named explicitly is checked byte by byte here; `auto` by sizes (the ranks read the
+    bytes before loading, each a share, and report a damaged one they pass over)."""
     explicit = config.trainer.resume not in (None, "", "null", "none", "None", "auto")
     path = resolve_resume(config.trainer.resume, run_dir, deep=explicit)
     if path is not None:
@@ -174,9 +184,9 @@ def save_state_dict(target: Checkpointable) -> dict[str, torch.Tensor]:
 # ---- save ----------------------------------------------------------------------------------------
 
 
-def _barrier() -> None:
+def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -202,29 +212,33 @@ def _commit(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare_staging(target: Checkpointable, run_dir: Path) -> Path:
-    """Collective: the step's empty temporary directory (rank 0 makes it; a crashed save's is replaced)."""
+def prepare_staging(target: Checkpointable, run_dir: Path, *, group: Optional[dist.ProcessGroup] = None) -> Path:
+    """Collective (on `group`): the step's empty temporary directory (rank 0 makes it; a crashed
+    save's is replaced)."""
     final = step_dir(run_dir, target.state.step)
     tmp = final.with_name(f".{final.name}.tmp")
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     return tmp
 
 
-def write_staged(target: Checkpointable, run_dir: Path) -> Path:
-    """Collective: every rank writes its keys into the step's temporary directory (nothing visible yet)."""
-    tmp = prepare_staging(target, run_dir)
+def write_staged(target: Checkpointable, run_dir: Path, config: Optional[Config] = None) -> Path:
+    """Collective: every rank writes its keys into the step's temporary directory (nothing visible
+    yet). The tp gathers of save_state_dict run on the tp group; the rest on the checkpoint group."""
+    group = target.group(config)
+    tmp = prepare_staging(target, run_dir, group=group)
+    state = save_state_dict(target)
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         import torch.distributed.checkpoint as dcp  # ~0.5 s to import: only runs that save pay it
 
-        dcp.save(save_state_dict(target), checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
     return tmp
 
 
-def _manifest(tmp: Path) -> Optional[dict[str, dict[str, Any]]]:
+def _manifest(tmp: Path, group: Optional[dist.ProcessGroup]) -> Optional[dict[str, dict[str, Any]]]:
     """Collective, after every rank's files are on disk: each rank hashes the tensor data it wrote
     (DCP names it __<rank>_<n>.distcp), rank 0 gathers them and hashes the rest (.metadata).
     Returns the manifest on rank 0, None elsewhere."""
@@ -232,17 +246,20 @@ def _manifest(tmp: Path) -> Optional[dict[str, dict[str, Any]]]:
     if not dist.is_initialized():
         return manifest(tmp, known=mine)
     parts: Optional[list[Any]] = [None] * dist.get_world_size() if _rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
+    dist.gather_object(mine, parts, group=group, group_dst=0)
     if parts is None:
         return None
     return manifest(tmp, known={k: v for part in parts for k, v in part.items()})
 
 
-def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, note: Note = silent) -> Path:
-    """Collective, once every rank's files of `tmp` are on disk: the manifest, meta.json (last) and
-    the rename that makes the checkpoint of step st.step visible; then checkpoint.keep_last."""
+def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, note: Note = silent,
+                  group: Optional[dist.ProcessGroup] = None) -> Path:
+    """Collective (on `group`, the checkpoint group: rank 0's file work below runs while the others
+    wait under checkpoint.timeout_s), once every rank's files of `tmp` are on disk: the manifest,
+    meta.json (last) and the rename that makes the checkpoint of step st.step visible; then
+    checkpoint.keep_last."""
     final = step_dir(run_dir, st.step)
-    files = _manifest(tmp)
+    files = _manifest(tmp, group)
     if _rank() == 0:
         meta = {"format": FORMAT, "step": st.step, "tokens": st.tokens, "skipped": st.skipped,
                 "data_position": st.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -250,7 +267,7 @@ def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, n
                 "fingerprint": fingerprint(config), "files": files}
         _commit(tmp, final, meta)
         prune(run_dir, config.checkpoint.keep_last, note=note)
-    _barrier()  # no rank goes on (or exits) before the checkpoint is visible
+    _barrier(group)  # no rank goes on (or exits) before the checkpoint is visible
     return final
 
 
@@ -258,9 +275,10 @@ def save_checkpoint(target: Checkpointable, run_dir: Path, config: Config, *, no
     """Collective: save after the current step (target.state.step); returns the committed directory.
     meta.json, written last, carries the manifest of every other file (train/checkpoint_dirs.py)."""
     t0 = time.perf_counter()
-    tmp = write_staged(target, run_dir)
-    _barrier()  # every rank's files are on disk
-    final = commit_staged(tmp, target.state, run_dir, config, note=note)
+    tmp = write_staged(target, run_dir, config)
+    group = target.group(config)
+    _barrier(group)  # every rank's files are on disk
+    final = commit_staged(tmp, target.state, run_dir, config, note=note, group=group)
     if _rank() == 0:
         note(f"checkpoint: saved {final} ({time.perf_counter() - t0:.2f} s)")
     return final
@@ -303,7 +321,7 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
     targets, adam = _load_targets(target, available)
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(targets, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(targets, checkpoint_id=path, process_group=target.group(config), no_dist=not dist.is_initialized())
     _restore(target, targets, adam)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > meta["world_size"]:  # RNG states are per rank; the data position is the step
@@ -357,13 +375,8 @@ def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note 
     restarted=True (a worker group torch elastic restarted): the newest good checkpoint of the run
     directory first, whatever trainer.resume says; trainer.resume's own only when there is none."""
     want = config.trainer.resume
-
-    def pick() -> Optional[Path]:
-        # rank 0 reads every byte against the manifest; a damaged newest checkpoint is reported and passed over
-        found = resolve_resume("auto", run_dir, deep=True, note=note) if restarted else None
-        return found or resolve_resume(want, run_dir, deep=True, note=note)
-
-    path = _agreed(pick)
+    # rank 0 picks (its listing is the one every rank loads), every rank hashes a share of the bytes
+    path = pick(want, run_dir, restarted=restarted, group=target.group(config), note=note)
     if path is None:
         if want == "auto" or restarted:
             note(f"checkpoint: no checkpoint in {Path(run_dir) / CKPT_DIR}, starting fresh")
@@ -371,20 +384,3 @@ def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note 
     meta = load_checkpoint(target, path, config, note=note)
     note(f"checkpoint: resumed from {path} at step {meta['step']}")
     return path
-
-
-def _agreed(resolve: Callable[[], Optional[Path]]) -> Optional[Path]:
-    """Rank 0 picks the checkpoint and every rank loads that one (or raises its error): ranks
-    listing the directory themselves could disagree while another job is committing a save."""
-    if not dist.is_initialized():
-        return resolve()
-    box: list[Any] = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = resolve()
-        except ValueError as e:
-            box[1] = str(e)
-    dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise ValueError(box[1])
-    return box[0]

@@ -11,6 +11,7 @@ each save blocked training and the time it took in the background.
 
 from __future__ import annotations
 
+import datetime
 import time
 import warnings
 from concurrent.futures import Future
@@ -48,8 +49,10 @@ class AsyncSaver:
         self.finish()  # the previous one first: one in flight
         t0 = time.perf_counter()
         if dist.is_initialized() and self.group is None:
-            self.group = dist.new_group(backend="gloo")  # collective: every rank saves at the same steps
-        tmp = prepare_staging(target, self.run_dir)
+            # collective: every rank saves at the same steps; checkpoint.timeout_s, as the sync save's group
+            self.group = dist.new_group(backend="gloo",
+                                        timeout=datetime.timedelta(seconds=self.config.checkpoint.timeout_s))
+        tmp = prepare_staging(target, self.run_dir, group=self.group)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             import torch.distributed.checkpoint as dcp
@@ -71,8 +74,8 @@ class AsyncSaver:
             return None
         p, self.pending = self.pending, None
         p.future.result()  # this rank's files are written (raises what the background write raised)
-        _barrier()  # every rank's
-        final = commit_staged(p.tmp, p.state, self.run_dir, self.config, note=silent)
+        _barrier(self.group)  # every rank's (the background write, done, used this group: it is free)
+        final = commit_staged(p.tmp, p.state, self.run_dir, self.config, note=silent, group=self.group)
         if _rank() == 0:
             self.note(f"checkpoint: saved {final} (blocked training {p.blocked_s:.2f} s, "
                       f"{time.perf_counter() - p.started:.2f} s in all)")

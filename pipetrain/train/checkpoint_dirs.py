@@ -13,7 +13,8 @@ before DCP reads them (DCP itself would fail in every rank, or load the damaged 
 
 `damage(path)` says what is wrong, in a few words, or None. `deep=False` checks sizes only (a
 cheap look, for retention and `trainer.resume=auto` before launching); `deep=True` reads every
-byte (rank 0, before the ranks load; the CLI too for an explicit trainer.resume=PATH).
+byte (the CLI for an explicit trainer.resume=PATH; before the ranks load, every rank hashes its
+`share` of the files and they agree on a verdict: train/checkpoint_pick.py, through `check_bytes`).
 
 A damaged newest checkpoint is reported by name and why, and the previous good one is used
 (`trainer.resume=auto`, or a run directory); one named explicitly is refused in one line.
@@ -26,7 +27,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 CKPT_DIR = "checkpoints"
 META = "meta.json"
@@ -36,6 +37,9 @@ _CHUNK = 1 << 20
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 Note = Callable[[str], None]  # where a message for the user goes
+Files = Mapping[str, Mapping[str, Any]]  # a manifest: file name -> {"bytes": n, "sha256": hex}
+# the byte check of a checkpoint whose sizes are right: (directory, its manifest) -> what is wrong, or None
+CheckBytes = Callable[[Path, Files], Optional[str]]
 
 
 def silent(text: str) -> None:
@@ -78,8 +82,39 @@ def read_meta_checked(path: Path) -> tuple[Optional[dict[str, Any]], Optional[st
     return meta, None
 
 
-def damage(path: Path, *, deep: bool = True) -> Optional[str]:
-    """What is wrong with the checkpoint directory `path`, or None when it is whole."""
+def check_order(name: str) -> tuple[bool, str]:
+    """The order files are checked and reported in: DCP's index first, then by name."""
+    return name != DCP_METADATA, name
+
+
+def hash_damage(path: Path, files: Files, *, read: Callable[[Path], str] = sha256) -> Optional[tuple[str, str]]:
+    """The first of `files` (in check order) whose bytes do not match its sha256: (name, why), or None.
+    `read`: a file's sha256 (hex)."""
+    for name in sorted(files, key=check_order):
+        if read(Path(path) / name) != files[name]["sha256"]:
+            return name, f"{name} does not match its sha256 in the manifest (its bytes changed)"
+    return None
+
+
+def share(files: Files, world: int) -> list[list[str]]:
+    """The files each of `world` ranks hashes: largest first to the least loaded rank (ties: the
+    lowest), so every rank reads about 1/world of the bytes; the same on every rank."""
+    loads, out = [0] * world, [[] for _ in range(world)]
+    for name in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)):
+        r = min(range(world), key=lambda i: (loads[i], i))
+        out[r].append(name)
+        loads[r] += int(files[name]["bytes"])
+    return [sorted(names, key=check_order) for names in out]
+
+
+def _check_all(path: Path, files: Files) -> Optional[str]:
+    found = hash_damage(path, files)
+    return None if found is None else found[1]
+
+
+def damage(path: Path, *, deep: bool = True, check_bytes: Optional[CheckBytes] = None) -> Optional[str]:
+    """What is wrong with the checkpoint directory `path`, or None when it is whole. deep: the
+    bytes too, by `check_bytes` (default: this process hashes every file)."""
     path = Path(path)
     if not path.is_dir():
         return "not a directory"
@@ -94,16 +129,14 @@ def damage(path: Path, *, deep: bool = True) -> Optional[str]:
     files = meta.get("files")
     if files is None:  # written before manifests: nothing to check the bytes against
         return None
-    for name, want in sorted(files.items(), key=lambda kv: (kv[0] != DCP_METADATA, kv[0])):
-        file = path / name
+    for name in sorted(files, key=check_order):
+        file, want = path / name, files[name]
         if not file.is_file():
             return f"{name} is missing"
         size = file.stat().st_size
         if size != want["bytes"]:
             return f"{name} has {size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
-        if deep and sha256(file) != want["sha256"]:
-            return f"{name} does not match its sha256 in the manifest (its bytes changed)"
-    return None
+    return (check_bytes or _check_all)(path, files) if deep else None
 
 
 # ---- which checkpoint ---------------------------------------------------------------------------
@@ -126,12 +159,13 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in step_dirs(root) if damage(p, deep=False) is None]
 
 
-def newest_good(root: Path, *, deep: bool = False, note: Note = silent) -> Optional[Path]:
+def newest_good(root: Path, *, deep: bool = False, note: Note = silent,
+                check_bytes: Optional[CheckBytes] = None) -> Optional[Path]:
     """The newest whole checkpoint under `root` (None: there is none). Damaged newer ones are
     reported by name and why; when every one is damaged the run refuses rather than start over."""
     bad: list[str] = []
     for step, path in reversed(step_dirs(root)):
-        why = damage(path, deep=deep)
+        why = damage(path, deep=deep, check_bytes=check_bytes)
         if why is None:
             for text in bad:
                 note(f"checkpoint: {text}: resuming from {path.name} instead")
@@ -148,27 +182,29 @@ def newest_checkpoint(run_dir: Path) -> Optional[Path]:
     return ckpts[-1][1] if ckpts else None
 
 
-def resolve_resume(resume: Optional[str], run_dir: Path, *, deep: bool = False, note: Note = silent) -> Optional[Path]:
+def resolve_resume(resume: Optional[str], run_dir: Path, *, deep: bool = False, note: Note = silent,
+                   check_bytes: Optional[CheckBytes] = None) -> Optional[Path]:
     """The checkpoint trainer.resume names, or None to start fresh. `auto`: the newest good one in
     this run directory (none: None). A path: a step_* directory (refused in one line if damaged),
     or a run / checkpoints directory (its newest good one). Errors are one line."""
+    by = {"deep": deep, "note": note, "check_bytes": check_bytes}
     if resume is None or resume in ("", "null", "none", "None"):
         return None
     if resume == "auto":
-        return newest_good(Path(run_dir) / CKPT_DIR, deep=deep, note=note)
+        return newest_good(Path(run_dir) / CKPT_DIR, **by)
     path = Path(resume).expanduser()
     hint = "set trainer.resume to a checkpoints/step_* directory, to auto, or to null"
     if not path.exists():
         raise ValueError(f"trainer.resume={resume}: no such checkpoint directory: {hint}")
     if _STEP_DIR.match(path.name) or (path / META).exists():
-        why = damage(path, deep=deep)
+        why = damage(path, deep=deep, check_bytes=check_bytes)
         if why:
             raise ValueError(f"trainer.resume={resume}: {path.name} is damaged ({why}): resume from an older "
                              f"checkpoint in {path.parent}, or set trainer.resume=auto to take the newest good one")
         return path
     for root in (path, path / CKPT_DIR):
         if step_dirs(root):
-            return newest_good(root, deep=deep, note=note)
+            return newest_good(root, **by)
     raise ValueError(f"trainer.resume={resume}: not a complete checkpoint (no {META} and {DCP_METADATA}): {hint}")
 
 
