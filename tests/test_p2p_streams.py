@@ -146,3 +146,14 @@ def test_simulate_refuses_a_one_group_plan_that_would_hang_and_accepts_the_defau
     assert "pipeline.p2p_transport=pair_groups" in lines[0]
     ok = run_cli(cmd, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
+
+
+@pure
+def test_nccl_waits_are_stream_waits_gloo_waits_are_timed():
+    """Review F5: on NCCL `Work.wait(timeout)` blocks the host until the kernels finish, so the transport
+    calls `wait()` there (the pair group's timeout ends a hang); gloo keeps its timed waits. The GPU
+    tier checks the host time of both waits behind a GPU sleep."""
+    from pipetrain.runtime.comm import host_timed_wait
+
+    assert host_timed_wait("gloo") is True
+    assert host_timed_wait("nccl") is False

@@ -9,21 +9,29 @@ share. This transport only executes it:
   - `receive(msg)`      waits for a posted receive and returns its buffer;
   - `finish()`          waits for every send of the step.
 
+Transports (`pipeline.p2p_transport`): `pair_groups` posts each group on the 2-rank process
+group of its pair (parallel/pairs.py), so on NCCL every pair has its own communicator and
+stream; `one_group` posts everything on the pipeline's process group, whose one NCCL stream
+runs a rank's groups to all peers in issue order (a send may queue behind a receive from the
+other neighbour; the validator refuses plans that deadlock so).
+
 Backends:
   - NCCL: each group is one `batch_isend_irecv` (one step of the pair's order).
   - gloo: plain isend/irecv with a tag per message (`batch_isend_irecv` has been reported
     to hang with gloo, pytorch/PiPPy#989, pytorch/pytorch#132644).
-  - gloo, in order (`pipeline.p2p_in_order`, for tests): gloo made to behave like NCCL.
-    Every message of a pair carries the same tag, so messages match by position, and a
-    rank's groups toward one peer run one after another on a thread per peer, like kernels
-    on NCCL's stream for that pair: a group is posted once the previous one has completed. A plan
-    that would deadlock or mix up messages on NCCL does so here too, on CPU.
+  - gloo, in order (`pipeline.p2p_in_order`, for tests): gloo made to behave like NCCL under
+    the transport. Every message of a pair carries the same tag, so messages match by
+    position, and a rank's groups run one after another on a thread per NCCL stream (one per
+    peer with pair_groups, one for all peers with one_group), like kernels on that stream: a
+    group is posted once the previous one has completed. A plan that would deadlock or mix up
+    messages on NCCL does so here too, on CPU.
 
-Every wait has a timeout, and a timeout or a dead peer raises `P2PError` naming this rank,
-the action and the peer. On NCCL completed sends are dropped at every boundary; gloo only
-reports completion through `wait`, so there sends are waited for at the end of the step.
-A gloo work is waited for once only (a second wait on a receive blocks for a message that
-never comes).
+Waits: on gloo every wait has a timeout, and a timeout or a dead peer raises `P2PError` naming
+this rank, the action and the peer. On NCCL a wait is a stream wait (`host_timed_wait`): the host
+runs ahead, and the pair group's timeout (NCCL's watchdog) ends a hang. On NCCL completed sends are
+dropped at every boundary; gloo only reports completion through `wait`, so there sends are waited
+for at the end of the step. A gloo work is waited for once only (a second wait on a receive blocks
+for a message that never comes).
 """
 
 from __future__ import annotations
@@ -60,18 +68,28 @@ class _Posted:
         self.error: Optional[BaseException] = None
 
 
+def host_timed_wait(backend: str) -> bool:
+    """Whether a P2P wait blocks the host with a timeout: on gloo, yes (the only way to bound it).
+    On NCCL no: `Work.wait(timeout)` blocks the CPU thread until the kernels complete (torch >= 2.6,
+    pytorch/pytorch#137295), draining the GPU queue at every receive, while `wait()` only makes the
+    current stream wait, which is all a receive buffer needs; the pair group's timeout ends a hang."""
+    return backend != "nccl"
+
+
 class _Stream:
-    """In order mode: a rank's stream toward one peer, run by a thread like a CUDA stream.
+    """In order mode: one NCCL stream of this rank (toward one peer, or toward all peers with
+    one_group), run by a thread like a CUDA stream.
 
     Groups run one after another: the next is posted only once every operation of the
     previous one has completed. (gloo only reports completion through `wait`, hence a
-    thread per peer rather than polling.)
+    thread per stream rather than polling.)
     """
 
-    def __init__(self, comm: "P2P", peer: int) -> None:
-        self.comm, self.peer = comm, peer
+    def __init__(self, comm: "P2P", peer: Optional[int]) -> None:
+        self.comm = comm
         self.queue: "queue.SimpleQueue[Optional[_Posted]]" = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name=f"p2p-stream-{peer}", daemon=True)
+        name = f"p2p-stream-{'all' if peer is None else peer}"
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
@@ -79,9 +97,10 @@ class _Stream:
         while (posted := self.queue.get()) is not None:
             try:
                 if failed is None:
+                    peer = posted.group.peer
                     self.comm._post(posted)
                     for work in posted.send_works + [w for ws in posted.recv_works.values() for w in ws]:
-                        self.comm._wait(work, lambda: f"its in-order stream to rank {self.peer}", self.peer)
+                        self.comm._wait(work, lambda: f"its in-order stream's group with rank {peer}", peer)
             except BaseException as e:  # handed to the main thread, which raises it where it waits
                 failed = e
             posted.error = failed
@@ -90,7 +109,11 @@ class _Stream:
 
 
 class P2P:
-    """Point-to-point transport for one rank over a torch.distributed process group."""
+    """Point-to-point transport for one rank over a torch.distributed process group.
+
+    `pair_groups` (pipeline.p2p_transport=pair_groups): peer global rank -> the pair's process
+    group (parallel/pairs.py); None posts everything on `group` (one_group). `in_order` streams
+    follow the transport: one per peer with pair groups, one per rank without."""
 
     def __init__(
         self,
@@ -101,6 +124,7 @@ class P2P:
         group: Optional[dist.ProcessGroup] = None,
         group_ranks: Optional[list[int]] = None,
         in_order: bool = False,
+        pair_groups: Optional[dict[int, dist.ProcessGroup]] = None,
         consumer_stage: Callable[[Message], int] = lambda m: m.stage,
     ) -> None:
         self.rank = rank
@@ -110,10 +134,15 @@ class P2P:
         self._global = group_ranks  # pipeline rank -> global rank (None: the same)
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
         self.nccl = backend == "nccl"
+        self.timed_waits = host_timed_wait(backend)
         self.in_order = in_order and not self.nccl  # NCCL is in order by itself
+        self.pair_groups = pair_groups
+        # In order mode emulates the transport's NCCL streams: one per pair of ranks with pair
+        # groups, one per rank on a single process group.
+        self.stream_per_peer = pair_groups is not None
         self.consumer_stage = consumer_stage
         self.plan: Optional[RankPlan] = None
-        self._streams: dict[int, _Stream] = {}  # in order mode: one per peer, kept across steps
+        self._streams: dict[Optional[int], _Stream] = {}  # in order mode: peer (or None: all) -> stream, kept across steps
 
     # ---- one step -----------------------------------------------------------------
     def begin(self, plan: RankPlan, buffer_for: Callable[[Message], torch.Tensor]) -> None:
@@ -144,9 +173,10 @@ class P2P:
                 self._pending_bytes[stage] += nbytes
                 self.peak_recv_bytes[stage] = max(self.peak_recv_bytes[stage], self._pending_bytes[stage])
             if self.in_order:
-                if g.peer not in self._streams:
-                    self._streams[g.peer] = _Stream(self, g.peer)
-                self._streams[g.peer].queue.put(posted)
+                key = g.peer if self.stream_per_peer else None
+                if key not in self._streams:
+                    self._streams[key] = _Stream(self, key)
+                self._streams[key].queue.put(posted)
             else:
                 self._post(posted)
             self._inflight.append(posted)
@@ -204,18 +234,19 @@ class P2P:
 
     def _post(self, posted: _Posted) -> None:
         g, peer = posted.group, self._peer(posted.group.peer)
-        if self.nccl:
-            ops = [dist.P2POp(dist.isend, t, peer, self.group) for t in posted.send_bufs]
-            ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in posted.recv_bufs.values()]
+        group = self.group if self.pair_groups is None else self.pair_groups[peer]
+        if self.nccl:  # on a pair group: that pair's own communicator and stream
+            ops = [dist.P2POp(dist.isend, t, peer, group) for t in posted.send_bufs]
+            ops += [dist.P2POp(dist.irecv, b, peer, group) for b in posted.recv_bufs.values()]
             posted.send_works = dist.batch_isend_irecv(ops)
             # One NCCL group completes as a whole: a receive waits for the group's works.
             posted.recv_works = {m: posted.send_works for m in posted.recv_bufs}
             return
         # In order, every message of a pair has one tag: gloo then matches them by position, as NCCL does.
         M, in_order = self.num_microbatches, self.in_order
-        posted.send_works = [dist.isend(t, dst=peer, group=self.group, tag=0 if in_order else m.tag(M))
+        posted.send_works = [dist.isend(t, dst=peer, group=group, tag=0 if in_order else m.tag(M))
                              for m, t in zip(g.sends, posted.send_bufs)]
-        posted.recv_works = {m: [dist.irecv(b, src=peer, group=self.group, tag=0 if in_order else m.tag(M))]
+        posted.recv_works = {m: [dist.irecv(b, src=peer, group=group, tag=0 if in_order else m.tag(M))]
                              for m, b in posted.recv_bufs.items()}
 
     def _wait_group(self, posted: _Posted, what: Callable[[], str], peer: int) -> None:
@@ -233,7 +264,7 @@ class P2P:
     def _wait(self, work: dist.Work, what: Callable[[], str], peer: int) -> None:
         """Wait for one work; `what` describes the wait, formatted only if it fails."""
         try:
-            ok = work.wait(timeout=self.timeout)
+            ok = work.wait(timeout=self.timeout) if self.timed_waits else work.wait()
         except RuntimeError as e:
             text = str(e)
             if "timed out" in text.lower() or "timeout" in text.lower():

@@ -6,14 +6,18 @@ Which tensors cross ranks is a pure function of the placement and the actions:
   B/BW(s, m)   sends its input grad (GRAD, s, m) to the rank of prev(s), likewise
 
 NCCL runs the operations between one pair of ranks in order, on one stream, and matches
-the k-th send of a to b with the k-th receive of b from a. So a plan is safe only if
+the k-th send of a to b with the k-th receive of b from a; with the default transport
+(`pipeline.p2p_transport=pair_groups`: a 2-rank process group per pair) each pair has its own
+stream, with `one_group` a rank's operations toward all peers share one. So a plan is safe only if
 (1) per direction, the sender sends in the order the receiver receives, (2) per pair, both
 ranks issue their messages in one order (operations posted together in one group, as
 `batch_isend_irecv` does, count as one step of it), and (3) no operation waits on one
-issued after it. `p2p_check.check_plan` (pure, no torch) checks (1) and (2) for every plan, and (3)
-by running every rank's plan under those rules: always for hand-written plans, and for
-derived ones in the tests (they are safe by construction, below). The validator calls it
-before any process starts.
+issued after it on its stream. `p2p_check.check_plan` (pure, no torch) checks (1) and (2) for
+every plan, and (3) by running every rank's plan under the transport's stream rule: always for
+hand-written plans and under one_group, and for derived plans with a stream per pair in the
+tests (they are safe by construction there, below; not with one stream per rank, where a send
+can queue behind a receive from the other neighbour). The validator calls it before any
+process starts.
 
 The plan is derived, just in time and in schedule order. Number a rank's atomic actions
 (an F&B pair counts as its two parts) 0..n-1; boundary i is the moment before part i
@@ -28,8 +32,8 @@ consumer starts in the unit-cost dependency walk (one causal order of the whole 
   - operations toward one peer at one boundary form one group.
 
 Ordered by consumer start, everything a pair issues before a receive is issued by the
-time its consumer runs, so the plan never waits on itself and at most lookahead + 1
-receive buffers are alive per rank, whatever the number of microbatches.
+time its consumer runs, so with a stream per pair the plan never waits on itself, and at
+most lookahead + 1 receive buffers are alive per rank, whatever the number of microbatches.
 
 A hand-written schedule may instead spell its plan out with torch.distributed.pipelining's
 communication actions (`0SEND_F3`, `1RECV_F3`, `1SEND_B3`, `0RECV_B3`), each posted on its

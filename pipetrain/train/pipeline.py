@@ -27,10 +27,29 @@ from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.step_result import StepResult
 from pipetrain.parallel.dp import DataParallel
+from pipetrain.parallel.pairs import build_pair_groups
 from pipetrain.parallel.tp_plan import TensorParallel
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
-from pipetrain.schedules.p2p import Kind, Message
+from pipetrain.schedules.p2p import TRANSPORT_STREAMS, Kind, Message, exchange_pairs
+
+
+def _pair_groups(schedule: Schedule, transport: str, group_ranks: Optional[list[int]],
+                 pipelines: Optional[list[list[int]]], device: torch.device,
+                 timeout_s: float) -> Optional[dict[int, dist.ProcessGroup]]:
+    """pipeline.p2p_transport=pair_groups: this rank's pair groups by peer global rank (collective
+    over the world); one_group: None (everything on the pipeline's group)."""
+    if transport not in TRANSPORT_STREAMS:
+        raise ValueError(f"pipeline.p2p_transport must be {' or '.join(TRANSPORT_STREAMS)} (got {transport!r})")
+    if transport == "one_group" or not dist.is_initialized():
+        return None
+    if pipelines is None:  # one pipeline: the world, or the ranks of `group`
+        pipelines = [group_ranks if group_ranks is not None else list(range(schedule.num_ranks))]
+    # On NCCL the watchdog ends a hung P2P after the group's timeout (the host does not time its
+    # waits there); gloo's waits are timed by the transport, so its groups keep the default.
+    nccl = dist.get_backend() == "nccl"
+    return build_pair_groups(exchange_pairs(schedule), pipelines, rank=dist.get_rank(), device=device,
+                             timeout_s=timeout_s if nccl else None)
 
 
 @dataclass
@@ -88,6 +107,7 @@ def build_rank_pipeline(
     activation_checkpointing: bool | Collection[int] = False,
     p2p_lookahead: int = 1,
     p2p_in_order: bool = False,
+    p2p_transport: str = "pair_groups",
     group_ranks: Optional[list[int]] = None,
     pipelines: Optional[list[list[int]]] = None,
     dp: Optional[DataParallel] = None,
@@ -102,9 +122,12 @@ def build_rank_pipeline(
     `rank` is the pipeline rank; under data parallel `group` is this pipeline's process group,
     `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `dp` wraps
     the stages (FSDP2 under dp_shard) and builds their gradient reducer (the schedule then
-    carries REDUCE_GRAD marks); `tp` splits every stage's layers over its tensor-parallel group
-    first (parallel/tp_plan.py); `compile_layers` (trainer.compile) compiles each layer of
-    every stage after tensor parallel and before data parallel (torchtitan's order);
+    carries REDUCE_GRAD marks); `p2p_transport` (pipeline.p2p_transport): "pair_groups" gives
+    every pair of pipeline ranks that exchange tensors its own process group (every rank of the
+    world creates every pipeline's: parallel/pairs.py), "one_group" posts all P2P on `group`;
+    `tp` splits every stage's layers over its tensor-parallel group first (parallel/tp_plan.py);
+    `compile_layers` (trainer.compile) compiles each layer of every stage after tensor parallel
+    and before data parallel (torchtitan's order);
     `activation_checkpointing`: True recomputes every stage's layers in its backward, a collection
     of stage ids those stages' (trainer.recompute_stages). `precision` is trainer.precision (fp32 | bf16); `seed`
     initialises the stages of a model built on meta, or `init_rule` gives their values
@@ -148,7 +171,8 @@ def build_rank_pipeline(
     comm = None
     if schedule.num_ranks > 1:
         comm = P2P(rank, num_microbatches=schedule.num_microbatches, timeout_s=timeout_s, group=group,
-                   group_ranks=group_ranks, in_order=p2p_in_order, consumer_stage=consumer_stage)
+                   group_ranks=group_ranks, in_order=p2p_in_order, consumer_stage=consumer_stage,
+                   pair_groups=_pair_groups(schedule, p2p_transport, group_ranks, pipelines, device, timeout_s))
     # The loss is averaged over every rank's microbatches: the whole world (every pipeline).
     executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
                         loss_group=group if pipelines is None else None, lookahead=p2p_lookahead,

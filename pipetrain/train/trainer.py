@@ -86,6 +86,7 @@ class Trainer:
             microbatch_size=config.microbatch_size, seq_len=config.data.seq_len,
             timeout_s=config.pipeline.p2p_timeout_s, device=self.device,
             p2p_lookahead=config.pipeline.p2p_lookahead, p2p_in_order=config.pipeline.p2p_in_order,
+            p2p_transport=config.pipeline.p2p_transport,
             activation_checkpointing=plan.recompute_stages, compile_layers=config.trainer.compile,
             group=self.groups.pp_group, group_ranks=self.groups.pipeline_ranks if many else None,
             pipelines=config.layout.pipelines() if many else None,
