@@ -9,8 +9,12 @@ Where layer costs come from:
     path never imports torch);
   - real models (gpt2*, mlp): the model's analytic cost model, built on torch's meta
     device, so even gpt2-xl allocates no parameter memory; FLOPs become ms at sim.tflops;
-  - partition=profile: the real model is built and every layer is timed on this machine
-    (cuda if available, else CPU) at the run's microbatch x data.seq_len.
+  - partition=profile: every layer is timed on this machine, one layer at a time (built on meta,
+    each materialised, timed and freed: models/profile.py), on the device the ranks train on (the
+    current CUDA device, or CPU), under the run's autocast, at the run's microbatch x data.seq_len.
+    Under cluster=torchrun / slurm / submitit every rank process plans before any process group
+    exists: only global rank 0 measures; the others plan on the analytic costs as a stand-in and
+    take rank 0's plan when the ranks start (launch/rank.py `_agree_with_rank0`).
 """
 
 from __future__ import annotations
@@ -104,21 +108,38 @@ def build_model(model: ModelConfig, *, device: Any = None) -> LayeredModel:
         return build(model.family, **model.knobs())
 
 
-def profile_device() -> str:
-    """Where partition=profile measures: the accelerator when there is one, as training would run."""
+def profile_device(config: Config) -> str:
+    """Where partition=profile measures: where the ranks compute (trainer.device), on CUDA the current
+    device ("cuda:0" in the launcher and in rank 0 before set_device; never every rank's GPU 0)."""
+    import torch
+
+    if run_device(config) == "cpu":
+        return "cpu"
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def run_device(config: Config) -> str:
+    """Where this run's ranks compute: trainer.device, its auto resolved as the ranks resolve it."""
+    if config.trainer.device != "auto":
+        return config.trainer.device
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_device(config: Config) -> str:
-    """Where this run's ranks compute: trainer.device, its auto resolved as the ranks resolve it."""
-    return profile_device() if config.trainer.device == "auto" else config.trainer.device
+def measures_here(config: Config) -> bool:
+    """Whether this process times the layers of partition=profile: yes, unless it is a rank other than
+    0 of a launch whose every rank plans (torchrun, slurm, submitit): 8 processes of a node building
+    layers on one GPU at once would contend (and once ran out of memory); rank 0's plan is the one
+    the ranks run (launch/rank.py broadcasts it)."""
+    from pipetrain.launch.resolvers import process_rank
+
+    return process_rank(config.cluster.name) == 0
 
 
 def cost_source(config: Config) -> str:
-    if config.partition.name == "profile":
-        return f"measured:{profile_device()}"
+    if config.partition.name == "profile" and measures_here(config):
+        return f"measured:{profile_device(config)}"
     return "sleep" if isinstance(config.model, SleepModelConfig) else "analytic"
 
 
@@ -140,12 +161,12 @@ def layer_costs(config: Config) -> list[LayerCost]:
 def whole_layer_costs(config: Config) -> list[LayerCost]:
     """Per-layer costs of one microbatch of the unsplit layers (no tensor parallel)."""
     m, seq = config.model, (config.data.seq_len if config.model.has_seq else 1)
-    if config.partition.name == "profile":
+    if config.partition.name == "profile" and measures_here(config):
         from pipetrain.models.profile import profile_layers
 
-        device = profile_device()
-        return profile_layers(build_model(m, device=device), batch=config.microbatch_size, seq=seq, device=device,
-                              threads=config.trainer.threads_per_rank)
+        return profile_layers(build_model(m, device="meta"), batch=config.microbatch_size, seq=seq,
+                              device=profile_device(config), threads=config.trainer.threads_per_rank,
+                              precision=config.trainer.precision)
     if isinstance(m, SleepModelConfig):
         return sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
                                  params_per_layer=m.params_per_layer)

@@ -15,7 +15,17 @@ not torch's default of one thread per core: on a 2-core machine shared with othe
 per matmul waited on each other and timed GPT-2 tiny's blocks at 50-90 ms where one thread (what
 the ranks run) takes 1 ms, a 12x too slow plan.
 
-Results are cached as JSON per (model class and config, batch, seq, device, dtype, torch
+One layer at a time: a model built on the meta device (what the planner passes) has each layer
+materialised on the device, measured and freed before the next, so profiling holds one layer's
+weights and gradients, never the whole model (review F3: llama-sized models built whole on GPU 0,
+in every rank process, ran out of memory). Its weights are drawn uniform and small on the device
+itself: times and saved bytes do not depend on the values, and the model's own init (seeded CPU
+draws per parameter, ~20 s for llama3.2-1b) would be paid again for every microbatch size.
+Under `precision=bf16` every forward (loss included) runs under torch.autocast(device, bf16), as
+the executor's stages do (runtime/executor.py `_autocast`); fp32 timings on an H100 are several
+times the bf16 a run sees.
+
+Results are cached as JSON per (model class and config, batch, seq, device, dtype, precision, torch
 version) under $PIPETRAIN_CACHE_DIR/profile (default ~/.cache/pipetrain/profile), written
 to a temporary file and renamed, so concurrent ranks never read half a file.
 """
@@ -41,7 +51,7 @@ from pipetrain.files import write_text_atomic
 from pipetrain.models.base import COMPUTE_DTYPES, LayeredModel
 from pipetrain.models.costs import LayerCost
 
-CACHE_FORMAT = 2  # 2: timed at the ranks' thread count (format 1 entries were timed at torch's default)
+CACHE_FORMAT = 3  # 3: one layer at a time under the run's autocast (2: the whole model in fp32; 1: torch's default threads)
 
 
 def default_cache_dir() -> Path:
@@ -63,16 +73,31 @@ def profile_layers(
     cache_dir: Path | str | None = None,
     refresh: bool = False,
     threads: int | None = None,
+    precision: str = "fp32",
 ) -> list[LayerCost]:
     """Measured per-layer costs for one microbatch of `batch` x `seq`; params, FLOPs and
     activation bytes come from the model's analytic cost model. `refresh` re-measures.
-    `threads`: on CPU, the intra-op threads to time with (what each rank runs); None: torch's current."""
+    `threads`: on CPU, the intra-op threads to time with (what each rank runs); None: torch's current.
+    `precision` (trainer.precision): bf16 times every forward under autocast to bf16, as the stages run.
+    `model` may live on the meta device (then each layer is materialised on `device` in turn)."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"profile needs iters >= 1 and warmup >= 0 (got iters={iters}, warmup={warmup})")
     dev = torch.device(device) if device is not None else next(model.parameters()).device
-    with _cpu_threads(dev, threads):
-        return _profile(model, batch=batch, seq=seq, iters=iters, warmup=warmup, device=dev, cache_dir=cache_dir,
-                        refresh=refresh)
+    if dev.type == "meta":
+        raise ValueError("profile_layers times on a real device: pass device= for a model built on meta")
+    try:
+        with _cpu_threads(dev, threads):
+            return _profile(model, batch=batch, seq=seq, iters=iters, warmup=warmup, device=dev, cache_dir=cache_dir,
+                            refresh=refresh, precision=precision)
+    finally:
+        release(dev)
+
+
+def release(device: torch.device) -> None:
+    """Give the allocator's cached blocks back after profiling on CUDA: the launcher process (and
+    rank 0, which profiles before it trains) would otherwise keep them reserved for the whole run."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
@@ -89,16 +114,16 @@ def _cpu_threads(device: torch.device, threads: int | None) -> Iterator[None]:
 
 
 def _profile(model: LayeredModel, *, batch: int, seq: int, iters: int, warmup: int, device: torch.device,
-             cache_dir: Path | str | None, refresh: bool) -> list[LayerCost]:
+             cache_dir: Path | str | None, refresh: bool, precision: str) -> list[LayerCost]:
     dev = device
-    key = _cache_key(model, batch=batch, seq=seq, device=dev)
+    key = _cache_key(model, batch=batch, seq=seq, device=dev, precision=precision)
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = path / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
     if not refresh:
         cached = _read_cache(path, key, len(model.layers))
         if cached is not None:
             return cached
-    times = _measure(model, batch=batch, seq=seq, iters=iters, warmup=warmup, device=dev)
+    times = _measure(model, batch=batch, seq=seq, iters=iters, warmup=warmup, device=dev, precision=precision)
     analytic = model.cost_model(microbatch=batch, seq=seq, tflops=1.0)
     costs = [dataclasses.replace(c, f_ms=f, b_ms=b, w_ms=w) for c, (f, b, w) in zip(analytic, times)]
     write_text_atomic(path, json.dumps({"key": key, "iters": iters, "warmup": warmup,
@@ -106,7 +131,7 @@ def _profile(model: LayeredModel, *, batch: int, seq: int, iters: int, warmup: i
     return costs
 
 
-def _cache_key(model: LayeredModel, *, batch: int, seq: int, device: torch.device) -> dict[str, Any]:
+def _cache_key(model: LayeredModel, *, batch: int, seq: int, device: torch.device, precision: str) -> dict[str, Any]:
     return {
         "format": CACHE_FORMAT,
         "model": type(model).__name__,
@@ -115,6 +140,7 @@ def _cache_key(model: LayeredModel, *, batch: int, seq: int, device: torch.devic
         "seq": seq,
         "device": _device_description(device),
         "dtype": str(model.param_dtype),
+        "precision": precision,
         "torch": torch.__version__,
     }
 
@@ -145,48 +171,66 @@ def _sync(device: torch.device) -> None:
             backend.synchronize(device)
 
 
-def _measure(model: LayeredModel, *, batch: int, seq: int, iters: int, warmup: int,
-             device: torch.device) -> list[tuple[float, float, float]]:
-    work = model if next(model.parameters()).device == device else copy.deepcopy(model).to(device)
-    was_training = work.training
-    work.train()  # time what training runs (dropout active if configured)
-    try:
-        x, target = work.example_batch(microbatch=batch, seq=seq, generator=torch.Generator().manual_seed(0),
-                                       device=device)
-        inputs = []
-        with torch.no_grad():
-            for layer in work.layers:
-                inputs.append(x)
-                x = layer(x)
-        last = len(work.layers) - 1
-        samples: list[list[tuple[float, float, float]]] = [[] for _ in work.layers]
-        # Layers inside, repetitions outside: a burst of load from another process then
-        # lands on every layer's samples alike instead of inflating one layer's median.
-        for it in range(warmup + iters):
-            for i, (layer, inp) in enumerate(zip(work.layers, inputs)):
-                t = _time_once(layer, inp, target=target if i == last else None, loss_fn=type(work).loss_fn,
-                               device=device)
-                if it >= warmup:
-                    samples[i].append(t)
-        out = []
-        for s in samples:  # W is the median of per-repetition differences BW - B
-            f, b, w = (statistics.median(v) * 1e3 for v in zip(*[(f, b, bw - b) for f, b, bw in s]))
-            out.append((f, b, max(w, 0.0)))
-        return out
-    finally:
-        work.train(was_training)
+def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The stages' autocast for trainer.precision on `device` (none under fp32)."""
+    dtype = COMPUTE_DTYPES[precision]
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def layer_on(model: LayeredModel, i: int, device: torch.device) -> nn.Module:
+    """Layer `i` of `model`, on `device`, alone: the layer itself where it already lives there, a
+    copy moved there from another real device, or, from the meta device, a copy materialised there
+    with small uniform weights drawn on the device (values change neither times nor saved bytes)."""
+    layer = model.layers[i]
+    where = next(iter(layer.parameters()), None)
+    if where is None or where.device == device:
+        return layer
+    if where.device.type != "meta":
+        return copy.deepcopy(layer).to(device)
+    real = copy.deepcopy(layer).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(i)
+    with torch.no_grad():
+        for p in real.parameters():
+            p.uniform_(-0.02, 0.02, generator=gen)
+    return real
+
+
+def _measure(model: LayeredModel, *, batch: int, seq: int, iters: int, warmup: int, device: torch.device,
+             precision: str) -> list[tuple[float, float, float]]:
+    x, target = model.example_batch(microbatch=batch, seq=seq, generator=torch.Generator().manual_seed(0),
+                                    device=device)
+    last, out = len(model.layers) - 1, []
+    for i in range(len(model.layers)):
+        layer = layer_on(model, i, device)
+        was_training = layer.training
+        layer.train()  # time what training runs (dropout active if configured)
+        try:
+            samples = [_time_once(layer, x, target=target if i == last else None, loss_fn=type(model).loss_fn,
+                                  device=device, precision=precision) for _ in range(warmup + iters)][warmup:]
+            if i < last:
+                with torch.no_grad(), autocast_for(device, precision):
+                    x = layer(x)  # the next layer's input, as the stage hands it on
+        finally:
+            layer.train(was_training)
+        del layer  # a materialised copy is freed here, before the next layer is built
+        # W is the median of per-repetition differences BW - B
+        f, b, w = (statistics.median(v) * 1e3 for v in zip(*[(f, b, bw - b) for f, b, bw in samples]))
+        out.append((f, b, max(w, 0.0)))
+    return out
 
 
 def _time_once(layer: nn.Module, inp: torch.Tensor, *, target: torch.Tensor | None, loss_fn: Any,
-               device: torch.device) -> tuple[float, float, float]:
-    """(F, B, BW) seconds of one forward and backward of `layer` on `inp`."""
+               device: torch.device, precision: str = "fp32") -> tuple[float, float, float]:
+    """(F, B, BW) seconds of one forward and backward of `layer` on `inp`; the forward (and the
+    loss) under the run's autocast, the backward outside it, as the executor runs them."""
     params = [p for p in layer.parameters() if p.requires_grad]
     x = inp.detach().requires_grad_(inp.is_floating_point())
     _sync(device)
     t0 = time.perf_counter()
-    out = layer(x)
-    if target is not None:
-        out = loss_fn(out, target)
+    with autocast_for(device, precision):
+        out = layer(x)
+        if target is not None:
+            out = loss_fn(out, target)
     _sync(device)
     t1 = time.perf_counter()
     grad_out = torch.ones_like(out)  # values do not change the time; not counted in F or B
@@ -219,18 +263,21 @@ def saved_bytes_per_token(model: LayeredModel, *, batch: int, seq: int,
 
     compute_dtype = COMPUTE_DTYPES[precision]
     dev = torch.device(device) if device is not None else next(model.parameters()).device
-    work = model if next(model.parameters()).device == dev else copy.deepcopy(model).to(dev)
-    x, _ = work.example_batch(microbatch=batch, seq=seq, generator=torch.Generator().manual_seed(0), device=dev)
-    autocast = torch.autocast(dev.type, dtype=compute_dtype) if compute_dtype is not None else contextlib.nullcontext()
+    x, _ = model.example_batch(microbatch=batch, seq=seq, generator=torch.Generator().manual_seed(0), device=dev)
     out = []
-    for i, layer in enumerate(work.layers):
-        counter = SavedBytes()
-        if boundary_inputs and compute_dtype is not None and i > 0 and x.is_floating_point():
-            x = x.to(compute_dtype)
-        inp = x.detach().requires_grad_(x.is_floating_point())
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), autocast:
-            x = layer(inp)
-        out.append(counter.bytes / (batch * seq))
+    try:
+        for i in range(len(model.layers)):  # one layer on the device at a time (layer_on)
+            layer = layer_on(model, i, dev)
+            counter = SavedBytes()
+            if boundary_inputs and compute_dtype is not None and i > 0 and x.is_floating_point():
+                x = x.to(compute_dtype)
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), autocast_for(dev, precision):
+                x = layer(inp).detach()  # drops the graph (and what it saved) with the layer
+            del layer
+            out.append(counter.bytes / (batch * seq))
+    finally:
+        release(dev)
     return out
 
 

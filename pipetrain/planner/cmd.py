@@ -50,12 +50,12 @@ def workload(config: Config) -> Workload:
 
         def layers(mbs: int):
             return costs  # the sleep model's times are per microbatch, whatever its size
-    elif config.partition.name == "profile" or calibrating(config):  # F, B, W and saved bytes measured here
+    elif measuring(config):  # F, B, W and saved bytes measured here, one layer at a time
         from pipetrain.models.profile import profile_layers, saved_bytes_per_token
         from pipetrain.plan import build_model, profile_device
 
-        dev = profile_device()
-        model = build_model(m, device=dev)
+        dev = profile_device(config)
+        model = build_model(m, device="meta")  # shapes only: models/profile.py materialises a layer at a time
         precision = config.trainer.precision  # bf16: saved bytes under the stages' autocast
 
         @functools.lru_cache(maxsize=None)  # each view once per microbatch size (layers and the ratio read it)
@@ -66,7 +66,7 @@ def workload(config: Config) -> Workload:
 
         def layers(mbs: int):  # saved bytes as a later stage keeps them (its residual stream in bf16)
             return [dataclasses.replace(c, activation_bytes_per_token=a)
-                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev,
+                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev, precision=precision,
                                                    threads=config.trainer.threads_per_rank),
                                     activations(mbs, True))]
 
@@ -113,6 +113,16 @@ def workload(config: Config) -> Workload:
                     fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"))
 
 
+def measuring(config: Config) -> bool:
+    """Whether this process times the layers (partition=profile or plan.calibrate) instead of costing
+    them by FLOPs: under torchrun / slurm only rank 0 does (plan.measures_here)."""
+    if not (config.partition.name == "profile" or calibrating(config)):
+        return False
+    from pipetrain.plan import measures_here
+
+    return measures_here(config)
+
+
 def calibrating(config: Config) -> bool:
     """plan.calibrate, its null resolved: on for schedule=auto (or plan.run) training on CPU ranks
     started here, where the run is this machine's; mode=plan may plan for another cluster, and
@@ -155,7 +165,7 @@ def assumptions(config: Config) -> str:
     seq = f" x {config.data.seq_len} tokens" if m.has_seq else ""
     if isinstance(m, SleepModelConfig):
         times = "the sleep model's f/b/w_ms"
-    elif config.partition.name == "profile" or calibrating(config):
+    elif measuring(config):
         times = "measured on this machine"
     else:
         times = f"FLOPs at {p.tflops or config.sim.tflops:g} TFLOP/s ({'plan' if p.tflops else 'sim'}.tflops)"
