@@ -51,7 +51,8 @@ def choose(device: str, backend: str, *, gpus: int, local_ranks: Optional[int]) 
         if local_ranks is not None and local_ranks > gpus:
             raise ValueError(
                 f"{local_ranks} ranks on this host but {_gpus(gpus)} (NCCL needs one GPU per rank): run at most "
-                f"{gpus} ranks per host (pipeline.degree, parallel.*, cluster.ranks_per_node) or set trainer.device=cpu")
+                f"{gpus} ranks per host (pipeline.degree, parallel.*, cluster.ranks_per_node) "
+                f"or set trainer.device=cpu")
     return Devices(device, "nccl" if device == "cuda" else "gloo", note)
 
 
