@@ -40,6 +40,7 @@ class Case:
     where: str  # README.md:123, recipes/gpt2.yaml:9
     commands: list[str]  # run in order in one directory
     gpu: bool = False  # the docs call it GPU-sized: not run
+    refused: bool = False  # the docs say it is refused: it must fail in one line, before any rank
 
 
 def shorten(cmd: str, *, keep_checkpoints: bool = True) -> str:
@@ -71,6 +72,9 @@ def readme_cases() -> list[Case]:
                 continue
             if "GPU" in comment:
                 cases.append(Case(f"README.md:{line}", [cmd], gpu=True))
+                continue
+            if "refused" in comment:
+                cases.append(Case(f"README.md:{line}", [cmd], refused=True))
                 continue
             cmds.append(cmd)
         if cmds:
@@ -130,7 +134,8 @@ def test_the_docs_have_commands_to_check():
     where = [c.where.split(":")[0] for c in CASES]
     assert where.count("README.md") >= 15 and len({w for w in where if w.startswith("recipes/")}) >= 4
     gpu = [c.commands[0] for c in CASES if c.gpu]
-    assert gpu and all("+recipe=gpt2" in c for c in gpu), gpu  # only the GPT-2 recipes are GPU-sized
+    # only the GPT-2 recipes and the multi-GPU torchrun checks are GPU-sized
+    assert gpu and all("+recipe=gpt2" in c or "trainer.device=cuda" in c for c in gpu), gpu
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.gpu], ids=lambda c: c.where)
@@ -146,6 +151,8 @@ def test_command_runs_as_written(case, tmp_path):
         no_slurm = not any(Path(p, "sbatch").exists() for p in os.environ["PATH"].split(":"))
         if cmd.startswith("pipetrain ") and "cluster=slurm" in cmd and no_slurm:
             assert res.returncode == 2 and len(err) == 1 and "sbatch" in err[0], (cmd, res.stderr)  # says it needs SLURM
+        elif case.refused:
+            assert res.returncode != 0 and len(err) == 1 and "error" in err[0], (cmd, res.stderr)
         elif missing:
             assert res.returncode != 0 and len(err) == 1 and "error" in err[0], (cmd, res.stderr)
             assert any(p in err[0] or Path(p).name in err[0] for p in missing), (cmd, missing, err)

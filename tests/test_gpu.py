@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -156,7 +157,7 @@ def test_fsdp2_on_a_one_rank_mesh_driven_by_the_executor(compose):
         _, sharded = _pipeline(config, dp=_OneRankFsdp(mesh))
         torch.manual_seed(1)
         batch = torch.randint(0, 256, (4, 33))
-        mbs = split_microbatches((batch[:, :-1], batch[:, 1:]), 4)
+        mbs = split_microbatches((batch[:, :-1].contiguous(), batch[:, 1:].contiguous()), 4)
         loss_a, loss_b = plain.executor.step(mbs).loss, sharded.executor.step(mbs).loss
         assert abs(loss_a - loss_b) <= 1e-5 * abs(loss_a)
         ref = {(s, n): p.grad for s, n, p in plain.named_parameters()}
@@ -244,3 +245,109 @@ def test_nccl_with_cpu_tensors_is_refused_before_any_rank(tmp_path):
     assert res.returncode != 0
     assert "cluster.backend" in res.stderr and "trainer.device" in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "outputs" / "n" / "metrics.jsonl").exists()
+
+
+def test_quickstart_with_a_gpu_visible(tmp_path):
+    """F15: the quickstart's 2 ranks on a 1-GPU machine train on the CPU (auto: CUDA only when each
+    rank on the host gets a GPU of its own), saying why in one note; with 2+ GPUs they use them."""
+    if DRYRUN:
+        pytest.skip("the device rule needs a visible GPU")
+    res = run_cli(["trainer.max_steps=2", "trainer.eval_every=0", "run.name=q"], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    if torch.cuda.device_count() < 2:
+        assert "2 ranks on this host but 1 visible GPU" in out, out[-2000:]
+    assert "done: 2 steps" in out
+
+
+# ---- pinned inputs (F10), stream-ordered timings and alignment (F12), reserved peak (F9) -----
+@cuda_only
+def test_pageable_copy_waits_for_the_stream_pinned_does_not():
+    """G11 (F10): behind 200 ms of queued GPU work, a pageable .to(cuda) holds the host until the
+    stream drains; runtime/batch.to_device (pinned, non_blocking) returns at once, same values."""
+    from pipetrain.runtime.batch import to_device
+
+    cycles_per_ms = _cycles_per_ms()
+    x = torch.randint(0, 50_000, (8, 1024))  # a batch of token ids, pageable
+    host_ms = {}
+    for name, move in (("pageable", lambda t: t.to(DEVICE)), ("pinned", lambda t: to_device(t, DEVICE))):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(200 * cycles_per_ms))
+        t0 = time.perf_counter()
+        y = move(x)
+        host_ms[name] = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        assert torch.equal(y.cpu(), x)
+    assert host_ms["pageable"] > 150 and host_ms["pinned"] < 20, host_ms
+
+
+def _gpt2_zbv(compose):
+    from pipetrain.train.data import split_microbatches
+
+    config = compose(["model=gpt2-tiny", "pipeline.degree=1", "schedule=zbv", "pipeline.microbatches=4",
+                      "data=synthetic", "data.batch_size=8", "data.seq_len=64"])
+    _, rp = _pipeline(config)
+    torch.manual_seed(1)
+    batch = torch.randint(0, 256, (8, 65))  # pageable, as train/data.py hands it
+    return rp, split_microbatches((batch[:, :-1].contiguous(), batch[:, 1:].contiguous()), 4)
+
+
+@cuda_only
+def test_a_step_queues_every_forward_while_the_gpu_is_still_busy(compose):
+    """F10 through the executor: with 300 ms of GPU work queued before the step, every forward of
+    both local stages is issued by the host before that work ends (no pageable copy inside the step
+    waits for it); before the fix the first forward's input copy held the host ~300 ms."""
+    rp, mbs = _gpt2_zbv(compose)
+    with world_of_one():
+        rp.executor.step(mbs)  # warm-up: allocator, autocast caches, first kernels
+        issued: list[float] = []
+        hooks = [m.register_forward_pre_hook(lambda *_: issued.append(time.perf_counter()))
+                 for m in rp.stages.values()]
+        cycles_per_ms = _cycles_per_ms()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(300 * cycles_per_ms))
+        t0 = time.perf_counter()
+        rp.executor.step(mbs)
+        for h in hooks:
+            h.remove()
+    assert len(issued) == 8  # 4 microbatches x 2 stages
+    assert (issued[-1] - t0) * 1e3 < 200, [(t - t0) * 1e3 for t in issued]
+
+
+@cuda_only
+def test_step_timings_are_gpu_time_from_the_steps_own_start_and_aligned_after_it(compose):
+    """F12 on one GPU: work queued before the step is not billed to it (mark 0 is stream-ordered);
+    actions' spans lie inside the step; the alignment mark (end of the loss all-reduce over NCCL)
+    comes after the step's end on the same stream; allocated and reserved peaks reported,
+    reserved >= allocated (F9)."""
+    rp, mbs = _gpt2_zbv(compose)
+    with world_of_one():
+        rp.executor.step(mbs)
+        cycles_per_ms = _cycles_per_ms()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(300 * cycles_per_ms))
+        outer0 = torch.cuda.Event(enable_timing=True)
+        outer0.record()
+        res = rp.executor.step(mbs)
+        outer1 = torch.cuda.Event(enable_timing=True)
+        outer1.record()
+        outer1.synchronize()
+    assert 0 < res.step_ms < 250, res.step_ms  # the 300 ms sleep ran before mark 0
+    assert res.step_ms <= outer0.elapsed_time(outer1) + 0.5
+    assert res.sync_ms is not None and res.sync_ms >= res.step_ms
+    assert all(0 <= t.start_ms <= t.end_ms <= res.step_ms + 1e-3 and t.compute_ms > 0 for t in res.timings)
+    assert {t.step[1:2] for t in res.timings} >= {"F", "B", "W"}  # zbv: split backward on GPU
+    assert 0 < res.peak_memory_bytes <= res.peak_reserved_bytes, (res.peak_memory_bytes, res.peak_reserved_bytes)
+
+
+@cuda_only
+def test_cli_run_reports_the_reserved_peak_beside_the_allocated_one(tmp_path):
+    """F9 measured: summary.json and metrics.jsonl of a GPU run carry memory/peak_reserved_gb >=
+    memory/peak_gb, and the console line shows it."""
+    res = run_cli(RUN + ["run.name=r", "trainer.max_steps=3", "trainer.log_every=1"], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = _summary(tmp_path / "outputs" / "r")
+    assert s["memory/peak_reserved_gb"] >= s["memory/peak_gb"] > 0, s
+    row = json.loads((tmp_path / "outputs" / "r" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["memory/peak_reserved_gb/rank0"] >= row["memory/peak_gb/rank0"] > 0
+    assert "reserved" in res.stdout
