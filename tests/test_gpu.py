@@ -16,6 +16,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -23,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 DRYRUN = os.environ.get("PIPETRAIN_GPU_DRYRUN") == "1"
 pytestmark = [
@@ -351,3 +354,144 @@ def test_cli_run_reports_the_reserved_peak_beside_the_allocated_one(tmp_path):
     row = json.loads((tmp_path / "outputs" / "r" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["memory/peak_reserved_gb/rank0"] >= row["memory/peak_gb/rank0"] > 0
     assert "reserved" in res.stdout
+
+
+# ---- tensor parallel's index helpers (F2) and fused AdamW after a TP resume (F11) ----------------
+def test_tp_index_helpers_with_cuda_tensors():
+    """G3, G4 (F2): gather_full over world-1 NCCL with CUDA slices; keep_local from a CUDA unsplit
+    tensor: indices are made on the data's device, only the data crosses the group."""
+    from pipetrain.parallel.tp import Split, TPGroup, gather_full
+    from pipetrain.parallel.tp_state import TPShards
+
+    with world_of_one():
+        full = torch.arange(24.0, device=DEVICE).unsqueeze(1)
+        for holder_only in (True, False):
+            got = gather_full(full.clone(), Split(0, 24, 3), TPGroup(None, 1, 0), holder_only=holder_only)
+            assert got.device == full.device and torch.equal(got, full)
+        into = torch.empty(12, 1, device=DEVICE)
+        TPShards(TPGroup(None, 2, 1), {"w": Split(0, 24, 3)}).keep_local("w", full, into)
+        assert into.squeeze(1).tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+
+
+def test_fused_adamw_steps_after_a_tp_resume():
+    """G5 (F11): after a tp restore every step count is fp32 on the parameter's device, and a fused
+    step equals torch's own after its load_state_dict."""
+    import copy
+
+    from torch import nn
+
+    from pipetrain.parallel.tp import ColumnParallelLinear, RowParallelLinear, TPGroup, shard_layout
+    from pipetrain.parallel.tp_state import TPShards
+    from pipetrain.runtime.sync import GradSync
+    from pipetrain.train.checkpoint import Checkpointable, TrainState, _load_targets, _restore
+
+    g = TPGroup(None, 2, 0)
+    torch.manual_seed(0)
+    stage = nn.ModuleDict({"fc": ColumnParallelLinear(nn.Linear(4, 8, device=DEVICE), g),
+                           "proj": RowParallelLinear(nn.Linear(8, 4, device=DEVICE), g)})
+    stage.tp_shards = shard_layout(stage)
+    opt = torch.optim.AdamW(stage.parameters(), fused=True)
+    target = Checkpointable(GradSync({0: stage}), opt, TrainState(), TPShards(g, stage.tp_shards))
+    names = sorted(target.sync.local)
+    keys = {f"model.{n}" for n in names} | {f"optim.{k}.{n}" for n in names for k in ("step", "exp_avg", "exp_avg_sq")}
+    targets, adam = _load_targets(target, keys)
+    for n in names:
+        adam[n]["step"].fill_(3.0)
+        adam[n]["exp_avg"].fill_(0.01)
+        adam[n]["exp_avg_sq"].fill_(1e-4)
+        targets[f"model.{n}"].normal_()
+    _restore(target, targets, adam)
+    for p in stage.parameters():
+        st = opt.state[p]["step"]
+        assert (st.device, st.dtype) == (p.device, torch.float32)
+    ref = {id(p): nn.Parameter(p.detach().clone()) for p in stage.parameters()}
+    theirs = torch.optim.AdamW([ref[id(p)] for p in stage.parameters()], fused=True)
+    theirs.load_state_dict(copy.deepcopy(opt.state_dict()))  # a copy: .to() may alias the tensors
+    for p in stage.parameters():
+        p.grad = torch.ones_like(p)
+        ref[id(p)].grad = torch.ones_like(p)
+    opt.step()
+    theirs.step()
+    for p in stage.parameters():
+        assert torch.equal(p, ref[id(p)]) and float(opt.state[p]["step"]) == 4.0
+
+
+def test_one_rank_sync_checkpoint_then_resume(tmp_path):
+    """DCP's synchronous save and load of CUDA tensors over the checkpoint phase's own gloo group."""
+    args = RUN + ["run.name=s", "schedule=1f1b", "trainer.max_steps=4"]
+    res = run_cli(args, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_cli(args[:-1] + ["trainer.max_steps=6", "trainer.resume=auto"], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _summary(tmp_path / "outputs" / "s")["steps"] == 6
+
+
+# ---- the device rule (F8, F14) and CUDA ranks' threads and TF32 -----------------------------------
+@cuda_only
+def test_gpu_tier_sees_cuda_and_the_other_tiers_do_not():
+    """F14: this tier sees the GPU; a pure and a dist test started from here run with CUDA hidden."""
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") != "" and torch.cuda.device_count() >= 1
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_tiers.py",
+                          "tests/test_launch.py::test_local_spawns_one_process_per_rank_and_returns_rank0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:]
+
+
+RANK = """
+    import json, os, socket, sys, tempfile
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from pipetrain.compose import compose, to_config
+    from pipetrain.launch.env import RankEnv
+    from pipetrain.launch.rank import run_rank
+    def entry(config, plan, run_dir):
+        from pipetrain.train.trainer import resolve_device
+        pg = dist.distributed_c10d._get_default_group()
+        out = {"current": torch.cuda.current_device() if torch.cuda.is_available() else None,
+               "device": str(resolve_device(config.trainer.device)), "backend": dist.get_backend(),
+               "bound": str(getattr(pg, "bound_device_id", None))}
+        if os.environ.get("BUILD_TRAINER"):
+            from pipetrain.plan import make_plan
+            from pipetrain.train.trainer import Trainer
+            Trainer(config, make_plan(config), run_dir)
+            out.update(threads=torch.get_num_threads(), precision=torch.get_float32_matmul_precision())
+        return out
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    config = to_config(compose(["cluster=torchrun", "model=mlp", "pipeline.degree=1", "pipeline.microbatches=2",
+                                "data.batch_size=4", *sys.argv[1:]]))
+    env = RankEnv(0, 1, int(os.environ.get("TEST_LOCAL_RANK", "0")), "127.0.0.1", port)
+    print(json.dumps(run_rank(config, None, Path(tempfile.mkdtemp()), env, entry, agree=False)))
+"""
+
+
+def _rank(args, **env):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(RANK), *args], cwd=REPO,
+                          env=dict(os.environ, **env), capture_output=True, text=True, timeout=300)
+
+
+@cuda_only
+def test_local_rank_1_on_a_task_that_sees_one_gpu_trains_on_it():
+    """F8 (SLURM's --gpus-per-task=1): local rank 1 seeing one GPU takes GPU 0, bound to its group."""
+    res = _rank(["trainer.device=cuda"], CUDA_VISIBLE_DEVICES="0", TEST_LOCAL_RANK="1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {
+        "current": 0, "device": "cuda:0", "backend": "nccl", "bound": "cuda:0"}
+
+
+@cuda_only
+def test_more_ranks_on_a_host_than_gpus_is_one_line_before_the_process_group():
+    """F8: two ranks on a host with one GPU: one line, not NCCL's Duplicate GPU."""
+    res = _rank(["trainer.device=cuda"], CUDA_VISIBLE_DEVICES="0", LOCAL_WORLD_SIZE="2")
+    assert res.returncode != 0
+    assert "ValueError: 2 ranks on this host but 1 visible GPU (NCCL needs one GPU per rank)" in res.stderr
+
+
+@cuda_only
+def test_cuda_rank_sets_its_threads_and_tf32():
+    """trainer.threads_per_rank on CUDA ranks too; trainer.tf32 sets the fp32 matmul precision."""
+    for tf32, precision in (("true", "high"), ("false", "highest")):
+        res = _rank(["trainer.device=cuda", "trainer.threads_per_rank=3", f"trainer.tf32={tf32}"], BUILD_TRAINER="1")
+        assert res.returncode == 0, res.stderr[-3000:]
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert (got["threads"], got["precision"], got["device"]) == (3, precision, "cuda:0")
