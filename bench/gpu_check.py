@@ -105,6 +105,88 @@ def train(args: list[str], name: str, work: Path) -> dict:
     return out
 
 
+# ---- probes: what torch and NCCL do on this machine, for the review's findings (evidence, not tests) ----
+PROBES = {
+    # F5: does Work.wait(timeout) block the host behind queued GPU work, and wait() not?
+    "F5_wait_timeout_blocks_host": """
+import datetime, json, time, torch, torch.distributed as dist
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+x = torch.ones(1, device="cuda"); dist.all_reduce(x); torch.cuda.synchronize()
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+s.record(); torch.cuda._sleep(1_000_000); e.record(); e.synchronize(); per_ms = 1_000_000 / s.elapsed_time(e)
+out = {}
+for name, kw in (("wait_timeout", {"timeout": datetime.timedelta(seconds=60)}), ("wait", {})):
+    torch.cuda._sleep(int(300 * per_ms)); work = dist.all_reduce(x, async_op=True)
+    t0 = time.perf_counter(); work.wait(**kw); out[name + "_host_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+    torch.cuda.synchronize()
+dist.destroy_process_group(); print(json.dumps(out))
+""",
+    # F11: fused AdamW given a CPU step for one parameter (the old TP-resume state)
+    "F11_fused_adamw_cpu_step": """
+import json, torch
+torch.manual_seed(0)
+ps = [torch.nn.Parameter(torch.randn(8, device="cuda")) for _ in range(2)]
+ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+out = {}
+for params, cpu_step in ((ps, True), (ref, False)):
+    opt = torch.optim.AdamW(params, fused=True)
+    for p in params: p.grad = torch.ones_like(p)
+    opt.step()
+    if cpu_step: opt.state[params[0]]["step"] = torch.tensor(1.0)
+    try:
+        opt.step(); torch.cuda.synchronize(); out["cpu_step" if cpu_step else "ref"] = "ran"
+    except Exception as err:
+        out["cpu_step" if cpu_step else "ref"] = f"raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+if out.get("cpu_step") == "ran": out["same_update"] = all(torch.equal(a, b) for a, b in zip(ps, ref))
+print(json.dumps(out))
+""",
+    # F4: gloo with CUDA tensors, two processes on one GPU: all_reduce and send/recv
+    "F4_gloo_cuda_tensors": """
+import json, os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+def run(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out = {}
+    x = torch.full((4,), float(rank + 1), device="cuda")
+    try: dist.all_reduce(x); out["all_reduce"] = x.tolist()
+    except Exception as err: out["all_reduce"] = f"raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    try:
+        if rank == 0: dist.send(torch.arange(4.0, device="cuda"), 1); out["send"] = "ok"
+        else:
+            y = torch.zeros(4, device="cuda"); dist.recv(y, 0); out["recv"] = y.tolist()
+    except Exception as err: out["p2p"] = f"raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    q.put((rank, out)); dist.destroy_process_group()
+if __name__ == "__main__":
+    import socket
+    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    ctx = mp.get_context("spawn"); q = ctx.Queue()
+    procs = [ctx.Process(target=run, args=(r, port, q)) for r in range(2)]
+    [p.start() for p in procs]; [p.join(120) for p in procs]
+    got = {}
+    while not q.empty(): r, o = q.get(); got[f"rank{r}"] = o
+    got["exitcodes"] = [p.exitcode for p in procs]; print(json.dumps(got))
+""",
+}
+
+
+def probes(work: Path) -> dict:
+    out = {}
+    for name, code in PROBES.items():
+        path = work / f"{name}.py"
+        path.write_text(code)
+        try:
+            res = sh([sys.executable, str(path)], timeout=150)
+            last = res.stdout.strip().splitlines()[-1:] or [""]
+            try:
+                out[name] = json.loads(last[0])
+            except ValueError:
+                out[name] = {"returncode": res.returncode, "stderr": res.stderr.strip().splitlines()[-3:]}
+        except subprocess.TimeoutExpired:
+            out[name] = {"timed_out": True}
+        print(name, json.dumps(out[name]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU (llama-tiny, the gpu tier dry-run)")
@@ -121,6 +203,8 @@ def main() -> None:
                       "compiled": train(run + ["trainer.compile=true"], "compiled", work)}
     if not args.skip_tests:
         result["gpu_tier"] = gpu_tier(args.cpu, work)
+    if not args.cpu:
+        result["probes"] = probes(work)
     done = [r for r in result["runs"].values() if r.get("mfu") is not None]
     best = max(done, key=lambda r: r["mfu"], default=None)
     result["targets"] = {
