@@ -33,6 +33,9 @@ class PlanConfig:
     calibrate: Optional[bool] = None  # time layers and train short runs here to fit the overheads above; null = on for schedule=auto training on local CPU ranks
     calibrate_steps: int = 5  # steps of each calibration run (the first is warm-up and not counted)
     margin: float = 0.05  # fraction of the predicted peak added for fragmentation and workspaces
+    # GB per GPU outside the caching allocator (CUDA context, NCCL's communicator buffers), added to every
+    # row's peak; null = 1.5 where the ranks train on CUDA (trainer.device, auto resolved here), 0 on CPU
+    gpu_overhead_gb: Optional[float] = None
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (1: all, the safe bound)
     schedules: Optional[list[str]] = None  # schedules to try; null = every built-in
     pp: Optional[list[int]] = None  # pipeline degrees to try; null = every divisor of the world
@@ -73,6 +76,8 @@ class PlanConfig:
                      "tp_latency_ms"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"plan.{knob} must be >= 0 (got {getattr(self, knob)})")
+        if (self.gpu_overhead_gb or 0) < 0:
+            raise ValueError(f"plan.gpu_overhead_gb must be >= 0 (got {self.gpu_overhead_gb})")
         if (self.p2p_latency_ms or 0) < 0:
             raise ValueError(f"plan.p2p_latency_ms must be >= 0 (got {self.p2p_latency_ms})")
         if not 0.0 <= self.w_keep <= 1.0:

@@ -56,12 +56,13 @@ def _error(measured: Optional[float], predicted: Optional[float]) -> Optional[fl
 
 
 def measurable_peak_gb(row: Row, allocator_peak: bool) -> Optional[float]:
-    """The row's predicted peak as the run measures it: all of it where an allocator's peak is read
-    (GPU); on CPU, where the run counts the bytes its forwards keep plus the states, without the one
-    layer a backward recomputes at a time under activation recompute (RankMemory.recompute)."""
+    """The row's predicted peak as the run measures it: where an allocator's peak is read (GPU), all
+    but the fixed per-GPU overhead (the CUDA context and NCCL's buffers live outside the allocator);
+    on CPU, where the run counts the bytes its forwards keep plus the states, without the one layer a
+    backward recomputes at a time under activation recompute and the gradient copies (RankMemory.counted)."""
     if not row.memory:
         return None
-    return max(m.total if allocator_peak else m.counted for m in row.memory) / GB
+    return max(m.allocated if allocator_peak else m.counted for m in row.memory) / GB
 
 
 def report(row: Row, run_dir: Path, console: Console, *, allocator_peak: bool) -> Optional[dict[str, Any]]:
@@ -87,8 +88,9 @@ def report(row: Row, run_dir: Path, console: Console, *, allocator_peak: bool) -
     line = f"plan vs run: step {row.pred_step_ms:.1f} ms predicted, " + (
         f"{measured_ms:.1f} ms measured ({100 * err:+.1f}%)" if measured_ms is not None else "not measured")
     if measured_gb is not None and comparable_gb is not None:
-        unseen = "" if comparable_gb == row.pred_peak_gb else \
-            f" (of {row.pred_peak_gb:.3g}: a CPU run does not see the layer a backward recomputes)"
+        unseen = "" if comparable_gb == row.pred_peak_gb else (
+            f" (of {row.pred_peak_gb:.3g}: the allocator does not see plan.gpu_overhead_gb)" if allocator_peak else
+            f" (of {row.pred_peak_gb:.3g}: a CPU run does not see the layer a backward recomputes or the gradient copies)")
         line += (f"; peak memory {comparable_gb:.3g} GB predicted{unseen}, {measured_gb:.3g} GB measured "
                  f"({100 * out['peak_memory_error']:+.1f}%)")
     console.print(line, markup=False, highlight=False)

@@ -110,7 +110,20 @@ def workload(config: Config) -> Workload:
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
                     loss_bytes_per_token=loss_bytes, weight_copy_bytes=tuple(copies),
-                    fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"))
+                    fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"), tied=tied_weights(model))
+
+
+def tied_weights(model: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """Per weight that several layers share (a tied embedding and head): those layers and its size."""
+    if model is None:
+        return ()
+    from pipetrain.models.split import tie_groups
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    groups: dict[str, set[int]] = {}
+    for name, canonical in tie_groups(model).items():
+        groups.setdefault(canonical, set()).add(int(name.split(".")[1]))  # layers.{i}.rest
+    return tuple((tuple(sorted(layers)), params[c].numel()) for c, layers in sorted(groups.items()) if len(layers) > 1)
 
 
 def measuring(config: Config) -> bool:
@@ -146,9 +159,26 @@ def world_size(config: Config) -> int:
     return config.layout.world
 
 
+GPU_OVERHEAD_GB = 1.5  # CUDA context (~0.5 GB) + NCCL buffers of a few communicators: plan.gpu_overhead_gb's null on CUDA
+
+
+def gpu_overhead_gb(config: Config) -> float:
+    """plan.gpu_overhead_gb, its null resolved: GPU_OVERHEAD_GB where the ranks train on CUDA
+    (trainer.device; auto as this machine resolves it, except for model=sleep, whose plan imports no
+    torch and counts auto as CPU), else 0."""
+    p, t = config.plan, config.trainer
+    if p.gpu_overhead_gb is not None:
+        return p.gpu_overhead_gb
+    if t.device == "auto" and isinstance(config.model, SleepModelConfig):
+        return 0.0
+    from pipetrain.plan import run_device
+
+    return GPU_OVERHEAD_GB if run_device(config) == "cuda" else 0.0
+
+
 def device(config: Config) -> Device:
     p = config.plan
-    return Device(p.memory_gb, p2p_gbs=p.p2p_gbs,
+    return Device(p.memory_gb, gpu_overhead_gb=gpu_overhead_gb(config), p2p_gbs=p.p2p_gbs,
                   p2p_latency_ms=config.sim.comm_ms if p.p2p_latency_ms is None else p.p2p_latency_ms,
                   dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, tp_gbs=config.cluster.tp_bandwidth_gbs, optim_gbs=p.optim_gbs, margin=p.margin,
                   action_overhead_ms=p.action_overhead_ms, layer_overhead_ms=p.layer_overhead_ms, reduce_latency_ms=p.reduce_latency_ms,
@@ -169,9 +199,23 @@ def assumptions(config: Config) -> str:
         times = "measured on this machine"
     else:
         times = f"FLOPs at {p.tflops or config.sim.tflops:g} TFLOP/s ({'plan' if p.tflops else 'sim'}.tflops)"
-    return (f"plan: {m.name}, {world_size(config)} devices x {p.memory_gb:g} GB, batch "
+    fixed = f" (of which {d.gpu_overhead_gb:g} GB fixed per GPU, plan.gpu_overhead_gb)" if d.gpu_overhead_gb else ""
+    return (f"plan: {m.name}, {world_size(config)} devices x {p.memory_gb:g} GB{fixed}, batch "
             f"{p.global_batch or config.data.batch_size}{seq}; layer times: {times}; links: p2p {d.p2p_gbs:g} GB/s "
-            f"+ {d.p2p_latency_ms:g} ms, dp {d.dp_gbs:g} GB/s, tp {d.tp_gbs:g} GB/s")
+            f"+ {d.p2p_latency_ms:g} ms, dp {d.dp_gbs:g} GB/s, tp {d.tp_gbs:g} GB/s{cpu_activations(config)}")
+
+
+def cpu_activations(config: Config) -> str:
+    """A note where bf16 activations measured on this CPU stand for a CUDA run's: CUDA autocast runs
+    layer_norm (and softmax, log_softmax) in fp32 where CPU autocast keeps bf16 inputs in bf16, so a
+    LayerNorm model's later stages save more on the GPU than these numbers say."""
+    if config.trainer.precision != "bf16" or not measuring(config) or gpu_overhead_gb(config) == 0:
+        return ""
+    from pipetrain.plan import profile_device
+
+    if profile_device(config) != "cpu":
+        return ""
+    return "; bf16 activations: this CPU's (CUDA autocast keeps layer_norm / softmax in fp32)"
 
 
 def plan_candidates(config: Config) -> list[Candidate]:

@@ -14,7 +14,17 @@
                largest layer of the rank's stages): on a GPU part of the allocator's peak.
   receive      buffers posted ahead for incoming activations and gradients: (lookahead + 1)
                per direction and stage on the rank, each one microbatch's stage-boundary tensor.
+  grad copies  gradient copies the step makes beside the gradients themselves (review F9):
+               under data-parallel replicas the reducer flattens each stage's gradients into new
+               buffers in parallel.reduce_dtype at its REDUCE_GRAD and holds them to the step's end
+               (runtime/grad_reduce.py: +1x the stage's gradients during the drain), and
+               GradSync.sync sums the gradients of weights held on several ranks (a tied
+               embedding and head on different ranks, DualPipe's mirrored chunks) into one new
+               tensor per weight plus their flattened concatenation (runtime/sync.py: +2x those
+               gradients, after the pipeline, when no activation is left).
   margin       a fraction of the above for allocator fragmentation and workspaces.
+  overhead     a fixed amount per GPU outside the caching allocator: the CUDA context and NCCL's
+               buffers (plan.gpu_overhead_gb; 0 for CPU ranks). An allocator peak never sees it.
 
 Pure Python, no torch.
 """
@@ -23,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from pipetrain.schedules.ir import Op
 from pipetrain.schedules.simulate import TimedStep
@@ -76,35 +86,51 @@ class RankMemory:
     # GPU part of the allocator's peak; a CPU run's measured peak (the bytes forwards keep, plus
     # states) does not see it
     recompute: float = 0.0
+    # the data-parallel reducer's flat copies and the tied / mirrored weights' sync copies, at their
+    # worst moment over the activations' peak (`grad_copy_peak`); allocator memory a CPU run's count misses
+    grad_copies: float = 0.0
+    overhead: float = 0.0  # CUDA context and NCCL buffers: outside the allocator, not under the margin
 
     @property
     def total(self) -> float:
-        return self.states + self.activations + self.recompute + self.receive + self.margin
+        return self.allocated + self.overhead
+
+    @property
+    def allocated(self) -> float:
+        """What the CUDA caching allocator's peak can see: the total without the fixed per-GPU overhead."""
+        return self.states + self.activations + self.recompute + self.grad_copies + self.receive + self.margin
 
     @property
     def counted(self) -> float:
-        """The total without the recompute part and its share of the margin: what a CPU run counts."""
-        base = self.total - self.margin
-        return self.total - self.recompute * (1.0 + self.margin / base) if base > 0 else self.total
+        """The total without what a CPU run's count misses (the recompute part, the gradient copies,
+        their share of the margin, the per-GPU overhead): what a CPU run counts."""
+        base = self.allocated - self.margin
+        unseen = self.recompute + self.grad_copies
+        return self.allocated - unseen * (1.0 + self.margin / base) if base > 0 else self.allocated
 
     def to_json(self) -> dict[str, float]:
         return {"rank": self.rank, "states_gb": self.states / GB, "activations_gb": self.activations / GB,
-                "recompute_gb": self.recompute / GB, "receive_gb": self.receive / GB, "margin_gb": self.margin / GB,
+                "recompute_gb": self.recompute / GB, "grad_copies_gb": self.grad_copies / GB,
+                "receive_gb": self.receive / GB, "margin_gb": self.margin / GB, "overhead_gb": self.overhead / GB,
                 "total_gb": self.total / GB}
 
 
 def peak_activation_bytes(row: Sequence[TimedStep], act_bytes: Mapping[int, float],
-                          w_keep: Union[float, Mapping[int, float]] = 1.0) -> float:
+                          w_keep: Union[float, Mapping[int, float]] = 1.0,
+                          held: Optional[Mapping[int, float]] = None) -> float:
     """Most activation bytes alive at once on one rank's simulated timeline.
 
     `act_bytes[stage]`: what one microbatch's F on that stage keeps; `w_keep`: the share B keeps
     for W, one for all stages or per stage. Frees come before allocations at equal times (a W
-    ending as the next F starts leaves room for it).
+    ending as the next F starts leaves room for it). `held[stage]`: bytes allocated when the
+    stage's last weight gradient (W or BW) on the rank ends and held to the step's end (the
+    data-parallel reducer's flat copies, issued at the stage's REDUCE_GRAD), counted in the peak.
     """
     keeps = w_keep if isinstance(w_keep, Mapping) else {s: w_keep for s in act_bytes}
     if not all(0.0 <= k <= 1.0 for k in keeps.values()):
         raise ValueError(f"w_keep must be in [0, 1] (got {w_keep})")
     events: list[tuple[float, float]] = []
+    last_grad: dict[int, float] = {}
     for ts in row:
         for a in ts.step.parts():
             size, w_keep = act_bytes[a.stage], keeps[a.stage]
@@ -116,6 +142,9 @@ def peak_activation_bytes(row: Sequence[TimedStep], act_bytes: Mapping[int, floa
                 events.append((ts.end, -w_keep * size))
             else:
                 events.append((ts.end, -size))
+            if a.op in (Op.W, Op.BW):
+                last_grad[a.stage] = max(last_grad.get(a.stage, ts.end), ts.end)
+    events += [(t, (held or {}).get(s, 0.0)) for s, t in last_grad.items()]
     events.sort()
     live = peak = 0.0
     for _, delta in events:
@@ -135,3 +164,23 @@ def rank_memory(
     states = params * state.total / shard
     receive = 2 * (lookahead + 1) * stages * boundary_bytes
     return RankMemory(rank, states, activations, receive, margin * (states + activations + receive))
+
+
+def sync_copy_bytes(held_by: Mapping[str, tuple[Sequence[int], float]], rank: int) -> float:
+    """The most bytes GradSync.sync (runtime/sync.py) allocates at once on `rank`. `held_by[name]`:
+    the rank of every stage holding a copy of weight `name` (a rank listed twice holds two copies),
+    and its gradient's bytes on one rank. Weights whose copies all sit on this rank are summed one
+    at a time into one new tensor (1x the largest); for each set of ranks that share copies, one
+    summed tensor per weight plus their flattened concatenation, set after set (2x the largest
+    set's bytes on this rank)."""
+    sets: dict[tuple[int, ...], float] = {}
+    local = 0.0
+    for ranks, nbytes in held_by.values():
+        key = tuple(sorted(set(ranks)))
+        if rank not in key:
+            continue
+        if len(key) > 1:
+            sets[key] = sets.get(key, 0.0) + nbytes
+        elif len(ranks) > 1:
+            local = max(local, nbytes)
+    return max(2.0 * max(sets.values(), default=0.0), local)

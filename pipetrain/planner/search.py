@@ -25,13 +25,14 @@ from typing import Callable, Iterable, Optional, Sequence
 from pipetrain.models.costs import LayerCost, chunk_costs
 from pipetrain.partition.plan import PartitionPlan
 from pipetrain.partition.strategies import partition
-from pipetrain.planner.memory import GB, RankMemory, gb_text, StateBytes, peak_activation_bytes, rank_memory
+from pipetrain.planner.memory import (GB, RankMemory, StateBytes, gb_text, peak_activation_bytes, rank_memory,
+                                      sync_copy_bytes)
 from pipetrain.planner.space import Candidate
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce import add_reduces
-from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
+from pipetrain.schedules.reduce_cost import DTYPE_BYTES, reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts, simulate, split_stages
 from pipetrain.schedules.tp_cost import tp_layer_costs
 from pipetrain.schedules.zb_auto import zb_auto_order
@@ -73,6 +74,9 @@ class Workload:
     # in bf16 parameters and make none
     weight_copy_bytes: tuple[float, ...] = ()
     fsdp_casts: bool = False  # FSDP2 rows keep the copies too (parallel.param_dtype set to fp32 under bf16)
+    # weights of which several layers hold a copy (a tied embedding and head): per weight, those layers'
+    # indices and its element count; where the copies land on different ranks GradSync sums them
+    tied: tuple[tuple[tuple[int, ...], int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class Device:
     tp_latency_ms: float = 0.0  # added to every TP collective (schedules/tp_cost.py)
     lookahead: int = 1  # receives posted ahead (pipeline.p2p_lookahead)
     reduce_dtype: str = "float32"
+    gpu_overhead_gb: float = 0.0  # per device outside the allocator: CUDA context, NCCL buffers (plan.gpu_overhead_gb)
 
 
 @dataclass
@@ -227,6 +232,27 @@ class _Evaluator:
                               budget=budgets, w_keep=[keeps[s] for s in range(c.pp)])
         return Schedule.build(c.schedule, pl, c.microbatches, steps)
 
+    def grad_copies(self, c: Candidate, pl: Placement, part: PartitionPlan,
+                    stage_params: list[float]) -> tuple[dict[int, float], list[float]]:
+        """Per stage, the data-parallel reducer's flat copies (replicas only: FSDP2 reduce-scatters in
+        its own buffers), and per rank, what GradSync.sync allocates for the weights held on several
+        ranks: each chunk held by more than one rank (DualPipe's mirror) and each tied weight whose
+        copies land on different ranks, their fp32 gradients (a shard's under FSDP2)."""
+        held = {}
+        if c.dp > 1 and not c.dp_shard:
+            held = {s: p * DTYPE_BYTES[self.device.reduce_dtype] for s, p in enumerate(stage_params)}
+        shard = c.dp if c.dp_shard else 1
+        grad = self.work.state.grad / shard
+        chunk_stages = [[s for s in range(pl.num_stages) if pl.chunk_of(s) == k] for k in range(pl.num_chunks)]
+        weights: dict[str, tuple[list[int], float]] = {
+            f"chunk{k}": ([pl.rank_of(s) for s in stages], p * grad)
+            for k, (stages, p) in enumerate(zip(chunk_stages, part.chunk_params()))}
+        layer_chunk = {i: k for k, rng in enumerate(part.bounds) for i in rng}
+        for n, (layers, numel) in enumerate(self.work.tied):  # a stage holding two of the layers holds one copy
+            stages = {s for i in layers for s in chunk_stages[layer_chunk[i]]}
+            weights[f"tied{n}"] = ([pl.rank_of(s) for s in sorted(stages)], numel / c.tp * grad)
+        return held, [sync_copy_bytes(weights, r) for r in range(c.pp)]
+
     def evaluate(self, c: Candidate) -> Row:
         row, d, w = Row(c), self.device, self.work
         cap = d.memory_gb * GB
@@ -264,12 +290,13 @@ class _Evaluator:
         chunks = chunk_costs(layers, part.bounds)
         costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, fused)
         comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
-        room = [cap / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
+        overhead = d.gpu_overhead_gb * GB
+        room = [(cap - overhead) / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
         worst = min(range(c.pp), key=lambda r: room[r])
         if room[worst] < 0:
             row.reason = f"OOM on rank {worst} by {gb_text(-room[worst] * (1 + d.margin))} GB (weights and optimizer state alone)"
-            row.memory = [RankMemory(m.rank, m.states, 0.0, m.receive, d.margin * (m.total + t), recompute=t)
-                          for m, t in zip(static, transient)]
+            row.memory = [RankMemory(m.rank, m.states, 0.0, m.receive, d.margin * (m.total + t), recompute=t,
+                                     overhead=overhead) for m, t in zip(static, transient)]
             return row
         if c.schedule == "zb_auto":
             sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_stage[r] for r in range(c.pp)], keep)
@@ -286,11 +313,16 @@ class _Evaluator:
                             dp_shard=c.dp if c.dp_shard else 1, bandwidth_gbs=d.dp_gbs, reduce_dtype=d.reduce_dtype)
             red = tuple(r + d.reduce_latency_ms for r in red)
         sim = simulate(sched, costs, comm_ms=comm_ms, check=False, reduce_ms=red)
+        held, sync = self.grad_copies(c, pl, part, sp)
         row.memory = []
         for r, m in enumerate(static):
             act = peak_activation_bytes(sim.timeline[r], act_stage, keep)
-            base = m.states + act + transient[r] + m.receive
-            row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base, recompute=transient[r]))
+            # the reducer's copies join the activations during the drain; the sync's come after them
+            with_held = peak_activation_bytes(sim.timeline[r], act_stage, keep, held) if held else act
+            copies = max(with_held, sync[r]) - act
+            base = m.states + act + transient[r] + copies + m.receive
+            row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base, recompute=transient[r],
+                                         grad_copies=copies, overhead=overhead))
         opt_ms = max(m.states for m in static) / (d.optim_gbs * GB) * 1e3 if d.optim_gbs > 0 else 0.0
         row.pred_step_ms = sim.makespan_with_reduce + opt_ms + d.step_overhead_ms
         row.bubble = sim.bubble_fraction_mean
