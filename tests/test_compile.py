@@ -1,7 +1,8 @@
 """trainer.compile=true on real gloo processes: every layer of every stage compiled with
 torch.compile (in place, names unchanged), 2 ranks, llama-tiny, two runs in one process group:
 tp=2 (the TP collectives inside compiled blocks) and pp=2 under ZB-V (a compiled stage's B
-computes its weight gradients too, W has nothing left: runtime/executor.py). The losses of steps
+computes its weight gradients too, W has nothing left: runtime/executor.py), the first step's
+receives waiting out the peer's compilation (trainer.compile_timeout_s). The losses of steps
 1-3 equal the eager single process within 1e-4, and the weights after 3 steps likewise. Slow:
 CPU compilation takes tens of seconds per rank here."""
 
@@ -25,7 +26,9 @@ LAYERS = ("model.num_hidden_layers=2",)
 
 def test_compiled_stages_train_as_eager(compose, tmp_path: Path):
     cases = {"tp2": ["pipeline.degree=1", "parallel.tp=2", "schedule=1f1b"],
-             "zbv": ["pipeline.degree=2", "schedule=zbv"]}
+             # a short P2P timeout: the first step's receives wait for the peer's compilation (many
+             # seconds), which trainer.compile_timeout_s covers; steps 2-3 run under the 5 s
+             "zbv": ["pipeline.degree=2", "schedule=zbv", "pipeline.p2p_timeout_s=5"]}
     configs = {name: compose([*BASE, "model=llama-tiny", *LAYERS, "trainer.compile=true", *extra])
                for name, extra in cases.items()}
     spawn(train_cases, 2, tmp_path, [(name, c, make_plan(c)) for name, c in configs.items()])

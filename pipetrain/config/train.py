@@ -39,6 +39,9 @@ class TrainerConfig:
     # per-block compile: identical blocks share one compilation). Off by default: on CPU the
     # first step pays the compilation (bench/compile_stage.py measures it).
     compile: bool = False
+    # trainer.compile: the first step's point-to-point waits may last this long (a peer compiling its
+    # layers is slow, not stuck; NCCL's watchdog would end it); later steps use pipeline.p2p_timeout_s
+    compile_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         for knob in ("max_steps", "log_every", "eval_batches", "threads_per_rank", "max_skipped_steps"):
@@ -47,6 +50,8 @@ class TrainerConfig:
         for knob in ("eval_every", "ckpt_every"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"trainer.{knob} must be >= 0 (got {getattr(self, knob)})")
+        if self.compile_timeout_s <= 0:
+            raise ValueError(f"trainer.compile_timeout_s must be > 0 seconds (got {self.compile_timeout_s})")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"trainer.on_nonfinite must be stop or skip (got {self.on_nonfinite!r})")
         if self.device not in ("auto", "cpu", "cuda"):

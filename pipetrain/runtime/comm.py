@@ -218,6 +218,16 @@ class P2P:
         self._inflight.clear()
         self.plan = None
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """The timeout of every later wait. A compiled run's first step sets a longer one
+        (trainer.compile_timeout_s): a peer compiling its layers is slow, not stuck."""
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        if self.nccl:  # NCCL's waits are stream waits: the groups' own timeout is what ends a hang
+            from torch.distributed.distributed_c10d import _set_pg_timeout  # no public setter in torch 2.13
+
+            for group in (self.pair_groups or {None: self.group}).values():
+                _set_pg_timeout(self.timeout, group)
+
     def close(self) -> None:
         """Stop the in-order streams' threads: each ends after the groups queued before it. After
         a step that completed they are idle and end at once; after a failed one a stream may still

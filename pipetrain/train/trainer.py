@@ -106,6 +106,7 @@ class Trainer:
             from pipetrain.parallel.tp_state import TPShards
 
             tp = TPShards.of(self.pipe.tp.g, self.pipe.stages)
+        self._stepped = False  # whether this process ran a training step (a compiled run's first waits longer)
         self.skipped_in_a_row = 0  # trainer.on_nonfinite=skip: non-finite steps since the last good one
         self.stop = StopSignals()  # SIGTERM / SIGINT: finish the step, save it, stop (train/stop.py)
         self.stopped: Optional[dict[str, Any]] = None  # where to resume (rank 0's record), after a signal
@@ -144,7 +145,14 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
+        comm = self.pipe.executor.comm
+        first_compiled = cfg.trainer.compile and comm is not None and not self._stepped
+        if first_compiled:  # peers compile their layers inside this step: slow, not stuck
+            comm.set_timeout(max(cfg.trainer.compile_timeout_s, cfg.pipeline.p2p_timeout_s))
         result = self.pipe.train_step(self.microbatches(step))
+        if first_compiled:
+            comm.set_timeout(cfg.pipeline.p2p_timeout_s)
+        self._stepped = True
         # Before the grad-norm all-reduce, which absorbs rank 0's time spent on the measurement.
         measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer)
                        if measure else None)
