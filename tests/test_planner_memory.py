@@ -102,3 +102,19 @@ def test_gpu_overhead_follows_the_device_the_ranks_train_on(over, want):
 def test_gpu_overhead_must_not_be_negative():
     with pytest.raises(ValueError, match="plan.gpu_overhead_gb must be >= 0"):
         compose_config(["plan.gpu_overhead_gb=-1"])
+
+
+def test_predict_costs_exactly_the_configured_run_as_the_planner_does():
+    """`python -m pipetrain.planner.predict` (bench/gpu_check.py's prediction): the configured run's own
+    row, its `peak_gb` what the allocator can see (the total without plan.gpu_overhead_gb)."""
+    from pipetrain.planner.cmd import make_rows
+    from pipetrain.planner.predict import predict
+
+    run = ["model=gpt2-tiny", "pipeline.degree=2", "pipeline.microbatches=4", "data.batch_size=8", "schedule=zbv",
+           "trainer.precision=bf16", "trainer.device=cuda"]
+    got = predict(compose_config(run))
+    rows, _ = make_rows(compose_config([*run, "mode=plan", "plan.pp=[2]", "plan.schedules=[zbv]",
+                                        "plan.microbatch_sizes=[2]", "plan.partitions=[uniform]"]))
+    (row,) = [r for r in rows if r.candidate.microbatches == 4]
+    assert got["total_gb"] == pytest.approx(row.pred_peak_gb)
+    assert got["peak_gb"] == pytest.approx(row.pred_peak_gb - 1.5) and got["gpu_overhead_gb"] == 1.5
