@@ -30,9 +30,11 @@ SPACE = ["partition=profile", "plan.calibrate=false", "plan.pp=[2]", "plan.sched
 
 def expected_gb(rank_memory: dict) -> float:
     """What the run's counted peak should be: the prediction without the margin and without the
-    recomputing layer and the gradient copies a CPU run does not see (and no per-GPU overhead)."""
+    recomputing layer, the gradient copies and the loss's backward a CPU run does not see (and no per-GPU
+    overhead)."""
     return (rank_memory["total_gb"] - rank_memory["margin_gb"] - rank_memory["recompute_gb"]
-            - rank_memory.get("grad_copies_gb", 0.0) - rank_memory.get("overhead_gb", 0.0))
+            - rank_memory.get("grad_copies_gb", 0.0) - rank_memory.get("loss_grad_gb", 0.0)
+            - rank_memory.get("overhead_gb", 0.0))
 
 
 def main() -> None:

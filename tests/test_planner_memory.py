@@ -118,3 +118,16 @@ def test_predict_costs_exactly_the_configured_run_as_the_planner_does():
     (row,) = [r for r in rows if r.candidate.microbatches == 4]
     assert got["total_gb"] == pytest.approx(row.pred_peak_gb)
     assert got["peak_gb"] == pytest.approx(row.pred_peak_gb - 1.5) and got["gpu_overhead_gb"] == 1.5
+
+
+def test_the_last_stages_rank_holds_the_losss_backward():
+    """A causal LM's cross-entropy backward allocates the fp32 gradients of its log-softmax's output and
+    input at once (8 bytes x vocab per token): on the rank of the last stage only, in what an allocator
+    sees, not in a CPU run's count."""
+    w = work(act=1e6)
+    lm = Workload(w.layers, seq=1, boundary_bytes_per_token=0.0, loss_grad_bytes_per_token=8.0 * 1000)
+    c = Candidate("1f1b", 2, 1, 1, 4, 2)
+    plain, with_loss = peak(w, c), peak(lm, c)
+    assert with_loss[0].total == plain[0].total
+    assert with_loss[1].total - plain[1].total == pytest.approx(2 * 8.0 * 1000)  # 2 tokens a microbatch
+    assert with_loss[1].counted == pytest.approx(plain[1].counted)

@@ -109,6 +109,7 @@ def workload(config: Config) -> Workload:
                     fused_backward=config.trainer.compile, first_stage_activation_ratio=first_stage, hidden=hidden,
                     vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
+                    loss_grad_bytes_per_token=8.0 * getattr(m, "vocab_size", 0) if m.has_seq else 0.0,
                     loss_bytes_per_token=loss_bytes, weight_copy_bytes=tuple(copies),
                     fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"), tied=tied_weights(model))
 

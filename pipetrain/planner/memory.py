@@ -22,6 +22,8 @@
                embedding and head on different ranks, DualPipe's mirrored chunks) into one new
                tensor per weight plus their flattened concatenation (runtime/sync.py: +2x those
                gradients, after the pipeline, when no activation is left).
+  loss grad    the loss's backward on the last stage: a causal LM's cross-entropy allocates the fp32
+               gradients of its log-softmax's output and input (8 bytes x vocab per token) at once.
   margin       a fraction of the above for allocator fragmentation and workspaces.
   overhead     a fixed amount per GPU outside the caching allocator: the CUDA context and NCCL's
                buffers (plan.gpu_overhead_gb; 0 for CPU ranks). An allocator peak never sees it.
@@ -89,6 +91,10 @@ class RankMemory:
     # the data-parallel reducer's flat copies and the tied / mirrored weights' sync copies, at their
     # worst moment over the activations' peak (`grad_copy_peak`); allocator memory a CPU run's count misses
     grad_copies: float = 0.0
+    # the loss's backward on the last stage's rank: the fp32 gradients of the log-softmax's output and
+    # input (a causal LM: 8 bytes x vocab per token), alive at once beside what the forward saved; on
+    # an H200 llama3.2-1b's zbv run at 4 x 2048 tokens peaked 8.2 GB over the prediction without it
+    loss_grad: float = 0.0
     overhead: float = 0.0  # CUDA context and NCCL buffers: outside the allocator, not under the margin
 
     @property
@@ -98,19 +104,21 @@ class RankMemory:
     @property
     def allocated(self) -> float:
         """What the CUDA caching allocator's peak can see: the total without the fixed per-GPU overhead."""
-        return self.states + self.activations + self.recompute + self.grad_copies + self.receive + self.margin
+        return (self.states + self.activations + self.recompute + self.grad_copies + self.loss_grad + self.receive
+                + self.margin)
 
     @property
     def counted(self) -> float:
-        """The total without what a CPU run's count misses (the recompute part, the gradient copies,
-        their share of the margin, the per-GPU overhead): what a CPU run counts."""
+        """The total without what a CPU run's count misses (the recompute part, the gradient copies, the
+        loss's backward, their share of the margin, the per-GPU overhead): what a CPU run counts."""
         base = self.allocated - self.margin
-        unseen = self.recompute + self.grad_copies
+        unseen = self.recompute + self.grad_copies + self.loss_grad
         return self.allocated - unseen * (1.0 + self.margin / base) if base > 0 else self.allocated
 
     def to_json(self) -> dict[str, float]:
         return {"rank": self.rank, "states_gb": self.states / GB, "activations_gb": self.activations / GB,
                 "recompute_gb": self.recompute / GB, "grad_copies_gb": self.grad_copies / GB,
+                "loss_grad_gb": self.loss_grad / GB,
                 "receive_gb": self.receive / GB, "margin_gb": self.margin / GB, "overhead_gb": self.overhead / GB,
                 "total_gb": self.total / GB}
 

@@ -77,6 +77,9 @@ class Workload:
     # weights of which several layers hold a copy (a tied embedding and head): per weight, those layers'
     # indices and its element count; where the copies land on different ranks GradSync sums them
     tied: tuple[tuple[tuple[int, ...], int], ...] = ()
+    # per token, what the loss's backward allocates at once on the last stage (a causal LM's cross-entropy:
+    # the fp32 gradients of its log-softmax output and input, 2 x 4 bytes x vocab, beside the saved output)
+    loss_grad_bytes_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -291,12 +294,15 @@ class _Evaluator:
         costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, fused)
         comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
         overhead = d.gpu_overhead_gb * GB
+        last = {pl.rank_of(s) for s in range(pl.num_stages) if part.bounds[pl.chunk_of(s)].stop == len(layers)}
+        loss_grad = [w.loss_grad_bytes_per_token * tokens if r in last else 0.0 for r in range(c.pp)]
+        transient = [t + g for t, g in zip(transient, loss_grad)]  # both while a backward runs: on the peak
         room = [(cap - overhead) / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
         worst = min(range(c.pp), key=lambda r: room[r])
         if room[worst] < 0:
             row.reason = f"OOM on rank {worst} by {gb_text(-room[worst] * (1 + d.margin))} GB (weights and optimizer state alone)"
-            row.memory = [RankMemory(m.rank, m.states, 0.0, m.receive, d.margin * (m.total + t), recompute=t,
-                                     overhead=overhead) for m, t in zip(static, transient)]
+            row.memory = [RankMemory(m.rank, m.states, 0.0, m.receive, d.margin * (m.total + t), recompute=t - g,
+                                     loss_grad=g, overhead=overhead) for m, t, g in zip(static, transient, loss_grad)]
             return row
         if c.schedule == "zb_auto":
             sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_stage[r] for r in range(c.pp)], keep)
@@ -321,7 +327,8 @@ class _Evaluator:
             with_held = peak_activation_bytes(sim.timeline[r], act_stage, keep, held) if held else act
             copies = max(with_held, sync[r]) - act
             base = m.states + act + transient[r] + copies + m.receive
-            row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base, recompute=transient[r],
+            row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base,
+                                         recompute=transient[r] - loss_grad[r], loss_grad=loss_grad[r],
                                          grad_copies=copies, overhead=overhead))
         opt_ms = max(m.states for m in static) / (d.optim_gbs * GB) * 1e3 if d.optim_gbs > 0 else 0.0
         row.pred_step_ms = sim.makespan_with_reduce + opt_ms + d.step_overhead_ms
