@@ -73,9 +73,9 @@ def record_error(err: BaseException, path: str | None = None) -> None:
 def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Entry, *, agree: bool) -> dict:
     """Run `entry(config, plan, run_dir)` as rank env.rank of env.world_size.
 
-    agree=True (ranks that composed their own config: torchrun, slurm, submitit): rank 0's plan
-    and run directory are broadcast, so every rank cuts the model alike (partition=profile
-    measures per process) and writes under one directory."""
+    agree=True (ranks that composed their own config: torchrun, slurm, submitit): rank 0's config, plan
+    and run directory are broadcast, so every rank cuts the model alike (partition=profile and
+    schedule=auto measure on rank 0 only) and writes under one directory."""
     layout = config.layout
     world, what = layout.world, world_text(*layout.shape)
     owns_group = not dist.is_initialized()
@@ -105,7 +105,7 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
         elif dist.get_world_size() != world:
             raise ValueError(f"the process group has {dist.get_world_size()} ranks but {what}")
         if agree:
-            plan, run_dir = _agree_with_rank0(plan, Path(run_dir))
+            config, plan, run_dir = _agree_with_rank0(config, plan, Path(run_dir))
             with _rank0_lock(Path(run_dir)):
                 return entry(config, plan, Path(run_dir))
         return entry(config, plan, Path(run_dir))
@@ -117,17 +117,19 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
             dist.destroy_process_group()
 
 
-def _agree_with_rank0(plan: Plan, run_dir: Path) -> tuple[Plan, Path]:
+def _agree_with_rank0(config: Config, plan: Plan, run_dir: Path) -> tuple[Config, Plan, Path]:
+    """Rank 0's config, plan and run directory on every rank. The config too: under schedule=auto
+    each rank chose a row on its own (only rank 0 measured, the others planned on analytic costs)."""
     mine = run_dir.resolve()
-    objs: list[Any] = [plan, str(mine)]
+    objs: list[Any] = [config, plan, str(mine)]
     dist.broadcast_object_list(objs, src=0)
-    shared = Path(objs[1])
+    shared = Path(objs[2])
     if shared != mine:  # Hydra gave this rank its own (timestamped) directory: leave it if unused
         try:
             mine.rmdir()
         except OSError:
             pass
-    return objs[0], shared
+    return objs[0], objs[1], shared
 
 
 def _attempt_store(env: RankEnv, timeout: datetime.timedelta) -> Optional[dist.Store]:
