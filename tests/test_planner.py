@@ -329,3 +329,15 @@ def test_plan_partitions_searches_the_cut_and_a_row_trains_its_own():
 def test_plan_partitions_bad_input_says_what_to_change(override, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         make_rows(compose_config(["mode=plan", "model=gpt2-tiny", override]))
+
+
+def test_one_group_transport_refuses_rows_that_would_hang_on_nccl():
+    """Under pipeline.p2p_transport=one_group (one NCCL stream per rank) an interleaved row at pp=4
+    would hang on its first step: the planner says so instead of ranking it (review F1); the default
+    pair_groups transport runs the same row."""
+    base = [*SLEEP, "plan.schedules=[interleaved_1f1b]", "plan.pp=[4]", "plan.virtual_stages=[2]"]
+    pair = [r for r in make_rows(compose_config(base))[0] if r.candidate.pp == 4]
+    one = [r for r in make_rows(compose_config([*base, "pipeline.p2p_transport=one_group"]))[0] if r.candidate.pp == 4]
+    assert pair and all(r.feasible for r in pair)
+    assert one and not any(r.feasible for r in one)
+    assert all("hangs on NCCL under pipeline.p2p_transport=one_group" in r.reason for r in one), [r.reason for r in one]

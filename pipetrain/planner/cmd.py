@@ -184,7 +184,8 @@ def device(config: Config) -> Device:
                   dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, tp_gbs=config.cluster.tp_bandwidth_gbs, optim_gbs=p.optim_gbs, margin=p.margin,
                   action_overhead_ms=p.action_overhead_ms, layer_overhead_ms=p.layer_overhead_ms, reduce_latency_ms=p.reduce_latency_ms,
                   step_overhead_ms=p.step_overhead_ms, tp_latency_ms=p.tp_latency_ms,
-                  lookahead=config.pipeline.p2p_lookahead, reduce_dtype=config.parallel.reduce_dtype)
+                  lookahead=config.pipeline.p2p_lookahead, reduce_dtype=config.parallel.reduce_dtype,
+                  p2p_transport=config.pipeline.p2p_transport)
 
 
 def assumptions(config: Config) -> str:

@@ -35,6 +35,7 @@ from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import DTYPE_BYTES, reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts, simulate, split_stages
 from pipetrain.schedules.tp_cost import tp_layer_costs
+from pipetrain.schedules.validate import ScheduleError, check_p2p
 from pipetrain.schedules.zb_auto import zb_auto_order
 
 
@@ -101,6 +102,7 @@ class Device:
     lookahead: int = 1  # receives posted ahead (pipeline.p2p_lookahead)
     reduce_dtype: str = "float32"
     gpu_overhead_gb: float = 0.0  # per device outside the allocator: CUDA context, NCCL buffers (plan.gpu_overhead_gb)
+    p2p_transport: str = "pair_groups"  # pipeline.p2p_transport: one_group refuses rows whose plan would hang on NCCL
 
 
 @dataclass
@@ -310,6 +312,13 @@ class _Evaluator:
                 return row
         else:
             sched = registry.build(c.schedule, c.pp, c.microbatches, c.v)
+            if c.pp > 1 and d.p2p_transport != "pair_groups":  # one stream per rank: the plan may hang
+                try:
+                    check_p2p(sched, lookahead=d.lookahead, transport=d.p2p_transport)
+                except ScheduleError:
+                    row.reason = (f"hangs on NCCL under pipeline.p2p_transport={d.p2p_transport} "
+                                  f"(pipeline.p2p_transport=pair_groups runs it)")
+                    return row
             if fused is None and (d.action_overhead_ms or rc):  # now known: the stages running W apart
                 costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, split_stages(sched))
         red = None
