@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -526,3 +527,50 @@ def test_nccl_p2p_wait_does_not_block_the_host():
         fast = host_ms(lambda w: comm._wait(w, lambda: "check", 0))
         slow = host_ms(lambda w: w.wait(timeout=datetime.timedelta(seconds=60)))
         assert fast < 20 and slow > 150, (fast, slow)
+
+
+# ---- layer profiling under the run's autocast, one layer at a time (F3) ---------------------------
+@cuda_only
+def test_profile_times_a_llama_block_in_bf16_one_layer_at_a_time(tmp_path):
+    """Review F3 on the GPU: models/profile.py times llama3.2-1b's block under bf16 autocast on the
+    current device (CUDA events here agree within 25%; fp32 would be ~10x slower on an H100/H200), its
+    peak while profiling is one layer's (below the whole model's fp32 weights, 4.94 GB), and nothing
+    stays reserved afterwards (empty_cache after cuBLAS's workspaces are dropped)."""
+    from pipetrain.compose import compose_config
+    from pipetrain.models.profile import layer_on, profile_layers
+    from pipetrain.plan import build_model
+
+    mbs, seq = 1, 512
+    meta = build_model(compose_config(["model=llama3.2-1b"]).model, device="meta")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()  # earlier tests' leftovers
+    costs = profile_layers(meta, batch=mbs, seq=seq, device=dev, precision="bf16", refresh=True, cache_dir=tmp_path)
+    whole_gb = sum(p.numel() for p in meta.parameters()) * 4 / 1e9
+    assert (torch.cuda.max_memory_allocated() - allocated) / 1e9 < whole_gb, "profiling held the whole model"
+    assert torch.cuda.memory_reserved() <= reserved, (torch.cuda.memory_reserved(), reserved)
+
+    block = layer_on(meta, 1, dev)  # the same materialisation as the profile's, timed with CUDA events
+    x = torch.randn(mbs, seq, 2048, device=dev)
+    params = list(block.parameters())
+    samples = []
+    for i in range(13):
+        xi = x.detach().requires_grad_(True)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev[0].record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = block(xi)
+        ev[1].record()
+        g = torch.ones_like(y)
+        torch.autograd.grad(y, xi, g, retain_graph=True)
+        ev[2].record()
+        torch.autograd.grad(y, [xi, *params], g)
+        ev[3].record()
+        ev[3].synchronize()
+        if i >= 3:
+            samples.append((ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])))
+    f, b, bw = (statistics.median(v) for v in zip(*samples))
+    print({"events": (f, b, bw - b), "profile": (costs[1].f_ms, costs[1].b_ms, costs[1].w_ms)})
+    assert costs[1].f_ms == pytest.approx(f, rel=0.25) and costs[1].b_ms == pytest.approx(b, rel=0.25)
+    assert costs[1].w_ms == pytest.approx(bw - b, rel=0.35)
