@@ -43,28 +43,6 @@ class AsyncSaver:
         self.config, self.run_dir, self.note = config, Path(run_dir), note
         self.pending: Optional[_Pending] = None
         self.group: Optional[dist.ProcessGroup] = None
-        self._stager: Any = None  # CUDA: DCP's stager with pinned host buffers, kept across saves
-
-    def stager(self) -> Any:
-        """On CUDA, DCP's stager copying into pinned host buffers on a stream of its own (DCP's
-        default copies into pageable memory, which blocks training longer), kept across saves
-        (pinning memory is slow). Still synchronous: async_save returns once the copy is done, so
-        the next optimizer step cannot race it. None on CPU: DCP's default."""
-        if self.config.trainer.device != "cuda":
-            return None
-        if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=True))
-        return self._stager
-
-    def close(self) -> None:
-        """Commit a save in flight, then free the pinned staging buffers."""
-        self.finish()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
 
     def save(self, target: Checkpointable) -> Path:
         """Start saving target's current step; returns the directory it will be committed to."""
@@ -80,7 +58,7 @@ class AsyncSaver:
             import torch.distributed.checkpoint as dcp
 
             future = dcp.async_save(save_state_dict(target), checkpoint_id=tmp, process_group=self.group,
-                                    no_dist=not dist.is_initialized(), async_stager=self.stager())
+                                    no_dist=not dist.is_initialized())
         if not isinstance(future, Future):  # newer torch: a response holding the upload future
             future = getattr(future, "upload_completion", future)
         blocked = time.perf_counter() - t0

@@ -278,7 +278,7 @@ class Trainer:
                 self.stop_after(step, signum, saved=saved)
                 break
         if self.saver is not None:
-            self.saver.close()  # a background save still in flight: committed before the run ends
+            self.saver.finish()  # a background save still in flight: committed before the run ends
         steady = sorted(step_times[1:] or step_times)  # the first step pays for warm-up
         median_s = steady[len(steady) // 2] if steady else None
         return RunSummary(steps=self.state.step, first_loss=first_loss, final_loss=final_loss,
