@@ -71,7 +71,7 @@ class FsdpReduce:
         mod.set_reshard_after_backward(True)
         mod.set_requires_gradient_sync(True)
         for state in fully_shard.state(mod)._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
+            for group in _param_groups(state):
                 group.post_backward()
         self._reduced.append(stage)
 
@@ -83,3 +83,13 @@ class FsdpReduce:
         for s in reduced:
             fully_shard.state(self.stages[s])._root_post_backward_final_callback()
             done(s)
+
+
+def _param_groups(state: object) -> list:
+    """An FSDP state's parameter groups: a list in torch 2.13 (`_fsdp_param_groups`), one group or
+    None before (`_fsdp_param_group`, torch 2.11: an H200 run failed on the newer name)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
