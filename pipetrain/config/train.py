@@ -104,6 +104,9 @@ class ExportConfig:
     dir: Optional[str] = None  # the folder to write; null = <run directory>/hf
     max_shard_gb: float = 5.0  # largest safetensors file, in GB (10^9 bytes), as save_pretrained's max_shard_size
     dtype: str = "fp32"  # fp32 | bf16: the dtype of the written tensors (and config.json's torch_dtype)
+    # true: replace a non-empty export.dir (refused otherwise: its files are the user's); never
+    # a folder the export reads from (model.pretrained, the checkpoint) or the run directory
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if not self.max_shard_gb > 0:

@@ -10,14 +10,21 @@ What is written (as save_pretrained does): config.json (models/hf.hf_config), th
 HF's names in model-0000i-of-0000n.safetensors of at most export.max_shard_gb each, their
 model.safetensors.index.json (always, one shard too), and the tokenizer files of
 data.tokenizer_dir or model.pretrained when they hold any. Atomic: everything goes into a
-hidden sibling directory first, which is renamed to export.dir (an older export there is
-replaced only then).
+hidden sibling directory first, which is renamed to export.dir when complete.
+
+Nothing it did not create is lost (`check_out`, before any weight is read): export.dir may be
+new or an empty folder; a non-empty one is replaced only with export.overwrite=true, a file
+never, and a folder the export reads from (model.pretrained, data.tokenizer_dir, the
+checkpoint) or the run directory never, neither itself nor a folder holding it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
+import uuid
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -66,9 +73,8 @@ def rule_fill(rule, seed: int) -> Fill:  # noqa: ANN001 (an init rule: models/in
     return fill
 
 
-def source(config: Config, run_dir: Path, model: object) -> tuple[Fill, str]:
-    """Where the weights come from, and a few words saying so."""
-    ckpt = preflight(config, run_dir)
+def source(config: Config, ckpt: Optional[Path], model: object) -> tuple[Fill, str]:
+    """Where the weights come from (ckpt: trainer.resume's checkpoint, if any), and a few words saying so."""
     if ckpt is not None:
         return checkpoint_fill(ckpt), f"checkpoint {ckpt}"
     weights = pretrained_rule(config.model)
@@ -90,19 +96,35 @@ def run_export(config: Config, run_dir: Path, *, note: Callable[[str], None] = p
     if not isinstance(cfg, LlamaModelConfig):
         raise ValueError(f"mode=export writes Llama-family models (model=llama-tiny, llama3.2-1b, qwen2.5-0.5b, ...); "
                          f"model={cfg.name} has no Hugging Face form here")
-    out = Path(config.export.dir).expanduser() if config.export.dir else Path(run_dir) / "hf"
+    ckpt = preflight(config, run_dir)  # a checkpoint named explicitly is hashed: once
+    out = check_out(config, run_dir, ckpt)
     dtype = DTYPES[config.export.dtype]
     model = build_model(cfg, device="meta")  # shapes only
-    n = cfg.num_hidden_layers
     params = dict(model.named_parameters())  # distinct: a tied head is the embedding's entry
     sizes = {name: p.numel() * dtype.itemsize for name, p in params.items()}
     shards = plan_shards(sizes, int(config.export.max_shard_gb * 1e9))
-    fill, what = source(config, run_dir, model)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that crashed
-    tmp.mkdir(parents=True)
+    fill, what = source(config, ckpt, model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a fresh name: an older ".hf.tmp" beside it may be anyone's, so it is never reused or removed
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        copied, tok = _write(config, tmp, shards, params, sizes, fill, dtype)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours: nothing of a failed export is left
+        raise
+    extra = f", tokenizer files from {tok}" if copied else ""
+    note(f"export: {what} -> {out} ({len(shards)} shard(s), {sum(sizes.values()) / 1e6:.1f} MB "
+         f"{config.export.dtype}{extra})")
+    return out
+
+
+def _write(config: Config, tmp: Path, shards: list[list[str]], params: dict, sizes: dict[str, int],
+           fill: Fill, dtype: torch.dtype) -> tuple[list[str], Optional[Path]]:
+    """The folder's files into tmp; returns the tokenizer files copied and their source."""
     from safetensors.torch import save_file
 
+    cfg, n = config.model, config.model.num_hidden_layers
     weight_map: dict[str, str] = {}
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -118,18 +140,54 @@ def run_export(config: Config, run_dir: Path, *, note: Callable[[str], None] = p
     copied = [f for f in TOKENIZER_FILES if tok is not None and (tok / f).is_file()]
     for f in copied:
         shutil.copyfile(tok / f, tmp / f)
-    _replace(tmp, out)
-    extra = f", tokenizer files from {tok}" if copied else ""
-    note(f"export: {what} -> {out} ({len(shards)} shard(s), {sum(sizes.values()) / 1e6:.1f} MB "
-         f"{config.export.dtype}{extra})")
+    return copied, tok
+
+
+def check_out(config: Config, run_dir: Path, ckpt: Optional[Path]) -> Path:
+    """export.dir (absolute), or a one-line ValueError when writing there could lose a file the
+    export did not create. Reads nothing but the directory tree: it runs before any weight does."""
+    given = config.export.dir
+    out = Path(os.path.abspath(Path(given).expanduser() if given else Path(run_dir) / "hf"))
+    key = f"export.dir={given}" if given else f"export.dir (default {out})"
+    if out.parent == out:
+        raise ValueError(f"{key} is a filesystem root: name a new or empty folder, e.g. export.dir=runs/hf")
+    for above in (out, *out.parents):
+        if above.exists() and not above.is_dir():
+            where = "is a file" if above == out else f"is inside {above}, which is a file"
+            raise ValueError(f"{key} {where}: name a new or empty folder, e.g. export.dir={out.parent}/hf")
+    for what, folder in _read_from(config, run_dir, ckpt):
+        folder = folder.resolve()
+        if out.resolve() == folder or out.resolve() in folder.parents:
+            where = "is" if out.resolve() == folder else f"holds {folder},"
+            raise ValueError(f"{key} {where} {what}: export into another folder (export.overwrite=true never "
+                             f"replaces a folder the export reads from or runs in)")
+    if out.is_dir() and not config.export.overwrite:
+        held = sorted(p.name for p in out.iterdir())
+        if held:
+            raise ValueError(f"{key} is not empty ({len(held)} entries, e.g. {held[0]}): set export.overwrite=true "
+                             f"to replace the folder and everything in it, or name a new or empty folder")
     return out
 
 
+def _read_from(config: Config, run_dir: Path, ckpt: Optional[Path]) -> list[tuple[str, Path]]:
+    """(what, folder) of every folder the export reads from or runs in: never replaced."""
+    out = []
+    if getattr(config.model, "pretrained", None):
+        out.append(("model.pretrained's folder", folder_of(config.model.pretrained)))
+    if config.data.tokenizer_dir:
+        out.append(("data.tokenizer_dir", folder_of(config.data.tokenizer_dir)))
+    if ckpt is not None:
+        out.append(("the checkpoint it exports", Path(ckpt)))
+    return out + [("this run's directory", Path(run_dir))]
+
+
 def _replace(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing out is moved aside first and removed after."""
-    old = out.with_name(f".{out.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
+    """Rename tmp to out; an existing out (empty, or export.overwrite=true: check_out said so) is
+    moved aside under a fresh name first and removed after, so out is always whole."""
+    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+    if out.is_symlink():
+        out.unlink()  # the link, not the folder it names
+    elif out.exists():
         out.rename(old)
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
