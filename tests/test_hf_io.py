@@ -1,6 +1,7 @@
 """Hugging Face folders in and out, against transformers: model.pretrained (sharded safetensors)
 gives HF's logits within 1e-5; each rank opens only the files holding its stages' keys; a
-missing, extra or mis-shaped key fails in one line; mode=export writes a folder from_pretrained
+missing, extra or mis-shaped key fails in one line, and so does a damaged file (config.json
+missing a key or not JSON, a git-lfs pointer, a truncated shard), naming it; mode=export writes a folder from_pretrained
 loads (identical tensors without training, equal logits after a 2-rank training step);
 mode=eval on 2 pipeline ranks equals HF's loss on the same windows within 1e-5."""
 
@@ -147,6 +148,70 @@ def test_missing_extra_and_misshaped_keys_fail_in_one_line(folders, compose, tmp
     assert "holds model.layers.2." in msg and "extra" in msg
     msg = broken(lambda f: config_json(f, intermediate_size=100))
     assert "model.layers.0.mlp.down_proj.weight" in msg and "[64, 96]" in msg and "[64, 100]" in msg
+
+
+def damaged(folders, compose, tmp_path, name: str, edit) -> str:
+    """The one-line error of a copy of the untied folder that `edit` damaged, from composing its
+    config or checking its files (both run before any rank starts)."""
+    folder = tmp_path / name
+    shutil.copytree(folders[UNTIED], folder)
+    edit(folder)
+    with pytest.raises(Exception) as err:
+        check_pretrained(compose(["mode=train", *BASE, f"model.pretrained={folder}",
+                                  f"data.path={folders[UNTIED]}.bin"]).model)
+    e = err.value
+    while not isinstance(e, ValueError) and isinstance(e.__cause__, Exception):  # OmegaConf wraps __post_init__'s
+        e = e.__cause__
+    assert isinstance(e, ValueError) and "\n" not in str(e), repr(err.value)
+    return str(e)
+
+
+@pytest.mark.pure
+def test_damaged_files_fail_in_one_line_naming_the_file(folders, compose, tmp_path):
+    def config_json(edit):
+        def run(folder):
+            path = folder / "config.json"
+            data = json.loads(path.read_text())
+            path.write_text(edit(data) if callable(edit) else edit)
+        return run
+
+    def drop_eps(data):
+        data.pop("rms_norm_eps")
+        return json.dumps(data)
+
+    msg = damaged(folders, compose, tmp_path, "nokey", config_json(drop_eps))
+    assert f"{tmp_path / 'nokey' / 'config.json'} lacks 'rms_norm_eps'" in msg and "original config.json" in msg
+    msg = damaged(folders, compose, tmp_path, "notjson", config_json('{"model_type": "llama",\n'))
+    assert f"{tmp_path / 'notjson' / 'config.json'} is not JSON" in msg and "re-save" in msg
+
+    shard = sorted(json.loads((folders[UNTIED] / "model.safetensors.index.json").read_text())["weight_map"].values())[2]
+    lfs = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 40960\n"
+    msg = damaged(folders, compose, tmp_path, "lfs", lambda f: (f / shard).write_bytes(lfs))
+    assert f"{tmp_path / 'lfs' / shard} is a git-lfs pointer, not the weights" in msg and "git lfs pull" in msg
+
+    def truncate(folder):
+        data = (folder / shard).read_bytes()
+        (folder / shard).write_bytes(data[:-100])
+    msg = damaged(folders, compose, tmp_path, "trunc", truncate)
+    assert f"{tmp_path / 'trunc' / shard} is truncated" in msg and "download it again" in msg
+    msg = damaged(folders, compose, tmp_path, "junk", lambda f: (f / shard).write_bytes(b"\xff" * 64))
+    assert f"{tmp_path / 'junk' / shard} is not a safetensors file" in msg
+    msg = damaged(folders, compose, tmp_path, "index", lambda f: (f / "model.safetensors.index.json").write_text("{"))
+    assert "model.safetensors.index.json is not JSON" in msg
+
+
+@pytest.mark.e2e
+def test_cli_config_json_missing_a_key_is_one_line(folders, tmp_path):
+    folder = tmp_path / "nokey"
+    shutil.copytree(folders[UNTIED], folder)
+    data = json.loads((folder / "config.json").read_text())
+    data.pop("rms_norm_eps")
+    (folder / "config.json").write_text(json.dumps(data))
+    res = run_cli(["mode=export", "model=llama-tiny", f"model.pretrained={folder}", f"hydra.run.dir={tmp_path / 'r'}"],
+                  cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"pipetrain: error: model.pretrained: {folder / 'config.json'} lacks 'rms_norm_eps', which pipetrain needs "
+        f"to build the model: copy it from the model's original config.json"], res.stderr[-2000:]
 
 
 def cli(args, tmp_path, name):

@@ -245,7 +245,18 @@ class LlamaModelConfig(CausalLMConfig):
         if not path.is_file():
             raise FileNotFoundError(f"model.pretrained={self.pretrained} must be a Hugging Face folder holding "
                                     f"config.json and *.safetensors (no {path})")
-        hf = LlamaModelConfig.from_hf(json.loads(path.read_text()), name=self.name)
+        try:  # one line naming the file: a bare KeyError or JSONDecodeError names neither
+            raw = json.loads(path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raw = f"not JSON ({str(err).splitlines()[0]})"
+        if not isinstance(raw, dict):
+            raise ValueError(f"model.pretrained: {path} is {raw if isinstance(raw, str) else 'not a JSON object'}: "
+                             f"download it again, or re-save the folder with save_pretrained")
+        try:
+            hf = LlamaModelConfig.from_hf(raw, name=self.name)
+        except KeyError as err:
+            raise ValueError(f"model.pretrained: {path} lacks {err.args[0]!r}, which pipetrain needs to build the "
+                             f"model: copy it from the model's original config.json") from None
         for f in dataclasses.fields(self):
             if f.name in ("name", "pretrained"):
                 continue

@@ -3,7 +3,8 @@ or in shards listed by model.safetensors.index.json; keys are HF's names (llama.
 
 In (`model.pretrained=DIR`): `check_folder` runs once before any rank starts and reads only
 the files' headers (the first bytes: key, dtype, shape), so a missing, extra or mis-shaped key
-fails in one line naming it. Each rank then materializes its stages from `PretrainedWeights`,
+fails in one line naming it, and so does a file that is not what it claims (a git-lfs
+pointer, a shard shorter than its header says, an index that is not JSON), naming the file. Each rank then materializes its stages from `PretrainedWeights`,
 an init rule (models/init.py) that reads one tensor at a time with safetensors' `safe_open`,
 opening a file only when one of the rank's own keys lives in it (the index's weight_map says
 which): a rank holding blocks 0-3 of a 16-shard checkpoint opens the shards holding those.
@@ -44,20 +45,57 @@ def weight_map(folder: Path) -> dict[str, str]:
     """HF key -> the file (name inside `folder`) holding it: the index's weight_map, or every
     key of the single model.safetensors (its header)."""
     if (folder / INDEX).is_file():
-        return dict(json.loads((folder / INDEX).read_text())["weight_map"])
+        index = read_json(folder / INDEX)
+        if not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"{folder / INDEX} has no weight_map: re-save the folder with save_pretrained "
+                             f"(or download the index again)")
+        return dict(index["weight_map"])
     if (folder / WEIGHTS).is_file():
         return {k: WEIGHTS for k in read_header(folder / WEIGHTS)}
     raise FileNotFoundError(f"model.pretrained={folder} has no {WEIGHTS} and no {INDEX}: save the model with "
                             f"save_pretrained(..., safe_serialization=True) (pipetrain reads safetensors only)")
 
 
+LFS = b"version https://git-lfs"  # how a git-lfs pointer file starts (what a clone without git lfs holds)
+AGAIN = "download it again (e.g. huggingface-cli download, or git lfs pull in its folder)"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, or a one-line ValueError naming the file."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        what = "a git-lfs pointer" if path.read_bytes().startswith(LFS) else f"not JSON ({str(err).splitlines()[0]})"
+        raise ValueError(f"{path} is {what}: {AGAIN}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object: {AGAIN}")
+    return data
+
+
 def read_header(path: Path) -> dict[str, dict[str, Any]]:
     """key -> {"dtype", "shape", "data_offsets"} of a safetensors file, reading only its header
-    (an 8-byte little-endian length, then that many bytes of JSON)."""
+    (an 8-byte little-endian length, then that many bytes of JSON). A file that is not one, or
+    shorter than its header says (a download cut off), is a one-line ValueError naming it: read
+    blindly, a git-lfs pointer's first 8 bytes ask for a header of 10^19 bytes (MemoryError)."""
+    total = os.path.getsize(path)
     with open(path, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(size))
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        if head.startswith(LFS[:8]) and f.read(len(LFS) - 8) == LFS[8:]:
+            raise ValueError(f"{path} is a git-lfs pointer, not the weights: {AGAIN}")
+        try:
+            header = json.loads(f.read(size)) if 0 < size <= total - 8 else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file ({total} bytes, no readable header): {AGAIN}")
     header.pop("__metadata__", None)
+    try:
+        end = 8 + size + max((int(entry["data_offsets"][1]) for entry in header.values()), default=0)
+    except (KeyError, TypeError, IndexError, ValueError):
+        raise ValueError(f"{path} is not a safetensors file (its header lists no data_offsets): {AGAIN}") from None
+    if total < end:
+        raise ValueError(f"{path} is truncated ({total} bytes; its header lists tensors up to byte {end}): {AGAIN}")
     return header
 
 
@@ -143,7 +181,7 @@ def hf_config(cfg: LlamaModelConfig, *, dtype: str) -> dict[str, Any]:
     written for the HF class computing the same maths: Qwen3 (QK-norm), Qwen2 (q, k, v biases)
     or Llama (everything else, Mistral's shapes included: no sliding window)."""
     if cfg.pretrained is not None:
-        out = json.loads((folder_of(cfg.pretrained) / CONFIG).read_text())
+        out = read_json(folder_of(cfg.pretrained) / CONFIG)
         out["dtype" if "dtype" in out else "torch_dtype"] = HF_DTYPES[dtype]  # "dtype": transformers 5's spelling
         return out
     if cfg.qk_norm and (cfg.qkv_bias or cfg.attention_bias):
