@@ -17,6 +17,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 from multiprocessing import reduction
 from typing import Iterator
@@ -45,7 +46,8 @@ def inherited_environ(extra: dict[str, str]) -> Iterator[None]:
 # What a rank imports before it runs: the trainer's rank entry and the runtime it drives, and
 # torch._dynamo, which every torch optimizer imports when it takes its parameters (torch wraps
 # add_param_group in _disable_dynamo): ~2.5 s of CPU paid once here rather than once per rank.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pipetrain.launch.rank", "pipetrain.train.trainer"]
+# First: pipetrain.launch.parent, which makes the server die with its launcher (read it for why).
+PRELOAD = ["pipetrain.launch.parent", "torch", "torch.distributed", "torch._dynamo", "pipetrain.launch.rank", "pipetrain.train.trainer"]
 # The environment this module was imported with: in the server, the one every forked rank inherits
 # before it takes the launcher's (`adopt`).
 _IMPORT_ENV = dict(os.environ)
@@ -60,7 +62,9 @@ def warm(backend: str = "gloo") -> None:
     starts with the malloc settings above, which every rank it forks keeps (malloc reads them once)."""
     if start_method(backend) != "forkserver":
         return
-    with inherited_environ(CPU_MALLOC_ENV):
+    from pipetrain.launch.parent import SERVER_ENV
+
+    with inherited_environ({**CPU_MALLOC_ENV, SERVER_ENV: str(os.getpid())}):
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
 
@@ -73,6 +77,7 @@ class Inherit:
 
     def __init__(self) -> None:
         self.environ = dict(os.environ)
+        self.launcher = os.getpid()
         self.fds: list[int] | None = None
 
     def __getstate__(self) -> dict:
@@ -81,15 +86,20 @@ class Inherit:
             sys.stdout.flush()
             sys.stderr.flush()
             fds = [reduction.DupFd(fd) for fd in (1, 2)]
-        return {"environ": self.environ, "fds": fds}
+        return {"environ": self.environ, "launcher": self.launcher, "fds": fds}
 
     def __setstate__(self, state: dict) -> None:
-        self.environ = state["environ"]
+        self.environ, self.launcher = state["environ"], state["launcher"]
         self.fds = None if state["fds"] is None else [d.detach() for d in state["fds"]]
 
     def adopt(self) -> None:
         """In the rank: the launcher's environment plus what the start method set for this rank
-        (torch elastic's RANK, LOCAL_RANK, ...), and the launcher's stdout/stderr. Call it first."""
+        (torch elastic's RANK, LOCAL_RANK, ...), and the launcher's stdout/stderr; and death with
+        the launcher (launch/parent.py). Call it first."""
+        from pipetrain.launch.parent import die_with_parent
+
+        die_with_parent(self.launcher)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (launch/parent.py); a rank must not
         own = {k: v for k, v in os.environ.items() if _IMPORT_ENV.get(k) != v}
         os.environ.clear()
         os.environ.update(self.environ)

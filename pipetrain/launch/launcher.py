@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from pipetrain.config.parallel import world_text
 from pipetrain.launch.errors import RunStopped
+from pipetrain.launch.parent import STARTED_UNDER, die_with_parent  # imported early: STARTED_UNDER
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -48,6 +49,7 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
 
     if cluster.name == "torchrun":
         env = rank_env.torchrun_env()
+        die_with_parent(STARTED_UNDER)  # the agent starts each rank in a session of its own
     elif cluster.name == "slurm":
         env = rank_env.slurm_env(cluster.master_port)
     elif cluster.name == "submitit_local":
