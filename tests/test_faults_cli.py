@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from pipetrain.launch.local import worker_pids
 
 pytestmark = pytest.mark.e2e
 
@@ -102,6 +102,37 @@ def test_stale_lock_is_taken_over(tmp_path):
     assert not (run / ".lock").exists()  # released at the end
 
 
+def test_lock_of_a_gone_launcher_is_kept_while_a_rank_of_its_run_lives(tmp_path):
+    """The launcher was SIGKILLed but one of its ranks still runs (and saves into checkpoints/): the
+    same command with trainer.resume=auto refuses in one line naming that rank, and touches nothing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        proc_start = int(Path(f"/proc/{rank.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        host = socket.gethostname()
+        (run / ".lock").write_text(json.dumps({"pid": gone.pid, "host": host, "started": "earlier"}))
+        (run / ".lock.rank0").write_text(json.dumps({"pid": gone.pid, "host": host}))
+        (run / ".lock.rank1").write_text(json.dumps({"pid": rank.pid, "host": host, "proc_start": proc_start}))
+        before = {p.name: p.read_bytes() for p in run.iterdir()}
+        line = one_line_error(run_cli(["mode=train", *TINY, "trainer.max_steps=1", "trainer.resume=auto",
+                                       f"hydra.run.dir={run}"], cwd=tmp_path))
+        assert (f"launcher pid {gone.pid} is gone but rank 1 (pid {rank.pid} on {host}) still running" in line
+                and "wait for it, stop it" in line), line
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.name not in (".hydra", "cli.log")} == before
+    finally:
+        rank.kill()
+        rank.wait()
+    # the same pid, started anew (its number reused by another process), does not hold the lock
+    (run / ".lock.rank1").write_text(json.dumps({"pid": os.getpid(), "host": host, "proc_start": 1}))
+    res = run_cli(["mode=train", *TINY, "trainer.max_steps=1", "trainer.ckpt_at_end=false", "logger=[jsonl]",
+                   f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not list(run.glob(".lock*"))  # taken over, then released with its ranks' records
+
+
 def test_unnamed_runs_never_share_a_directory(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-m", "pipetrain.cli", "mode=simulate", "model=sleep", "sim.timeline=false"],
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
@@ -111,14 +142,22 @@ def test_unnamed_runs_never_share_a_directory(tmp_path):
     assert len(runs) == 3, runs
 
 
+def _running(pid: int) -> bool:
+    try:  # a zombie has ended: it only waits for its parent to read its exit status
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _step_files(run: Path) -> list[Path]:
     return sorted((run / "checkpoints").glob("step_*/meta.json"))
 
 
 @pytest.mark.slow
-def test_named_run_resumes_after_the_whole_job_was_killed(tmp_path):
-    """`pipetrain run.name=NAME trainer.resume=auto ...`, killed (launcher and ranks, SIGKILL) after
-    its first checkpoint; the same command again resumes from it and finishes."""
+def test_named_run_resumes_after_its_launcher_was_killed(tmp_path):
+    """`pipetrain run.name=NAME trainer.resume=auto ...`, its launcher alone killed (SIGKILL) after
+    the first checkpoint: no rank outlives it (launch/parent.py), and the same command again takes
+    over the lock, resumes from that checkpoint and finishes."""
     cmd = [sys.executable, "-m", "pipetrain.cli", "mode=train", *TINY, "run.name=long", "trainer.resume=auto",
            "trainer.max_steps=24", "trainer.ckpt_every=3", "logger=[console,jsonl]"]
     env = dict(os.environ, WANDB_MODE="offline")
@@ -129,8 +168,14 @@ def test_named_run_resumes_after_the_whole_job_was_killed(tmp_path):
     deadline = time.time() + 240
     while not _step_files(run) and time.time() < deadline and job.poll() is None:
         time.sleep(0.2)
-    os.killpg(job.pid, signal.SIGKILL)  # the whole job: launcher and every rank
+    ranks = worker_pids(job.pid)
+    assert len(ranks) == 2, ranks
+    job.kill()  # the launcher only
     job.wait()
+    deadline = time.time() + 10
+    while any(map(_running, ranks)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_running, ranks)), f"ranks {ranks} outlived their launcher"
     saved = [int(p.parent.name[5:]) for p in _step_files(run)]
     assert saved and saved[-1] < 24
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -4,6 +4,7 @@ gone a few seconds later, instead of training on to the last step with nobody to
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -81,6 +82,8 @@ def test_sigkilled_launcher_leaves_no_forked_rank(tmp_path):
         ranks = worker_pids(job.pid)
         servers = [p for p in _children(job.pid) if p not in ranks]
         assert len(ranks) == 2, ranks
+        # the ranks recorded themselves beside the run directory's lock (launch/rundir.py: record_rank)
+        assert sorted(json.loads(p.read_text())["pid"] for p in run.glob(".lock.rank*")) == ranks
         job.kill()
         job.wait()
         assert _gone_within(ranks + servers, 10) == []

@@ -26,6 +26,7 @@ from pipetrain.config.parallel import world_text
 from pipetrain.launch.devices import choose, gpu_index, ranks_sharing_gpus
 from pipetrain.launch.env import RankEnv, torchrun_env
 from pipetrain.launch.forkserver import Inherit
+from pipetrain.launch.rundir import record_rank
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -88,6 +89,8 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
                 f"{env.world_size} ranks were started but {what}: start {world} ranks "
                 f"(e.g. torchrun --nproc_per_node={world}) or {fix}"
             )
+        if not agree:  # the launcher holds the run directory's lock: this rank counts as part of its run
+            record_rank(Path(run_dir), env.rank)
         config = resolve_devices(config, note=print if env.rank == 0 else None)
         backend = config.cluster.backend
         os.environ.update(env.exported())  # the trainer (and torch) read LOCAL_RANK, RANK, ...
@@ -107,6 +110,7 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
         if agree:
             config, plan, run_dir = _agree_with_rank0(config, plan, Path(run_dir))
             with _rank0_lock(Path(run_dir)):
+                record_rank(Path(run_dir), env.rank)
                 return entry(config, plan, Path(run_dir))
         return entry(config, plan, Path(run_dir))
     except Exception as err:

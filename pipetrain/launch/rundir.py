@@ -4,9 +4,10 @@
                             that is a file, or that we cannot write, fails in one line instead of
                             in Hydra's log set-up (FileExistsError, "Unable to configure handler")
   check_writable(run_dir)   before launching: the run and checkpoints directories take a file
-  RunLock(run_dir)          <run_dir>/.lock holds the pid and host of the run using it; a second
-                            run there refuses in one line; a lock whose process is gone (same
-                            host) is taken over
+  RunLock(run_dir)          <run_dir>/.lock holds the pid and host of the run using it, and
+                            .lock.rank<r> beside it each rank's (record_rank); a second run there
+                            refuses in one line; a lock whose processes are all gone (same host)
+                            is taken over
 """
 
 from __future__ import annotations
@@ -77,23 +78,55 @@ def check_writable(run_dir: Path, *, checkpoints: bool) -> None:
             raise ValueError(f"{path}: {why}: {fix}")
 
 
-def _alive(pid: int) -> bool:
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat from field 3 (state) on; [] where unknown (gone, or not Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _started(pid: int) -> Optional[int]:
+    """When the process started (clock ticks since boot; field 22), None where unknown: with the
+    pid it names one process, not whichever later reuses the number."""
+    fields = _stat(pid)
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def _alive(pid: int, started: Optional[int] = None) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process
-        return True
-    return True
+        pass
+    fields = _stat(pid)
+    if fields[:1] == ["Z"]:  # ended; only its exit status waits to be read
+        return False
+    now = _started(pid)
+    return started is None or now is None or now == started
+
+
+def record_rank(run_dir: Path, rank: int) -> None:
+    """A rank of the run holding <run_dir>/.lock records itself beside it (.lock.rank<r>), so that
+    the lock counts as held while any process of the run is alive, not only its launcher: ranks
+    that outlived a killed launcher still write checkpoints/. Rewritten by a restarted rank."""
+    path = Path(run_dir) / f"{LOCK}.rank{rank}"
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "proc_start": _started(os.getpid())}))
+    tmp.replace(path)
 
 
 class RunLock:
     """<run_dir>/.lock for as long as the run lasts (a context manager). Exclusive creation is the
-    lock; its content ({"pid", "host", "started"}) is what a refused second run is told."""
+    lock; its content ({"pid", "host", "started", "proc_start"}) and the ranks' records beside it
+    (record_rank) are what a refused second run is told. It is stale, and taken over, only when the
+    launcher and every recorded rank are gone."""
 
     def __init__(self, run_dir: Path, *, note: Callable[[str], None] = lambda text: None) -> None:
         self.path, self.note, self.held = Path(run_dir) / LOCK, note, False
-        self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                     "proc_start": _started(os.getpid())}
 
     def _create(self) -> bool:
         try:
@@ -104,11 +137,18 @@ class RunLock:
             f.write(json.dumps(self.mine) + "\n")
         return True
 
-    def _holder(self) -> dict:
+    @staticmethod
+    def _read(path: Path) -> dict:
         try:
-            return json.loads(self.path.read_text())
+            return json.loads(path.read_text())
         except (OSError, ValueError):
             return {}
+
+    def _holder(self) -> dict:
+        return self._read(self.path)
+
+    def _ranks(self) -> dict[Path, dict]:
+        return {p: self._read(p) for p in sorted(self.path.parent.glob(f"{LOCK}.rank*")) if not p.name.endswith(".tmp")}
 
     def _age(self) -> float:
         try:
@@ -116,20 +156,40 @@ class RunLock:
         except FileNotFoundError:
             return 0.0
 
+    def _live(self, record: dict) -> bool:
+        pid = record.get("pid")
+        if not isinstance(pid, int):
+            return False
+        return record.get("host") != self.mine["host"] or _alive(pid, record.get("proc_start"))
+
     def check(self) -> dict:
         """Raise the one-line refusal if a live run holds the lock; else return the holder (or {})."""
         other = self._holder() if self.path.exists() else {}
         pid, host = other.get("pid"), other.get("host")
-        if not isinstance(pid, int) or (host == self.mine["host"] and not _alive(pid)):
-            return other  # none, unreadable, or stale: free to take
-        where = f"run directory {self.path.parent} is in use by pid {pid} on {host} (since {other.get('started')})"
-        if host == self.mine["host"]:
-            raise ValueError(f"{where}: wait for it, stop it, or set another run.name / hydra.run.dir")
-        raise ValueError(f"{where}: if that run is gone, delete {self.path}; or set another run.name / hydra.run.dir")
+        fix = "wait for it, stop it, or set another run.name / hydra.run.dir"
+        if self._live(other):
+            where = f"run directory {self.path.parent} is in use by pid {pid} on {host} (since {other.get('started')})"
+            if host == self.mine["host"]:
+                raise ValueError(f"{where}: {fix}")
+            raise ValueError(f"{where}: if that run is gone, delete {self.path}; or set another run.name / hydra.run.dir")
+        live = {p.name.rsplit("rank", 1)[1]: r for p, r in self._ranks().items() if self._live(r)}
+        if live:  # its launcher is gone but some of its ranks still run (and save into checkpoints/)
+            ranks = ", ".join(f"rank {r} (pid {rec['pid']} on {rec.get('host')})" for r, rec in live.items())
+            gone = f"its launcher pid {pid} is gone but " if isinstance(pid, int) else ""
+            raise ValueError(f"run directory {self.path.parent} is in use: {gone}{ranks} still running: {fix}")
+        return other  # none, unreadable, or stale: free to take
+
+    def _forget_ranks(self) -> None:
+        for path in self._ranks():
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(20):
+            self.check()  # also where .lock is gone but a rank of the run that held it is not
             if self._create():
                 self.held = True
                 return
@@ -138,8 +198,9 @@ class RunLock:
             if not other and self._age() < 5.0:  # just created, not written yet: wait for its content
                 time.sleep(0.25)
                 continue
-            # stale (its process is gone) or unreadable: take it over; O_EXCL again decides a race
+            # stale (its processes are gone) or unreadable: take it over; O_EXCL again decides a race
             self.note(f"run directory: took over the lock of pid {pid} on {host}, which is gone")
+            self._forget_ranks()
             try:
                 self.path.unlink()
             except FileNotFoundError:
@@ -148,6 +209,7 @@ class RunLock:
 
     def release(self) -> None:
         if self.held and self._holder().get("pid") == self.mine["pid"]:
+            self._forget_ranks()
             try:
                 self.path.unlink()
             except FileNotFoundError:
