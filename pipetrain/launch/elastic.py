@@ -57,6 +57,9 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
                 raise RunStopped(read_stopped(run_dir) or {}) from None
             raise root_cause(error_records(Path(logs)), err.failures, run_dir) from None
         except SignalException as err:  # this process got SIGTERM / SIGINT; the agent passed it on
+            from pipetrain.train.stop import wait_for_stop  # the ranks may outlive the agent's wait
+
+            wait_for_stop(run_dir)
             raise RunStopped(read_stopped(run_dir) or {"signal": err.sigval.name, "step": "?", "checkpoint": None}
                              ) from None
     return results[0]

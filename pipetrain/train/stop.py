@@ -11,10 +11,12 @@ handler runs after the save (on rank 0 it requeues the job, which resumes with t
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,6 +25,12 @@ import torch.distributed as dist
 
 from pipetrain.launch.errors import STOPPED
 
+# Every live rank holds a shared flock on <run_dir>/.ranks (the kernel drops it when the process
+# ends, even on SIGKILL). A SIGTERM sent to the launcher's whole process group (scancel, `kill --
+# -PGID`) also kills the multiprocessing fork server the CPU ranks were forked from; torch's agent
+# then sees its ranks as gone and stops waiting, while they still finish the step and save it.
+# The launcher waits on this lock instead, so its one line reports the step they saved.
+RANKS = ".ranks"
 
 
 class StopSignals:
@@ -94,6 +102,36 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def hold_presence(run_dir: Path) -> None:
+    """In a rank: hold a shared lock on <run_dir>/.ranks until this process ends (no fd is returned:
+    it stays open on purpose). Best effort: a run directory this rank cannot write only loses the wait."""
+    try:
+        fd = os.open(Path(run_dir) / RANKS, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        pass
+
+
+def wait_for_stop(run_dir: Path, timeout_s: float = 120.0) -> None:
+    """In the launcher, after a signal: return once no rank holds <run_dir>/.ranks (rank 0 wrote
+    stopped.json before it ended), or after `timeout_s` (a stop is bounded by the step's grace time
+    plus one checkpoint)."""
+    path, deadline = Path(run_dir) / RANKS, time.monotonic() + timeout_s
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:  # no rank got as far as building its trainer
+        return
+    try:
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return  # every rank has ended
+            except BlockingIOError:
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
 
 
 def write_stopped(run_dir: Path, *, signum: int, step: int, checkpoint: Optional[Path], resume: str) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from pipetrain.train.checkpoint_async import AsyncSaver
 from pipetrain.train.data import build_data, local_rows, split_microbatches
 from pipetrain.train.monitor import Monitor
 from pipetrain.train.restart import Restart, StepTracker, restart_count, slurm_requeues, this_restart
-from pipetrain.train.stop import StopSignals, signal_name, write_stopped
+from pipetrain.train.stop import RANKS, StopSignals, hold_presence, signal_name, write_stopped
 from pipetrain.launch.errors import STOPPED
 from pipetrain.train.profiling import StepProfiler
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
@@ -201,6 +201,7 @@ class Trainer:
         notes: list[str] = []
         if self.rank == 0:
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # an earlier stop's record
+        hold_presence(self.run_dir)  # until this process ends: a launcher told to stop waits for it
         with self.stop:
             restart = self.resume(note=notes.append)  # before the loggers start: they show the resumed step
             self.monitor.start(self.state.step)
@@ -214,6 +215,8 @@ class Trainer:
             finally:
                 self.profiler.close()  # a capture cut short by an error still writes what it has
                 self.pipe.close()
+                if self.rank == 0:  # after stopped.json is written: a launcher finding no .ranks reads it
+                    (self.run_dir / RANKS).unlink(missing_ok=True)
             if self.rank == 0:  # whatever the loggers: the sweep table and the user read it
                 (self.run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n")
             self.monitor.finish(summary)
