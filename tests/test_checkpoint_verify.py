@@ -43,6 +43,12 @@ def _no_fingerprint(path: Path) -> None:
     path.write_text(json.dumps(meta))
 
 
+def _manifest_entry_without(path: Path, key: str) -> None:
+    meta = json.loads(path.read_text())
+    del meta["files"]["__1_0.distcp"][key]
+    path.write_text(json.dumps(meta))
+
+
 def _empty(step: Path) -> None:
     shutil.rmtree(step)
     step.mkdir()
@@ -58,6 +64,10 @@ DAMAGE = {
     "deleted .metadata": (lambda d: (d / ".metadata").unlink(), "no .metadata", True),
     "empty step dir": (_empty, "empty directory", True),
     "meta.json without fingerprint": (lambda d: _no_fingerprint(d / "meta.json"), "lacks 'fingerprint'", True),
+    "manifest entry without bytes": (lambda d: _manifest_entry_without(d / "meta.json", "bytes"),
+                                     "manifest entry for __1_0.distcp lacks 'bytes'", True),
+    "manifest entry without sha256": (lambda d: _manifest_entry_without(d / "meta.json", "sha256"),
+                                      "manifest entry for __1_0.distcp lacks 'sha256'", True),
 }
 
 

@@ -82,6 +82,20 @@ def read_meta_checked(path: Path) -> tuple[Optional[dict[str, Any]], Optional[st
     return meta, None
 
 
+def manifest_damage(files: Any) -> Optional[str]:
+    """What is wrong with meta.json's `files` itself, or None: a damaged manifest is damage like
+    any other (reported by name, the previous checkpoint used), not a KeyError in every rank."""
+    if not isinstance(files, dict):
+        return f"{META}'s files is not a manifest (a JSON object of file -> bytes and sha256)"
+    for name in sorted(files, key=check_order):
+        entry = files[name]
+        lacks = [k for k, kind in (("bytes", int), ("sha256", str)) if not isinstance(entry, dict)
+                 or not isinstance(entry.get(k), kind) or isinstance(entry.get(k), bool)]
+        if lacks:
+            return f"{META}'s manifest entry for {name} lacks {' and '.join(repr(k) for k in lacks)}"
+    return None
+
+
 def check_order(name: str) -> tuple[bool, str]:
     """The order files are checked and reported in: DCP's index first, then by name."""
     return name != DCP_METADATA, name
@@ -129,6 +143,9 @@ def damage(path: Path, *, deep: bool = True, check_bytes: Optional[CheckBytes] =
     files = meta.get("files")
     if files is None:  # written before manifests: nothing to check the bytes against
         return None
+    why = manifest_damage(files)
+    if why:
+        return why
     for name in sorted(files, key=check_order):
         file, want = path / name, files[name]
         if not file.is_file():
