@@ -138,6 +138,9 @@ def test_val_path_is_the_validation_split_and_what_eval_reads(tmp_path):
     ("suffix", ["unknown format '.pt'", ".npy"]),
     ("version", ["unknown version 3", "magic 20240801 version 7"]),
     ("truncated", ["header says 500 tokens", "regenerate"]),
+    ("magic", ["x.bin has an llm.c header (100 tokens, then zeros) with magic 20240519 version 1",
+               "llm.c's header for its size is magic 20240520 version 1 (uint16 tokens)", "regenerate"]),
+    ("magic32", ["with magic 20240802 version 7", "is magic 20240801 version 7 (uint32 tokens)"]),
     ("2d", ["not 1-D", "reshape(-1)"]),
     ("float", ["not integers"]),
     ("glob", ["matches no file"]),
@@ -159,6 +162,10 @@ def test_bad_shards_are_one_line_errors(tmp_path, case, words):
         write_llmc(p, range(100), magic=20240801, version=3)
     elif case == "truncated":
         write_llmc(p, range(100), count=500)
+    elif case == "magic":  # was read as raw uint16: "set model.vocab_size >= 55432"
+        write_llmc(p, range(100), magic=20240519)
+    elif case == "magic32":
+        write_llmc(p, range(100), magic=20240802, version=7, dtype=np.uint32)
     elif case in ("2d", "float"):
         p = tmp_path / "x.npy"
         np.save(p, np.zeros((10, 10), np.uint16) if case == "2d" else np.zeros(100, np.float32))

@@ -90,6 +90,7 @@ def _read_bin(path: Path, size: int, *, knob: str) -> Shard:
         head = f.read(LLMC_HEADER_BYTES)
     magic = struct.unpack("<i", head[:4])[0] if len(head) >= 4 else None
     if magic not in LLMC_MAGICS:  # nanoGPT's raw uint16 (llm.c's magics are no GPT-2 token pair)
+        _check_not_llmc(path, head, size, knob=knob)
         if size % 2:
             raise ValueError(f"{knob}: {path} has an odd number of bytes ({size}): a raw .bin holds uint16 token "
                              "ids (nanoGPT's format); for a text file use data=text")
@@ -108,6 +109,19 @@ def _read_bin(path: Path, size: int, *, knob: str) -> Shard:
         raise ValueError(f"{knob}: {path}'s llm.c header says {count:,} tokens ({want:,} bytes with the header) "
                          f"but the file has {size:,} bytes: it is truncated or not an llm.c shard, regenerate it")
     return Shard(path, "llmc", dtype, LLMC_HEADER_BYTES, count)
+
+
+def _check_not_llmc(path: Path, head: bytes, size: int, *, knob: str) -> None:
+    """An llm.c header whose magic is wrong (three int32s, then 253 zeros) would be read as raw
+    uint16 tokens, and its magic's halves as ids (20240519 gives 55431): say what it should be."""
+    if len(head) < LLMC_HEADER_BYTES or size == LLMC_HEADER_BYTES or any(head[12:]) or not any(head[:4]):
+        return
+    magic, version, count = struct.unpack("<iii", head[:12])
+    fits = [(m, v, d) for (m, v), d in LLMC_FORMATS.items() if size == LLMC_HEADER_BYTES + count * int(d[2])]
+    want = " or ".join(f"magic {m} version {v} ({'uint16' if d == '<u2' else 'uint32'} tokens)"
+                       for m, v, d in (fits or [(m, v, d) for (m, v), d in LLMC_FORMATS.items()]))
+    raise ValueError(f"{knob}: {path} has an llm.c header ({count:,} tokens, then zeros) with magic {magic} version "
+                     f"{version}, but llm.c's header for its size is {want}: fix its first int32s or regenerate it")
 
 
 def _read_npy(path: Path, size: int, *, knob: str) -> Shard:
