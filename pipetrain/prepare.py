@@ -143,12 +143,17 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tokeniz
         raise ValueError(f"--shard-tokens must be >= 1 (got {shard_tokens})")
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction must be in (0, 1) (got {val_fraction}): e.g. 0.01 holds out 1%")
+    out_dir = Path(out).expanduser()
+    for above in (out_dir, *out_dir.parents):
+        if above.exists() and not above.is_dir():
+            where = "is a file" if above == out_dir else f"is inside {above}, which is a file"
+            raise ValueError(f"--out {out} {where}: name a folder for the shards (empty or new)")
     files = input_files(inputs)
     tok = load_tokenizer(tokenizer, tokenizer_dir)
     if tok.eos_id is None:
         raise ValueError(f"tokenizer {tokenizer} ({tokenizer_dir}) has no end-of-text token: add eos_token to "
                          "its tokenizer_config.json")
-    out_dir = Path(out).expanduser()
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     old = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES)
     if old:
@@ -156,9 +161,16 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tokeniz
                          "or remove them (old shards would be read with the new)")
     dtype = "<u2" if tok.vocab_size <= 1 << 16 else "<u4"
     writers = {s: ShardWriter(out_dir, s, shard_tokens, dtype, note) for s in ("train", "val")}
-    docs = _write_documents(files, tok, writers, fmt=fmt, text_field=text_field, val_fraction=val_fraction)
+    docs, text = _write_documents(files, tok, writers, fmt=fmt, text_field=text_field, val_fraction=val_fraction)
     for w in writers.values():
         w.flush()
+    if not text:  # only the EOS ids between documents: say so, not "lower --shard-tokens"
+        _remove_written(writers, out_dir if created else None)
+        names = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+        raise ValueError(f"the input is empty: {names} {'holds' if len(files) == 1 else 'hold'} no text "
+                         f"({docs:,} document(s), none with a token): give files with text"
+                         + (f" (or the --text-field that holds it, not {text_field!r})"
+                            if any(input_format(f, fmt) != "text" for f in files) else ""))
     if val_fraction is None:  # llm.c's convention: shard 0 is validation
         first = writers["train"].written.pop(0) if writers["train"].written else None
         if first is None or not writers["train"].written:
@@ -178,15 +190,26 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tokeniz
     return written
 
 
+def _remove_written(writers: dict[str, ShardWriter], created: Optional[Path]) -> None:
+    """Undo a refused run: the shards it wrote, and the --out folder when it made it."""
+    for w in writers.values():
+        for path, _ in w.written:
+            path.unlink(missing_ok=True)
+    if created is not None and not any(created.iterdir()):
+        created.rmdir()
+
+
 def _write_documents(files: list[Path], tok: TextTokenizer, writers: dict[str, ShardWriter], *, fmt: str,
-                     text_field: str, val_fraction: Optional[float]) -> int:
-    """Encode every document (in batches), EOS first, into its split's writer; returns the count."""
-    n = 0
+                     text_field: str, val_fraction: Optional[float]) -> tuple[int, int]:
+    """Encode every document (in batches), EOS first, into its split's writer; returns the count of
+    documents and of their tokens (the EOS ids not counted)."""
+    n = text = 0
     batch: list[str] = []
 
     def drain() -> None:
-        nonlocal n
+        nonlocal n, text
         for ids in tok.encode_batch(batch):
+            text += len(ids)
             to_val = val_fraction is not None and math.floor((n + 1) * val_fraction) > math.floor(n * val_fraction)
             writers["val" if to_val else "train"].add(np.asarray([tok.eos_id, *ids], dtype=np.int64))
             n += 1
@@ -198,7 +221,7 @@ def _write_documents(files: list[Path], tok: TextTokenizer, writers: dict[str, S
             if len(batch) == ENCODE_BATCH:
                 drain()
     drain()
-    return n
+    return n, text
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -171,6 +171,34 @@ def test_prepare_errors_are_one_line(tmp_path):
 
 
 @pytest.mark.pure
+def test_prepare_empty_input_and_out_file_are_one_line(tmp_path, capsys):
+    from pipetrain.prepare import main
+
+    def fails(*argv: str) -> str:
+        with pytest.raises(SystemExit) as code:
+            main(list(argv))
+        err = capsys.readouterr().err
+        assert code.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        return err.strip()
+
+    (tmp_path / "empty.txt").write_text("")
+    err = fails(str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o1"))  # was: lower --shard-tokens (e.g. 1)
+    assert err == f"pipetrain-prepare: error: the input is empty: {tmp_path / 'empty.txt'} holds no text " \
+                  f"(1 document(s), none with a token): give files with text"
+    assert not (tmp_path / "o1").exists()  # a refused run leaves nothing behind
+    write_jsonl(tmp_path / "blank.jsonl", ["", ""])
+    (tmp_path / "none.jsonl").write_text("\n")
+    err = fails(str(tmp_path / "blank.jsonl"), str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o2"))
+    assert "the input is empty" in err and "hold no text (2 document(s)" in err and "--text-field" in err
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    (tmp_path / "taken").write_bytes(b"precious")
+    for out, words in ((tmp_path / "taken", "is a file"), (tmp_path / "taken" / "sub", "which is a file")):
+        err = fails(str(tmp_path / "a.txt"), "--out", str(out))  # was: a FileExistsError traceback
+        assert err.startswith(f"pipetrain-prepare: error: --out {out} ") and words in err and "name a folder" in err
+    assert (tmp_path / "taken").read_bytes() == b"precious"
+
+
+@pytest.mark.pure
 def test_prepare_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
