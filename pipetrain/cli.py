@@ -17,8 +17,9 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipetrain.compose import CONF_DIR, check_recipe_args, config_dirs, register_all, to_config
 from pipetrain.config import Config, Mode
@@ -27,6 +28,7 @@ from pipetrain.launch.rundir import check_args
 from pipetrain.sweep import check_sweep
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
+LOCKING_MODES = ("train", "eval", "export")  # the modes that hold the run directory's lock (run() below)
 
 
 def run(config: Config, run_dir: Path) -> Any:
@@ -108,6 +110,25 @@ def _fail(err: BaseException) -> None:
         raise err
     print(f"pipetrain: error: {err}", file=sys.stderr)
     sys.exit(2)
+
+
+class RefuseLockedRunDir(Callback):
+    """Hydra writes .hydra/ and the job log into the run directory before the task starts: a run
+    that the directory's lock refuses (launch/rundir.py: RunLock) is refused here, before that,
+    so that it writes nothing into the directory of the run that holds it (conf/config.yaml:
+    hydra.callbacks). run() checks again for callers that compose without Hydra's run."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from pipetrain.launch.resolvers import process_rank
+        from pipetrain.launch.rundir import RunLock
+
+        mode = OmegaConf.select(config, "mode")
+        if str(getattr(mode, "name", mode)) not in LOCKING_MODES or process_rank(config.cluster.name) != 0:
+            return
+        try:
+            RunLock(Path(config.hydra.run.dir)).check()
+        except ValueError as e:
+            _fail(e)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

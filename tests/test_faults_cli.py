@@ -89,6 +89,30 @@ def test_second_run_in_a_locked_directory_refuses(tmp_path):
     assert not (run / ".lock").exists() and not (run / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("extra", [[], ["schedule=auto"]], ids=["train", "schedule=auto"])
+def test_refused_run_writes_nothing_into_the_live_run(tmp_path, extra):
+    """Hydra writes .hydra/ and its job log before the task starts; a run the lock refuses must not
+    rewrite the live run's (nor leave the planner's files there)."""
+    from pipetrain.launch.rundir import RunLock
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (run / ".hydra" / name).write_text(f"the live run's {name}\n")
+    (run / "cli.log").write_text("the live run's log\n")
+    os.utime(run / ".hydra" / "config.yaml", (1_000_000_000, 1_000_000_000))
+
+    def files() -> dict[str, tuple[bytes, float]]:
+        return {str(p.relative_to(run)): (p.read_bytes(), p.stat().st_mtime) for p in run.rglob("*") if p.is_file()}
+
+    with RunLock(run):  # this test process is the live run
+        before = files()
+        line = one_line_error(run_cli(["mode=train", *TINY, "trainer.max_steps=1", *extra, f"hydra.run.dir={run}"],
+                                      cwd=tmp_path))
+        assert f"in use by pid {os.getpid()}" in line, line
+        assert files() == before
+
+
 def test_stale_lock_is_taken_over(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -121,7 +145,7 @@ def test_lock_of_a_gone_launcher_is_kept_while_a_rank_of_its_run_lives(tmp_path)
                                        f"hydra.run.dir={run}"], cwd=tmp_path))
         assert (f"launcher pid {gone.pid} is gone but rank 1 (pid {rank.pid} on {host}) still running" in line
                 and "wait for it, stop it" in line), line
-        assert {p.name: p.read_bytes() for p in run.iterdir() if p.name not in (".hydra", "cli.log")} == before
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before
     finally:
         rank.kill()
         rank.wait()
