@@ -67,6 +67,7 @@ def test_empty_or_new_folder_is_written(compose, tmp_path):
     for name in ("empty", "new/deeper"):
         out = export(compose, tmp_path, f"export.dir={tmp_path / name}")
         assert "config.json" in tree(out) and "model.safetensors.index.json" in tree(out)
+        assert out.stat().st_mode & 0o777 == (tmp_path / "run").stat().st_mode & 0o777  # as mkdir makes a folder
     no_leftovers(tmp_path)
     no_leftovers(tmp_path / "new")
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -105,8 +104,10 @@ def run_export(config: Config, run_dir: Path, *, note: Callable[[str], None] = p
     shards = plan_shards(sizes, int(config.export.max_shard_gb * 1e9))
     fill, what = source(config, ckpt, model)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # a fresh name: an older ".hf.tmp" beside it may be anyone's, so it is never reused or removed
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    # a fresh name, made exclusively: an older ".hf.tmp" beside it may be anyone's, so it is never
+    # reused or removed (not tempfile.mkdtemp: its 0700 would become the export's permissions)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir()
     try:
         copied, tok = _write(config, tmp, shards, params, sizes, fill, dtype)
         _replace(tmp, out)
