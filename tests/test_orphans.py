@@ -84,6 +84,12 @@ def test_sigkilled_launcher_leaves_no_forked_rank(tmp_path):
         assert len(ranks) == 2, ranks
         # the ranks recorded themselves beside the run directory's lock (launch/rundir.py: record_rank)
         assert sorted(json.loads(p.read_text())["pid"] for p in run.glob(".lock.rank*")) == ranks
+        # a SIGTERM to the whole group (scancel) reaches the fork server too: it must not end it, or its
+        # ranks would die with it before they save the step (train/stop.py)
+        server = next(p for p in servers if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(server, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(map(_alive, [server, *ranks]))
         job.kill()
         job.wait()
         assert _gone_within(ranks + servers, 10) == []

@@ -96,8 +96,12 @@ class Inherit:
         """In the rank: the launcher's environment plus what the start method set for this rank
         (torch elastic's RANK, LOCAL_RANK, ...), and the launcher's stdout/stderr; and death with
         the launcher (launch/parent.py). Call it first."""
+        import signal
+
         from pipetrain.launch.parent import die_with_parent
 
+        if self.fds is not None:  # forked from the server, which ignores SIGTERM (launch/parent.py)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         die_with_parent(self.launcher)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (launch/parent.py); a rank must not
         own = {k: v for k, v in os.environ.items() if _IMPORT_ENV.get(k) != v}

@@ -11,8 +11,9 @@ the process asked for it; the chain of parents is
 
 The fork server does not end with the launcher by itself: multiprocessing hands every forked
 child the server's "alive" pipe, so the server waits for its last child, and the ranks for the
-server. So the server asks too, when it imports this module first of its preloads, and each rank
-asks in `Inherit.adopt()` (CPU and NCCL ranks of cluster=local) or in `launch()` (torchrun).
+server. So the server asks too, when it imports this module first of its preloads (and ignores
+SIGTERM: serve_until_launcher_ends), and each rank asks in `Inherit.adopt()` (CPU and NCCL ranks
+of cluster=local) or in `launch()` (torchrun).
 
 SIGKILL, not SIGTERM: a rank that lost its launcher has nobody to restart or report it; the last
 checkpoint is complete (they are written atomically) and `trainer.resume=auto` resumes from it.
@@ -62,8 +63,17 @@ def die_with_parent(launcher: Optional[int]) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-if os.environ.get(SERVER_ENV) == str(os.getppid()):  # in the fork server, while it preloads
+def serve_until_launcher_ends() -> None:
+    """In the fork server: end with the launcher, and only then. A SIGTERM to the launcher's whole
+    process group (scancel, `kill -- -PGID`) must not end the server: its ranks would die with it,
+    before they finish and save the step they are in (train/stop.py). Its forked ranks inherit the
+    ignored SIGTERM; `Inherit.adopt()` gives them the default back."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(os.getppid())
+
+
+if os.environ.get(SERVER_ENV) == str(os.getppid()):  # in the fork server, while it preloads
+    serve_until_launcher_ends()
     # A SIGTERM to the launcher's whole process group (scancel, `kill -- -PGID`) must not end the
     # server before its ranks have saved their step (they would get the SIGKILL above); it ends with
     # its launcher anyway. Its ranks take SIGTERM back in Inherit.adopt (launch/forkserver.py).
