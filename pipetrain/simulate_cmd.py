@@ -21,6 +21,7 @@ from pipetrain.partition.table import compact_names, partition_table
 from pipetrain.plan import Plan, make_plan
 from pipetrain.schedules import render
 from pipetrain.schedules.export import rounded
+from pipetrain.schedules.gc_pause import gc_paused
 from pipetrain.schedules.simulate import SimResult, simulate
 
 
@@ -82,7 +83,8 @@ def _cost_note(config: Config, plan: Plan) -> str:
 
 def run_simulate(config: Config, run_dir: Path, console: Console | None = None) -> dict:
     """Simulate, print the partition, timeline and summary; write simulate.json, schedule_trace.json, schedule.csv."""
-    return plan_and_simulate(config, run_dir, console or Console(), timeline=config.sim.timeline)[1]
+    with gc_paused():  # drawing and tracing 10^6 steps allocate like validating them (schedules/gc_pause.py)
+        return plan_and_simulate(config, run_dir, console or Console(), timeline=config.sim.timeline)[1]
 
 
 def plan_and_simulate(

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich import box
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -244,7 +245,17 @@ class _Timeline:
         self.result, self.width = result, width
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        yield from timeline_lines(self.result, self.width or options.max_width)
+        # Each line is at most the width and never wraps: its segments go out as they are. Yielding
+        # the Texts would have rich wrap and crop each of P x bands lines (a third of simulate at P=10^4).
+        for line in timeline_lines(self.result, self.width or options.max_width):
+            if not line.no_wrap:  # the legend and the scale line may wrap
+                yield line
+            elif line.spans:
+                yield from line.render(console)
+                yield Segment.line()
+            else:  # render() drops the style of a line without spans
+                yield Segment(line.plain, console.get_style(line.style) if line.style else None)
+                yield Segment.line()
 
 
 def render_timeline(result: SimResult, *, width: int | None = None) -> RenderableType:

@@ -20,9 +20,8 @@ rank x step grid, the failing slot marked `>...<`.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from pipetrain.schedules.deps import Key, Walk, walk
+from pipetrain.schedules.gc_pause import without_gc
 from pipetrain.schedules.ir import Op, Schedule
 from pipetrain.schedules.p2p import TRANSPORT_STREAMS, PlanError
 from pipetrain.schedules.p2p_check import check_plan
@@ -95,22 +94,21 @@ def check_placement(schedule: Schedule) -> None:
 def check_complete(schedule: Schedule) -> None:
     """Exactly one F, and one BW or one B + one W, per (stage, microbatch) of each chain."""
     pl, M = schedule.placement, schedule.num_microbatches
-    seen: Counter[tuple[Op, int, int]] = Counter()
-    where: dict[tuple[Op, int, int], tuple[int, int]] = {}
+    # A plain dict, not a Counter: a Counter's missing keys cost a Python call each (10^6 at P=10^4).
+    where: dict[tuple[Op, int, int], tuple[int, int]] = {}  # action -> (rank, step): seen once
     for r, row in enumerate(schedule.steps):
         for c, step in enumerate(row):
             for a in step.parts():
                 key = (a.op, a.stage, a.microbatch)
-                seen[key] += 1
-                if seen[key] > 1:
+                if key in where:
                     why = f"{a} appears twice (first at rank {where[key][0]} step {where[key][1]})"
                     _fail(schedule, why, {(r, c): why, where[key]: "first occurrence"})
                 where[key] = (r, c)
     for m in range(M):
         for s in pl.chains[pl.chain_of(m, M)]:
-            f, b, w, bw = (seen[(op, s, m)] for op in (Op.F, Op.B, Op.W, Op.BW))
+            f, b, w, bw = ((op, s, m) in where for op in (Op.F, Op.B, Op.W, Op.BW))
             problem = None
-            if f == 0:
+            if not f:
                 problem = f"{s}F{m} is missing"
             elif bw and (b or w):
                 problem = f"stage {s} microbatch {m} has a BW and also a split B/W"
@@ -173,6 +171,7 @@ def _p2p_fix(schedule: Schedule, lookahead: int, unit_walk: Walk | None, streams
     return f": set {' or '.join(fixes)}" if fixes else ""
 
 
+@without_gc
 def validate(schedule: Schedule, *, p2p_lookahead: int = 1, p2p_transport: str = "pair_groups") -> None:
     """Raise ScheduleError if the schedule is misplaced, incomplete, deadlocks, or its
     point-to-point plan would deadlock or mismatch messages on NCCL with `p2p_transport`
