@@ -97,3 +97,67 @@ def test_failed_rank_from_the_previous_attempts_error_files(tmp_path, monkeypatc
     assert failed_rank(str(tmp_path / "attempt_2" / "0" / "error.json")) == 1
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert failed_rank(str(tmp_path / "attempt_0" / "0" / "error.json")) is None
+
+
+def _rank_pid(run: Path, rank: int) -> int:
+    try:
+        return json.loads((run / f".lock.rank{rank}").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_restart_lines_under_data_parallel_name_the_global_rank_and_restarts_used_up(tmp_path):
+    """pp=2 x dp_replicate=2: global rank 3 is pipeline rank 1 of the second pipeline. Killed once,
+    the restart line names it with its coordinates; killed again with launch.max_restarts=1, the
+    run ends in one line that says the restarts are used up."""
+    run = tmp_path / "run"
+    env = dict(os.environ, WANDB_MODE="offline")
+    env.pop("HYDRA_FULL_ERROR", None)
+    args = [*ARGS, "data.batch_size=8", "parallel.dp_replicate=2", "trainer.max_steps=400", "trainer.ckpt_every=3",
+            "launch.max_restarts=1", f"hydra.run.dir={run}"]
+    job = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", *args], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while logged(run) < 4 and time.time() < deadline and job.poll() is None:
+        time.sleep(0.02)
+    first = _rank_pid(run, 3)
+    assert first, "rank 3 did not record itself"
+    os.kill(first, signal.SIGKILL)
+    while _rank_pid(run, 3) in (0, first) and time.time() < deadline and job.poll() is None:
+        time.sleep(0.05)  # the restarted group's rank 3
+    time.sleep(1.0)
+    os.kill(_rank_pid(run, 3), signal.SIGKILL)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode != 0
+    assert re.search(r"restarted after rank 3 \(pp 1, dp_replicate 1\) failed at step \d+, resumed from step \d+",
+                     out), out[-3000:]
+    lines = err.strip().splitlines()  # the killed rank, not a peer that lost its connection to it
+    assert len(lines) == 1 and lines[0].startswith(
+        "pipetrain: error: launch.max_restarts=1 restarts used up: rank 3 (pp 1, dp_replicate 1) failed: "), err[-3000:]
+
+
+@pytest.mark.pure
+def test_root_cause_is_the_killed_rank_its_peers_lost_and_the_last_attempts(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from pipetrain.launch.elastic import error_records, root_cause
+    from pipetrain.parallel.layout import Layout
+
+    def record(t: int, message: str) -> dict:
+        return {"message": message, "extraInfo": {"time_ns": str(t), "py_callstack": "trace"}}
+
+    lost = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:9612"
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file="")
+    layout = Layout(2, 2)
+    err = root_cause({0: record(5, lost), 1: record(6, lost), 2: record(7, lost)}, {1: failure}, layout=layout)
+    assert str(err).startswith("rank 3 (pp 1, dp_replicate 1) failed: ended without an error of its own"), err
+    # the first error is a cause of its own: it stays the cause, whoever left no file
+    err = root_cause({0: record(5, "ValueError: bad"), 1: record(6, lost)}, {1: failure}, layout=layout, restarts=2)
+    assert str(err) == "launch.max_restarts=2 restarts used up: rank 0 (pp 0, dp_replicate 0) failed: ValueError: bad"
+    for attempt, message in ((0, "attempt 0's"), (1, "attempt 1's")):  # restarts: the last attempt tells
+        d = tmp_path / "run_x" / f"attempt_{attempt}" / "0"
+        d.mkdir(parents=True)
+        (d / "error.json").write_text(json.dumps({"message": record(1, message)}))
+    assert error_records(tmp_path)[0]["message"] == "attempt 1's"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
+import signal
 import tempfile
 import uuid
 from pathlib import Path
@@ -22,12 +24,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipetrain.launch import forkserver
-from pipetrain.launch.errors import RankFailedError, RunStopped, read_stopped
+from pipetrain.launch.errors import RankFailedError, RunStopped, rank_text, read_stopped
 from pipetrain.launch.forkserver import CPU_MALLOC_ENV, inherited_environ
 from pipetrain.launch.rank import Entry, elastic_worker, resolve_devices
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
+    from pipetrain.parallel.layout import Layout
     from pipetrain.plan import Plan
 
 
@@ -55,7 +58,9 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
         except ChildFailedError as err:
             if read_stopped(run_dir):  # the workers alone got the signal; they saved and left (launch/rank.py)
                 raise RunStopped(read_stopped(run_dir) or {}) from None
-            raise root_cause(error_records(Path(logs)), err.failures, run_dir) from None
+            # the agent gives up only when launch.max_restarts restarts are spent: the line says so
+            raise root_cause(error_records(Path(logs)), err.failures, run_dir, layout=config.layout,
+                             restarts=config.launch.max_restarts) from None
         except SignalException as err:  # this process got SIGTERM / SIGINT; the agent passed it on
             from pipetrain.train.stop import wait_for_stop  # the ranks may outlive the agent's wait
 
@@ -66,28 +71,46 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
 
 
 def error_records(log_dir: Path) -> dict[int, dict]:
-    """Every worker's error file, by rank: DefaultLogsSpecs writes
-    <log_dir>/<run_id>_*/attempt_<n>/<local rank>/error.json (one node: local rank = rank)."""
-    records = {}
+    """Every worker's error file of the last attempt, by rank: DefaultLogsSpecs writes
+    <log_dir>/<run_id>_*/attempt_<n>/<local rank>/error.json (one node: local rank = rank). The
+    earlier attempts' (launch.max_restarts) are about failures the restarts got past."""
+    attempts: dict[int, dict[int, dict]] = {}
     for path in log_dir.glob("*/attempt_*/*/error.json"):
         try:
             message = json.loads(path.read_text()).get("message")
+            attempt = int(path.parent.parent.name.removeprefix("attempt_"))
         except (OSError, ValueError):
             continue
         if isinstance(message, dict) and path.parent.name.isdigit():
-            records[int(path.parent.name)] = message
-    return records
+            attempts.setdefault(attempt, {})[int(path.parent.name)] = message
+    return attempts[max(attempts)] if attempts else {}
 
 
-def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure],
-               run_dir: Optional[Path] = None) -> RankFailedError:
+# A rank's error that says a peer went away (gloo's words, and runtime/comm.py's): not a cause.
+LOST = re.compile(r"connection (closed|reset) by peer|broken pipe|connection to .+ was lost", re.IGNORECASE)
+
+
+def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure], run_dir: Optional[Path] = None, *,
+               layout: Optional[Layout] = None, restarts: int = 0) -> RankFailedError:
     """The error that came first. The agent reports one failed worker, whichever it noticed
     first, often a peer that only lost its connection; every rank that raised wrote an error file
-    with the time in ns (pipetrain.launch.rank.record_error), and the earliest is the cause.
-    Without any (a rank killed by a signal) the agent's report is all there is."""
+    with the time in ns (pipetrain.launch.rank.record_error), and the earliest is the cause, unless
+    it only says a peer went away (LOST) and some rank of the layout wrote none: then that rank,
+    killed by a signal, is. Without any the agent's report is all there is. `restarts`: the run
+    used up launch.max_restarts restarts (the line says so)."""
     timed = {r: m for r, m in records.items() if "time_ns" in m.get("extraInfo", {})}
-    if timed:
-        rank = min(timed, key=lambda r: (int(timed[r]["extraInfo"]["time_ns"]), r))
+    first = min(timed, key=lambda r: (int(timed[r]["extraInfo"]["time_ns"]), r)) if timed else None
+    silent = [r for r in range(layout.world if layout else 0) if r not in records]
+    if first is not None and silent and LOST.search(str(timed[first].get("message", ""))):
+        # the first error is a lost connection, and a rank left none: that rank died first (a
+        # signal; under data parallel its pipeline's and its replicas' peers all report it)
+        rank, callstack = silent[0], None
+        failure = failures.get(rank)
+        how = f"killed by {signal.Signals(-failure.exitcode).name}" if failure and failure.exitcode < 0 else \
+            "ended without an error of its own (killed by a signal?)"
+        message = f"{how}; {rank_text(first, layout)} lost its connection first: {timed[first].get('message', '')}"
+    elif first is not None:
+        rank = first
         message, callstack = str(timed[rank].get("message", "")), timed[rank]["extraInfo"].get("py_callstack")
     else:
         rank, failure = min(failures.items())
@@ -99,7 +122,9 @@ def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure],
     if callstack and run_dir is not None and Path(run_dir).is_dir():
         path = Path(run_dir) / f"error_rank{rank}.txt"
         path.write_text(callstack)
-    return RankFailedError(rank, (message.strip().splitlines() or ["failed"])[0], path)
+    return RankFailedError(rank, (message.strip().splitlines() or ["failed"])[0], path, layout=layout,
+                           restarts=restarts)
+
 
 
 @contextlib.contextmanager

@@ -9,14 +9,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from pipetrain.parallel.layout import DIMS, Layout
+
+
+def rank_text(rank: int, layout: Optional[Layout] = None) -> str:
+    """A global rank and, where the world is more than one pipeline, its place in the layout:
+    'rank 3 (pp 1, dp_replicate 1)'. Under data parallel a bare number reads as a pipeline index."""
+    if layout is None or layout.world == layout.pp or not 0 <= rank < layout.world:
+        return f"rank {rank}"
+    c = layout.coords(rank)
+    dims = [f"{name} {getattr(c, name)}" for name in DIMS if name == "pp" or getattr(layout, name) > 1]
+    return f"rank {rank} ({', '.join(dims)})"
+
 
 class RankFailedError(RuntimeError):
     """A rank raised (or died). The message is that rank's own one-line message; the full
-    traceback, where the rank left one, is in `traceback_file` (run_dir/error_rank<r>.txt)."""
+    traceback, where the rank left one, is in `traceback_file` (run_dir/error_rank<r>.txt).
+    `restarts`: launch.max_restarts, when the failure came after every restart was used."""
 
-    def __init__(self, rank: int, message: str, traceback_file: Optional[Path] = None) -> None:
+    def __init__(self, rank: int, message: str, traceback_file: Optional[Path] = None, *,
+                 layout: Optional[Layout] = None, restarts: int = 0) -> None:
         where = f" (traceback: {traceback_file})" if traceback_file else ""
-        super().__init__(f"rank {rank} failed: {message}{where}")
+        spent = f"launch.max_restarts={restarts} restarts used up: " if restarts else ""
+        super().__init__(f"{spent}{rank_text(rank, layout)} failed: {message}{where}")
         self.rank, self.rank_message, self.traceback_file = rank, message, traceback_file
 
 

@@ -5,6 +5,7 @@ restarts); the trainer then resumes from the newest verified checkpoint of the r
 itself (train/checkpoint.py: resume) and says, in one line on the console and in the loggers,
 
     restarted after rank 1 failed at step 8, resumed from step 5
+    restarted after rank 3 (pp 1, dp_replicate 1) failed at step 8, resumed from step 5   (several pipelines)
 
 Which rank failed: the previous attempt's error files (TORCHELASTIC_ERROR_FILE of each worker;
 a rank that raised wrote one with its time, launch/rank.py: record_error). A rank killed by a
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
+
+from pipetrain.launch.errors import rank_text
+from pipetrain.parallel.layout import Layout
 
 _STEP_KEY = "pipetrain/step_in_progress"
 
@@ -97,18 +101,19 @@ def failed_rank(error_file: Optional[str] = None) -> Optional[int]:
 @dataclass(frozen=True)
 class Restart:
     attempt: int  # 1 for the first restart
-    rank: Optional[int]  # the rank that failed, where known
+    rank: Optional[int]  # the global rank that failed, where known
     step: Optional[int]  # the step it failed in, where known
+    layout: Optional[Layout] = None  # for that rank's pp / dp / tp coordinates
 
     def line(self, resumed_step: int) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else "a rank"
+        who = rank_text(self.rank, self.layout) if self.rank is not None else "a rank"
         when = f" at step {self.step}" if self.step is not None else ""
         return f"restarted after {who} failed{when}, resumed from step {resumed_step}"
 
 
-def this_restart(tracker: StepTracker) -> Optional[Restart]:
+def this_restart(tracker: StepTracker, layout: Optional[Layout] = None) -> Optional[Restart]:
     """Rank 0 of a restarted group: what happened (None when this is the first attempt)."""
     n = restart_count()
     if n < 1:
         return None
-    return Restart(attempt=n, rank=failed_rank(), step=tracker.last())
+    return Restart(attempt=n, rank=failed_rank(), step=tracker.last(), layout=layout)

@@ -128,7 +128,7 @@ class Trainer:
             note(f"checkpoint: requeued by SLURM ({slurm_requeues()}x): resuming from the run directory's newest "
                  f"good checkpoint")
         checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note, restarted=restarted or requeued)
-        return this_restart(self.tracker) if restarted and self.rank == 0 else None
+        return this_restart(self.tracker, self.config.layout) if restarted and self.rank == 0 else None
 
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
