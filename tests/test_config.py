@@ -76,6 +76,9 @@ def test_wrong_type_names_the_key(compose):
         (["partition=manual"], "partition.boundaries"),
         (["sim.tflops=-1"], "sim.tflops"),
         (["schedule=custom"], "schedule.path"),
+        # issue 25: a world the nodes do not have was planned for
+        (["plan.world_size=8", "plan.nodes=2", "plan.devices_per_node=3"], "plan.devices_per_node"),
+        (["plan.world_size=8", "plan.nodes=3"], "plan.nodes"),
     ],
 )
 def test_cross_field_rules_name_the_knob(compose, overrides, knob):
@@ -85,6 +88,7 @@ def test_cross_field_rules_name_the_knob(compose, overrides, knob):
     while err.__cause__ is not None:  # OmegaConf may wrap the __post_init__ error
         err = err.__cause__
     assert knob in str(err)
+    assert "\n" not in str(err)  # one line
 
 
 # Options that need a value the user must supply; everything else composes as shipped.

@@ -65,6 +65,7 @@ class PlanConfig:
                 raise ValueError(f"plan.{knob} must be >= 1 (got {value})")
         if self.nodes < 1 or self.top < 1 or self.max_microbatches < 1:
             raise ValueError("plan.nodes, plan.top and plan.max_microbatches must be >= 1")
+        self._check_world()
         if self.calibrate_steps < 2:
             raise ValueError(f"plan.calibrate_steps must be >= 2: the first step is warm-up (got {self.calibrate_steps})")
         for knob in ("memory_gb", "p2p_gbs", "time_limit_s"):
@@ -97,3 +98,17 @@ class PlanConfig:
             if unknown or not self.partitions:
                 raise ValueError(f"plan.partitions={self.partitions} must list strategies from "
                                  f"{', '.join(PLAN_PARTITIONS)} (partition=manual's cut is not searched)")
+
+    def _check_world(self) -> None:
+        """plan.world_size, where given, must be the machines it plans for: the planner would
+        otherwise lay out a world that plan.nodes x plan.devices_per_node does not have."""
+        world, nodes, per_node = self.world_size, self.nodes, self.devices_per_node
+        if world is None:
+            return
+        if per_node is not None and world != nodes * per_node:
+            raise ValueError(f"plan.world_size={world} is not plan.nodes={nodes} x plan.devices_per_node={per_node} "
+                             f"= {nodes * per_node}: set plan.world_size={nodes * per_node} (or null, their product), "
+                             f"or change plan.nodes / plan.devices_per_node")
+        if per_node is None and world % nodes:
+            raise ValueError(f"plan.world_size={world} ranks do not split evenly over plan.nodes={nodes}: set "
+                             f"plan.nodes to a divisor of {world}, or plan.devices_per_node instead of plan.world_size")
