@@ -341,3 +341,23 @@ def test_one_group_transport_refuses_rows_that_would_hang_on_nccl():
     assert pair and all(r.feasible for r in pair)
     assert one and not any(r.feasible for r in one)
     assert all("hangs on NCCL under pipeline.p2p_transport=one_group" in r.reason for r in one), [r.reason for r in one]
+
+
+@pytest.mark.parametrize("overrides, why", [
+    # issue 25: a pp that cannot divide the world was answered with advice about the batch
+    (["plan.pp=[3]"], "no pipeline degree in plan.pp=[3] divides the world of 4 ranks (pp x dp = world): "
+                      "list some of 1, 2, 4 in plan.pp"),
+    (["plan.pp=[4]", "plan.virtual_stages=[4]", "plan.schedules=[interleaved_1f1b]", "model.layers=8"],
+     "every layout cuts the model into more stages than its 8 layers (the fewest: 16)"),
+    (["plan.global_batch=3", "plan.microbatch_sizes=[2]"], "make plan.global_batch a multiple of dp x a microbatch"),
+    (["plan.max_microbatches=2", "plan.microbatch_sizes=[1]"], "every row needs more than plan.max_microbatches=2 microbatches"),
+])
+def test_an_empty_plan_space_says_why_first(overrides, why):
+    from pipetrain.planner.cmd import plan_candidates
+
+    config = compose_config(["mode=plan", "model=sleep", "plan.world_size=4", *overrides])
+    with pytest.raises(ValueError) as info:
+        plan_candidates(config)
+    msg = str(info.value)
+    head = f"the plan space is empty for world 4 and global batch {config.plan.global_batch or config.data.batch_size}: "
+    assert msg.startswith(head + why) and "\n" not in msg

@@ -23,7 +23,7 @@ from pipetrain.models.costs import fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Device, Row, Workload, search
-from pipetrain.planner.space import Candidate, candidates
+from pipetrain.planner.space import Candidate, candidates, why_empty
 from pipetrain.schedules import registry
 
 PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
@@ -227,17 +227,14 @@ def plan_candidates(config: Config) -> list[Candidate]:
         registry.get(n)  # an unknown name fails with the list of choices
     check_tp(config)
     part = plan_partitions(config)
-    cands = candidates(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
-                       num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
-                       virtual_stages=p.virtual_stages, recompute=p.recompute,
-                       recompute_partial=p.recompute_partial, pp_degrees=p.pp,
-                       dp_shard=p.dp_shard, partitions=part, max_microbatches=p.max_microbatches,
-                       tp_degrees=p.tp, sequence_parallel=p.sequence_parallel)
+    space = dict(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
+                 num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
+                 virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches, tp_degrees=p.tp)
+    cands = candidates(**space, recompute=p.recompute, recompute_partial=p.recompute_partial, dp_shard=p.dp_shard,
+                       partitions=part, sequence_parallel=p.sequence_parallel)
     if not cands:
-        raise ValueError(
-            f"the plan space is empty for world {world_size(config)} and global batch "
-            f"{p.global_batch or config.data.batch_size}: make plan.global_batch a multiple of dp x a microbatch "
-            f"size in plan.microbatch_sizes, or widen plan.pp / plan.schedules")
+        raise ValueError(f"the plan space is empty for world {space['world']} and global batch "
+                         f"{space['global_batch']}: {why_empty(**space)}")
     return cands
 
 

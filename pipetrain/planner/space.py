@@ -84,6 +84,38 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
     return out
 
 
+def why_empty(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
+              microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], pp_degrees: Optional[Sequence[int]] = None,
+              max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,)) -> str:
+    """Why `candidates` found nothing, the first of its filters that left no row, with the knob to change."""
+    layouts = [(tp, pp) for tp in tp_degrees if world % tp == 0
+               for pp in (pp_degrees or [q for q in range(1, world // tp + 1) if world // tp % q == 0])
+               if world % (pp * tp) == 0]
+    if not layouts:
+        fits = sorted({q for tp in tp_degrees if world % tp == 0 for q in range(1, world // tp + 1) if world // tp % q == 0})
+        tp = f" x tp in plan.tp={list(tp_degrees)}" if list(tp_degrees) != [1] else ""
+        return (f"no pipeline degree in plan.pp={list(pp_degrees or [])} divides the world of {world} ranks (pp x dp"
+                f"{tp} = world): list some of {', '.join(map(str, fits))} in plan.pp, or make plan.world_size a "
+                f"multiple of a degree it lists")
+    vs = [v for name in schedules for v in ([registry.get(name).fixed_stages_per_rank]
+                                             if registry.get(name).fixed_stages_per_rank else virtual_stages)]
+    staged = [(tp, pp, v) for tp, pp in layouts for v in set(vs) if pp * v <= num_layers]
+    if not staged:
+        fewest = min(pp * v for _, pp in layouts for v in vs)
+        return (f"every layout cuts the model into more stages than its {num_layers} layers (the fewest: {fewest}): "
+                f"lower plan.pp or plan.virtual_stages, or use a model with more layers")
+    batches = [global_batch // (world // (pp * tp) * mbs) for tp, pp, _ in staged for mbs in microbatch_sizes
+               if global_batch % (world // (pp * tp) * mbs) == 0]
+    if not batches:
+        return ("make plan.global_batch a multiple of dp x a microbatch size in plan.microbatch_sizes, "
+                "or widen plan.pp / plan.schedules")
+    if min(batches) > max_microbatches:
+        return (f"every row needs more than plan.max_microbatches={max_microbatches} microbatches (the fewest: "
+                f"{min(batches)}): raise plan.max_microbatches or add larger plan.microbatch_sizes")
+    return ("no schedule in plan.schedules runs the pp, M and v these give: widen plan.schedules, "
+            "plan.microbatch_sizes or plan.global_batch")
+
+
 def one_stage_schedules(schedules: Sequence[str]) -> list[str]:
     """The schedules worth a pp=1 row: on one rank every schedule is gradient accumulation over M
     microbatches (no bubble, no transfers), so one row says it, 1f1b's where listed (one microbatch's
