@@ -155,3 +155,27 @@ def test_sigkilled_torchrun_agent_leaves_no_rank(tmp_path):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         job.kill()
+
+
+SERVER_FROM_A_THREAD = textwrap.dedent("""
+    import multiprocessing.forkserver, os, threading, time
+    from pipetrain.launch import forkserver
+
+    if __name__ == "__main__":
+        t = threading.Thread(target=lambda: (forkserver.warm(), time.sleep(2)))
+        t.start()
+        t.join()
+        time.sleep(0.5)
+        pid = multiprocessing.forkserver._forkserver._forkserver_pid
+        print("alive" if os.waitpid(pid, os.WNOHANG) == (0, 0) else "dead")
+""")
+
+
+def test_fork_server_started_from_a_thread_outlives_the_thread(tmp_path):
+    """The kernel's parent-death signal follows the thread that started a process, not the process:
+    a server started from a thread that then ends must not ask for it (or it dies, with its ranks)."""
+    script = tmp_path / "server_from_a_thread.py"
+    script.write_text(SERVER_FROM_A_THREAD)
+    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert res.stdout.strip() == "alive", res.stderr[-2000:]

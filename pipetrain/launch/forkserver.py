@@ -62,9 +62,14 @@ def warm(backend: str = "gloo") -> None:
     starts with the malloc settings above, which every rank it forks keeps (malloc reads them once)."""
     if start_method(backend) != "forkserver":
         return
+    import threading
+
     from pipetrain.launch.parent import SERVER_ENV
 
-    with inherited_environ({**CPU_MALLOC_ENV, SERVER_ENV: str(os.getpid())}):
+    # The kernel's parent-death signal fires when the *thread* that started the server ends: only
+    # a server started from the main thread (the launcher's, always so far) may ask for it.
+    dies_with = {SERVER_ENV: str(os.getpid())} if threading.current_thread() is threading.main_thread() else {}
+    with inherited_environ({**CPU_MALLOC_ENV, **dies_with}):
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
 
