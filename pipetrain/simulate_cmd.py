@@ -25,6 +25,15 @@ from pipetrain.schedules.gc_pause import gc_paused
 from pipetrain.schedules.simulate import SimResult, simulate
 
 
+# Rows of a table printed at most: past it a table costs seconds to lay out (4 s for P=10^4) and says
+# nothing a reader takes in; simulate.json holds every stage ("partition") either way.
+MAX_TABLE_ROWS = 256
+
+
+def _too_many(what: str, n: int) -> str:
+    return f"no table past {MAX_TABLE_ROWS} {what}s" + (f" (simulate.json lists all {n})" if what == "stage" else "")
+
+
 def partition_record(part: PartitionPlan, *, model: str, cost_source: str) -> dict:
     """The "partition" object of simulate.json: one entry per model chunk (= stage, except
     DualPipe's mirror, where chunk c is stage c of one direction and of the other)."""
@@ -113,12 +122,18 @@ def plan_and_simulate(
                                      "tp_bandwidth_gbs": rounded(config.cluster.tp_bandwidth_gbs)}
     part = plan.partition
     title = f"model={config.model.name} partition={part.strategy}: {part.num_layers} layers in {part.num_chunks} stages"
-    table = partition_table(part, title=title)
-    table.min_width = len(title)  # keep the title on one line above a narrow table
-    print_table(console, table)
+    if part.num_chunks <= MAX_TABLE_ROWS:
+        table = partition_table(part, title=title)
+        table.min_width = len(title)  # keep the title on one line above a narrow table
+        print_table(console, table)
+    else:
+        console.print(f"{title}: {_too_many('stage', part.num_chunks)}; est. ms imbalance "
+                      f"{100 * part.time_imbalance():.1f}%", highlight=False)
     console.print(_cost_note(config, plan), style="dim")
     layout = config.layout
-    if layout.world > layout.pp:
+    if layout.world > layout.pp and layout.world > MAX_TABLE_ROWS:
+        console.print(f"ranks of {layout.describe()}: {_too_many('rank', layout.world)}", highlight=False)
+    elif layout.world > layout.pp:
         pl = plan.schedule.placement
         print_table(console, rank_table(layout, [pl.stages_of(p) for p in range(layout.pp)]))
     if timeline:

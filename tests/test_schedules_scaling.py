@@ -74,3 +74,26 @@ def test_timeline_prints_what_its_lines_say(name, P, M, v, terminal):
     for line in render.timeline_lines(res, 60):
         slow.print(line)
     assert fast.file.getvalue() == slow.file.getvalue()
+
+
+def test_a_tall_timeline_takes_fewer_bands():
+    """Ranks x bands stay under render.MAX_LINES: at P=10^4, 12 bands of every rank were 120,000 lines."""
+    P = 300
+    res = simulate(registry.build("1f1b", P, 8, 1))
+    lines = [line.plain for line in render.timeline_lines(res, 80)]
+    assert sum(line.lstrip().startswith("rank ") for line in lines) <= render.MAX_LINES
+    assert len(render.timeline_lines(simulate(registry.build("1f1b", 4, 64, 1)), 80)) > 4 * 2  # short ones still wrap
+
+
+def test_simulate_prints_no_table_of_thousands_of_stages(tmp_path):
+    from pipetrain.compose import compose_config
+    from pipetrain.simulate_cmd import MAX_TABLE_ROWS, plan_and_simulate
+
+    P = MAX_TABLE_ROWS + 1
+    config = compose_config(["mode=simulate", "model=sleep", f"model.layers={P}", f"pipeline.degree={P}",
+                             "pipeline.microbatches=2", "sim.timeline=false"])
+    console = Console(file=io.StringIO(), width=100)
+    _, record = plan_and_simulate(config, tmp_path, console, timeline=False, write=False)
+    out = console.file.getvalue()
+    assert f"no table past {MAX_TABLE_ROWS} stages (simulate.json lists all {P})" in " ".join(out.split())
+    assert len(out.splitlines()) < 40 and len(record["partition"]["est_ms"]) == P

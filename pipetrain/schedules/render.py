@@ -40,6 +40,9 @@ IDLE_CHAR, IDLE_STYLE = "·", "dim"
 REDUCE_STYLES = ("white on purple4", "bold bright_white on dark_violet")  # a rank's 1st / later stage
 LANE_LABEL = "dp"
 MAX_BANDS = 12
+# Rows (ranks and dp lanes) x bands drawn at most: fewer bands past 256 rows x 12 (at P=10^4, 12 bands were
+# 120,000 lines and a sixth of mode=simulate's time); a schedule that tall gets one band, time compressed.
+MAX_LINES = 256 * MAX_BANDS
 
 
 def op_name(step: Step) -> str:
@@ -216,6 +219,7 @@ def timeline_lines(result: SimResult, width: int, *, max_bands: int = MAX_BANDS)
     P = result.schedule.num_ranks
     label_w = len(f"rank {P - 1} ") + 2  # "rank 7 │"
     avail = max(width - label_w, 8)
+    max_bands = max(1, min(max_bands, MAX_LINES // (P * (2 if result.reductions else 1))))
     scale = _choose_scale(result, avail, max_bands)
     ncols = max(1, math.ceil(result.makespan_with_reduce * scale - 1e-9))
     per_rank = [_blocks(result, r, scale, ncols) for r in range(P)]
@@ -263,8 +267,8 @@ def render_timeline(result: SimResult, *, width: int | None = None) -> Renderabl
 
     Ranks are rows, time runs right. F blue, B green, W orange, BW teal, F&B magenta,
     idle dim dots. `width` defaults to the console's width; longer schedules wrap into
-    bands (at most 12; beyond that columns cover more time and a step shorter than a
-    column may not be drawn, which the scale line says)."""
+    bands (at most 12, fewer where ranks x bands would pass MAX_LINES; beyond that columns
+    cover more time and a step shorter than a column may not be drawn, which the scale line says)."""
     return _Timeline(result, width)
 
 
