@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pipetrain.config import Config
+from pipetrain.config import Config, Mode
 from pipetrain.loggers.tables import print_table
 from pipetrain.parallel.table import rank_table
 from pipetrain.partition.plan import PartitionPlan
@@ -90,6 +90,17 @@ def _cost_note(config: Config, plan: Plan) -> str:
     return f"est. ms: one microbatch of {shape}, measured on {plan.cost_source.split(':', 1)[1]}" + per_rank
 
 
+PROFILE_DIR = "profile"  # train/profiling.py's (which imports torch): profile/rank<r>.json in the run directory
+
+
+def check_outputs(config: Config, run_dir: Path) -> None:
+    """Folders the ranks write into that a file already holds: one line now, not an error in every rank."""
+    prof = run_dir / PROFILE_DIR
+    if config.mode is Mode.train and config.profile.enabled and (prof.exists() or prof.is_symlink()) and not prof.is_dir():
+        raise ValueError(f"profile.enabled=true writes profile/rank<r>.json into {prof}, which is a file: move that "
+                         f"file away, or set hydra.run.dir to another directory (or profile.enabled=false)")
+
+
 def run_simulate(config: Config, run_dir: Path, console: Console | None = None) -> dict:
     """Simulate, print the partition, timeline and summary; write simulate.json, schedule_trace.json, schedule.csv."""
     with gc_paused():  # drawing and tracing 10^6 steps allocate like validating them (schedules/gc_pause.py)
@@ -100,6 +111,7 @@ def plan_and_simulate(
     config: Config, run_dir: Path, console: Console, *, timeline: bool, write: bool = True
 ) -> tuple[Plan, dict]:
     """The checks every run does before any process starts: partition, validate, simulate, report."""
+    check_outputs(config, run_dir)
     if config.partition.name == "profile":
         console.print(f"partition=profile: timing every layer of model={config.model.name} (cached after the first run)")
     plan = make_plan(config)

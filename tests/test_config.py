@@ -110,7 +110,7 @@ def test_every_shipped_config_composes(compose, tmp_path, monkeypatch):
     """The walk over every option of every group in conf/ (recipes: test_every_recipe_composes)."""
     text, tokens = tmp_path / "t.txt", tmp_path / "t.bin"
     text.write_text("hello pipeline world. " * 2000)
-    tokens.write_bytes(bytes(range(200)) * 400)  # 40,000 uint16 tokens below 256
+    tokens.write_bytes(b"".join(i.to_bytes(2, "little") for i in range(200)) * 200)  # 40,000 uint16 tokens below 256
     monkeypatch.setenv("PIPETRAIN_TEST_TEXT", str(text))
     monkeypatch.setenv("PIPETRAIN_TEST_BIN", str(tokens))
     options = all_shipped_options()

@@ -282,9 +282,13 @@ class Config:
                 f"pipeline.microbatches={mb} equal microbatches: set data.batch_size to a multiple of {mb * dp} "
                 f"(e.g. {up}), or lower pipeline.microbatches or the dp degrees"
             )
+        if self.mode is Mode.eval and d.name != "tokens":  # the ranks refused it only once started
+            raise ValueError(f"mode=eval reads token files: set data=tokens data.path=FILE (got data={d.name})")
         vocab = getattr(m, "vocab_size", None)
         if vocab is not None and self.mode is not Mode.simulate:  # a simulation reads no tokens
             d.check_vocab_fits(vocab)
+            if self.mode in (Mode.train, Mode.eval):
+                d.check_token_ids(vocab, eval_only=self.mode is Mode.eval)
         longest = getattr(m, m.seq_knob) if m.has_seq else None
         if longest is not None and d.seq_len > longest:
             raise ValueError(

@@ -1,0 +1,82 @@
+"""Mistakes that used to surface only after the ranks started (issue 25) now fail before any
+process is spawned: while the config is composed, or in the launcher's checks (simulate_cmd's
+plan_and_simulate, which every train and eval run goes through before `launch`)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+import pipetrain.config.data as data_schema
+from pipetrain.config.shards import read_shard
+from pipetrain.simulate_cmd import plan_and_simulate
+
+pytestmark = pytest.mark.pure
+
+
+def _error(compose, overrides) -> str:
+    with pytest.raises(ValueError) as info:
+        compose(overrides)
+    err = info.value
+    while err.__cause__ is not None:  # OmegaConf may wrap the __post_init__ error
+        err = err.__cause__
+    assert "\n" not in str(err)
+    return str(err)
+
+
+def _llmc_uint32(path, ids) -> None:
+    """llm.c's uint32 shard (magic 20240801, version 7: Llama 3's 128k vocabulary)."""
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (20240801, 7, len(ids))
+    path.write_bytes(header.tobytes() + np.asarray(ids, dtype=np.uint32).tobytes())
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_token_ids_beyond_the_vocabulary_fail_at_compose(compose, tmp_path, mode):
+    ids = np.arange(4096) % 500
+    ids[3000] = 70_000  # beyond gpt2-tiny's 512 (and uint16)
+    shard = tmp_path / "tokens.bin"
+    _llmc_uint32(shard, ids)
+    msg = _error(compose, [f"mode={mode}", "model=gpt2-tiny", "data=tokens", f"data.path={shard}", "data.seq_len=32"])
+    assert msg == (f"data.path={shard}: {shard} holds token id 70000 but model.vocab_size=512: set "
+                   f"model.vocab_size >= 70001, or use tokens made with the model's tokenizer")
+
+
+def test_eval_checks_the_file_it_reads(compose, tmp_path):
+    """mode=eval reads data.val_path when set: a bad id there is named with that knob."""
+    good, bad = tmp_path / "train.npy", tmp_path / "held_out.npy"
+    np.save(good, (np.arange(4096) % 500).astype(np.uint32))
+    np.save(bad, np.full(4096, 600, dtype=np.uint32))
+    base = ["model=gpt2-tiny", "data=tokens", f"data.path={good}", f"data.val_path={bad}", "data.seq_len=32"]
+    assert _error(compose, ["mode=eval", *base]).startswith(f"data.val_path={bad}: {bad} holds token id 600")
+    assert compose(["mode=train", "data.val_path=null", *base[:3], "data.seq_len=32"])  # the good file alone passes
+
+
+def test_a_long_stream_is_sampled_end_to_end(tmp_path, monkeypatch):
+    """Past FULL_SCAN_TOKENS the launcher samples runs spread over each shard, its first and last ids included."""
+    monkeypatch.setattr(data_schema, "FULL_SCAN_TOKENS", 1000)
+    n = data_schema.SAMPLE_RUNS * data_schema.SAMPLE_RUN_TOKENS + 12_345
+    for where in (0, n - 1):
+        ids = np.zeros(n, dtype=np.uint32)
+        ids[where] = 99_999
+        path = tmp_path / f"at{where}.npy"
+        np.save(path, ids)
+        assert data_schema.max_token_id([read_shard(path, knob="data.path")]) == (99_999, str(path))
+
+
+def test_eval_on_the_builtin_corpus_fails_at_compose(compose):
+    assert _error(compose, ["mode=eval"]) == "mode=eval reads token files: set data=tokens data.path=FILE (got data=builtin)"
+
+
+def test_a_profile_folder_that_is_a_file_fails_before_the_start(compose, tmp_path):
+    (tmp_path / "profile").write_text("mine\n")
+    config = compose(["model=sleep", "profile.enabled=true", "trainer.max_steps=3"])
+    with pytest.raises(ValueError) as info:
+        plan_and_simulate(config, tmp_path, Console(file=io.StringIO()), timeline=False, write=False)
+    assert str(info.value) == (f"profile.enabled=true writes profile/rank<r>.json into {tmp_path / 'profile'}, which "
+                               f"is a file: move that file away, or set hydra.run.dir to another directory (or "
+                               f"profile.enabled=false)")
+    assert (tmp_path / "profile").read_text() == "mine\n"
