@@ -11,6 +11,8 @@ import torch
 
 from _dist import spawn
 from pipetrain.models.factory import build_model
+from pipetrain.parallel.layout import Layout
+from pipetrain.parallel.mesh import build_groups
 from pipetrain.partition.uniform import uniform_bounds
 from pipetrain.train.pipeline import build_rank_pipeline
 from pipetrain.schedules import registry
@@ -95,3 +97,38 @@ def test_stuck_rank_times_out_with_the_knob_named(tmp_path):
     check_survivors(tmp_path, codes, victim)
     errs = [(tmp_path / f"error{r}.txt").read_text() for r in range(3) if r != victim]
     assert any("pipeline.p2p_timeout_s" in e for e in errs)
+
+
+def die_under_dp(rank: int, world: int, out, victim: int) -> None:
+    """pp=2 x dp_replicate=2: global ranks 0, 2 are one pipeline and 1, 3 the other, so pipeline
+    index 0 is global rank 0 or 1."""
+    layout = Layout(pp=2, dp_replicate=2)
+    groups = build_groups(layout, "cpu")
+    torch.manual_seed(0)
+    model = build_model("mlp", n_layer=8)
+    sched = registry.build("1f1b", 2, 8, 1)
+    rp = build_rank_pipeline(model, uniform_bounds(8, 2), sched, groups.pp_rank, microbatch_size=2,
+                             timeout_s=TIMEOUT_S, group=groups.pp_group, group_ranks=groups.pipeline_ranks,
+                             pipelines=layout.pipelines())
+    rp.executor.comm.name_ranks(layout)  # as the Trainer does
+    g = torch.Generator().manual_seed(0)
+    mbs = [model.example_batch(microbatch=2, seq=1, generator=g) for _ in range(8)]
+    if rank == victim:
+        os._exit(17)  # before its first activation goes out
+    rp.train_step(mbs)
+
+
+def test_under_data_parallel_errors_name_global_ranks_and_coordinates(tmp_path):
+    """A pipeline index alone ("rank 0") is global rank 0 or 1 here: the error names global rank 1,
+    which died, with its pp / dp coordinates, and the rank that saw it."""
+    ctx = spawn(die_under_dp, 4, tmp_path, 1, join=False)
+    try:
+        ctx.processes[3].join(timeout=60)  # rank 1's pipeline peer; ranks 0 and 2 wait in the loss all-reduce
+        err = (tmp_path / "error3.txt").read_text().splitlines()[0]
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    assert err.startswith("P2PError: rank 3 (pp 1, dp_replicate 1): 1F0 on rank 3 waiting for the activation of "
+                          "0F0 from rank 1 (pp 0, dp_replicate 1) "), err
+    assert "rank 0" not in err, err

@@ -27,7 +27,8 @@ Backends:
     messages on NCCL does so here too, on CPU.
 
 Waits: on gloo every wait has a timeout, and a timeout or a dead peer raises `P2PError` naming
-this rank, the action and the peer. On NCCL a wait is a stream wait (`host_timed_wait`): the host
+this rank, the action and the peer, as global ranks (with their pp / dp / tp coordinates when the
+layout has more than the pipeline: `name_ranks`). On NCCL a wait is a stream wait (`host_timed_wait`): the host
 runs ahead, and the pair group's timeout (NCCL's watchdog) ends a hang. On NCCL completed sends are
 dropped at every boundary; gloo only reports completion through `wait`, so there sends are waited
 for at the end of the step. A gloo work is waited for once only (a second wait on a receive blocks
@@ -45,6 +46,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pipetrain.parallel.layout import DIMS, Layout
 from pipetrain.schedules.p2p import Group, Message, RankPlan
 
 
@@ -100,7 +102,7 @@ class _Stream:
                     peer = posted.group.peer
                     self.comm._post(posted)
                     for work in posted.send_works + [w for ws in posted.recv_works.values() for w in ws]:
-                        self.comm._wait(work, lambda: f"its in-order stream's group with rank {peer}", peer)
+                        self.comm._wait(work, lambda: f"its in-order stream's group with {self.comm.name(peer)}", peer)
             except BaseException as e:  # handed to the main thread, which raises it where it waits
                 failed = e
             posted.error = failed
@@ -132,6 +134,7 @@ class P2P:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.group = group
         self._global = group_ranks  # pipeline rank -> global rank (None: the same)
+        self._layout: Optional[Layout] = None  # name_ranks: coordinates in the messages
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
         self.nccl = backend == "nccl"
         self.timed_waits = host_timed_wait(backend)
@@ -188,7 +191,7 @@ class P2P:
         posted = self._recvs.pop(msg)
 
         def what() -> str:  # formatted only when a wait fails: receives are per action
-            return f"{action} waiting for the {msg.describe()} from rank {msg.src}"
+            return f"{action} waiting for the {msg.describe()} from {self.name(msg.src)}"
 
         if self.in_order:
             self._wait_group(posted, what, msg.src)
@@ -203,12 +206,13 @@ class P2P:
         assert self.plan is not None
         if self._ready or self._recvs:
             left = ", ".join(m.describe() for m in list(self._ready) + list(self._recvs))
-            raise P2PError(f"rank {self.rank}: messages never issued or consumed this step: {left}")
+            raise P2PError(f"{self.name(self.rank)}: messages never issued or consumed this step: {left}")
         for posted in self._inflight:
             peer = posted.group.peer
 
             def what(posted: _Posted = posted, peer: int = peer) -> str:
-                return f"end of step waiting for rank {peer} to take the {', '.join(m.describe() for m in posted.group.sends)}"
+                return (f"end of step waiting for {self.name(peer)} to take the "
+                        f"{', '.join(m.describe() for m in posted.group.sends)}")
 
             if self.in_order:
                 self._wait_group(posted, what, peer)
@@ -238,6 +242,26 @@ class P2P:
             stream.thread.join(timeout=1.0)
         self._streams.clear()
 
+    # ---- naming ranks ---------------------------------------------------------------
+    def name_ranks(self, layout: Layout) -> None:
+        """Messages give global ranks their coordinates: a pipeline index alone ("rank 0") names
+        dp x tp ranks at once, and the user kills, reads the log of, and restarts global ranks."""
+        self._layout = layout
+
+    def short(self, pipeline_rank: int) -> str:
+        """'rank G': the global rank of this pipeline's rank `pipeline_rank`."""
+        return f"rank {self._peer(pipeline_rank)}"
+
+    def name(self, pipeline_rank: int) -> str:
+        """'rank G', or 'rank G (pp p, dp_replicate r)' (each degree above 1) when the layout has
+        more than the pipeline."""
+        g, layout = self._peer(pipeline_rank), self._layout
+        if layout is None or layout.world == layout.pp:
+            return f"rank {g}"
+        c = layout.coords(g)
+        dims = ", ".join(f"{d} {getattr(c, d)}" for d in DIMS if d == "pp" or getattr(layout, d) > 1)
+        return f"rank {g} ({dims})"
+
     # ---- posting and waiting ------------------------------------------------------
     def _peer(self, pipeline_rank: int) -> int:
         return pipeline_rank if self._global is None else self._global[pipeline_rank]
@@ -264,11 +288,11 @@ class P2P:
         assert posted.done is not None
         if not posted.done.wait(timeout=self.timeout.total_seconds() + 1.0):
             raise P2PError(
-                f"rank {self.rank}: {what()} timed out after {self.timeout.total_seconds():g}s (in-order "
-                f"point-to-point): rank {peer} is stuck or dead, or the two ranks issue their messages in "
+                f"{self.name(self.rank)}: {what()} timed out after {self.timeout.total_seconds():g}s (in-order "
+                f"point-to-point): {self.short(peer)} is stuck or dead, or the two ranks issue their messages in "
                 f"different orders (raise pipeline.p2p_timeout_s if it is only slow)")
         if posted.error is not None:
-            raise P2PError(f"rank {self.rank}: {what()}: {posted.error}; in-order point-to-point also times out "
+            raise P2PError(f"{self.name(self.rank)}: {what()}: {posted.error}; in-order point-to-point also times out "
                            f"when two ranks issue their messages in different orders") from None
 
     def _wait(self, work: dist.Work, what: Callable[[], str], peer: int) -> None:
@@ -279,12 +303,12 @@ class P2P:
             text = str(e)
             if "timed out" in text.lower() or "timeout" in text.lower():
                 raise P2PError(
-                    f"rank {self.rank}: {what()} timed out after {self.timeout.total_seconds():g}s: rank {peer} is "
-                    f"stuck or dead (raise pipeline.p2p_timeout_s if it is only slow)"
+                    f"{self.name(self.rank)}: {what()} timed out after {self.timeout.total_seconds():g}s: "
+                    f"{self.short(peer)} is stuck or dead (raise pipeline.p2p_timeout_s if it is only slow)"
                 ) from None
             raise P2PError(
-                f"rank {self.rank}: {what()} failed: the connection to rank {peer} was lost, so that rank (or one it "
+                f"{self.name(self.rank)}: {what()} failed: the connection to {self.short(peer)} was lost, so that rank (or one it "
                 f"depends on) died; pipeline.p2p_timeout_s bounds every wait"
             ) from None
         if ok is False:
-            raise P2PError(f"rank {self.rank}: {what()} did not complete (rank {peer})")
+            raise P2PError(f"{self.name(self.rank)}: {what()} did not complete ({self.short(peer)})")

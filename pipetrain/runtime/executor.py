@@ -371,7 +371,7 @@ class Executor:
         if msg is None:
             return self._local.pop((kind, src_stage, m))
         assert self.comm is not None
-        what = f"{step_text} on rank {self.rank}"
+        what = f"{step_text} on {self.comm.short(self.rank)}"  # the global rank (self.rank: its pipeline index)
         if not self._recording:
             return self.comm.receive(msg, action=what)
         m0 = self.clock.mark()

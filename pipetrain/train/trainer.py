@@ -93,6 +93,8 @@ class Trainer:
             dp=data_parallel(config, self.groups), tp=tensor_parallel(config, self.groups),
             precision=config.trainer.precision, seed=config.trainer.seed, init_rule=weights,
         )
+        if self.pipe.executor.comm is not None:  # its errors name global ranks and their pp / dp / tp coordinates
+            self.pipe.executor.comm.name_ranks(config.layout)
         self.pretrained_files = [] if weights is None else weights.opened  # the files this rank read
         if weights is not None:
             weights.close()
