@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,3 +51,33 @@ def test_sigterm_to_the_process_group_names_the_step_and_checkpoint_saved(tmp_pa
     assert err.strip().splitlines() == [f"pipetrain: stopped by SIGTERM after step {step}: checkpoint {ckpt}; "
                                         f"resume with trainer.resume={ckpt}"], err[-3000:]
     assert not (run / ".ranks").exists()  # rank 0 removes its stop-wait file
+
+
+@pytest.mark.e2e
+def test_a_full_disk_says_so_in_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """checkpoints/ on a 30 MB tmpfs: step 2's checkpoint (~21 MB) fits, step 4's does not. It used
+    to end in ~200 lines of DCP tracebacks ('unexpected pos 704 vs 598') without the words."""
+    from conftest import run_cli
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(ckpts)], capture_output=True,
+                           text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mount.stderr.strip()}")
+    try:
+        res = run_cli([*ARGS, "trainer.max_steps=4", "trainer.ckpt_every=2", "logger=[jsonl]",
+                       f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+        names = sorted(p.name for p in ckpts.iterdir())
+        intact = (ckpts / "step_000002" / "meta.json").is_file()
+    finally:
+        subprocess.run(["umount", str(ckpts)], check=True)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert re.fullmatch(
+        rf"pipetrain: error: rank \d failed: DiskFull: checkpoint of step 4: no space left on device in "
+        rf"{re.escape(str(ckpts))}; its partial files were removed and the previous checkpoint "
+        rf"{re.escape(str(ckpts / 'step_000002'))} is intact: free space "
+        rf"there, or lower checkpoint.keep_last \(traceback: .*\)", lines[0]), lines[0]
+    assert names == ["step_000002"] and intact  # the staging directory .step_000004.tmp is gone

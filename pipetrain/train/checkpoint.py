@@ -60,6 +60,7 @@ from pipetrain.train.checkpoint_dirs import (  # noqa: F401  (the layout on disk
     resolve_resume, silent, step_dir, step_dirs,
 )
 from pipetrain.train.checkpoint_group import CheckpointGroup, pick
+from pipetrain.train.disk_full import disk_full, full_error
 from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
 
 if TYPE_CHECKING:
@@ -273,12 +274,19 @@ def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, n
 
 def save_checkpoint(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent) -> Path:
     """Collective: save after the current step (target.state.step); returns the committed directory.
-    meta.json, written last, carries the manifest of every other file (train/checkpoint_dirs.py)."""
+    meta.json, written last, carries the manifest of every other file (train/checkpoint_dirs.py).
+    A full disk raises DiskFull (one line) instead of DCP's every-rank traceback."""
     t0 = time.perf_counter()
-    tmp = write_staged(target, run_dir, config)
     group = target.group(config)
-    _barrier(group)  # every rank's files are on disk
-    final = commit_staged(tmp, target.state, run_dir, config, note=note, group=group)
+    try:
+        tmp = write_staged(target, run_dir, config)
+        _barrier(group)  # every rank's files are on disk
+        final = commit_staged(tmp, target.state, run_dir, config, note=note, group=group)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException (not an Exception)
+        ckpts = step_dir(run_dir, target.state.step).parent
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not disk_full(e, ckpts):
+            raise
+        raise full_error(target.state.step, run_dir, rank=_rank()) from None
     if _rank() == 0:
         note(f"checkpoint: saved {final} ({time.perf_counter() - t0:.2f} s)")
     return final

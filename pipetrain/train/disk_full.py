@@ -1,0 +1,57 @@
+"""A checkpoint save that ran out of disk: one line that says so, and nothing left half-written.
+
+Without it a full disk ends a run in every rank's DCP traceback ("CheckpointException ranks:
+dict_keys([0, 1])", "RuntimeError: ... unexpected pos 704 vs 598"), often without the words
+"no space left", and with the step's staging directory left to fill the disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from pipetrain.train.checkpoint_dirs import list_checkpoints, step_dir
+
+
+class DiskFull(RuntimeError):
+    """A save ran out of space: its staged files are removed; the checkpoints before it are untouched."""
+
+
+def disk_full(err: BaseException, directory: Path) -> bool:
+    """Whether `err` is, or wraps, ENOSPC / EDQUOT, or `directory`'s file system has (next to)
+    nothing left. DCP raises one CheckpointException on every rank that carries each rank's own
+    exception (`failures`: rank -> (exception, traceback)), and torch.save's zip writer turns a short
+    write into "RuntimeError: ... unexpected pos 704 vs 598", without the errno."""
+    try:
+        st = os.statvfs(directory)
+        if st.f_bavail * st.f_frsize < 1 << 20:
+            return True
+    except OSError:
+        pass
+    stack, seen = [err], set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
+        stack += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return False
+
+
+def full_error(step: int, run_dir: Path, *, rank: int) -> DiskFull:
+    """The one-line error; rank 0 first removes the step's staged files (what the disk held before
+    the save is left as it was)."""
+    final = step_dir(run_dir, step)
+    if rank == 0:
+        shutil.rmtree(final.with_name(f".{final.name}.tmp"), ignore_errors=True)
+    before = [p for s, p in list_checkpoints(final.parent) if s != step]
+    kept = f"the previous checkpoint {before[-1]} is intact" if before else "there is no earlier checkpoint"
+    return DiskFull(f"checkpoint of step {step}: no space left on device in {final.parent}; its partial files were "
+                    f"removed and {kept}: free space there, or lower checkpoint.keep_last")
