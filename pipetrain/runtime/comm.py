@@ -307,8 +307,8 @@ class P2P:
                     f"{self.short(peer)} is stuck or dead (raise pipeline.p2p_timeout_s if it is only slow)"
                 ) from None
             raise P2PError(
-                f"{self.name(self.rank)}: {what()} failed: the connection to {self.short(peer)} was lost, so that rank (or one it "
-                f"depends on) died; pipeline.p2p_timeout_s bounds every wait"
+                f"{self.name(self.rank)}: {what()} failed: the connection to {self.short(peer)} was lost, so that "
+                f"rank (or one it depends on) died; pipeline.p2p_timeout_s bounds every wait"
             ) from None
         if ok is False:
             raise P2PError(f"{self.name(self.rank)}: {what()} did not complete ({self.short(peer)})")
