@@ -81,3 +81,20 @@ def test_a_full_disk_says_so_in_one_line_and_keeps_the_previous_checkpoint(tmp_p
         rf"{re.escape(str(ckpts / 'step_000002'))} is intact: free space "
         rf"there, or lower checkpoint.keep_last \(traceback: .*\)", lines[0]), lines[0]
     assert names == ["step_000002"] and intact  # the staging directory .step_000004.tmp is gone
+
+
+@pytest.mark.e2e
+def test_each_skipped_step_has_a_console_line(tmp_path):
+    """optim.lr=1e9: step 1's update leaves the weights non-finite, so every later step is skipped
+    (trainer.on_nonfinite=skip). Only logged steps (here the first and last) used to show anything,
+    and they showed a metrics line as if the step had trained."""
+    from conftest import run_cli
+
+    res = run_cli([*ARGS, "trainer.max_steps=4", "trainer.log_every=100", "trainer.ckpt_every=0",
+                   "trainer.ckpt_at_end=false", "trainer.on_nonfinite=skip", "trainer.max_skipped_steps=10",
+                   "optim.lr=1e9", "optim.warmup_steps=0", "logger=[console]", f"hydra.run.dir={tmp_path / 'run'}"],
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    skipped = [line for line in res.stdout.splitlines() if line.startswith("step ") and ": skipped" in line]
+    assert skipped == [f"step {s}: skipped, loss nan / grad norm nan not finite (trainer.on_nonfinite=skip): weights "
+                       f"not updated, {s - 1} in a row of trainer.max_skipped_steps=10" for s in (2, 3, 4)], res.stdout

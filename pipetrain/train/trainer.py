@@ -273,6 +273,11 @@ class Trainer:
                 val_loss = self.evaluate()
                 record = dataclasses.replace(record, val_loss=val_loss)
             monitor.progress(step)
+            if record.skipped:  # every one, logged step or not: the weights did not move
+                monitor.event("skipped", f"step {step}: skipped, loss {record.loss} / grad norm {record.grad_norm} not "
+                              f"finite (trainer.on_nonfinite=skip): weights not updated, {self.skipped_in_a_row} in a "
+                              f"row of trainer.max_skipped_steps={cfg.max_skipped_steps}", step=step,
+                              loss=str(record.loss), grad_norm=str(record.grad_norm))
             if log:
                 monitor.log(record)
             signum = self.stop.agreed(self.device)  # a signal any rank got stops every rank, here
