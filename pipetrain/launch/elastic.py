@@ -126,7 +126,6 @@ def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure], ru
                            restarts=restarts)
 
 
-
 @contextlib.contextmanager
 def _quiet(*names: str) -> Iterator[None]:
     """The agent logs every worker's exit and traceback; the one-line error says what matters."""

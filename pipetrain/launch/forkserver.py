@@ -17,7 +17,6 @@ import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import signal
 import sys
 from multiprocessing import reduction
 from typing import Iterator
@@ -108,7 +107,6 @@ class Inherit:
         if self.fds is not None:  # forked from the server, which ignores SIGTERM (launch/parent.py)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         die_with_parent(self.launcher)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (launch/parent.py); a rank must not
         own = {k: v for k, v in os.environ.items() if _IMPORT_ENV.get(k) != v}
         os.environ.clear()
         os.environ.update(self.environ)

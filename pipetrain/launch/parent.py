@@ -74,7 +74,3 @@ def serve_until_launcher_ends() -> None:
 
 if os.environ.get(SERVER_ENV) == str(os.getppid()):  # in the fork server, while it preloads
     serve_until_launcher_ends()
-    # A SIGTERM to the launcher's whole process group (scancel, `kill -- -PGID`) must not end the
-    # server before its ranks have saved their step (they would get the SIGKILL above); it ends with
-    # its launcher anyway. Its ranks take SIGTERM back in Inherit.adopt (launch/forkserver.py).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
