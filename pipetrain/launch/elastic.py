@@ -41,7 +41,7 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
     env = CPU_MALLOC_ENV if backend == "gloo" else {}
     forkserver.warm(backend)
     with tempfile.TemporaryDirectory(prefix="pipetrain-elastic-") as logs, inherited_environ(env), \
-            _quiet("torch.distributed.elastic", "torch.multiprocessing"), _short_grace():
+            _quiet("torch.distributed.elastic", "torch.multiprocessing"):
         launch_config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=config.layout.world,
             run_id=f"pipetrain-{uuid.uuid4().hex[:12]}",
@@ -124,31 +124,6 @@ def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure], ru
         path.write_text(callstack)
     return RankFailedError(rank, (message.strip().splitlines() or ["failed"])[0], path, layout=layout,
                            restarts=restarts)
-
-
-# When a worker fails, torch.multiprocessing's ProcessContext.join (which torch elastic's agent
-# polls) waits 30 s for the others to leave on SIGTERM before it kills them, all of it for a
-# stopped or hung rank, which cannot act on SIGTERM: a SIGSTOPped rank was reported 30 s after
-# the survivors' own pipeline.p2p_timeout_s. With a grace period given, the others get it once to
-# leave by themselves (and write their errors), then once after SIGTERM. Without the failed rank
-# they cannot finish a step, so no save is cut short.
-FAILED_GRACE_S = 3.0
-
-
-@contextlib.contextmanager
-def _short_grace() -> Iterator[None]:
-    from torch.multiprocessing.spawn import ProcessContext
-
-    join = ProcessContext.join
-
-    def short(self: ProcessContext, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> bool:
-        return join(self, timeout, FAILED_GRACE_S if grace_period is None else grace_period)
-
-    ProcessContext.join = short  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ProcessContext.join = join  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
