@@ -65,6 +65,9 @@ def run(config: Config, run_dir: Path) -> Any:
 
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
     check_pretrained(config.model)  # a missing, extra or mis-shaped key too
+    from pipetrain.train.token_check import check_token_ids
+
+    check_token_ids(config)  # a token id beyond model.vocab_size in the files the run reads
     changes = getattr(config.model, "pretrained_changes", None)
     if changes:
         console.print(f"model.pretrained={config.model.pretrained}: its config.json sets {', '.join(changes)}",

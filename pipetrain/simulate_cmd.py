@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from rich.console import Console
 
@@ -93,9 +94,11 @@ def _cost_note(config: Config, plan: Plan) -> str:
 PROFILE_DIR = "profile"  # train/profiling.py's (which imports torch): profile/rank<r>.json in the run directory
 
 
-def check_outputs(config: Config, run_dir: Path) -> None:
+def check_outputs(config: Config, run_dir: Optional[Path]) -> None:
     """Folders the ranks write into that a file already holds: one line now, not an error in every rank."""
-    prof = run_dir / PROFILE_DIR
+    if run_dir is None:  # planned without a run directory (tests, the planner): nothing is written
+        return
+    prof = Path(run_dir) / PROFILE_DIR
     if config.mode is Mode.train and config.profile.enabled and (prof.exists() or prof.is_symlink()) and not prof.is_dir():
         raise ValueError(f"profile.enabled=true writes profile/rank<r>.json into {prof}, which is a file: move that "
                          f"file away, or set hydra.run.dir to another directory (or profile.enabled=false)")

@@ -10,16 +10,19 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-import pipetrain.config.data as data_schema
+import pipetrain.train.token_check as data_schema
 from pipetrain.config.shards import read_shard
 from pipetrain.simulate_cmd import plan_and_simulate
 
 pytestmark = pytest.mark.pure
 
 
-def _error(compose, overrides) -> str:
+def _error(compose, overrides, *, tokens: bool = False) -> str:
+    """The one-line error of composing `overrides` (`tokens`: of the launcher's token-id check after it)."""
     with pytest.raises(ValueError) as info:
-        compose(overrides)
+        config = compose(overrides)
+        if tokens:
+            data_schema.check_token_ids(config)
     err = info.value
     while err.__cause__ is not None:  # OmegaConf may wrap the __post_init__ error
         err = err.__cause__
@@ -35,12 +38,13 @@ def _llmc_uint32(path, ids) -> None:
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_token_ids_beyond_the_vocabulary_fail_at_compose(compose, tmp_path, mode):
+def test_token_ids_beyond_the_vocabulary_fail_before_the_start(compose, tmp_path, mode):
     ids = np.arange(4096) % 500
     ids[3000] = 70_000  # beyond gpt2-tiny's 512 (and uint16)
     shard = tmp_path / "tokens.bin"
     _llmc_uint32(shard, ids)
-    msg = _error(compose, [f"mode={mode}", "model=gpt2-tiny", "data=tokens", f"data.path={shard}", "data.seq_len=32"])
+    msg = _error(compose, [f"mode={mode}", "model=gpt2-tiny", "data=tokens", f"data.path={shard}", "data.seq_len=32"],
+                 tokens=True)
     assert msg == (f"data.path={shard}: {shard} holds token id 70000 but model.vocab_size=512: set "
                    f"model.vocab_size >= 70001, or use tokens made with the model's tokenizer")
 
@@ -51,8 +55,8 @@ def test_eval_checks_the_file_it_reads(compose, tmp_path):
     np.save(good, (np.arange(4096) % 500).astype(np.uint32))
     np.save(bad, np.full(4096, 600, dtype=np.uint32))
     base = ["model=gpt2-tiny", "data=tokens", f"data.path={good}", f"data.val_path={bad}", "data.seq_len=32"]
-    assert _error(compose, ["mode=eval", *base]).startswith(f"data.val_path={bad}: {bad} holds token id 600")
-    assert compose(["mode=train", "data.val_path=null", *base[:3], "data.seq_len=32"])  # the good file alone passes
+    assert _error(compose, ["mode=eval", *base], tokens=True).startswith(f"data.val_path={bad}: {bad} holds token id 600")
+    data_schema.check_token_ids(compose(["mode=train", "data.val_path=null", *base[:3], "data.seq_len=32"]))  # good file
 
 
 def test_a_long_stream_is_sampled_end_to_end(tmp_path, monkeypatch):

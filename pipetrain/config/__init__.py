@@ -286,9 +286,7 @@ class Config:
             raise ValueError(f"mode=eval reads token files: set data=tokens data.path=FILE (got data={d.name})")
         vocab = getattr(m, "vocab_size", None)
         if vocab is not None and self.mode is not Mode.simulate:  # a simulation reads no tokens
-            d.check_vocab_fits(vocab)
-            if self.mode in (Mode.train, Mode.eval):
-                d.check_token_ids(vocab, eval_only=self.mode is Mode.eval)
+            d.check_vocab_fits(vocab)  # token files' ids: train/token_check.py, before the ranks start
         longest = getattr(m, m.seq_knob) if m.has_seq else None
         if longest is not None and d.seq_len > longest:
             raise ValueError(

@@ -168,52 +168,6 @@ class DataConfig:
         )
 
 
-    def check_token_ids(self, vocab_size: int, *, eval_only: bool = False) -> None:
-        """data=tokens: a one-line error, before any process starts, when a shard the run reads holds
-        a token id >= model.vocab_size (the ranks found it only once started). `eval_only`: mode=eval,
-        which reads the validation shards when there are any, else data.path's."""
-        if self.name != "tokens":
-            return
-        train, val = self.token_shards()
-        streams = ([val] if val else [train]) if eval_only else [train, val]
-        for shards in streams:
-            top, where = max_token_id(shards)
-            if top >= vocab_size:
-                knob = "data.val_path" if self.val_path and shards is val else "data.path"
-                spec = self.val_path if knob == "data.val_path" else self.path
-                raise ValueError(f"{knob}={spec}: {where} holds token id {top} but model.vocab_size={vocab_size}: set "
-                                 f"model.vocab_size >= {top + 1}, or use tokens made with the model's tokenizer")
-
-
-# Up to this many tokens a stream's every id is read before the start (numpy's max over a memory map:
-# about 0.1 s per 10^8 uint16 ids), as the ranks do (train/data.py); a longer one is sampled here and
-# checked batch by batch in the ranks.
-FULL_SCAN_TOKENS = 1 << 27
-SAMPLE_RUNS, SAMPLE_RUN_TOKENS = 64, 1 << 16  # a longer stream: 64 evenly spaced runs of 64 Ki ids per shard
-
-
-def max_token_id(shards: list[Shard]) -> tuple[int, str]:
-    """(the largest token id in `shards`, the file holding it): every id of a stream of at most
-    FULL_SCAN_TOKENS, else evenly spaced runs of each shard. numpy is imported here only, so the
-    schema stays importable without it."""
-    import numpy as np
-
-    full = sum(s.count for s in shards) <= FULL_SCAN_TOKENS
-    top, where = -1, ""
-    for s in shards:
-        if s.count == 0:
-            continue
-        ids = np.memmap(s.path, dtype=np.dtype(s.dtype), mode="r", offset=s.offset, shape=(s.count,))
-        if full or s.count <= SAMPLE_RUNS * SAMPLE_RUN_TOKENS:
-            m = int(ids.max())
-        else:
-            starts = (i * (s.count - SAMPLE_RUN_TOKENS) // (SAMPLE_RUNS - 1) for i in range(SAMPLE_RUNS))
-            m = max(int(ids[a:a + SAMPLE_RUN_TOKENS].max()) for a in starts)  # the first and last ids included
-        if m > top:
-            top, where = m, str(s.path)
-        del ids  # unmap now: a run over thousands of shards keeps no map open
-    return top, where
-
 
 def split_sizes(num_tokens: int, val_fraction: float) -> tuple[int, int]:
     """(train, val) token counts: the last `val_fraction` of the token stream is held out,
