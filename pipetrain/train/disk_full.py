@@ -38,6 +38,10 @@ def disk_full(err: BaseException, directory: Path) -> bool:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
+        # torch.save's short write: checked by message, since statvfs alone races with rank 0, which may
+        # already have removed the staged files (freeing the space) when a peer looks (seen under load)
+        if isinstance(e, RuntimeError) and "unexpected pos" in str(e):
+            return True
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             stack += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
