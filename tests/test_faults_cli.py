@@ -181,7 +181,7 @@ def _step_files(run: Path) -> list[Path]:
 def test_named_run_resumes_after_its_launcher_was_killed(tmp_path):
     """`pipetrain run.name=NAME trainer.resume=auto ...`, its launcher alone killed (SIGKILL) after
     the first checkpoint: no rank outlives it (launch/parent.py), and the same command again takes
-    over the lock, resumes from that checkpoint and finishes."""
+    over the lock, resumes from that checkpoint and finishes with the uninterrupted run's losses."""
     cmd = [sys.executable, "-m", "pipetrain.cli", "mode=train", *TINY, "run.name=long", "trainer.resume=auto",
            "trainer.max_steps=24", "trainer.ckpt_every=3", "logger=[console,jsonl]"]
     env = dict(os.environ, WANDB_MODE="offline")
@@ -207,5 +207,11 @@ def test_named_run_resumes_after_its_launcher_was_killed(tmp_path):
     assert f"resumed from {run.resolve() / 'checkpoints' / f'step_{saved[-1]:06d}'} at step {saved[-1]}" in res.stdout
     assert "took over the lock" in res.stdout  # the killed launcher's lock
     assert _step_files(run)[-1].parent.name == "step_000024"
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 25))  # the steps logged after the checkpoint and redone: one row each
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 25))  # the steps logged after the checkpoint and redone: one row each
+    # the losses of the uninterrupted run, step for step (issue 25: resumes "with the uninterrupted losses")
+    ref = [c if c != "run.name=long" else "run.name=ref" for c in cmd if c != "trainer.resume=auto"]
+    res = subprocess.run(ref, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = [json.loads(line) for line in (tmp_path / "outputs" / "ref" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/loss"] for r in rows] == [r["train/loss"] for r in want]
