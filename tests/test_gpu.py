@@ -212,6 +212,17 @@ def _cycles_per_ms() -> float:
     return 20_000_000 / start.elapsed_time(end)
 
 
+def _queued_sleep(cycles: float) -> list:
+    """After a synchronize, a GPU sleep of `cycles` queued between two CUDA events: what it really
+    took is their elapsed_time once it ran (the GPU's clock moves, so its ms are not `cycles`')."""
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    events[0].record()
+    torch.cuda._sleep(int(cycles))
+    events[1].record()
+    return events
+
+
 # ---- the pipetrain command on one GPU ---------------------------------------------------------
 RUN = ["model=llama-tiny", "data=builtin", "data.batch_size=8", "data.seq_len=64", "pipeline.degree=1",
        "pipeline.microbatches=4", "schedule=zbv", "trainer.precision=bf16", f"trainer.device={CLI_DEVICE}",
@@ -289,11 +300,7 @@ def test_pageable_copy_waits_for_the_stream_pinned_does_not():
     x = torch.randint(0, 50_000, (8, 1024))  # a batch of token ids, pageable
     host_ms = {}
     for name, move in (("pageable", lambda t: t.to(DEVICE)), ("pinned", lambda t: to_device(t, DEVICE))):
-        torch.cuda.synchronize()
-        sleep = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        sleep[0].record()
-        torch.cuda._sleep(int(200 * cycles_per_ms))
-        sleep[1].record()
+        sleep = _queued_sleep(200 * cycles_per_ms)
         t0 = time.perf_counter()
         y = move(x)
         host_ms[name] = (time.perf_counter() - t0) * 1e3
@@ -325,12 +332,7 @@ def test_a_step_queues_every_forward_while_the_gpu_is_still_busy(compose):
         issued: list[float] = []
         hooks = [m.register_forward_pre_hook(lambda *_: issued.append(time.perf_counter()))
                  for m in rp.stages.values()]
-        cycles_per_ms = _cycles_per_ms()
-        torch.cuda.synchronize()
-        sleep = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        sleep[0].record()
-        torch.cuda._sleep(int(1000 * cycles_per_ms))
-        sleep[1].record()
+        sleep = _queued_sleep(1000 * _cycles_per_ms())
         t0 = time.perf_counter()
         rp.executor.step(mbs)
         for h in hooks:

@@ -8,9 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -19,28 +16,16 @@ ARGS = ["mode=train", "model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32",
         "logger=[console,jsonl]"]
 
 
-def _logged_steps(run: Path) -> int:
-    try:
-        return len((run / "metrics.jsonl").read_text().splitlines())
-    except FileNotFoundError:
-        return 0
-
-
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_names_the_step_and_checkpoint_saved(tmp_path):
     """scancel / `kill -- -PGID` signal the launcher, its fork server and the ranks at once. The
     fork server used to die of it, so torch's agent stopped waiting for the ranks and the launcher
     said 'after step ?: no checkpoint (checkpoints are off)' while they went on to save the step."""
+    from test_preempt import start_until_step
+
     run = tmp_path / "run"
-    env = dict(os.environ, WANDB_MODE="offline")
-    env.pop("HYDRA_FULL_ERROR", None)
-    job = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", *ARGS, f"hydra.run.dir={run}"], cwd=tmp_path,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 300
-    while _logged_steps(run) < 3 and time.time() < deadline and job.poll() is None:
-        time.sleep(0.05)
-    assert job.poll() is None, job.communicate()[1][-3000:]
+    job = start_until_step(ARGS, run, tmp_path, 3)
     os.killpg(job.pid, signal.SIGTERM)  # the whole group, as SLURM's scancel does
     out, err = job.communicate(timeout=120)
     assert job.returncode == 128 + signal.SIGTERM, err[-3000:]

@@ -36,16 +36,22 @@ def logged_steps(run: Path) -> int:
         return 0
 
 
-def test_sigterm_saves_the_step_and_resume_repeats_the_run(tmp_path):
-    run = tmp_path / "run"
+def start_until_step(args: list[str], run: Path, cwd: Path, steps: int) -> subprocess.Popen:
+    """`pipetrain args hydra.run.dir=run` in a session of its own, returned once `steps` steps are logged."""
     env = dict(os.environ, WANDB_MODE="offline")
     env.pop("HYDRA_FULL_ERROR", None)
-    job = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", *ARGS, f"hydra.run.dir={run}"], cwd=tmp_path,
+    job = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", *args, f"hydra.run.dir={run}"], cwd=cwd,
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 300
-    while logged_steps(run) < 5 and time.time() < deadline and job.poll() is None:
+    while logged_steps(run) < steps and time.time() < deadline and job.poll() is None:
         time.sleep(0.05)
     assert job.poll() is None, job.communicate()[1][-3000:]
+    return job
+
+
+def test_sigterm_saves_the_step_and_resume_repeats_the_run(tmp_path):
+    run = tmp_path / "run"
+    job = start_until_step(ARGS, run, tmp_path, 5)
     job.send_signal(signal.SIGTERM)  # the launcher only, as SLURM's scancel / preemption does first
     sent = time.time()
     out, err = job.communicate(timeout=60)
