@@ -35,7 +35,7 @@ from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import DTYPE_BYTES, reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts, simulate, split_stages
 from pipetrain.schedules.tp_cost import tp_layer_costs
-from pipetrain.schedules.validate import ScheduleError, check_p2p
+from pipetrain.schedules.validate import hangs_on_nccl
 from pipetrain.schedules.zb_auto import zb_auto_order
 
 
@@ -75,8 +75,7 @@ class Workload:
     # in bf16 parameters and make none
     weight_copy_bytes: tuple[float, ...] = ()
     fsdp_casts: bool = False  # FSDP2 rows keep the copies too (parallel.param_dtype set to fp32 under bf16)
-    # weights of which several layers hold a copy (a tied embedding and head): per weight, those layers'
-    # indices and its element count; where the copies land on different ranks GradSync sums them
+    # per tied weight (embedding and head): the layers holding a copy, its numel (GradSync sums copies across ranks)
     tied: tuple[tuple[tuple[int, ...], int], ...] = ()
     # per token, what the loss's backward allocates at once on the last stage (a causal LM's cross-entropy:
     # the fp32 gradients of its log-softmax output and input, 2 x 4 bytes x vocab, beside the saved output)
@@ -243,9 +242,8 @@ class _Evaluator:
         its own buffers), and per rank, what GradSync.sync allocates for the weights held on several
         ranks: each chunk held by more than one rank (DualPipe's mirror) and each tied weight whose
         copies land on different ranks, their fp32 gradients (a shard's under FSDP2)."""
-        held = {}
-        if c.dp > 1 and not c.dp_shard:
-            held = {s: p * DTYPE_BYTES[self.device.reduce_dtype] for s, p in enumerate(stage_params)}
+        replicas = c.dp > 1 and not c.dp_shard
+        held = {s: p * DTYPE_BYTES[self.device.reduce_dtype] for s, p in enumerate(stage_params)} if replicas else {}
         shard = c.dp if c.dp_shard else 1
         grad = self.work.state.grad / shard
         chunk_stages = [[s for s in range(pl.num_stages) if pl.chunk_of(s) == k] for k in range(pl.num_chunks)]
@@ -312,13 +310,10 @@ class _Evaluator:
                 return row
         else:
             sched = registry.build(c.schedule, c.pp, c.microbatches, c.v)
-            if c.pp > 1 and d.p2p_transport != "pair_groups":  # one stream per rank: the plan may hang
-                try:
-                    check_p2p(sched, lookahead=d.lookahead, transport=d.p2p_transport)
-                except ScheduleError:
-                    row.reason = (f"hangs on NCCL under pipeline.p2p_transport={d.p2p_transport} "
-                                  f"(pipeline.p2p_transport=pair_groups runs it)")
-                    return row
+            if c.pp > 1 and d.p2p_transport != "pair_groups" and hangs_on_nccl(sched, lookahead=d.lookahead,
+                                                                              transport=d.p2p_transport):
+                row.reason = f"hangs on NCCL under pipeline.p2p_transport={d.p2p_transport} (pair_groups runs it)"
+                return row
             if fused is None and (d.action_overhead_ms or rc):  # now known: the stages running W apart
                 costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, split_stages(sched))
         red = None

@@ -17,29 +17,25 @@ comes from the schedule's placement. Per action:
 Under data parallel the schedule carries `{stage}REDUCE_GRAD` marks (schedules/reduce.py):
 there the stage's gradient reduction is started (runtime/grad_reduce.py), and after the
 last action the executor waits for all of them; that wait is the step's exposed reduce time.
-When each was issued and seen done is kept per stage (the trace's reduction rows); "seen done"
-is an upper bound of its end, a mark at the first action boundary after the reducer reported
-it complete or after the final wait (on GPU a compute-stream event, never before the end).
+When each was issued and seen done is kept per stage (the trace's reduction rows); "seen
+done" is an upper bound of its end: the first action boundary after it completed, or the final wait.
 
 After the last action, the summed loss is all-reduced so every rank (rank 0 logs it)
 holds the mean loss of the step (over every pipeline's microbatches under data parallel).
 All ranks leave it at one moment: its mark (`sync_ms`) puts them on one axis, not host clocks.
-Inputs (where a chain starts) and targets (where it ends) move to the device once per step,
-before the first action, pinned and non-blocking (runtime/batch.py).
+Inputs and targets move to the device once per step, pinned and non-blocking (runtime/batch.py).
 
 Mixed precision (`compute_dtype`, e.g. bf16 for trainer.precision=bf16): parameters and
 their gradients stay fp32; every stage runs under torch.autocast, and a floating-point
 output is cast to compute_dtype before it goes to the next stage, by P2P or by local
 hand-off, so activations and, through the cast's autograd node, their gradients cross in
 compute_dtype (the node turns the returning gradient back into the producer's dtype).
-Receive buffers must be allocated in compute_dtype for floating-point boundaries
-(train/pipeline.py does). The loss is fp32 (autocast runs cross-entropy and MSE in fp32),
-and it is summed and all-reduced in fp64.
+Receive buffers are in compute_dtype for floating-point boundaries (train/pipeline.py). The
+loss is fp32 (autocast runs cross-entropy and MSE in fp32), summed and all-reduced in fp64.
 
-Every training step is timed (runtime/clock.py: perf_counter on CPU, CUDA events on GPU
-with no per-action synchronisation): each action's start and end, each part of an F&B
-pair, and the time each cross-rank receive kept the action waiting, so compute and
-waiting are told apart (metrics/measure.py turns them into the measured bubble).
+Every training step is timed (runtime/clock.py: perf_counter on CPU, CUDA events on GPU with
+no per-action synchronisation): each action's start and end, each part of an F&B pair, and the
+time each receive kept the action waiting (metrics/measure.py: the measured bubble).
 """
 
 from __future__ import annotations
@@ -98,8 +94,7 @@ class Executor:
         self._needs = dict(zip(self._plan.parts, self._plan.waits))  # the plan has them already
         self._sends = {a: sent_by(a, schedule, rank) for a in self._plan.parts}
         self._step_texts = [str(step) for step in schedule.steps[rank]]
-        # The microbatches whose input (a chain's first stage) or target (its last) this rank reads
-        fs = [a for a in schedule.actions(rank) if a.op is Op.F]
+        fs = [a for a in schedule.actions(rank) if a.op is Op.F]  # whose input (a chain's start) / target (its end) it reads
         self._reads = ({a.microbatch for a in fs if pl.prev_stage(a.stage) is None},
                        {a.microbatch for a in fs if pl.next_stage(a.stage) is None})
         self.reducer = reducer
@@ -111,8 +106,7 @@ class Executor:
                 raise ValueError("a gradient reducer needs a schedule with REDUCE_GRAD marks (schedules/reduce.py)")
         self._forward_only = False
         self.compute_dtype = compute_dtype  # None: the parameters' dtype throughout; else autocast to it
-        # The step's timestamps; replaceable (a clock with another host timer measures alike)
-        self.clock = StepClock(self.device)
+        self.clock = StepClock(self.device)  # replaceable: a clock with another host timer measures alike
         self._recording = False  # inside step(): sends and receives are timed
         # profile.enabled: every action a `PP:<action>` torch.profiler range (the trainer sets it
         # for the captured steps only; record_function costs a few microseconds even unprofiled)

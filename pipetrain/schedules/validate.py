@@ -154,6 +154,15 @@ def check_p2p(schedule: Schedule, *, lookahead: int = 1, unit_walk: Walk | None 
         raise ScheduleError(f"schedule {schedule.name!r}: {e}{_p2p_fix(schedule, lookahead, unit_walk, streams)}") from None
 
 
+def hangs_on_nccl(schedule: Schedule, *, lookahead: int, transport: str) -> bool:
+    """Whether `schedule`'s P2P plan would hang or mismatch on NCCL under `transport` (the planner's test)."""
+    try:
+        check_p2p(schedule, lookahead=lookahead, transport=transport)
+    except ScheduleError:
+        return True
+    return False
+
+
 def _p2p_fix(schedule: Schedule, lookahead: int, unit_walk: Walk | None, streams: str) -> str:
     """The knobs that make a plan refused under one stream per rank pass (tried only on failure)."""
     if streams == "pair":
