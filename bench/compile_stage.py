@@ -137,7 +137,9 @@ def main() -> None:
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
               "peak_tflops": peak, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "steps": args.steps, "warmup": args.warmup, "cpu_count": os.cpu_count(),
-              "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default (warm if run before)"),
+              # whether the inductor cache was a fresh one (cold compile) or torch's default (warm if run before)
+              "inductor_cache_dir": ("fresh (cold)" if os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                                     else "default (warm if run before)"),
               "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "per_stage": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

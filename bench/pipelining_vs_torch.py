@@ -499,7 +499,8 @@ def pipetrain_source() -> dict:
     import pipetrain
 
     path = Path(pipetrain.__file__).resolve().parent
-    info: dict[str, Any] = {"path": str(path)}
+    repo = Path(__file__).resolve().parents[1]  # relative to the repo when it is this checkout's
+    info: dict[str, Any] = {"path": str(path.relative_to(repo)) if path.is_relative_to(repo) else path.name}
     try:
         git = ["git", "-C", str(path.parent)]
         info["git_head"] = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
