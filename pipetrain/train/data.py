@@ -28,12 +28,12 @@ import torch
 
 from pipetrain.config.data import BYTE_VOCAB, DataConfig, split_sizes
 from pipetrain.config.shards import Shard
+from pipetrain.train.token_check import FULL_SCAN_TOKENS  # up to it, the vocabulary check reads all data up front
 from pipetrain.train.tokenizer import load_tokenizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 SPLITS = ("train", "val")
 CORPUS_FILE = "corpus/stdlib_docs.txt.gz"  # package data of pipetrain.train; provenance in corpus/README.md
-_FULL_SCAN_TOKENS = 1 << 27  # up to 128 Mi tokens the vocabulary check reads all data up front
 
 
 class DataSource(Protocol):
@@ -102,7 +102,7 @@ class TokenWindows:
             self.parts = {"train": (tokens, 0, len(tokens)), "val": (val_tokens, 0, len(val_tokens))}
             self.description = f"{what}: train {len(tokens):,} tokens, val {len(val_tokens):,} (separate shards)"
         for stream in {id(t): t for t, _, _ in self.parts.values()}.values():
-            if len(stream) <= _FULL_SCAN_TOKENS:  # else each batch is checked as it is drawn
+            if len(stream) <= FULL_SCAN_TOKENS:  # else each batch is checked as it is drawn
                 _check_vocab(int(stream.max()), vocab_size, what=what)
 
     def batch(self, step: int, *, split: str = "train") -> Batch:
@@ -246,7 +246,7 @@ def eval_tokens(cfg: DataConfig, *, vocab_size: int) -> Tokens:
     if tokens is None:
         tokens = load_tokens(cfg)
         what = f"data.path={cfg.path}" if cfg.path else f"data={cfg.name}"
-    if len(tokens) <= _FULL_SCAN_TOKENS:
+    if len(tokens) <= FULL_SCAN_TOKENS:
         _check_vocab(int(tokens.max()), vocab_size, what=what)
     return tokens
 

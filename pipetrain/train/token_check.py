@@ -15,7 +15,7 @@ from pipetrain.config.shards import Shard
 if TYPE_CHECKING:
     from pipetrain.config import Config
 
-FULL_SCAN_TOKENS = 1 << 27
+FULL_SCAN_TOKENS = 1 << 27  # 128 Mi ids: the launcher's check and the ranks' (train/data.py) read all up to it
 SAMPLE_RUNS, SAMPLE_RUN_TOKENS = 64, 1 << 16  # a longer stream: 64 evenly spaced runs of 64 Ki ids per shard
 
 
