@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from pipetrain.launch import forkserver
-from pipetrain.launch.errors import RankFailedError, RunStopped, rank_text, read_stopped
+from pipetrain.launch.errors import UNFINISHED, RankFailedError, RunStopped, rank_text, read_stopped
 from pipetrain.launch.forkserver import CPU_MALLOC_ENV, inherited_environ
 from pipetrain.launch.rank import Entry, elastic_worker, resolve_devices
 
@@ -86,15 +86,17 @@ def error_records(log_dir: Path) -> dict[int, dict]:
     return attempts[max(attempts)] if attempts else {}
 
 
-# A rank's error that says a peer went away (gloo's words, and runtime/comm.py's): not a cause.
-LOST = re.compile(r"connection (closed|reset) by peer|broken pipe|connection to .+ was lost", re.IGNORECASE)
+# A rank's error that says a peer went away (gloo's words, and runtime/comm.py's), or that it left
+# because its step could not end after the agent's SIGTERM (train/stop.py): not a cause.
+LOST = re.compile(r"connection (closed|reset) by peer|broken pipe|connection to .+ was lost|" + re.escape(UNFINISHED),
+                  re.IGNORECASE)
 
 
 def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure], run_dir: Optional[Path] = None, *,
                layout: Optional[Layout] = None, restarts: int = 0) -> RankFailedError:
     """The error that came first. The agent reports one failed worker, whichever it noticed
     first, often a peer that only lost its connection; every rank that raised wrote an error file
-    with the time in ns (pipetrain.launch.rank.record_error), and the earliest is the cause, unless
+    with the time in ns (pipetrain.launch.errors.record_error), and the earliest is the cause, unless
     it only says a peer went away (LOST) and some rank of the layout wrote none: then that rank,
     killed by a signal, is. Without any the agent's report is all there is. `restarts`: the run
     used up launch.max_restarts restarts (the line says so)."""

@@ -6,6 +6,10 @@ launcher (launcher.py) both depend on it, not on each other.
 
 from __future__ import annotations
 
+import json
+import os
+import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +38,33 @@ class RankFailedError(RuntimeError):
         super().__init__(f"{spent}{rank_text(rank, layout)} failed: {message}{where}")
         self.rank, self.rank_message, self.traceback_file = rank, message, traceback_file
 
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def record_error(err: BaseException, path: str | None = None) -> None:
+    """Write torchelastic's error file (the format of its ErrorHandler.record_exception), adding
+    the time in ns: its own timestamp has whole seconds, too coarse to tell which rank failed
+    first when a dying rank drags its peers down within the same second. Written whole or not at
+    all (a rename): a rank killed mid-write must not leave a file that reads as no error."""
+    path = path or os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time_ns()
+    data = {"message": {"message": one_line(err), "extraInfo": {
+        "py_callstack": traceback.format_exc(), "timestamp": str(now // 10**9), "time_ns": str(now)}}}
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    partial.write_text(json.dumps(data))
+    os.replace(partial, target)
+
+
+# What a rank says when it leaves because the step in flight could not end after a signal (the
+# elastic agent stops the survivors when a peer died): like a lost connection, never a cause.
+UNFINISHED = "the step in flight did not finish in time"
 
 STOPPED = "stopped.json"  # rank 0 writes it when the run stops on a signal (train/stop.py)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -22,10 +21,7 @@ from pipetrain.launch import forkserver
 from pipetrain.launch.forkserver import CPU_MALLOC_ENV, inherited_environ
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TIMEOUT = datetime.timedelta(seconds=300)
 
 
 def _entry(rank: int, world: int, port: int, out: str, backend: str, threads: int, fn: Callable, args: tuple,
@@ -33,7 +29,8 @@ def _entry(rank: int, world: int, port: int, out: str, backend: str, threads: in
     inherit.adopt()
     torch.set_num_threads(threads)  # ranks share the machine's cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     try:
         fn(rank, world, Path(out), *args)
     except BaseException as e:
@@ -46,13 +43,19 @@ def spawn_local(
     fn: Callable[..., Any], world: int, out: Path, *args: Any,
     backend: str = "gloo", threads: int = 1, join: bool = True,
 ) -> mp.ProcessContext:
-    """Start `world` processes running fn; with join=True wait for all (raising if one fails)."""
+    """Start `world` processes running fn; with join=True wait for all (raising if one fails).
+
+    The rendezvous store is this process's, bound to a port the kernel picks and held while the
+    ranks live (on the context): a port found free and let go for a rank to bind could be taken
+    in between by another run on the machine (EADDRINUSE under parallel tests)."""
     Path(out).mkdir(parents=True, exist_ok=True)
     forkserver.warm(backend)
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     with inherited_environ(CPU_MALLOC_ENV if backend == "gloo" else {}):
-        ctx = mp.start_processes(_entry, args=(world, free_port(), str(out), backend, threads, fn, args,
+        ctx = mp.start_processes(_entry, args=(world, store.port, str(out), backend, threads, fn, args,
                                                forkserver.Inherit()),
                                  nprocs=world, join=False, start_method=forkserver.start_method(backend))
+    ctx.store = store  # type: ignore[attr-defined]  # lives as long as the ranks' context
     if join:
         while not ctx.join():
             pass

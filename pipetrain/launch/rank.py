@@ -12,10 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
-import json
 import os
-import time
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -25,6 +22,7 @@ import torch.distributed as dist
 from pipetrain.config.parallel import world_text
 from pipetrain.launch.devices import choose, gpu_index, ranks_sharing_gpus
 from pipetrain.launch.env import RankEnv, torchrun_env
+from pipetrain.launch.errors import one_line, record_error
 from pipetrain.launch.forkserver import Inherit
 from pipetrain.launch.rundir import record_rank
 
@@ -50,25 +48,6 @@ def resolve_devices(config: Config, *, note: Optional[Callable[[str], None]] = N
     resolved.trainer = dataclasses.replace(config.trainer, device=devices.device)
     resolved.cluster = dataclasses.replace(config.cluster, backend=devices.backend)
     return resolved
-
-
-def one_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-def record_error(err: BaseException, path: str | None = None) -> None:
-    """Write torchelastic's error file (the format of its ErrorHandler.record_exception), adding
-    the time in ns: its own timestamp has whole seconds, too coarse to tell which rank failed
-    first when a dying rank drags its peers down within the same second."""
-    path = path or os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    now = time.time_ns()
-    data = {"message": {"message": one_line(err), "extraInfo": {
-        "py_callstack": traceback.format_exc(), "timestamp": str(now // 10**9), "time_ns": str(now)}}}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data))
 
 
 def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Entry, *, agree: bool) -> dict:

@@ -8,7 +8,7 @@ itself (train/checkpoint.py: resume) and says, in one line on the console and in
     restarted after rank 3 (pp 1, dp_replicate 1) failed at step 8, resumed from step 5   (several pipelines)
 
 Which rank failed: the previous attempt's error files (TORCHELASTIC_ERROR_FILE of each worker;
-a rank that raised wrote one with its time, launch/rank.py: record_error). A rank killed by a
+a rank that raised wrote one with its time, launch/errors.py: record_error). A rank killed by a
 signal writes none: the rank without one failed; else the earliest error is the cause. At which
 step: rank 0 keeps the step in progress in the agent's store (it outlives the workers), one small
 write per step, only when restarts are possible.

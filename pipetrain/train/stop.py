@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pipetrain.launch.errors import STOPPED
+from pipetrain.launch.errors import STOPPED, UNFINISHED, record_error
 
 # Every live rank holds a shared flock on <run_dir>/.ranks (the kernel drops it when the process
 # ends, even on SIGKILL). A SIGTERM sent to the launcher's whole process group (scancel, `kill --
@@ -92,8 +92,9 @@ def _leave(signum: int) -> None:
     """The step in flight did not end within the grace time after a signal: leave as the signal would have."""
     import sys
 
-    print(f"{signal_name(signum)}: the step in flight did not finish in time; leaving without a checkpoint",
-          file=sys.stderr, flush=True)
+    message = f"{signal_name(signum)}: {UNFINISHED}; leaving without a checkpoint"
+    print(message, file=sys.stderr, flush=True)
+    record_error(RuntimeError(message))  # an error file of its own: a rank that left none was killed
     os._exit(128 + signum)
 
 
