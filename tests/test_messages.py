@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -83,3 +85,54 @@ def test_each_skipped_step_has_a_console_line(tmp_path):
     skipped = [line for line in res.stdout.splitlines() if line.startswith("step ") and ": skipped" in line]
     assert skipped == [f"step {s}: skipped, loss nan / grad norm nan not finite (trainer.on_nonfinite=skip): weights "
                        f"not updated, {s - 1} in a row of trainer.max_skipped_steps=10" for s in (2, 3, 4)], res.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_stopped_rank_is_reported_within_the_p2p_timeout_and_named(tmp_path):
+    """pp=2 x dp_replicate=2, global rank 1 SIGSTOPped: its pipeline peer (global rank 3) times out
+    after pipeline.p2p_timeout_s and names it with its coordinates. The report took 30 s more (torch
+    waited 30 s for the stopped rank to act on SIGTERM) and named pipeline indices ('rank 0')."""
+    from test_preempt import logged_steps
+
+    from pipetrain.launch.local import worker_pids
+
+    run, timeout_s = tmp_path / "run", 3
+    env = dict(os.environ, WANDB_MODE="offline")
+    env.pop("HYDRA_FULL_ERROR", None)
+    args = [*ARGS, "data.batch_size=8", "logger=[jsonl]", "trainer.ckpt_every=0", "trainer.ckpt_at_end=false",
+            "pipeline.degree=2", "parallel.dp_replicate=2", f"pipeline.p2p_timeout_s={timeout_s}", f"hydra.run.dir={run}"]
+    with (tmp_path / "err.txt").open("w") as err:  # a file: the stopped rank holds the launcher's stderr open
+        job = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", *args], cwd=tmp_path, env=env,
+                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.time() + 300
+        while logged_steps(run) < 3 and time.time() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        ranks = worker_pids(job.pid)  # started in rank order
+        assert job.poll() is None and len(ranks) == 4, (tmp_path / "err.txt").read_text()[-3000:]
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.time()
+        job.wait(timeout=120)
+        took = time.time() - stopped
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if job.poll() is None:
+            job.kill()
+    lines = (tmp_path / "err.txt").read_text().strip().splitlines()
+    assert len(lines) == 1, lines
+    # the stopped rank is the one that failed, wherever it stopped: between transfers (its pipeline
+    # peer's P2PError names the wait) or before a collective (its peers' all-reduce timed out)
+    assert re.match(r"pipetrain: error: rank 1 \(pp 0, dp_replicate 1\) failed: stuck or dead \(killed by SIGKILL\): "
+                    r"rank \d \(pp \d, dp_replicate \d\) timed out first: ", lines[0]), lines[0]
+    assert (re.search(rf"P2PError: rank 3 \(pp 1, dp_replicate 1\): \d+F\d+ on rank 3 waiting for the activation of "
+                      rf"0F\d+ from rank 1 \(pp 0, dp_replicate 1\) timed out after {timeout_s}s: rank 1 is stuck or dead",
+                      lines[0])
+            or lines[0].endswith(f"waited {timeout_s}s in a collective (pipeline.p2p_timeout_s bounds every wait "
+                                 f"after the first step)")), lines[0]
+    assert took < timeout_s + 12, took  # was timeout_s + 30

@@ -99,6 +99,25 @@ def test_failed_rank_from_the_previous_attempts_error_files(tmp_path, monkeypatc
     assert failed_rank(str(tmp_path / "attempt_0" / "0" / "error.json")) is None
 
 
+@pytest.mark.pure
+def test_failed_rank_is_the_one_that_ended_before_the_launcher_stopped_the_others(tmp_path, monkeypatch):
+    """Rank 3 was killed; rank 1, busy, was stopped by the launcher before it wrote its error: both
+    left none. The launcher wrote which had ended by themselves (launch/elastic.py: ENDED)."""
+    from pipetrain.launch.elastic import ENDED_FIRST, root_cause
+    from pipetrain.launch.errors import ENDED
+    from pipetrain.parallel.layout import Layout
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _attempt(tmp_path, 0, {0: 50, 1: None, 2: 40, 3: None})
+    _attempt(tmp_path, 1, {0: None})
+    assert failed_rank(str(tmp_path / "attempt_1" / "0" / "error.json")) == 1  # without the record: the lowest
+    (tmp_path / "attempt_0" / ENDED).write_text(json.dumps({"3": -9}))
+    assert failed_rank(str(tmp_path / "attempt_1" / "0" / "error.json")) == 3
+    lost = {"message": "RuntimeError: Connection closed by peer", "extraInfo": {"time_ns": "5"}}
+    err = root_cause({0: lost, 2: lost}, {}, layout=Layout(2, 2), exits={ENDED_FIRST: {3: -9}, 1: -9, 3: -9})
+    assert str(err).startswith("rank 3 (pp 1, dp_replicate 1) failed: killed by SIGKILL; rank 0 (pp 0, "), err
+
+
 def _rank_pid(run: Path, rank: int) -> int:
     try:
         return json.loads((run / f".lock.rank{rank}").read_text())["pid"]
@@ -124,10 +143,10 @@ def test_restart_lines_under_data_parallel_name_the_global_rank_and_restarts_use
         time.sleep(0.02)
     first = _rank_pid(run, 3)
     assert first, "rank 3 did not record itself"
+    rows = logged(run)
     os.kill(first, signal.SIGKILL)
-    while _rank_pid(run, 3) in (0, first) and time.time() < deadline and job.poll() is None:
-        time.sleep(0.05)  # the restarted group's rank 3
-    time.sleep(1.0)
+    while (_rank_pid(run, 3) in (0, first) or logged(run) <= rows) and time.time() < deadline and job.poll() is None:
+        time.sleep(0.05)  # the restarted group's rank 3, once the group has said so and logged a step
     os.kill(_rank_pid(run, 3), signal.SIGKILL)
     out, err = job.communicate(timeout=300)
     assert job.returncode != 0
@@ -161,3 +180,29 @@ def test_root_cause_is_the_killed_rank_its_peers_lost_and_the_last_attempts(tmp_
         d.mkdir(parents=True)
         (d / "error.json").write_text(json.dumps({"message": record(1, message)}))
     assert error_records(tmp_path)[0]["message"] == "attempt 1's"
+
+
+@pytest.mark.pure
+def test_root_cause_of_a_timed_out_wait_is_the_rank_that_never_came():
+    """A rank stuck (SIGSTOP, a hang) leaves no error: its peers time out, in a transfer (comm.py's
+    P2PError) or a collective (gloo's words), and the launcher killed it. It is the one that failed."""
+    from pipetrain.launch.elastic import root_cause
+    from pipetrain.parallel.layout import Layout
+
+    def record(t: int, message: str) -> dict:
+        return {"message": message, "extraInfo": {"time_ns": str(t), "py_callstack": "trace"}}
+
+    layout = Layout(2, 2)
+    gloo = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+            "waiting 20000ms for recv operation to complete")
+    err = root_cause({0: record(5, gloo), 2: record(6, gloo), 3: record(7, gloo)}, {}, layout=layout, exits={1: -9})
+    assert str(err) == ("rank 1 (pp 0, dp_replicate 1) failed: stuck or dead (killed by SIGKILL): rank 0 (pp 0, "
+                        "dp_replicate 0) timed out first: waited 20s in a collective (pipeline.p2p_timeout_s bounds "
+                        "every wait after the first step)")
+    p2p = "P2PError: rank 3: 1F0 on rank 3 waiting for ... from rank 1 timed out after 3s: rank 1 is stuck or dead"
+    err = root_cause({3: record(5, p2p)}, {}, layout=layout)  # exit codes unknown; ranks 0-2 wrote nothing
+    assert str(err) == f"rank 0 (pp 0, dp_replicate 0) failed: stuck or dead (left no error of its own): rank 3 (pp 1, " \
+                       f"dp_replicate 1) timed out first: {p2p}"
+    # every rank wrote one: the first timeout is the cause, as any first error
+    err = root_cause({r: record(5 + r, p2p) for r in range(4)}, {}, layout=layout)
+    assert str(err) == f"rank 0 (pp 0, dp_replicate 0) failed: {p2p}"

@@ -66,6 +66,11 @@ def record_error(err: BaseException, path: str | None = None) -> None:
 # elastic agent stops the survivors when a peer died): like a lost connection, never a cause.
 UNFINISHED = "the step in flight did not finish in time"
 
+# In an attempt's log folder of torch elastic (<logs>/<run>/attempt_<n>/), written by the launcher
+# of cluster=local: {local rank: exit code} of the workers that had ended when it saw the attempt
+# fail, before it stopped the others (launch/elastic.py).
+ENDED = "ended.json"
+
 STOPPED = "stopped.json"  # rank 0 writes it when the run stops on a signal (train/stop.py)
 
 

@@ -45,6 +45,12 @@ class RankGroups:
     def tp_index(self) -> int:
         return self.layout.tp_index(self.rank)
 
+    def step_groups(self) -> list[dist.ProcessGroup]:
+        """Every group of the mesh this rank is in, and its pipeline, data and tensor parallel groups
+        (a flattened dp group is not among the mesh's own): what a training step communicates over."""
+        mine = list(self.mesh.get_all_groups()) if self.mesh is not None else []
+        return [g for g in (*mine, self.pp_group, self.dp_group, self.tp_group) if g is not None]
+
     @property
     def fsdp_mesh(self) -> Optional[DeviceMesh]:
         """The mesh FSDP2 shards over: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP."""

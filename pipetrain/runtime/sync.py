@@ -92,6 +92,10 @@ class GradSync:
                 self.sets.append((ranks, mine, by_set[ranks]))
         self.local_only = [n for n, ps in self.local.items() if len(ps) > 1 and len(holders[n]) == 1]
 
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The subgroups this rank sums tied or mirrored weights over."""
+        return [pg for _, pg, _ in self.sets if pg is not None]
+
     def owned(self, only: Optional[set[str]] = None) -> list[nn.Parameter]:
         """One Parameter per canonical name, on the lowest rank that holds it: summing a norm
         over every rank's `owned()` counts each tied or mirrored weight once (`only`: of these names)."""

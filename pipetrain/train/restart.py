@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from pipetrain.launch.errors import rank_text
+from pipetrain.launch.errors import ENDED, rank_text
 from pipetrain.parallel.layout import Layout
 
 _STEP_KEY = "pipetrain/step_in_progress"
@@ -90,8 +90,13 @@ def failed_rank(error_file: Optional[str] = None) -> Optional[int]:
     if not error_file or n < 1:
         return None
     here = Path(error_file).parent.parent  # attempt_<n>
-    times = _error_times(here.with_name(f"attempt_{n - 1}"))
-    silent = sorted(r for r, t in times.items() if t is None)
+    attempt = here.with_name(f"attempt_{n - 1}")
+    times = _error_times(attempt)
+    try:  # cluster=local: the workers that had ended before the launcher stopped the others
+        first = {int(r) for r in json.loads((attempt / ENDED).read_text())}
+    except (OSError, ValueError, TypeError):
+        first = set()
+    silent = sorted((r for r, t in times.items() if t is None), key=lambda r: (r not in first, r))
     if silent:  # killed by a signal: no error file
         return silent[0]
     timed = {r: t for r, t in times.items() if t is not None}

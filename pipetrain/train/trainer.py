@@ -28,6 +28,7 @@ from pipetrain.config import Config
 from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.models.hf import pretrained_rule
 from pipetrain.parallel.mesh import build_groups
+from pipetrain.parallel.timeouts import bound_waits
 from pipetrain.parallel.dp import data_parallel
 from pipetrain.parallel.tp_plan import tensor_parallel
 from pipetrain.plan import Plan, build_model
@@ -154,6 +155,8 @@ class Trainer:
         result = self.pipe.train_step(self.microbatches(step))
         if first_compiled:
             comm.set_timeout(cfg.pipeline.p2p_timeout_s)
+        if not self._stepped:  # from now on a collective waits on a peer no longer than a transfer does
+            bound_waits([*self.groups.step_groups(), *self.pipe.sync.groups()], cfg.pipeline.p2p_timeout_s)
         self._stepped = True
         # Before the grad-norm all-reduce, which absorbs rank 0's time spent on the measurement.
         measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer)
