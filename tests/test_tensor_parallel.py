@@ -3,9 +3,11 @@
 llama-tiny (GQA: 4 query heads, 2 key/value heads, tied embedding and head) and GPT-2 tiny
 (fused c_attn split per head, tied wte / lm_head), for 1f1b, zbv and dualpipev (DualPipe's
 mirror: every chunk on two ranks of the same tp index), and sequence parallel on each model
-once (GPT-2's with activation checkpointing): the losses of steps 1-3 equal a single process (pipeline.degree=1, tp=1) training on the
-same batches within 1e-5, and the parameters after 3 AdamW steps (tp slices gathered) within
-1e-5 with a mean difference below 1e-7 (measured: 3e-7 and 1e-8; BASE says why optim.eps is 1e-6).
+once (GPT-2's with activation checkpointing): the losses of steps 1-3 equal a single process (pipeline.degree=1,
+tp=1) training on the same batches within 1e-6 (the last stage's loss is the vocab-parallel cross-entropy:
+no rank holds the whole logits), and the parameters after 3 AdamW steps (tp slices gathered) within 1e-6
+with a mean difference below 2e-8 (measured: losses 3.6e-7, parameters 3.4e-7 and 8.4e-9 on 2 CPU cores;
+BASE says why optim.eps is 1e-6).
 The clipped steps (optim.grad_clip=0.05 clips every step here) check the gradient norm over
 tp-sharded and tp-replicated weights: a norm off by a factor would move every weight.
 """
@@ -93,14 +95,14 @@ def runs(compose, tmp_path_factory):
 
 
 def assert_equal_training(got: dict, ref: dict) -> None:
-    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-5, (got["losses"], ref["losses"])
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-6, (got["losses"], ref["losses"])
     # step 1's gradient is exact; later norms read weights that already differ by float noise
     assert abs(got["norms"][0] / ref["norms"][0] - 1) < 1e-6, (got["norms"], ref["norms"])
     assert max(abs(a / b - 1) for a, b in zip(got["norms"], ref["norms"])) < 1e-4, (got["norms"], ref["norms"])
     assert set(got["params"]) <= set(ref["params"])
     for name, t in got["params"].items():
-        torch.testing.assert_close(t, ref["params"][name], rtol=0, atol=1e-5, msg=name)
-        assert (t - ref["params"][name]).abs().mean() < 1e-7, name
+        torch.testing.assert_close(t, ref["params"][name], rtol=0, atol=1e-6, msg=name)
+        assert (t - ref["params"][name]).abs().mean() < 2e-8, name
 
 
 @pytest.mark.parametrize("model, schedule, sp", CASES)

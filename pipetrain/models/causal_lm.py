@@ -17,6 +17,9 @@ from pipetrain.models.base import LayeredModel, TensorSpec, ms_from_flops
 from pipetrain.models.costs import LayerCost
 
 
+IGNORE_INDEX = -1  # a target that counts in no loss (runtime/batch.py: counted_targets)
+
+
 class CausalLM(LayeredModel):
     """Subclasses call `_set_shape` in `__init__`, then fill `layers` and `layer_names`."""
 
@@ -32,9 +35,10 @@ class CausalLM(LayeredModel):
 
     @staticmethod
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # Mean cross-entropy over all tokens of the microbatch; -1 marks ignored targets.
+        # Mean cross-entropy over the counted tokens of the microbatch (IGNORE_INDEX marks the others).
+        # Under tensor parallel the last stage's loss is parallel/loss_parallel.py's instead, on (B, T, V/tp).
         v = output.size(-1)
-        return F.cross_entropy(output.view(-1, v), target.view(-1), ignore_index=-1)  # (B*T, V) vs (B*T,)
+        return F.cross_entropy(output.view(-1, v), target.view(-1), ignore_index=IGNORE_INDEX)  # (B*T, V) vs (B*T,)
 
     def _seq(self, seq: int) -> int:
         if not 1 <= seq <= self._max_seq:

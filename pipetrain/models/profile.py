@@ -296,7 +296,9 @@ def loss_saved_bytes_per_token(model: LayeredModel, *, seq: int, precision: str 
     last stage's forward, which runs the loss inside its count. The loss runs outside the layers, so
     per-layer checkpointing does not drop it: a recomputing last stage keeps it per microbatch in flight
     beside its layers' inputs. Measured on CPU over a few tokens (the model may live on meta: only its
-    shapes and loss function are used; a vocabulary of 128k at 4k tokens would be 2 GB)."""
+    shapes and loss function are used; a vocabulary of 128k at 4k tokens would be 2 GB). Whole-vocabulary
+    bytes: under tensor parallel a tp rank's vocab-parallel loss keeps V/tp of the logits' fp32 softmax
+    and the same targets, 1/tp of this but the targets (planner/memory.py: loss_rank_bytes)."""
     from pipetrain.runtime.step_result import SavedBytes
 
     tokens = min(seq, 8)

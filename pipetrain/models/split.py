@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -60,6 +60,17 @@ class StageModule(nn.Module):
             # unpacks what it saved.
             x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
         return x
+
+    @property
+    def loss_fn(self) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        """The loss of the last stage (None on the others): loss_fn(output, target)."""
+        return self._loss_fn
+
+    def set_loss(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Replace the last stage's loss (tensor parallel: the vocab-parallel cross-entropy)."""
+        if not self.is_last:
+            raise RuntimeError(f"stage {self.stage_id} (layers {self.layer_range}) is not the last: it has no loss")
+        self._loss_fn = fn
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._loss_fn is None:

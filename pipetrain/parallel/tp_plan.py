@@ -8,7 +8,8 @@ and before FSDP2 (torchtitan's order: pipeline split, then tensor parallel, then
                 (`Split(0, 3C, blocks=3)`), not the first 3C/tp rows of the fused matrix;
                 c_fc column-parallel; both c_proj row-parallel.
   embedding     vocab-parallel (GPT-2's wpe stays whole: it is added after the all-reduce).
-  head          lm_head column-parallel on the vocabulary, logits gathered (the loss unchanged).
+  head          lm_head column-parallel on the vocabulary, its logits left split; the last stage's
+                loss is the vocab-parallel cross-entropy (loss_parallel.py): no rank holds (B, T, V).
 
 Norms and position embeddings stay whole on every tp rank. Their gradients are equal across
 the tp group, except where a rank sees only part of the work: under sequence parallel the
@@ -19,11 +20,14 @@ each step.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable, Optional
 
 from torch import nn
 
 from pipetrain.models import gpt2, llama
+from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM
+from pipetrain.parallel.loss_parallel import vocab_parallel_cross_entropy
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.tp import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                                    all_reduce_grads, enter_region, replace, shard_layout,
@@ -35,10 +39,9 @@ if TYPE_CHECKING:
 Memo = dict[int, nn.Parameter]  # id(unsplit Parameter) -> its local slice (ties inside a stage stay one)
 
 
-def _column(layer: nn.Module, path: str, g: TPGroup, *, blocks: int = 1, gather: bool = False,
-            memo: Memo, enter: bool = True) -> None:
+def _column(layer: nn.Module, path: str, g: TPGroup, *, blocks: int = 1, memo: Memo, enter: bool = True) -> None:
     lin = layer.get_submodule(path)
-    new = ColumnParallelLinear(lin, g, blocks=blocks, gather_output=gather, enter=enter)
+    new = ColumnParallelLinear(lin, g, blocks=blocks, enter=enter)
     if id(lin.weight) in memo:  # the head of a stage that also holds the tied embedding
         new.weight = memo[id(lin.weight)]
     memo[id(lin.weight)] = new.weight
@@ -66,7 +69,7 @@ def _llama(layer: nn.Module, g: TPGroup, memo: Memo) -> list[str]:
         _embedding(layer, "embed_tokens", g, memo)
         return []
     if isinstance(layer, llama.Head):
-        _column(layer, "lm_head", g, gather=True, memo=memo)
+        _column(layer, "lm_head", g, memo=memo)  # (B, T, V/tp) logits
         return ["norm.weight"] if sp else []
     assert isinstance(layer, llama.DecoderLayer), type(layer)
     for path in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
@@ -91,7 +94,7 @@ def _gpt2(layer: nn.Module, g: TPGroup, memo: Memo) -> list[str]:
         return []
     norms = [n for n, _ in layer.named_parameters() if n.startswith(("ln_", "ln_f"))]
     if isinstance(layer, gpt2.Head):
-        _column(layer, "lm_head", g, gather=True, memo=memo)
+        _column(layer, "lm_head", g, memo=memo)  # (B, T, V/tp) logits
         return norms if g.sequence_parallel else []
     assert isinstance(layer, gpt2.Block), type(layer)
     _column(layer, "attn.c_attn", g, blocks=3, memo=memo)  # q, k, v of this rank's heads
@@ -123,7 +126,17 @@ def parallelize_stage(stage: nn.Module, g: TPGroup) -> nn.Module:
         partial += [f"layers.{key}.{n}" for n in plan(layer, g, memo)]
     stage.tp_shards = shard_layout(stage)
     stage.tp_partial = partial
+    if stage.is_last:
+        _loss_parallel(stage, g)
     return stage
+
+
+def _loss_parallel(stage: nn.Module, g: TPGroup) -> None:
+    """The last stage's loss on its head's (B, T, V/tp) logits: the vocab-parallel cross-entropy,
+    equal to the causal LM's F.cross_entropy of the whole logits, which no tp rank then holds."""
+    if stage.loss_fn is not CausalLM.loss_fn:
+        raise ValueError(f"{stage.loss_fn} has no vocab-parallel version: set parallel.tp=1")
+    stage.set_loss(functools.partial(vocab_parallel_cross_entropy, g=g, ignore_index=IGNORE_INDEX))
 
 
 class TensorParallel:

@@ -24,6 +24,8 @@
                gradients, after the pipeline, when no activation is left).
   loss grad    the loss's backward on the last stage: a causal LM's cross-entropy allocates the fp32
                gradients of its log-softmax's output and input (8 bytes x vocab per token) at once.
+  loss, tp     under tensor parallel the loss is vocab-parallel (parallel/loss_parallel.py): each tp
+               rank keeps, and its backward allocates, V/tp of every token's logits (`loss_rank_bytes`).
   margin       a fraction of the above for allocator fragmentation and workspaces.
   overhead     a fixed amount per GPU outside the caching allocator: the CUDA context and NCCL's
                buffers (plan.gpu_overhead_gb; 0 for CPU ranks). An allocator peak never sees it.
@@ -159,6 +161,16 @@ def peak_activation_bytes(row: Sequence[TimedStep], act_bytes: Mapping[int, floa
         live += delta
         peak = max(peak, live)
     return peak
+
+
+def loss_rank_bytes(per_token: float, *, tokens: int, tp: int) -> float:
+    """What the loss keeps for its backward (or the backward allocates) on one tp rank for `tokens`
+    tokens, from its whole-vocabulary bytes per token: 1/tp of them, the vocab-parallel cross-entropy
+    holding V/tp logits per token on each tp rank (its (N,) int64 targets, 8 of the bytes, are whole:
+    a 1/tp share of them is left out, 8 B against 4 x V/tp)."""
+    if tp < 1:
+        raise ValueError(f"parallel.tp must be >= 1 (got {tp})")
+    return per_token * tokens / tp
 
 
 def rank_memory(

@@ -17,6 +17,7 @@ Pure Python, no torch: the caller (planner/cmd.py) turns a Config into a `Worklo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,8 +26,8 @@ from typing import Callable, Iterable, Optional, Sequence
 from pipetrain.models.costs import LayerCost, chunk_costs
 from pipetrain.partition.plan import PartitionPlan
 from pipetrain.partition.strategies import partition
-from pipetrain.planner.memory import (GB, RankMemory, StateBytes, gb_text, peak_activation_bytes, rank_memory,
-                                      sync_copy_bytes)
+from pipetrain.planner.memory import (GB, RankMemory, StateBytes, gb_text, loss_rank_bytes, peak_activation_bytes,
+                                      rank_memory, sync_copy_bytes)
 from pipetrain.planner.space import Candidate
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
@@ -271,7 +272,8 @@ class _Evaluator:
         first = boundary if w.input_bytes_per_token is None else w.input_bytes_per_token * tokens
         inner = boundary if w.first_stage_bytes_per_token is None else \
             w.first_stage_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
-        loss = [w.loss_bytes_per_token * tokens if rng.stop == len(layers) else 0.0 for rng in part.bounds]
+        on_tp = functools.partial(loss_rank_bytes, tokens=tokens, tp=c.tp)  # the vocab-parallel loss: 1/tp per rank
+        loss = [on_tp(w.loss_bytes_per_token) if rng.stop == len(layers) else 0.0 for rng in part.bounds]
         kept = [(first + inner * (len(rng) - 1) if rng.start == 0 else boundary * len(rng)) + lo
                 for rng, lo in zip(part.bounds, loss)]
         ratio = self.first_stage_ratio(c.microbatch_size)
@@ -295,7 +297,7 @@ class _Evaluator:
         comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
         overhead = d.gpu_overhead_gb * GB
         last = {pl.rank_of(s) for s in range(pl.num_stages) if part.bounds[pl.chunk_of(s)].stop == len(layers)}
-        loss_grad = [w.loss_grad_bytes_per_token * tokens if r in last else 0.0 for r in range(c.pp)]
+        loss_grad = [on_tp(w.loss_grad_bytes_per_token) if r in last else 0.0 for r in range(c.pp)]
         transient = [t + g for t, g in zip(transient, loss_grad)]  # both while a backward runs: on the peak
         room = [(cap - overhead) / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
         worst = min(range(c.pp), key=lambda r: room[r])

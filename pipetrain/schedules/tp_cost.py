@@ -8,7 +8,9 @@ size C, V the vocabulary, s bytes per value:
   block      F: 2 all-reduces of N x C (after attention and after the MLP)
              B: 2 all-reduces of N x C (the input gradients of the column-parallel regions)
   embedding  F: 1 all-reduce of N x C (vocab-parallel lookup)
-  head       F: 1 all-gather of N x V (the gathered logits);  B: 1 all-reduce of N x C
+  head       F: 2 all-reduces of fp32 values per token, 1 and 2 (the vocab-parallel loss:
+                the row max; the sum of exp with the target's logit);  B: 1 all-reduce of N x C
+                (the loss's backward is local: parallel/loss_parallel.py)
   W          none (weight gradients are local)
 
 Sequence parallel (Korthikanti et al. 2022) replaces each all-reduce by a reduce-scatter plus an
@@ -17,7 +19,8 @@ all-gather: the same ring bytes, 2(tp-1)/tp x S per all-reduce and (tp-1)/tp x S
 collective (0 unless the planner calibrated it: gloo on CPU pays about a millisecond each). Parameters stored per rank divide by tp (norms and position embeddings, replicated, are
 rounded in); activation bytes divide by tp under sequence parallel (every saved activation is
 split), and are left whole without it (conservative: the split attention and MLP activations
-are most of them, the replicated norms' inputs are not).
+are most of them, the replicated norms' inputs are not). The loss's logits are apart from the
+layers (planner/memory.py: loss_rank_bytes): vocab-parallel, each tp rank keeps V/tp of them.
 
 Layers are told apart by name: "embed" and "head" (GPT-2 and Llama), every other layer is a block
 (the sleep model's layers too). Pure Python, no torch.
@@ -36,15 +39,19 @@ def comm_ms(nbytes: float, bandwidth_gbs: float) -> float:
     return nbytes / (bandwidth_gbs * 1e9) * 1e3
 
 
+LOSS_VALUES = 3  # fp32 values per token the vocab-parallel loss all-reduces: max; sum of exp, target logit
+
+
 def collectives(name: str) -> tuple[int, int]:
     """(in F, in B) TP collectives of a layer named `name`, as the table above lists them."""
-    return {"embed": (1, 0), "head": (1, 1)}.get(name, (2, 2))
+    return {"embed": (1, 0), "head": (2, 1)}.get(name, (2, 2))
 
 
-def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden: int, vocab: int,
-                   bytes_per_value: int, bandwidth_gbs: float, sequence_parallel: bool = False,
-                   latency_ms: float = 0.0) -> list[LayerCost]:
-    """Per-layer costs of one tp rank for one microbatch of `tokens` tokens."""
+def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden: int, bytes_per_value: int,
+                   bandwidth_gbs: float, sequence_parallel: bool = False, latency_ms: float = 0.0,
+                   vocab: int = 0) -> list[LayerCost]:
+    """Per-layer costs of one tp rank for one microbatch of `tokens` tokens. `vocab` is not used
+    (the head's collectives no longer carry (N, V) logits); callers may stop passing it."""
     if tp < 1:
         raise ValueError(f"parallel.tp must be >= 1 (got {tp})")
     if tp == 1:
@@ -53,11 +60,13 @@ def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden:
         raise ValueError(f"cluster.tp_bandwidth_gbs must be > 0 GB/s (got {bandwidth_gbs})")
     act = tokens * hidden * bytes_per_value  # one (N, C) activation
     all_reduce = latency_ms + comm_ms(ring_factor(tp, all_reduce=True) * act, bandwidth_gbs)
-    logits = latency_ms + comm_ms(ring_factor(tp, all_reduce=False) * tokens * vocab * bytes_per_value, bandwidth_gbs)
+    # the loss's all-reduces: N fp32 values, then 2N; latency-bound (a few KB) where the gathered
+    # logits they replace were N x V values (2.1 GB per 4,096 tokens at Llama 3's 128,256 vocabulary)
+    loss = 2 * latency_ms + comm_ms(ring_factor(tp, all_reduce=True) * tokens * LOSS_VALUES * 4, bandwidth_gbs)
     out = []
     for layer in layers:
         n_f, n_b = collectives(layer.name)
-        extra_f, extra_b = (logits if layer.name == "head" else n_f * all_reduce), n_b * all_reduce
+        extra_f, extra_b = (loss if layer.name == "head" else n_f * all_reduce), n_b * all_reduce
         out.append(dataclasses.replace(
             layer, f_ms=layer.f_ms / tp + extra_f, b_ms=layer.b_ms / tp + extra_b, w_ms=layer.w_ms / tp,
             params=-(-layer.params // tp), flops_per_token=layer.flops_per_token / tp,
