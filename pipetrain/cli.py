@@ -4,16 +4,19 @@ What composing needs (schemas, recipes, resolvers, the typed conversion) is in c
 shared with the sbatch renderer and the tests; this module is only the command.
 
 User mistakes end as one clear message and a non-zero exit (set HYDRA_FULL_ERROR=1
-for the traceback). Configs ship inside the package (`pipetrain.conf`), so the
-command works from any directory after `pip install .` or `pip install -e .`.
+for the traceback); a misspelt key or option gets the nearest name (compose.check_overrides).
+What the terminal shows of a run is kept in its run directory's pipetrain.log (runlog.py).
+Configs ship inside the package (`pipetrain.conf`), so the command works from any directory
+after `pip install .` or `pip install -e .`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -21,14 +24,16 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipetrain.compose import CONF_DIR, check_recipe_args, config_dirs, register_all, to_config
+from pipetrain.compose import CONF_DIR, check_overrides, check_recipe_args, config_dirs, register_all, to_config
 from pipetrain.config import Config, Mode
 from pipetrain.launch import RankFailedError, RunStopped
 from pipetrain.launch.rundir import check_args
-from pipetrain.sweep import check_sweep
+from pipetrain.sweep import check_sweep, sweep_overrides
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
 LOCKING_MODES = ("train", "eval", "export")  # the modes that hold the run directory's lock (run() below)
+# Hydra's flags that compose something else than conf/config.yaml: check_overrides stands aside
+OTHER_CONFIG = ("--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun")
 
 
 def run(config: Config, run_dir: Path) -> Any:
@@ -81,6 +86,8 @@ def run(config: Config, run_dir: Path) -> Any:
         from pipetrain.train.evaluate import EVAL_FILE, rank_eval
 
         result = launch(config, plan, run_dir, entry=rank_eval)
+        if "submitted" in result:  # cluster=slurm from a login node: the job evaluates
+            return result
         console.print(f"eval: loss {result['loss']:.6f} over {result['tokens']:,} tokens of {result['file']} "
                       f"({result['tokens_per_s']:,.0f} tokens/s) -> {run_dir / EVAL_FILE}", markup=False, highlight=False)
         return result
@@ -136,19 +143,34 @@ class RefuseLockedRunDir(Callback):
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> Any:
-    try:
-        config = to_config(cfg)
-        hydra_cfg = HydraConfig.get()
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            sweep_job(config, hydra_cfg.sweep.dir, list(hydra_cfg.overrides.task))
-        return run(config, Path(hydra_cfg.runtime.output_dir))
-    except USER_ERRORS as e:
-        _fail(_unwrap(e))
-    except RankFailedError as e:  # the failing rank's one-line message; its traceback is on disk
-        _fail(e)
-    except RunStopped as e:  # SIGTERM / SIGINT: the step was saved; one line says where to resume
-        print(f"pipetrain: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+    hydra_cfg = HydraConfig.get()
+    with kept_console(cfg, Path(hydra_cfg.runtime.output_dir)):
+        try:
+            config = to_config(cfg)
+            if hydra_cfg.mode == RunMode.MULTIRUN:
+                sweep_job(config, hydra_cfg.sweep.dir, list(hydra_cfg.overrides.task))
+            return run(config, Path(hydra_cfg.runtime.output_dir))
+        except USER_ERRORS as e:
+            _fail(_unwrap(e))
+        except RankFailedError as e:  # the failing rank's one-line message; its traceback is on disk
+            _fail(e)
+        except RunStopped as e:  # SIGTERM / SIGINT: the step was saved; one line says where to resume
+            print(f"pipetrain: {e}", file=sys.stderr)
+            sys.exit(e.exit_code)
+
+
+def kept_console(cfg: DictConfig, run_dir: Path) -> ContextManager[object]:
+    """The run directory's pipetrain.log (runlog.py), written by the process that reports: the
+    launcher (cluster=local; its ranks print through it) or rank 0 where every process is a rank.
+    A sweep job's log starts with that job's overrides."""
+    from pipetrain.launch.resolvers import process_rank
+    from pipetrain.runlog import console_log
+
+    if process_rank(str(OmegaConf.select(cfg, "cluster.name", default="local"))) != 0:
+        return contextlib.nullcontext()
+    hydra_cfg = HydraConfig.get()
+    argv = list(hydra_cfg.overrides.task) if hydra_cfg.mode == RunMode.MULTIRUN else sys.argv[1:]
+    return console_log(run_dir, argv)
 
 
 def _unwrap(err: BaseException) -> BaseException:
@@ -158,16 +180,31 @@ def _unwrap(err: BaseException) -> BaseException:
     return err
 
 
-def main() -> None:
-    register_all()
-    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
-        from pipetrain.help import render
+def version() -> str:
+    """`pipetrain --version`: this package's (Hydra's own flag would print Hydra's)."""
+    from importlib.metadata import PackageNotFoundError, version as installed
 
-        print(render(sys.argv[1:]), end="")
-        return
+    try:
+        return f"pipetrain {installed('pipetrain')}"
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "pipetrain (not installed: pip install -e .)"
+
+
+def main() -> None:
     argv = sys.argv[1:]
+    if "--version" in argv:
+        print(version())
+        return
+    register_all()
     try:
         check_recipe_args(argv)
+        if not any(a.partition("=")[0] in OTHER_CONFIG for a in argv):  # not with another primary config
+            check_overrides(sweep_overrides(argv), config_dirs(argv))  # a typo: one line, with the nearest name
+        if "--help" in argv or "-h" in argv:
+            from pipetrain.help import render
+
+            print(render(argv), end="")
+            return
         if "-m" in argv or "--multirun" in argv:  # every job checked before any starts
             check_sweep(argv, config_dirs(argv))
         check_args(argv)  # a run directory that is a file or read-only, before Hydra sets up its log there

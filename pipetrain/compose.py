@@ -8,6 +8,7 @@ at import time; `register_all()` does it, once per process.
 
 from __future__ import annotations
 
+import difflib
 import functools
 from importlib import resources
 from pathlib import Path
@@ -43,6 +44,22 @@ def config_dirs(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def group_options(group: str, dirs: Sequence[str] = ()) -> list[str]:
+    """Options of a config group: conf/<group>/*.yaml, then each --config-dir's <group>/."""
+    roots = [Path(CONF_DIR), *(Path(d).expanduser() for d in dirs)]
+    names: list[str] = []
+    for root in roots:
+        names += [p.stem for p in sorted((root / group).glob("*.yaml")) if p.stem not in names]
+    return names
+
+
+def search_path(dirs: Sequence[str]) -> list[str]:
+    """The override that puts `--config-dir` folders on Hydra's search path for compose() ([] for none)."""
+    if not dirs:
+        return []
+    return [f"hydra.searchpath=[{','.join('file://' + str(Path(d).expanduser().resolve()) for d in dirs)}]"]
+
+
 def register_recipes() -> None:
     """Make recipes/ the config group `recipe` (so `+recipe=NAME` works from any directory).
 
@@ -62,6 +79,102 @@ def check_recipe_args(argv: Sequence[str]) -> None:
         key, sep, value = arg.lstrip("+~").partition("=")
         if sep and key == "recipe" and value not in known:
             raise ValueError(f"unknown recipe {value!r}: choose +recipe= one of {', '.join(sorted(known))}")
+
+
+def check_overrides(overrides: Sequence[str], dirs: Sequence[str] = ()) -> None:
+    """Raise a one-line ValueError, with the nearest name, for an override that names no option of
+    its group (`model=llama-tny`) or no config key (`trainer.max_step=10`), where Hydra's own
+    message runs to eight lines and its hint (`+trainer.max_step=10`) leads to a second error.
+    Whatever this cannot pin on one override (syntax, values) is left to Hydra's message. Composes
+    once (~0.1 s) where a `key=value` override is to be checked."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:  # noqa: BLE001 - Hydra's syntax error is the message
+        return
+    groups = _groups(dirs)
+    chosen: list[str] = []  # the group choices (a sweep's first), to compose the keys the others must name
+    keys: list[str] = []
+    for o in parsed:
+        name = o.key_or_group
+        if name == "hydra" or name.startswith(("hydra.", "hydra/")) or o.package is not None:
+            continue
+        if name in groups and not o.is_delete():
+            values = _choices(o)
+            options = [*group_options(name, dirs), *_stored_options(name)]
+            wrong = [v for v in values if v not in options and name != "recipe"]  # recipes: check_recipe_args
+            if wrong:
+                raise ValueError(_no_option(name, wrong[0], [n for n in options if not n.endswith("_schema")]))
+            if values:
+                chosen.append(f"{'+' if o.is_add() else ''}{name}={values[0]}")
+        elif o.type is OverrideType.CHANGE:
+            keys.append(name)
+    if not keys:
+        return
+    try:
+        cfg = compose([*chosen, *search_path(dirs)])
+    except Exception:  # noqa: BLE001 - a choice that fails to compose: Hydra says why
+        return
+    for key in keys:
+        missing = _missing_key(cfg, key)
+        if missing is not None:
+            raise ValueError(missing)
+
+
+def _groups(dirs: Sequence[str]) -> set[str]:
+    """The config groups: conf/'s folders of options, each --config-dir's, and `recipe`."""
+    roots = [Path(CONF_DIR), *(Path(d).expanduser() for d in dirs)]
+    return {p.name for root in roots if root.is_dir() for p in root.iterdir() if any(p.glob("*.yaml"))} | {"recipe"}
+
+
+def _stored_options(group: str) -> list[str]:
+    """A group's options in Hydra's ConfigStore (the model schemas): valid choices, if not for users."""
+    node = ConfigStore.instance().repo.get(group, {})
+    return [Path(name).stem for name in node] if isinstance(node, dict) else []
+
+
+def _choices(override: object) -> list[str]:
+    """The option names an override picks (each of a sweep's); [] where they are not plain names."""
+    value = override.value()  # type: ignore[attr-defined]
+    if override.is_sweep_override():  # type: ignore[attr-defined]
+        try:
+            return [str(v) for v in override.sweep_string_iterator()]  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - glob(...) and other sweeps Hydra expands itself
+            return []
+    return [value] if isinstance(value, str) else []
+
+
+def _no_option(group: str, value: str, options: Sequence[str]) -> str:
+    near = difflib.get_close_matches(value, options, n=1)
+    if near:
+        return f"{group}={value} is not a {group} option; did you mean {group}={near[0]}?"
+    return f"{group}={value} is not a {group} option: choose {group}= one of {', '.join(options)}"
+
+
+def _missing_key(cfg: DictConfig, key: str) -> str | None:
+    """The message for a dotted key the composed config lacks (None where it has it, or where
+    it is not this function's to say: a path through a list, a null or a free-form dict)."""
+    import dataclasses
+
+    node: object = cfg
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig) or node._is_none() or node._is_missing():
+            return None
+        if part not in node.keys():
+            if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
+                return None
+            parent = ".".join(parts[:i])
+            siblings = [str(k) for k in node.keys()]
+            near = difflib.get_close_matches(part, siblings, n=1)
+            if near:
+                return f"{key} is not a config key; did you mean {'.'.join([*parts[:i], near[0], *parts[i + 1:]])}?"
+            where = f"{parent}'s keys" if parent else "the top-level keys"
+            return f"{key} is not a config key; {where}: {', '.join(siblings)}"
+        node = node._get_node(part)
+    return None
 
 
 def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[str]:

@@ -7,13 +7,16 @@ Hydra's own help is still there: `--hydra-help`; `--cfg job` prints the composed
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import re
 import typing
 from pathlib import Path
 from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from pipetrain.compose import CONF_DIR, compose, config_dirs, recipe_files
+from pipetrain.compose import CONF_DIR, compose, config_dirs, group_options, recipe_files
 from pipetrain.config import Config, MODEL_SCHEMAS
 from pipetrain.config.describe import Setting, first_sentence, settings
 
@@ -51,15 +54,6 @@ def first_comment(path: Path) -> str:
     return first_sentence(" ".join(block))
 
 
-def group_options(group: str, dirs: Sequence[str]) -> list[str]:
-    """Options of a config group: conf/<group>/*.yaml, then each --config-dir's <group>/."""
-    roots = [Path(CONF_DIR), *(Path(d).expanduser() for d in dirs)]
-    names: list[str] = []
-    for root in roots:
-        names += [p.stem for p in sorted((root / group).glob("*.yaml")) if p.stem not in names]
-    return names
-
-
 def _composed(argv: Sequence[str]) -> object | None:
     """The config this command line composes to (for the defaults shown), or None."""
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
@@ -91,12 +85,28 @@ def _text(value: object) -> str:
 def section_settings() -> dict[str, list[Setting]]:
     """Settings per section (model: one list per model family), from the schemas."""
     hints = typing.get_type_hints(Config)
-    out: dict[str, list[Setting]] = {"": [s for s in settings(Config, "") if "." not in s.key and s.key != "model"]}
+    top = [s for s in settings(Config, "") if "." not in s.key and s.key != "model"]
+    out: dict[str, list[Setting]] = {"": _with_choices(top, Config)}
     for name in SECTIONS:
         if name in hints:
-            out[name] = list(settings(hints[name], name))
+            out[name] = _with_choices(list(settings(hints[name], name)), hints[name])
     for family, schema in MODEL_SCHEMAS.items():
-        out[f"model ({family})"] = list(settings(schema, "model"))
+        out[f"model ({family})"] = _with_choices(list(settings(schema, "model")), schema)
+    return out
+
+
+def _with_choices(items: list[Setting], schema: type) -> list[Setting]:
+    """An enum setting's line starts with every value the enum has (`mode`: train | simulate |
+    ... | plan), in place of the list its comment wrote by hand, which a new value outgrows."""
+    hints = typing.get_type_hints(schema)
+    out = []
+    for s in items:
+        kind = hints.get(s.key.rpartition(".")[2])
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            choices = " | ".join(str(m.value) for m in kind)
+            listed = re.match(r"[\w-]+(?: \| [\w-]+)+", s.doc)
+            s = dataclasses.replace(s, doc=choices + s.doc[listed.end():] if listed else f"{choices}: {s.doc}")
+        out.append(s)
     return out
 
 
@@ -135,7 +145,7 @@ def render(argv: Sequence[str]) -> str:
         lines += [f" {title or 'top level'}:", *_rows(items, shown)]
     lines += ["", "examples:"]
     lines += [f"  {cmd}\n      {what}" for cmd, what in EXAMPLES]
-    lines += ["", "more: README.md; --hydra-help (Hydra's own flags); --cfg job (the composed config)"]
+    lines += ["", "more: README.md; --version; --hydra-help (Hydra's own flags); --cfg job (the composed config)"]
     return "\n".join(lines) + "\n"
 
 

@@ -111,19 +111,19 @@ def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
 def check_sweep(argv: Sequence[str], config_dirs: Sequence[str] = ()) -> int:
     """Compose and check every job of the sweep on this command line; raise ValueError naming
     the first bad one. Returns the number of jobs."""
-    from pipetrain.compose import compose_config
+    from pipetrain.compose import compose_config, search_path
     from pipetrain.plan import build_schedule  # pure: schedules only, no torch
 
-    search = [f"hydra.searchpath=[{','.join('file://' + str(Path(d).expanduser().resolve()) for d in config_dirs)}]"]
+    search = search_path(config_dirs)
     jobs = sweep_jobs(sweep_overrides(argv))
     for num, job in enumerate(jobs):
         try:
-            config = compose_config([*job, *(search if config_dirs else [])])
+            config = compose_config([*job, *search])
             build_schedule(config)
             if config.cluster.name == "slurm" and shutil.which("sbatch") is None:
                 raise ValueError("cluster=slurm submits with sbatch, which is not on this machine's PATH: run it on "
-                                 "a SLURM login node; here, cluster=submitit_local runs the same path, and "
-                                 "`python -m pipetrain.launch.sbatch cluster=slurm ...` shows the script")
+                                 "a SLURM login node; `python -m pipetrain.launch.sbatch cluster=slurm ...` writes "
+                                 "the script to submit by hand")
         except (ValueError, TypeError, FileNotFoundError) as e:
             mine = " ".join(o for o in job if not o.startswith("hydra."))
             raise ValueError(f"sweep job #{num} ({mine}): {e} (no job of the {len(jobs)} was started)") from None

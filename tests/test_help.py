@@ -5,6 +5,7 @@ included, and accepted by `+recipe=`), examples."""
 import pytest
 
 from conftest import run_cli
+from pipetrain.config import Mode
 from pipetrain.help import render, section_settings
 
 RECIPE = """\
@@ -50,3 +51,10 @@ def test_help_lists_options_settings_and_config_dir_recipes_which_then_run(tmp_p
     assert (tmp_path / "run" / "simulate.json").is_file()
     unknown = run_cli(["+recipe=nope"], cwd=tmp_path)
     assert unknown.returncode == 2 and "unknown recipe 'nope'" in unknown.stderr
+
+
+@pytest.mark.pure
+def test_the_mode_line_lists_every_mode_the_schema_has():
+    (line,) = [ln for ln in render([]).splitlines() if ln.split()[:1] == ["mode"]]
+    modes = [m.value for m in Mode]
+    assert "plan" in modes and line.split(None, 2)[2].startswith(" | ".join(modes) + " ")

@@ -37,7 +37,7 @@ def test_sweep_jobs_log_one_set_of_names_everywhere_and_group_in_wandb(tmp_path)
         rows = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
         assert sorted(rows) == [1, 2]
         for row in rows.values():
-            assert {k.split("/")[0] for k in row if k != "step"} == NAMESPACES, sorted(row)
+            assert {k.split("/")[0] for k in row if k not in ("step", "time")} == NAMESPACES, sorted(row)
             for key in ("train/loss", "train/lr", "perf/tokens_per_s", "pipeline/bubble_measured",
                         "pipeline/bubble_simulated", "memory/peak_gb", "memory/peak_gb/rank1",
                         "pipeline/bubble_measured/rank0", "pipeline/stage0/f_ms"):
@@ -48,7 +48,7 @@ def test_sweep_jobs_log_one_set_of_names_everywhere_and_group_in_wandb(tmp_path)
         # TensorBoard: every number of every row, under the same name
         board = tensorboard_scalars(run_dir / "tensorboard")
         for step, row in rows.items():
-            want = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            want = {k: v for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
             assert set(board[step]) == set(want)
             assert all(board[step][k] == pytest.approx(v, rel=1e-6) for k, v in want.items())
         # wandb: the same names in its history, and the run in the sweep's group

@@ -5,7 +5,8 @@ steps it is about to redo (logged after the checkpoint it resumed from, before a
 restart) are dropped first, so every step has one row, the one whose weights went on. Each line
 is a StepRecord's row() (metrics/step.py): `step` and every metric under its public name
 (metrics/names.py: train/loss, train/lr, perf/tokens_per_s, pipeline/bubble_measured,
-memory/peak_gb/rank0, ...), the names wandb and TensorBoard get too.
+memory/peak_gb/rank0, ...), the names wandb and TensorBoard get too, and `time`: when the row was
+written (unix seconds), which wandb and TensorBoard stamp on their records themselves.
 events.jsonl gets one line per event of the run (a restart: its text, failed_rank, failed_step,
 resumed_step, attempt). summary.json, what `pipetrain -m` sweeps read, is the trainer's to write, whatever the loggers.
 """
@@ -13,6 +14,7 @@ resumed_step, attempt). summary.json, what `pipetrain -m` sweeps read, is the tr
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import IO, Any, Optional
 
@@ -31,7 +33,7 @@ class JsonlLogger(Logger):
 
     def log(self, record: StepRecord) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(record.row()) + "\n")
+            self.file.write(json.dumps({**record.row(), "time": round(time.time(), 3)}) + "\n")  # unix s, to the ms
             self.file.flush()
 
     def event(self, kind: str, text: str, fields: dict[str, Any]) -> None:

@@ -12,6 +12,10 @@ With no credentials (WANDB_MODE unset, no WANDB_API_KEY, no `wandb login` entry 
 ~/.netrc) the run goes offline by itself and says how to sync it later, so a first run
 never stops at a login prompt.
 
+wandb itself prints nothing (`silent`: its ~30-line footer of history and summary no longer
+fills the console, `console="off"`: it does not capture the console either); our one line says
+where the run went: the offline folder and its sync command, or the online run's page.
+
 The run id is kept in the run directory (`wandb_id.txt`): a run resumed from a checkpoint
 (trainer.resume) continues that same wandb run, with `resume="allow"` (wandb marks it
 resumed); a fresh start opens a new run and writes its id there.
@@ -68,13 +72,15 @@ class WandbLogger(Logger):
         self.run = wandb.init(
             project=log.wandb_project, entity=log.wandb_entity, name=name, tags=list(log.wandb_tags),
             group=log.wandb_group, job_type="train",
-            config=dataclasses.asdict(cfg), dir=str(info.run_dir), settings=wandb.Settings(console="off"),
+            config=dataclasses.asdict(cfg), dir=str(info.run_dir), settings=wandb.Settings(console="off", silent=True),
             id=run_id, resume=resume,
         )
         (Path(info.run_dir) / ID_FILE).write_text(self.run.id + "\n")
         if self.offline:
             print(f"wandb: no credentials (WANDB_API_KEY or `wandb login`), so this run is logged offline to "
                   f"{self.run_path()}; sync it later with: wandb sync {self.run_path()}", flush=True)
+        elif self.run.url:
+            print(f"wandb: {self.run.url}", flush=True)
 
     def run_path(self) -> str:
         return os.path.dirname(self.run.dir)  # .../wandb/offline-run-<time>-<id> (run.dir is its files/)
