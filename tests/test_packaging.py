@@ -32,7 +32,8 @@ def test_wheel_ships_configs_and_runs_outside_the_repo(tmp_path):
     )
     wheel = next(tmp_path.glob("pipetrain-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for must in ("pipetrain/conf/config.yaml", "pipetrain/conf/schedule/zbv.yaml", "pipetrain/recipes/sleep-p8.yaml"):
+    for must in ("pipetrain/conf/config.yaml", "pipetrain/conf/schedule/zbv.yaml", "pipetrain/recipes/sleep-p8.yaml",
+                 "pipetrain/launch/templates/pipetrain.sbatch"):
         assert must in names, must
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -3,9 +3,11 @@
   local           one process per pipeline rank on this host, started by torch's elastic
                   launcher (the engine behind torchrun) from the `pipetrain` process.
   torchrun        this process is already one rank, started by `torchrun` (RANK, WORLD_SIZE, ...).
-  slurm           one SLURM task per rank, submitted by hydra-submitit-launcher
-                  (`pipetrain -m cluster=slurm ...`) or started by the user's own `srun`.
-  submitit_local  the slurm path run through submitit's local executor (no cluster needed).
+  slurm           one SLURM task per rank, started by srun (`srun pipetrain cluster=slurm ...`, the
+                  sbatch template launch/templates/pipetrain.sbatch); from a login node the same
+                  command submits that script, prints the job id and returns (launch/submit.py).
+  submitit_local  one submitit task per rank, through hydra-submitit-launcher's local executor
+                  (`pipetrain -m cluster=submitit_local ...`; no cluster needed; it waits for the jobs).
 
 The OmegaConf resolvers the cluster configs use (`${pipetrain.on_rank0:...}`, ...) are in
 pipetrain/launch/resolvers.py, registered by whoever composes a config (the CLI, the sbatch renderer, the tests),
@@ -33,6 +35,7 @@ _READ_BY: dict[str, tuple[str, ...]] = {
     "time_min": ("slurm", "submitit_local"),
     "mem_gb": ("slurm",),
     "setup": ("slurm",),  # hydra-submitit-launcher's local queue has no setup lines
+    "wait": ("slurm",),  # submitit_local waits, always: its jobs are this machine's processes
     "master_port": ("local", "slurm", "submitit_local"),  # torchrun: its own MASTER_PORT
 }
 
@@ -50,6 +53,9 @@ class ClusterConfig:
     time_min: int = 60  # wall-clock limit of the job in minutes (sbatch --time)
     mem_gb: Optional[int] = None  # memory per node in GB; None: the partition's default
     setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start (module load, ...)
+    # slurm, from a login node: keep the command until the submitted job ends (sbatch --wait; a
+    # sweep's jobs then run one after another) instead of returning once it is queued (launch/submit.py)
+    wait: bool = False
     master_port: Optional[int] = None  # rendezvous port; None: a free one (local) or one derived from the job id
     backend: str = "auto"  # auto | gloo | nccl
     # GB/s (1e9 bytes) one rank reaches in a data-parallel collective: what the simulator divides

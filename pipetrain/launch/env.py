@@ -47,6 +47,11 @@ def torchrun_env(env: Mapping[str, str] = os.environ) -> RankEnv:
                    int(env["MASTER_PORT"]), use_env_store=True)
 
 
+def in_slurm_job(env: Mapping[str, str] = os.environ) -> bool:
+    """Inside a SLURM allocation (sbatch, salloc, srun set SLURM_JOB_ID); a login node is not."""
+    return bool(env.get("SLURM_JOB_ID"))
+
+
 def slurm_env(master_port: Optional[int] = None, env: Mapping[str, str] = os.environ) -> RankEnv:
     """One SLURM task = one rank; rank 0 (task 0) runs on the first host of the job's node list
     (or on MASTER_ADDR where the user set it)."""
@@ -54,8 +59,8 @@ def slurm_env(master_port: Optional[int] = None, env: Mapping[str, str] = os.env
     env.setdefault("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))
     _need({k: v for k, v in env.items() if v}, ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST",
                                                 "SLURM_JOB_ID"),
-          "cluster=slurm runs as SLURM tasks: submit with `pipetrain -m cluster=slurm ...` "
-          "or start it with srun inside an allocation")
+          "cluster=slurm runs as SLURM tasks: start it with `srun pipetrain cluster=slurm ...` inside an "
+          "allocation (from a login node, `pipetrain cluster=slurm ...` submits it)")
     addr = env.get("MASTER_ADDR") or first_host(env["SLURM_JOB_NODELIST"])
     port = master_port or derived_port(env["SLURM_JOB_ID"])
     return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]), addr, port)

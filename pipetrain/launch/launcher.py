@@ -1,7 +1,8 @@
 """`launch(config, plan, run_dir)`: run the training entry point on every pipeline rank.
 
-cluster=local starts the ranks (torch elastic); every other option runs in a process that
-is already one rank (started by torchrun, srun or submitit) and only joins the group.
+cluster=local starts the ranks (torch elastic); cluster=slurm outside a SLURM job submits the
+run's sbatch script and returns (launch/submit.py); every other case runs in a process that is
+already one rank (started by torchrun, srun or submitit) and only joins the group.
 Importing this module loads no torch; each path imports what it needs.
 """
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from pipetrain.config.parallel import world_text
+from pipetrain.launch import env as rank_env
 from pipetrain.launch.errors import RunStopped
 from pipetrain.launch.parent import STARTED_UNDER, die_with_parent  # imported early: STARTED_UNDER
 
@@ -25,12 +27,17 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
     """Run `entry(config, plan, run_dir)` (default: the trainer's rank_main) on the world's
     ranks (pipeline.degree x parallel.dp_replicate x parallel.dp_shard) as config.cluster says; return rank 0's result ({} on the other ranks of an
     already-launched job). A failed rank raises RankFailedError (launch/errors.py) with that
-    rank's one-line message."""
-    if entry is None:
-        from pipetrain.train.trainer import rank_main as entry
+    rank's one-line message. cluster=slurm outside a SLURM job submits instead: its job reruns
+    the pipetrain command (whose mode picks the entry) and this returns {"submitted": job id}."""
     cluster = config.cluster
     layout = config.layout
     cluster.check_world(layout.world, world_text(*layout.shape))
+    if cluster.name == "slurm" and not rank_env.in_slurm_job():  # a login node: its devices do not count
+        from pipetrain.launch.submit import submit
+
+        return submit(config, Path(run_dir))
+    if entry is None:
+        from pipetrain.train.trainer import rank_main as entry
     from pipetrain.launch.rank import resolve_devices
     from pipetrain.launch.resolvers import process_rank
 
@@ -44,7 +51,6 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
         with RunLock(run_dir, note=print):  # held by this process across the workers' restarts
             return _finished(launch_local(config, plan, run_dir, entry))
 
-    from pipetrain.launch import env as rank_env
     from pipetrain.launch.rank import run_rank
 
     if cluster.name == "torchrun":
