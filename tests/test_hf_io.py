@@ -78,7 +78,7 @@ def test_pretrained_folder_gives_hf_logits(case, folders, compose):
     config = compose(["mode=train", *BASE, f"model.pretrained={folders[case]}", f"data.path={folders[case]}.bin"])
     assert config.model.hidden_size == 64 and any("hidden_size=64 (was 128)" in c for c in config.model.pretrained_changes)
     model = build_model(config.model, device="meta")
-    rule = PretrainedWeights(config.model.pretrained, num_hidden_layers=3)
+    rule = PretrainedWeights(config.model.pretrained, config.model.knobs())
     idx = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf_model(folders[case])(idx).logits

@@ -12,6 +12,9 @@ which): a rank holding blocks 0-3 of a 16-shard checkpoint opens the shards hold
 A tied head (tie_word_embeddings) is the embedding: a folder has no lm_head.weight then (as
 save_pretrained writes it); one that has it anyway has it ignored. Out (`mode=export`):
 `hf_config` is the config.json transformers reads back; train/export.py writes the tensors.
+
+Two families: the Llama family (keys: llama.hf_name) and GPT-2 (GPT2LMHeadModel folders:
+hf_gpt2.py, whose Conv1D weights are stored transposed). `HFNames` is what differs between them.
 """
 
 from __future__ import annotations
@@ -19,12 +22,17 @@ from __future__ import annotations
 import json
 import os
 import struct
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from pipetrain.config.models import LlamaModelConfig
+from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig
+from pipetrain.models import hf_gpt2
+from pipetrain.models.base import LayeredModel
+from pipetrain.models.gpt2 import GPT2
 from pipetrain.models.llama import Llama, hf_name
 
 WEIGHTS = "model.safetensors"
@@ -99,20 +107,51 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
     return header
 
 
-def expected_shapes(model: Llama) -> dict[str, tuple[int, ...]]:
-    """HF key -> shape of every distinct weight of `model` (built on meta is enough); a tied
-    head is the embedding, so lm_head.weight is absent then."""
-    n = model.config["num_hidden_layers"]
-    return {hf_name(name, num_hidden_layers=n): tuple(p.shape) for name, p in model.named_parameters()}
+def _same(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
-def check_folder(pretrained: str, model: Llama) -> dict[str, str]:
+@dataclass(frozen=True)
+class HFNames:
+    """How one model family's parameters are stored in an HF folder."""
+
+    key: Callable[[str], str]  # pipetrain's unsplit parameter name -> the HF key
+    tied: bool  # the head is the embedding: a folder's lm_head.weight is never read
+    # (HF key, tensor) -> the tensor in the other side's layout (GPT-2's Conv1D: a transpose, its own inverse)
+    layout: Callable[[str, torch.Tensor], torch.Tensor] = _same
+    legacy: tuple[str, ...] = LEGACY_KEYS  # suffixes of keys that are derived buffers, not weights
+
+
+def names_of(knobs: dict[str, Any], keys: Iterable[str] = ()) -> HFNames:
+    """The HFNames of a model from its constructor arguments (a model's `config`, or a model
+    config's `knobs()`); `keys` are the folder's, whose prefix GPT-2's names follow (none given:
+    GPT2LMHeadModel's "transformer.", what an export writes)."""
+    if "n_layer" in knobs:  # GPT-2
+        keys = list(keys)
+        prefix = hf_gpt2.prefix_of(keys) if keys else hf_gpt2.PREFIX
+        return HFNames(partial(hf_gpt2.hf_key, n_layer=knobs["n_layer"], prefix=prefix), tied=True,
+                       layout=hf_gpt2.swap_layout, legacy=hf_gpt2.LEGACY_KEYS)
+    if "num_hidden_layers" in knobs:  # the Llama family
+        return HFNames(partial(hf_name, num_hidden_layers=knobs["num_hidden_layers"]),
+                       tied=knobs["tie_word_embeddings"])
+    raise ValueError(f"a model with knobs {sorted(knobs)} has no Hugging Face form: use a GPT-2 or Llama-family model")
+
+
+def expected_shapes(model: LayeredModel, names: HFNames) -> dict[str, tuple[int, ...]]:
+    """HF key -> shape of every distinct weight of `model` (built on meta is enough) in HF's
+    layout; a tied head is the embedding, so lm_head.weight is absent then."""
+    return {names.key(name): tuple(names.layout(names.key(name), p).shape) for name, p in model.named_parameters()}
+
+
+def check_folder(pretrained: str, model: LayeredModel) -> dict[str, str]:
     """Before any rank starts: the folder's keys are exactly the model's and of its shapes.
     Returns the weight map. Errors are one line naming the key and what to change."""
-    folder, want = folder_of(pretrained), expected_shapes(model)
+    folder = folder_of(pretrained)
     files = weight_map(folder)
-    have = {k for k in files if not k.endswith(LEGACY_KEYS)}
-    if model.config["tie_word_embeddings"]:
+    names = names_of(model.config, files)
+    want = expected_shapes(model, names)
+    have = {k for k in files if not k.endswith(names.legacy)}
+    if names.tied:
         have.discard("lm_head.weight")  # a tied head is the embedding, whatever the folder also holds
     where = f"model.pretrained={pretrained}"
     missing, extra = sorted(set(want) - have), sorted(have - set(want))
@@ -138,20 +177,22 @@ def check_folder(pretrained: str, model: Llama) -> dict[str, str]:
 
 class PretrainedWeights:
     """An init rule (models/init.py) giving each parameter its value from the folder's
-    safetensors. Opens a file the first time one of the asked keys lives in it; `opened`
-    lists the files this process opened, in order."""
+    safetensors (`knobs`: the model's constructor arguments, see names_of). Opens a file the
+    first time one of the asked keys lives in it; `opened` lists the files this process opened,
+    in order."""
 
-    def __init__(self, pretrained: str, *, num_hidden_layers: int) -> None:
-        self.folder, self.num_hidden_layers = folder_of(pretrained), num_hidden_layers
+    def __init__(self, pretrained: str, knobs: dict[str, Any]) -> None:
+        self.folder = folder_of(pretrained)
         self.files = weight_map(self.folder)
+        self.names = names_of(knobs, self.files)
         self.opened: list[str] = []
         self._handles: dict[str, Any] = {}
 
     def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
-        key = hf_name(name, num_hidden_layers=self.num_hidden_layers)
+        key = self.names.key(name)
         if key not in self.files:
             raise ValueError(f"model.pretrained={self.folder} lacks {key} (pipetrain's {name})")
-        tensor = self._open(self.files[key]).get_tensor(key)
+        tensor = self.names.layout(key, self._open(self.files[key]).get_tensor(key))
         if tuple(tensor.shape) != tuple(value.shape):
             raise ValueError(f"model.pretrained={self.folder}: {key} has shape {list(tensor.shape)} but the model "
                              f"needs {list(value.shape)}")
@@ -173,17 +214,29 @@ def pretrained_rule(model: Any) -> Optional[PretrainedWeights]:
     """The init rule of a model config with model.pretrained set (None: seeded initial weights)."""
     if getattr(model, "pretrained", None) is None:
         return None
-    return PretrainedWeights(model.pretrained, num_hidden_layers=model.num_hidden_layers)
+    return PretrainedWeights(model.pretrained, model.knobs())
 
 
-def hf_config(cfg: LlamaModelConfig, *, dtype: str) -> dict[str, Any]:
+def gpt2_knobs(pretrained: str) -> dict[str, int]:
+    """GPT-2's shape knobs from a GPT2LMHeadModel folder's config.json (hf_gpt2.knobs_from_hf)."""
+    path = folder_of(pretrained) / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"model.pretrained={pretrained} must be a Hugging Face folder holding "
+                                f"config.json and *.safetensors (no {path})")
+    return hf_gpt2.knobs_from_hf(read_json(path), where=f"model.pretrained: {path}")
+
+
+def hf_config(cfg: LlamaModelConfig | GPT2ModelConfig, *, dtype: str) -> dict[str, Any]:
     """config.json for `cfg`: the pretrained folder's own (shapes equal: it set them) or one
-    written for the HF class computing the same maths: Qwen3 (QK-norm), Qwen2 (q, k, v biases)
-    or Llama (everything else, Mistral's shapes included: no sliding window)."""
-    if cfg.pretrained is not None:
+    written for the HF class computing the same maths: GPT2LMHeadModel (hf_gpt2.py), Qwen3
+    (QK-norm), Qwen2 (q, k, v biases) or Llama (everything else, Mistral's shapes included: no
+    sliding window)."""
+    if getattr(cfg, "pretrained", None) is not None:
         out = read_json(folder_of(cfg.pretrained) / CONFIG)
         out["dtype" if "dtype" in out else "torch_dtype"] = HF_DTYPES[dtype]  # "dtype": transformers 5's spelling
         return out
+    if isinstance(cfg, GPT2ModelConfig):
+        return hf_gpt2.hf_config(cfg, dtype=HF_DTYPES[dtype])
     if cfg.qk_norm and (cfg.qkv_bias or cfg.attention_bias):
         raise ValueError("mode=export: no Hugging Face class has both QK-norm and attention biases: "
                          "set model.qk_norm=false or drop the biases")
@@ -213,5 +266,5 @@ def check_pretrained(cfg: Any) -> Optional[dict[str, str]]:
     if getattr(cfg, "pretrained", None) is None:
         return None
     with torch.device("meta"):
-        model = Llama(**cfg.knobs())
+        model = GPT2(**cfg.knobs()) if isinstance(cfg, GPT2ModelConfig) else Llama(**cfg.knobs())
     return check_folder(cfg.pretrained, model)

@@ -1,4 +1,5 @@
-"""mode=export: a Llama-family model as a Hugging Face folder that `from_pretrained` loads.
+"""mode=export: a Llama-family or GPT-2 model as a Hugging Face folder that `from_pretrained` loads
+(GPT-2: a GPT2LMHeadModel folder, its Conv1D weights transposed as HF stores them: models/hf_gpt2.py).
 
 The weights come from, in order: the checkpoint trainer.resume names (DCP, keyed by unsplit
 names: train/checkpoint.py), else model.pretrained's files, else the seeded initial weights
@@ -31,10 +32,9 @@ from typing import Callable, Optional
 import torch
 
 from pipetrain.config import Config
-from pipetrain.config.models import LlamaModelConfig
-from pipetrain.models.hf import CONFIG, INDEX, TOKENIZER_FILES, folder_of, hf_config, pretrained_rule
+from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig
+from pipetrain.models.hf import CONFIG, INDEX, TOKENIZER_FILES, folder_of, hf_config, names_of, pretrained_rule
 from pipetrain.models.init import param_generator
-from pipetrain.models.llama import hf_name
 from pipetrain.plan import build_model
 from pipetrain.train.checkpoint import preflight
 
@@ -92,9 +92,10 @@ def tokenizer_source(config: Config) -> Optional[Path]:
 def run_export(config: Config, run_dir: Path, *, note: Callable[[str], None] = print) -> Path:
     """Write the folder; returns its path."""
     cfg = config.model
-    if not isinstance(cfg, LlamaModelConfig):
-        raise ValueError(f"mode=export writes Llama-family models (model=llama-tiny, llama3.2-1b, qwen2.5-0.5b, ...); "
-                         f"model={cfg.name} has no Hugging Face form here")
+    if not isinstance(cfg, (LlamaModelConfig, GPT2ModelConfig)):
+        raise ValueError(f"mode=export writes Llama-family and GPT-2 models (model=llama-tiny, llama3.2-1b, gpt2, "
+                         f"...); model={cfg.name} has no Hugging Face form here")
+    hf_config(cfg, dtype=config.export.dtype)  # a model HF cannot express fails before any weight is read
     ckpt = preflight(config, run_dir)  # a checkpoint named explicitly is hashed: once
     out = check_out(config, run_dir, ckpt)
     dtype = DTYPES[config.export.dtype]
@@ -125,15 +126,15 @@ def _write(config: Config, tmp: Path, shards: list[list[str]], params: dict, siz
     """The folder's files into tmp; returns the tokenizer files copied and their source."""
     from safetensors.torch import save_file
 
-    cfg, n = config.model, config.model.num_hidden_layers
+    cfg, hf = config.model, names_of(config.model.knobs())
     weight_map: dict[str, str] = {}
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {name: torch.empty(params[name].shape, dtype=torch.float32) for name in names}
         fill(tensors)
-        save_file({hf_name(k, num_hidden_layers=n): t.to(dtype).contiguous() for k, t in tensors.items()},
+        save_file({hf.key(k): hf.layout(hf.key(k), t).to(dtype).contiguous() for k, t in tensors.items()},
                   str(tmp / file), metadata={"format": "pt"})
-        weight_map.update({hf_name(k, num_hidden_layers=n): file for k in names})
+        weight_map.update({hf.key(k): file for k in names})
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     (tmp / CONFIG).write_text(json.dumps(hf_config(cfg, dtype=config.export.dtype), indent=2) + "\n")
