@@ -60,7 +60,7 @@ from pipetrain.train.checkpoint_dirs import (  # noqa: F401  (the layout on disk
     resolve_resume, silent, step_dir, step_dirs,
 )
 from pipetrain.train.checkpoint_group import CheckpointGroup, pick
-from pipetrain.train.disk_full import disk_full, full_error
+from pipetrain.train.disk_full import one_line_if_full
 from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
 
 if TYPE_CHECKING:
@@ -278,15 +278,10 @@ def save_checkpoint(target: Checkpointable, run_dir: Path, config: Config, *, no
     A full disk raises DiskFull (one line) instead of DCP's every-rank traceback."""
     t0 = time.perf_counter()
     group = target.group(config)
-    try:
+    with one_line_if_full(target.state.step, run_dir, rank=_rank()):
         tmp = write_staged(target, run_dir, config)
         _barrier(group)  # every rank's files are on disk
         final = commit_staged(tmp, target.state, run_dir, config, note=note, group=group)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException (not an Exception)
-        ckpts = step_dir(run_dir, target.state.step).parent
-        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not disk_full(e, ckpts):
-            raise
-        raise full_error(target.state.step, run_dir, rank=_rank()) from None
     if _rank() == 0:
         note(f"checkpoint: saved {final} ({time.perf_counter() - t0:.2f} s)")
     return final

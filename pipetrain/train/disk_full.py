@@ -7,10 +7,12 @@ dict_keys([0, 1])", "RuntimeError: ... unexpected pos 704 vs 598"), often withou
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 from pipetrain.train.checkpoint_dirs import list_checkpoints, step_dir
 
@@ -59,3 +61,15 @@ def full_error(step: int, run_dir: Path, *, rank: int) -> DiskFull:
     kept = f"the previous checkpoint {before[-1]} is intact" if before else "there is no earlier checkpoint"
     return DiskFull(f"checkpoint of step {step}: no space left on device in {final.parent}; its partial files were "
                     f"removed and {kept}: free space there, or lower checkpoint.keep_last")
+
+
+@contextlib.contextmanager
+def one_line_if_full(step: int, run_dir: Path, *, rank: int) -> Iterator[None]:
+    """Around a save of `step` (written, staged or committed, in the foreground or the background):
+    a full disk becomes full_error's one line; anything else passes through."""
+    try:
+        yield
+    except BaseException as e:  # DCP's CheckpointException is a BaseException (not an Exception)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not disk_full(e, step_dir(run_dir, step).parent):
+            raise
+        raise full_error(step, run_dir, rank=rank) from None
