@@ -47,6 +47,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from pipetrain.compat import clear_cublas_workspaces
 from pipetrain.files import write_text_atomic
 from pipetrain.models.base import COMPUTE_DTYPES, LayeredModel
 from pipetrain.models.costs import LayerCost
@@ -102,10 +103,8 @@ def release(device: torch.device) -> None:
     makes new ones on its next call)."""
     if device.type != "cuda":
         return
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        torch.cuda.synchronize(device)
-        clear()
+    torch.cuda.synchronize(device)
+    clear_cublas_workspaces()
     torch.cuda.empty_cache()
 
 

@@ -31,6 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from pipetrain.compat import fsdp_finish_backward, fsdp_param_groups
+
 
 def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, param_dtype: Optional[torch.dtype],
                 reduce_dtype: torch.dtype) -> nn.Module:
@@ -70,9 +72,8 @@ class FsdpReduce:
         mod.set_is_last_backward(True)
         mod.set_reshard_after_backward(True)
         mod.set_requires_gradient_sync(True)
-        for state in fully_shard.state(mod)._state_ctx.all_states:
-            for group in _param_groups(state):
-                group.post_backward()
+        for group in fsdp_param_groups(mod):
+            group.post_backward()
         self._reduced.append(stage)
 
     def poll(self) -> list[int]:
@@ -81,15 +82,6 @@ class FsdpReduce:
     def finish(self, done: Callable[[int], None] = lambda stage: None) -> None:
         reduced, self._reduced = self._reduced, []
         for s in reduced:
-            fully_shard.state(self.stages[s])._root_post_backward_final_callback()
+            fsdp_finish_backward(self.stages[s])
             done(s)
 
-
-def _param_groups(state: object) -> list:
-    """An FSDP state's parameter groups: a list in torch 2.13 (`_fsdp_param_groups`), one group or
-    None before (`_fsdp_param_group`, torch 2.11: an H200 run failed on the newer name)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]

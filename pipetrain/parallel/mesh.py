@@ -16,6 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipetrain.compat import flatten_mesh
 from pipetrain.parallel.layout import DIMS, Coords, Layout
 
 
@@ -79,6 +80,6 @@ def build_groups(layout: Layout, device_type: str) -> RankGroups:
     elif layout.dp_replicate == 1:
         dp_group = mesh["dp_shard"].get_group()
     else:
-        dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        dp_group = flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp").get_group()
     tp_group = mesh["tp"].get_group() if layout.tp > 1 else None
     return RankGroups(layout, rank, mesh, pp_group, layout.pipeline_ranks(rank), dp_group, tp_group)

@@ -12,10 +12,11 @@ checkpoint.timeout_s (train/checkpoint_group.py): a save may take longer than a 
 
 from __future__ import annotations
 
-import datetime
 from typing import Iterable, Optional
 
 import torch.distributed as dist
+
+from pipetrain.compat import set_group_timeout
 
 
 def bound_waits(groups: Iterable[Optional[dist.ProcessGroup]], seconds: float) -> int:
@@ -23,12 +24,10 @@ def bound_waits(groups: Iterable[Optional[dist.ProcessGroup]], seconds: float) -
     world's too. Returns how many groups were set. Not collective: a timeout is a local setting."""
     if not dist.is_initialized():
         return 0
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    timeout, done = datetime.timedelta(seconds=seconds), []
+    done: list[dist.ProcessGroup] = []
     for group in [dist.group.WORLD, *groups]:
         if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or any(group is g for g in done):
             continue
-        _set_pg_timeout(timeout, group)
+        set_group_timeout(group, seconds)
         done.append(group)
     return len(done)

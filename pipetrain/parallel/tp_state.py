@@ -24,6 +24,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from pipetrain.compat import local_shape_and_offset
 from pipetrain.parallel.tp import Split, TPGroup, gather_full
 
 
@@ -66,9 +67,7 @@ class TPShards:
         dtensor = _dtensor_type()
         with torch.no_grad():
             if dtensor is not None and isinstance(into, dtensor):
-                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-                shape, offset = compute_local_shape_and_global_offset(mine.shape, into.device_mesh, into.placements)
+                shape, offset = local_shape_and_offset(mine.shape, into.device_mesh, into.placements)
                 part = mine[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
                 into.to_local().copy_(part)
             else:

@@ -46,6 +46,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pipetrain.compat import set_group_timeout
 from pipetrain.parallel.layout import DIMS, Layout
 from pipetrain.schedules.p2p import Group, Message, RankPlan
 
@@ -227,10 +228,8 @@ class P2P:
         (trainer.compile_timeout_s): a peer compiling its layers is slow, not stuck."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         if self.nccl:  # NCCL's waits are stream waits: the groups' own timeout is what ends a hang
-            from torch.distributed.distributed_c10d import _set_pg_timeout  # no public setter in torch 2.13
-
             for group in (self.pair_groups or {None: self.group}).values():
-                _set_pg_timeout(self.timeout, group)
+                set_group_timeout(group if group is not None else dist.group.WORLD, timeout_s)
 
     def close(self) -> None:
         """Stop the in-order streams' threads: each ends after the groups queued before it. After

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from pipetrain.compat import dump_memory_snapshot, record_memory_history
 from pipetrain.config.profile import ProfileConfig
 from pipetrain.runtime.executor import Executor
 
@@ -43,7 +44,7 @@ class StepProfiler:
             self._prof = profile(activities=activities, record_shapes=self.cfg.record_shapes,
                                  with_stack=self.cfg.with_stack, profile_memory=self.cfg.profile_memory)
             if self._snapshot:
-                torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+                record_memory_history(1_000_000)
             self._prof.start()
             self.executor.profile_ranges = True
         self._range = record_function(f"step {step}")
@@ -76,8 +77,8 @@ class StepProfiler:
         self._prof.export_chrome_trace(str(path))
         self._prof = None
         if self._snapshot:
-            torch.cuda.memory._dump_snapshot(str(self.dir / f"rank{self.rank}_memory.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_memory_snapshot(str(self.dir / f"rank{self.rank}_memory.pickle"))
+            record_memory_history(None)
         last = self.cfg.start_step + self.cfg.steps - 1
         steps = f"step {last}" if self.cfg.steps == 1 else f"steps {self.cfg.start_step}-{last}"
         extra = " and rank<r>_memory.pickle (pytorch.org/memory_viz)" if self._snapshot else ""

@@ -1,0 +1,87 @@
+"""Every private torch API pipetrain uses, in one place, with the torch versions it was checked on.
+
+torch keeps no promise about names with a leading underscore; each function below says what it
+reaches into and why no public API does the job. Checked on torch 2.13.0 (CPU, gloo: the test
+suite) and torch 2.11.0+cu130 (an H200 with NCCL 2.28.9: bench/gpu_check.sh); where the two
+differ, both are handled and the function says so. A torch upgrade starts by reading this file.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def set_group_timeout(group: dist.ProcessGroup, seconds: float) -> None:
+    """The timeout of an existing process group (`distributed_c10d._set_pg_timeout`; torchtitan
+    lowers its groups' timeouts after the first step with it). Public torch sets a timeout only
+    when a group is made."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def flatten_mesh(mesh: Any, dims: Sequence[str], name: str) -> Any:
+    """The 1-D mesh over several dims of a DeviceMesh (`DeviceMesh._flatten`, as torchtitan's
+    ParallelDims builds its dp mesh); no public spelling in 2.11 or 2.13."""
+    return mesh[tuple(dims)]._flatten(name)
+
+
+def fsdp_state_param_groups(state: object) -> list:
+    """One FSDP2 state's parameter groups: a list in torch 2.13 (`_fsdp_param_groups`), one group
+    or None in 2.11 (`_fsdp_param_group`: an H200 run failed on the newer name)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+def fsdp_param_groups(module: torch.nn.Module) -> list:
+    """The parameter groups of every FSDP2 state under `module` (fully_shard's `_state_ctx`). The
+    executor drives their post_backward itself to reduce a stage's gradients when its last W ends."""
+    from torch.distributed.fsdp import fully_shard
+
+    return [g for state in fully_shard.state(module)._state_ctx.all_states for g in fsdp_state_param_groups(state)]
+
+
+def fsdp_finish_backward(module: torch.nn.Module) -> None:
+    """FSDP2's end-of-backward callback (`_root_post_backward_final_callback`), which autograd
+    would queue itself: the executor runs backward in pieces (F, B, W), so it calls it once."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard.state(module)._root_post_backward_final_callback()
+
+
+def local_shape_and_offset(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """The local shard's shape and global offset of a DTensor with these placements
+    (`torch.distributed.tensor._utils.compute_local_shape_and_global_offset`)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return list(local), list(offset)
+
+
+def record_memory_history(max_entries: Optional[int]) -> None:
+    """Start (max_entries) or stop (None) the CUDA allocator's history (`torch.cuda.memory.
+    _record_memory_history`: the snapshot pytorch.org/memory_viz reads)."""
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the allocator's history (`torch.cuda.memory._dump_snapshot`)."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's workspaces (`torch._C._cuda_clearCublasWorkspaces`, where this build has it):
+    kept as allocator blocks, one carved from a large segment pins the whole segment reserved."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
