@@ -25,6 +25,7 @@ from _dist import spawn
 from pipetrain.launch import launch
 from pipetrain.plan import make_plan
 from pipetrain.train import checkpoint as ckpt
+from pipetrain.train import checkpoint_dirs as dirs
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -77,7 +78,7 @@ def tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 def seed_run(reference: Path, run_dir: Path, step: int) -> Path:
     """A new run directory holding only the reference's checkpoint of `step`."""
-    shutil.copytree(ckpt.step_dir(reference, step), ckpt.step_dir(run_dir, step))
+    shutil.copytree(dirs.step_dir(reference, step), dirs.step_dir(run_dir, step))
     return run_dir
 
 
@@ -88,8 +89,8 @@ def reference(compose, tmp_path_factory) -> Path:
 
 
 def test_reference_checkpoints_and_meta(reference):
-    assert [s for s, _ in ckpt.list_checkpoints(reference / "checkpoints")] == [3, 6]
-    meta = ckpt.read_meta(ckpt.step_dir(reference, 3))
+    assert [s for s, _ in dirs.list_checkpoints(reference / "checkpoints")] == [3, 6]
+    meta = ckpt.read_meta(dirs.step_dir(reference, 3))
     assert (meta["step"], meta["data_position"], meta["tokens"], meta["world_size"]) == (3, 3, 3 * 4 * 32, 2)
     assert meta["fingerprint"]["layout"]["schedule.name"] == "1f1b"
     assert meta["fingerprint"]["model"]["model.n_layer"] == 8
@@ -101,17 +102,17 @@ def test_resume_same_layout_is_bitwise(compose, reference, tmp_path):
     ref, got = losses(reference), losses(run)
     assert sorted(got) == [4, 5, 6]
     assert [got[s] for s in got] == [ref[s] for s in got]  # bitwise: == on floats
-    a = tensors(ckpt.step_dir(reference, STEPS), tmp_path)
-    b = tensors(ckpt.step_dir(run, STEPS), tmp_path)
+    a = tensors(dirs.step_dir(reference, STEPS), tmp_path)
+    b = tensors(dirs.step_dir(run, STEPS), tmp_path)
     assert sorted(a) == sorted(b)
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    assert ckpt.read_meta(ckpt.step_dir(run, STEPS))["tokens"] == STEPS * 4 * 32
+    assert ckpt.read_meta(dirs.step_dir(run, STEPS))["tokens"] == STEPS * 4 * 32
 
 
 @pytest.mark.parametrize("layout", ["zbv-P4", "dualpipe-P2", "shard2-P1", "replicate2-P2"])
 def test_resume_other_layout_within_1e4(compose, reference, tmp_path, layout):
-    src = ckpt.step_dir(reference, EVERY)
+    src = dirs.step_dir(reference, EVERY)
     run = train(compose, tmp_path / "run", layout, f"trainer.resume={src}")
     ref, got = losses(reference), losses(run)
     assert sorted(got) == [4, 5, 6]
@@ -119,9 +120,9 @@ def test_resume_other_layout_within_1e4(compose, reference, tmp_path, layout):
         assert abs(got[s] - ref[s]) < 1e-4, (s, got[s], ref[s])
     # The new layout's own checkpoint holds the same keys (one per unsplit name), each written
     # exactly once, by the lowest rank holding it (DualPipe P=2: both ranks hold every chunk).
-    path = ckpt.step_dir(run, STEPS)
+    path = dirs.step_dir(run, STEPS)
     md = dcp.FileSystemReader(path).read_metadata()
-    ref_keys = set(dcp.FileSystemReader(ckpt.step_dir(reference, STEPS)).read_metadata().state_dict_metadata)
+    ref_keys = set(dcp.FileSystemReader(dirs.step_dir(reference, STEPS)).read_metadata().state_dict_metadata)
     keys = set(md.state_dict_metadata)
     assert keys - {f"rng.cpu.rank{r}" for r in range(WORLD[layout])} == ref_keys - {"rng.cpu.rank0", "rng.cpu.rank1"}
     writers: dict[str, list[str]] = {}
@@ -144,33 +145,33 @@ def test_crash_mid_save_keeps_previous_checkpoint(compose, reference, tmp_path):
     train(compose, run, "1f1b-P2", "trainer.resume=auto", fn=crash_mid_save)
     assert (run / "spawn" / "resumed0.txt").read_text() == "3"
     staged = root / ".step_000004.tmp"
-    assert (staged / ".metadata").is_file() and not (staged / ckpt.META).exists()
-    assert ckpt.newest_checkpoint(run) == ckpt.step_dir(run, EVERY)
+    assert (staged / ".metadata").is_file() and not (staged / dirs.META).exists()
+    assert dirs.newest_checkpoint(run) == dirs.step_dir(run, EVERY)
     # The next run resumes from step 3 again and saves step 4 over the dead save's leftovers.
     train(compose, run, "1f1b-P2", "trainer.resume=auto", "trainer.max_steps=4")
-    assert ckpt.newest_checkpoint(run) == ckpt.step_dir(run, 4)
+    assert dirs.newest_checkpoint(run) == dirs.step_dir(run, 4)
     assert not staged.exists()
     assert losses(run) == {4: losses(reference)[4]}  # step 4's loss comes before its update
 
 
 def test_resume_errors_are_one_line(compose, reference, tmp_path):
     with pytest.raises(ValueError) as err:
-        ckpt.resolve_resume(str(tmp_path / "nope"), tmp_path)
+        dirs.resolve_resume(str(tmp_path / "nope"), tmp_path)
     assert str(err.value).startswith("trainer.resume=") and "\n" not in str(err.value)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"^trainer.resume=.*not a complete checkpoint") as err:
-        ckpt.resolve_resume(str(tmp_path / "empty"), tmp_path)
+        dirs.resolve_resume(str(tmp_path / "empty"), tmp_path)
     assert "\n" not in str(err.value)
-    assert ckpt.resolve_resume("auto", tmp_path) is None  # nothing yet: start fresh
-    assert ckpt.resolve_resume(None, tmp_path) is None
-    assert ckpt.resolve_resume(str(reference), tmp_path) == ckpt.step_dir(reference, STEPS)  # a run dir: newest
-    path = ckpt.step_dir(reference, EVERY)
+    assert dirs.resolve_resume("auto", tmp_path) is None  # nothing yet: start fresh
+    assert dirs.resolve_resume(None, tmp_path) is None
+    assert dirs.resolve_resume(str(reference), tmp_path) == dirs.step_dir(reference, STEPS)  # a run dir: newest
+    path = dirs.step_dir(reference, EVERY)
     meta = ckpt.read_meta(path)
     with pytest.raises(ValueError, match=r"^trainer.resume: .*model.n_layer: 8 -> 4") as err:
         ckpt.check_compatible(meta, compose([*BASE, "model.n_layer=4"]), path)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"^trainer.resume: .*model.n_layer: 8 -> 4"):
         ckpt.preflight(compose([*BASE, "model.n_layer=4", f"trainer.resume={path}"]), tmp_path)
-    assert ckpt.preflight(compose([*BASE, "trainer.resume=auto"]), reference) == ckpt.step_dir(reference, STEPS)
+    assert ckpt.preflight(compose([*BASE, "trainer.resume=auto"]), reference) == dirs.step_dir(reference, STEPS)
     notes = ckpt.check_compatible(meta, compose([*BASE, *LAYOUTS["zbv-P4"], "trainer.seed=7"]), path)
     assert any("pipeline.degree: 2 -> 4" in n for n in notes) and any("trainer.seed" in n for n in notes)

@@ -16,6 +16,7 @@ import pytest
 from pipetrain.launch import launch
 from pipetrain.plan import make_plan
 from pipetrain.train import checkpoint as ckpt
+from pipetrain.train import checkpoint_dirs as dirs
 
 pytestmark = pytest.mark.dist
 
@@ -87,43 +88,43 @@ def losses(run_dir: Path) -> dict[int, float]:
 def damaged_copy(reference: Path, tmp_path: Path, case: str) -> Path:
     run = tmp_path / "run"
     shutil.copytree(reference / "checkpoints", run / "checkpoints")
-    DAMAGE[case][0](ckpt.step_dir(run, 4))
+    DAMAGE[case][0](dirs.step_dir(run, 4))
     return run
 
 
 def test_manifest_lists_every_file_with_its_hash(reference):
-    path = ckpt.step_dir(reference, 4)
+    path = dirs.step_dir(reference, 4)
     files = ckpt.read_meta(path)["files"]
     assert sorted(files) == sorted(p.name for p in path.iterdir() if p.name != "meta.json")
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(files)
     assert all(len(v["sha256"]) == 64 and v["bytes"] == (path / k).stat().st_size for k, v in files.items())
-    assert ckpt.damage(path) is None
+    assert dirs.damage(path) is None
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGE))
 def test_damage_is_found_and_the_previous_checkpoint_used(reference, tmp_path, case):
     run = damaged_copy(reference, tmp_path, case)
     _, phrase, by_size = DAMAGE[case]
-    step4 = ckpt.step_dir(run, 4)
-    why = ckpt.damage(step4)
+    step4 = dirs.step_dir(run, 4)
+    why = dirs.damage(step4)
     assert why is not None and phrase in why, why
-    assert (ckpt.damage(step4, deep=False) is None) is not by_size  # byte changes need the hashes
+    assert (dirs.damage(step4, deep=False) is None) is not by_size  # byte changes need the hashes
     notes: list[str] = []
-    assert ckpt.resolve_resume("auto", run, deep=True, note=notes.append) == ckpt.step_dir(run, 2)
+    assert dirs.resolve_resume("auto", run, deep=True, note=notes.append) == dirs.step_dir(run, 2)
     assert len(notes) == 1 and "step_000004 is damaged" in notes[0] and phrase in notes[0]
     assert "resuming from step_000002" in notes[0]
     with pytest.raises(ValueError) as err:  # asked for by name: refused in one line
-        ckpt.resolve_resume(str(step4), run, deep=True)
+        dirs.resolve_resume(str(step4), run, deep=True)
     text = str(err.value)
     assert text.startswith(f"trainer.resume={step4}: step_000004 is damaged") and phrase in text and "\n" not in text
 
 
 def test_every_checkpoint_damaged_refuses(reference, tmp_path):
     run = damaged_copy(reference, tmp_path, "deleted shard")
-    (ckpt.step_dir(run, 2) / "meta.json").write_text("")
+    (dirs.step_dir(run, 2) / "meta.json").write_text("")
     with pytest.raises(ValueError, match=r"^trainer.resume: no whole checkpoint in .*step_000004 is damaged.*"
                                          r"step_000002 is damaged.*trainer.resume=null"):
-        ckpt.resolve_resume("auto", run, deep=True)
+        dirs.resolve_resume("auto", run, deep=True)
 
 
 @pytest.mark.slow
@@ -138,7 +139,7 @@ def test_resume_passes_over_changed_tensor_bytes(compose, reference, tmp_path, c
     assert "resumed from" in out and "step_000002 at step 2" in out
     ref, got = losses(reference), losses(run)
     assert sorted(got) == [3, 4] and all(got[s] == ref[s] for s in got)
-    assert ckpt.damage(ckpt.step_dir(run, 4)) is None  # step 4 saved again, whole
+    assert dirs.damage(dirs.step_dir(run, 4)) is None  # step 4 saved again, whole
 
 
 @pytest.mark.slow
@@ -146,17 +147,17 @@ def test_keep_last_prunes_older_checkpoints(compose, tmp_path):
     run = tmp_path / "run"
     config = compose([*BASE, "trainer.max_steps=5", "trainer.ckpt_every=1", "checkpoint.keep_last=2"])
     launch(config, make_plan(config), run)
-    assert [s for s, _ in ckpt.step_dirs(run / "checkpoints")] == [4, 5]
+    assert [s for s, _ in dirs.step_dirs(run / "checkpoints")] == [4, 5]
 
 
 def test_prune_never_deletes_the_newest_good_one(reference, tmp_path):
     run = damaged_copy(reference, tmp_path, "deleted shard")  # step 4 damaged, step 2 the newest good
-    assert ckpt.prune(run, 1) == []
-    assert [s for s, _ in ckpt.step_dirs(run / "checkpoints")] == [2, 4]
+    assert dirs.prune(run, 1) == []
+    assert [s for s, _ in dirs.step_dirs(run / "checkpoints")] == [2, 4]
     for step in (1, 0):  # two older good ones: both go, step 2 stays
-        shutil.copytree(ckpt.step_dir(reference, 2), ckpt.step_dir(run, step))
-    assert [p.name for p in ckpt.prune(run, 1)] == ["step_000000", "step_000001"]
-    assert ckpt.resolve_resume("auto", run) == ckpt.step_dir(run, 2)
+        shutil.copytree(dirs.step_dir(reference, 2), dirs.step_dir(run, step))
+    assert [p.name for p in dirs.prune(run, 1)] == ["step_000000", "step_000001"]
+    assert dirs.resolve_resume("auto", run) == dirs.step_dir(run, 2)
 
 
 @pytest.mark.slow
@@ -172,12 +173,12 @@ def test_async_save_writes_the_same_checkpoints(compose, reference, tmp_path, ca
     launch(config, make_plan(config), run)
     out = capfd.readouterr().out
     assert "checkpoint: saving step_000002 in the background (blocked training" in out, out[-2000:]
-    assert f"checkpoint: saved {ckpt.step_dir(run, 2).resolve()} (blocked training" in out
+    assert f"checkpoint: saved {dirs.step_dir(run, 2).resolve()} (blocked training" in out
     assert losses(run) == losses(reference)
     for step in (2, 4):
-        assert ckpt.damage(ckpt.step_dir(run, step)) is None
-        dcp_to_torch_save(ckpt.step_dir(run, step), tmp_path / "a.pt")
-        dcp_to_torch_save(ckpt.step_dir(reference, step), tmp_path / "b.pt")
+        assert dirs.damage(dirs.step_dir(run, step)) is None
+        dcp_to_torch_save(dirs.step_dir(run, step), tmp_path / "a.pt")
+        dcp_to_torch_save(dirs.step_dir(reference, step), tmp_path / "b.pt")
         a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
         assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), step
     assert not list((run / "checkpoints").glob(".*"))
@@ -188,10 +189,10 @@ def test_slurm_requeued_job_resumes_by_itself(compose, reference, tmp_path, monk
     """A job SLURM requeued (SLURM_RESTART_COUNT, as submitit's requeue leaves it) resumes from its
     run directory's newest good checkpoint even without trainer.resume=auto."""
     run = tmp_path / "run"
-    shutil.copytree(ckpt.step_dir(reference, 2), ckpt.step_dir(run, 2))
+    shutil.copytree(dirs.step_dir(reference, 2), dirs.step_dir(run, 2))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     config = compose([*BASE, "logger=[console,jsonl]"])
     launch(config, make_plan(config), run)
     out = capfd.readouterr().out
-    assert "requeued by SLURM (1x)" in out and f"resumed from {ckpt.step_dir(run, 2).resolve()} at step 2" in out
+    assert "requeued by SLURM (1x)" in out and f"resumed from {dirs.step_dir(run, 2).resolve()} at step 2" in out
     assert losses(run) == {s: loss for s, loss in losses(reference).items() if s > 2}

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from pipetrain.launch import launch
 from pipetrain.plan import make_plan
 from pipetrain.train import checkpoint as ckpt
+from pipetrain.train import checkpoint_dirs as dirs
 from test_checkpoint import losses  # step -> loss from a run's metrics.jsonl
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -42,7 +43,7 @@ def reference(compose, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("layout", ["tp1", "shard2", "tp2"])
 def test_tp_checkpoint_resumes_at_other_degrees_within_1e4(compose, reference, tmp_path, layout):
-    run = train(compose, tmp_path / "run", layout, f"trainer.resume={ckpt.step_dir(reference, EVERY)}")
+    run = train(compose, tmp_path / "run", layout, f"trainer.resume={dirs.step_dir(reference, EVERY)}")
     ref, got = losses(reference), losses(run)
     assert sorted(got) == [3, 4]
     for s in got:
@@ -52,7 +53,7 @@ def test_tp_checkpoint_resumes_at_other_degrees_within_1e4(compose, reference, t
             md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
             return {k: tuple(v.size) for k, v in md.items() if not k.startswith("rng.")}
 
-        assert shapes(ckpt.step_dir(run, STEPS)) == shapes(ckpt.step_dir(reference, STEPS))
+        assert shapes(dirs.step_dir(run, STEPS)) == shapes(dirs.step_dir(reference, STEPS))
 
 
 def test_only_tp_rank_0_writes_the_unsplit_weights(reference):
@@ -60,7 +61,7 @@ def test_only_tp_rank_0_writes_the_unsplit_weights(reference):
     no other tp rank ever holds the unsplit tensor (the step count is a scalar every rank offers).
     pp=2 x tp=2, tp innermost: global ranks 0 and 2 are tp rank 0, and every split key's bytes lie in
     their files (DCP names them __<rank>_<n>.distcp)."""
-    md = dcp.FileSystemReader(ckpt.step_dir(reference, STEPS)).read_metadata()
+    md = dcp.FileSystemReader(dirs.step_dir(reference, STEPS)).read_metadata()
     split = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     writers = {(idx.fqn, info.relative_path.split("_")[2]) for idx, info in md.storage_data.items()
                if idx.fqn.endswith(split) and idx.fqn.startswith(("model.", "optim.exp_avg", "optim.exp_avg_sq"))}

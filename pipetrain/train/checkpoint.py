@@ -55,10 +55,7 @@ import torch.distributed as dist
 
 from pipetrain.config import Config
 from pipetrain.config.train import TrainerConfig
-from pipetrain.train.checkpoint_dirs import (  # noqa: F401  (the layout on disk, re-exported)
-    CKPT_DIR, DCP_METADATA, META, Note, damage, list_checkpoints, manifest, newest_checkpoint, prune,
-    resolve_resume, silent, step_dir, step_dirs,
-)
+from pipetrain.train.checkpoint_dirs import CKPT_DIR, META, Note, manifest, prune, resolve_resume, silent, step_dir
 from pipetrain.train.checkpoint_group import CheckpointGroup, pick
 from pipetrain.train.disk_full import one_line_if_full
 from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
@@ -150,14 +147,14 @@ def _optimized(optimizer: torch.optim.Optimizer) -> set[int]:
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
-    rank = _rank()
+    rank = world_rank()
     out = {f"rng.cpu.rank{rank}": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
     return out
 
 
-def _rank() -> int:
+def world_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -185,7 +182,7 @@ def save_state_dict(target: Checkpointable) -> dict[str, torch.Tensor]:
 # ---- save ----------------------------------------------------------------------------------------
 
 
-def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
 
@@ -218,10 +215,10 @@ def prepare_staging(target: Checkpointable, run_dir: Path, *, group: Optional[di
     save's is replaced)."""
     final = step_dir(run_dir, target.state.step)
     tmp = final.with_name(f".{final.name}.tmp")
-    if _rank() == 0:
+    if world_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
-    _barrier(group)
+    barrier(group)
     return tmp
 
 
@@ -243,10 +240,10 @@ def _manifest(tmp: Path, group: Optional[dist.ProcessGroup]) -> Optional[dict[st
     """Collective, after every rank's files are on disk: each rank hashes the tensor data it wrote
     (DCP names it __<rank>_<n>.distcp), rank 0 gathers them and hashes the rest (.metadata).
     Returns the manifest on rank 0, None elsewhere."""
-    mine = manifest(tmp, f"__{_rank()}_*")
+    mine = manifest(tmp, f"__{world_rank()}_*")
     if not dist.is_initialized():
         return manifest(tmp, known=mine)
-    parts: Optional[list[Any]] = [None] * dist.get_world_size() if _rank() == 0 else None
+    parts: Optional[list[Any]] = [None] * dist.get_world_size() if world_rank() == 0 else None
     dist.gather_object(mine, parts, group=group, group_dst=0)
     if parts is None:
         return None
@@ -261,14 +258,14 @@ def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, n
     checkpoint.keep_last."""
     final = step_dir(run_dir, st.step)
     files = _manifest(tmp, group)
-    if _rank() == 0:
+    if world_rank() == 0:
         meta = {"format": FORMAT, "step": st.step, "tokens": st.tokens, "skipped": st.skipped,
                 "data_position": st.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
                 "fingerprint": fingerprint(config), "files": files}
         _commit(tmp, final, meta)
         prune(run_dir, config.checkpoint.keep_last, note=note)
-    _barrier(group)  # no rank goes on (or exits) before the checkpoint is visible
+    barrier(group)  # no rank goes on (or exits) before the checkpoint is visible
     return final
 
 
@@ -278,11 +275,11 @@ def save_checkpoint(target: Checkpointable, run_dir: Path, config: Config, *, no
     A full disk raises DiskFull (one line) instead of DCP's every-rank traceback."""
     t0 = time.perf_counter()
     group = target.group(config)
-    with one_line_if_full(target.state.step, run_dir, rank=_rank()):
+    with one_line_if_full(target.state.step, run_dir, rank=world_rank()):
         tmp = write_staged(target, run_dir, config)
-        _barrier(group)  # every rank's files are on disk
+        barrier(group)  # every rank's files are on disk
         final = commit_staged(tmp, target.state, run_dir, config, note=note, group=group)
-    if _rank() == 0:
+    if world_rank() == 0:
         note(f"checkpoint: saved {final} ({time.perf_counter() - t0:.2f} s)")
     return final
 

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from pipetrain.config import Config
 from pipetrain.train.checkpoint import (
-    Checkpointable, Note, TrainState, _barrier, _rank, commit_staged, prepare_staging, save_state_dict, silent, step_dir,
+    Checkpointable, TrainState, barrier, commit_staged, prepare_staging, save_state_dict, world_rank,
 )
+from pipetrain.train.checkpoint_dirs import Note, silent, step_dir
 from pipetrain.train.disk_full import one_line_if_full
 
 
@@ -53,7 +54,7 @@ class AsyncSaver:
             # collective: every rank saves at the same steps; checkpoint.timeout_s, as the sync save's group
             self.group = dist.new_group(backend="gloo",
                                         timeout=datetime.timedelta(seconds=self.config.checkpoint.timeout_s))
-        with one_line_if_full(target.state.step, self.run_dir, rank=_rank()), warnings.catch_warnings():
+        with one_line_if_full(target.state.step, self.run_dir, rank=world_rank()), warnings.catch_warnings():
             tmp = prepare_staging(target, self.run_dir, group=self.group)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             import torch.distributed.checkpoint as dcp
@@ -64,7 +65,7 @@ class AsyncSaver:
             future = getattr(future, "upload_completion", future)
         blocked = time.perf_counter() - t0
         self.pending = _Pending(future, tmp, replace(target.state), t0, blocked)
-        if _rank() == 0:
+        if world_rank() == 0:
             self.note(f"checkpoint: saving {step_dir(self.run_dir, target.state.step).name} in the background "
                       f"(blocked training {blocked:.2f} s)")
         return step_dir(self.run_dir, target.state.step)
@@ -74,11 +75,11 @@ class AsyncSaver:
         if self.pending is None:
             return None
         p, self.pending = self.pending, None
-        with one_line_if_full(p.state.step, self.run_dir, rank=_rank()):  # the background write's too
+        with one_line_if_full(p.state.step, self.run_dir, rank=world_rank()):  # the background write's too
             p.future.result()  # this rank's files are written (raises what the background write raised)
-            _barrier(self.group)  # every rank's (the background write, done, used this group: it is free)
+            barrier(self.group)  # every rank's (the background write, done, used this group: it is free)
             final = commit_staged(p.tmp, p.state, self.run_dir, self.config, note=silent, group=self.group)
-        if _rank() == 0:
+        if world_rank() == 0:
             self.note(f"checkpoint: saved {final} (blocked training {p.blocked_s:.2f} s, "
                       f"{time.perf_counter() - p.started:.2f} s in all)")
         return final

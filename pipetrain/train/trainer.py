@@ -35,6 +35,7 @@ from pipetrain.plan import Plan, build_model
 from pipetrain.train.pipeline import RankPipeline, build_rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
+from pipetrain.train.checkpoint_dirs import Note, silent
 from pipetrain.train.checkpoint_async import AsyncSaver
 from pipetrain.train.data import build_data, local_rows, split_microbatches
 from pipetrain.train.monitor import Monitor
@@ -122,7 +123,7 @@ class Trainer:
         self.profiler = StepProfiler(config.profile, rank=self.rank, device=self.device, run_dir=self.run_dir,
                                      executor=self.pipe.executor, note=self.monitor.note)
 
-    def resume(self, note: checkpoint.Note = checkpoint.silent) -> Optional[Restart]:
+    def resume(self, note: Note = silent) -> Optional[Restart]:
         """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh
         start; after a restart (launch.max_restarts) the run directory's newest good checkpoint.
         Returns, on rank 0 of a restarted group, what happened before (train/restart.py)."""
