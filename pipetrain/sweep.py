@@ -75,6 +75,8 @@ def train_table(rows: list[dict[str, Any]]) -> Table:
             return "-"
         if c == names.PEAK_GB:
             return human_bytes(v * 1e9)
+        if c in (names.BUBBLE, names.BUBBLE_SIM):  # fractions in the JSON, percent on screen as everywhere
+            return f"{100 * v:.1f}%"
         return f"{v:,.0f}" if isinstance(v, float) and v > 100 else (f"{v:.4f}" if isinstance(v, float) else str(v))
 
     for r in rows:

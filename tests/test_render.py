@@ -324,3 +324,24 @@ def test_chrome_trace_times_are_microseconds():
     res = simulate(one_f_one_b(2, 2), StageCosts.uniform(2, 1.5, 1.0, 1.0))
     first = next(e for e in chrome_trace(res)["traceEvents"] if e["ph"] == "X")
     assert first["name"] == "0F0" and first["ts"] == 0 and first["dur"] == pytest.approx(1500.0)
+
+
+@pytest.mark.pure
+def test_cut_cells_off_a_terminal_show_no_stray_digits():
+    """A block too narrow for "B25" showed "25" (its colour told the op); off a terminal, in black
+    and white, "b2929" read as one action. Piped output falls back to the op's letter instead."""
+    from pipetrain.schedules import registry
+    from pipetrain.schedules.render import timeline_lines
+
+    res = simulate(registry.build("zbv", 4, 32, virtual_stages=2), StageCosts((1.0,) * 8, (1.0,) * 8, (0.4,) * 8))
+    stray = re.compile(r"(?<![A-Za-z&\d])\d+")  # digits that follow no op letter
+
+    def cells(plain: bool) -> str:
+        return "".join(m.group(1) for line in timeline_lines(res, 100, plain=plain)
+                       if (m := re.match(r"^\s*rank \d+ │(.*)$", line.plain)))
+
+    assert stray.search(cells(plain=False))  # colour: bare microbatch numbers where "B25" does not fit
+    assert not stray.search(cells(plain=True)), cells(plain=True)
+    piped = Console(width=100, file=io.StringIO(), record=True)  # not a terminal: plain
+    piped.print(render_timeline(res, width=100))
+    assert not stray.search("".join(rank_rows(piped.export_text(), 4).values()))

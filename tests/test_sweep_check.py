@@ -27,3 +27,19 @@ def test_a_bad_submitit_sweep_fails_in_one_line_before_submitting(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("pipetrain: error: sweep job #0 (cluster=submitit_local"), res.stderr
     assert "even pipeline.degree" in lines[0]
     assert not (tmp_path / "multirun").exists()  # nothing launched, nothing submitted
+
+
+@pytest.mark.pure
+def test_the_sweep_table_prints_bubbles_in_percent():
+    """Like the console and the simulate tables: 23.4%, not 0.2340 (the JSON keeps fractions)."""
+    from rich.console import Console
+
+    from pipetrain.metrics import names
+    from pipetrain.sweep import train_table
+
+    row = {"schedule": "zbv", "degree": 2, "microbatches": 8, names.TOKENS_PER_S: 1234.5, names.BUBBLE_SIM: 0.2341,
+           names.BUBBLE: 0.25, names.PEAK_GB: 0.02, names.LOSS: 5.4321}
+    console = Console(width=200, record=True)
+    console.print(train_table([row]))
+    text = console.export_text()
+    assert "23.4%" in text and "25.0%" in text and "0.2341" not in text, text

@@ -120,10 +120,11 @@ def _lane_blocks(result: SimResult, rank: int, scale: float, ncols: int) -> list
     return [_Block(c0, c1, lane[i], stages.index(lane[i].stage) % 2 == 1) for i, c0, c1 in snapped]
 
 
-def _label(step: Step, width: int, later: bool, *, continued: bool = False) -> str:
-    """Most informative label that fits: "F3" (op + microbatch), "3", else the op glyph.
-    Ops on a rank's later stage are lower case so plain text shows the leg too. The
-    part of a block continued from the previous band repeats only a full label."""
+def _label(step: Step, width: int, later: bool, *, continued: bool = False, plain: bool = False) -> str:
+    """Most informative label that fits: "F3" (op + microbatch), "3" (colour tells the op), else
+    the op glyph. Ops on a rank's later stage are lower case so plain text shows the leg too. The
+    part of a block continued from the previous band repeats only a full label. `plain` (no
+    colour: piped, NO_COLOR) skips the bare number, which would run into its neighbours ("b2929")."""
     if isinstance(step, Overlap):
         f, b = step.forward.microbatch, step.backward.microbatch
         choices = [f"{f}&{b}", f"{f}", GLYPHS["F&B"]]
@@ -131,6 +132,8 @@ def _label(step: Step, width: int, later: bool, *, continued: bool = False) -> s
         op = step.op.value.lower() if later else step.op.value
         glyph = GLYPHS[step.op.value]
         choices = [f"{op}{step.microbatch}", f"{step.microbatch}", glyph.lower() if later else glyph]
+    if plain:
+        choices = [choices[0], choices[-1]]
     for text in choices[:1] if continued else choices:
         if len(text) <= width:
             return text.ljust(width)
@@ -160,7 +163,7 @@ def _ruler(b0: int, b1: int, scale: float, label_w: int) -> Text:
     return Text("t (ms)".rjust(label_w - 2) + " ╷" + "".join(line), style="dim", no_wrap=True)
 
 
-def _band_row(blocks: Sequence[_Block], b0: int, b1: int) -> Text:
+def _band_row(blocks: Sequence[_Block], b0: int, b1: int, plain: bool = False) -> Text:
     text, col = Text(no_wrap=True), b0
     for blk in blocks:
         if blk.c1 <= b0 or blk.c0 >= b1:
@@ -173,7 +176,7 @@ def _band_row(blocks: Sequence[_Block], b0: int, b1: int) -> Text:
             text.append(label, style=REDUCE_STYLES[blk.later_stage])
         else:
             step = blk.timed.step
-            label = _label(step, c1 - c0, blk.later_stage, continued=blk.c0 < b0)
+            label = _label(step, c1 - c0, blk.later_stage, continued=blk.c0 < b0, plain=plain)
             text.append(label, style=STYLES[op_name(step)][blk.later_stage])
         col = c1
     if b1 > col:
@@ -214,8 +217,9 @@ def _legend(result: SimResult, scale: float, bands: int, dropped: int) -> list[T
     return lines
 
 
-def timeline_lines(result: SimResult, width: int, *, max_bands: int = MAX_BANDS) -> list[Text]:
-    """The timeline as lines of at most `width` cells (see `render_timeline`)."""
+def timeline_lines(result: SimResult, width: int, *, max_bands: int = MAX_BANDS, plain: bool = False) -> list[Text]:
+    """The timeline as lines of at most `width` cells (see `render_timeline`); `plain`: for output
+    without colour (labels that read alone)."""
     P = result.schedule.num_ranks
     label_w = len(f"rank {P - 1} ") + 2  # "rank 7 │"
     avail = max(width - label_w, 8)
@@ -235,7 +239,7 @@ def timeline_lines(result: SimResult, width: int, *, max_bands: int = MAX_BANDS)
         lines.append(_ruler(b0, b1, scale, label_w))
         for r, (blocks, _) in enumerate(per_rank):
             row = Text(f"rank {r}".rjust(label_w - 2) + " │", no_wrap=True)
-            lines.append(row + _band_row(blocks, b0, b1))
+            lines.append(row + _band_row(blocks, b0, b1, plain))
             if lanes:
                 lane = Text(LANE_LABEL.rjust(label_w - 2) + " │", style="dim", no_wrap=True)
                 lines.append(lane + _band_row(lanes[r], b0, b1))
@@ -251,7 +255,8 @@ class _Timeline:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         # Each line is at most the width and never wraps: its segments go out as they are. Yielding
         # the Texts would have rich wrap and crop each of P x bands lines (a third of simulate at P=10^4).
-        for line in timeline_lines(self.result, self.width or options.max_width):
+        plain = not console.is_terminal or console.no_color
+        for line in timeline_lines(self.result, self.width or options.max_width, plain=plain):
             if not line.no_wrap:  # the legend and the scale line may wrap
                 yield line
             elif line.spans:
