@@ -63,3 +63,16 @@ def test_clipping_scales_every_grad_to_max_norm_and_leaves_small_ones():
     clip_grads(ps, 1.0, max_norm=2.0)  # under max_norm: untouched
     clip_grads(ps, 5.0, max_norm=0.0)  # clipping off
     assert all(torch.equal(a, p.grad) for a, p in zip(small, [p for p in ps if p.grad is not None]))
+
+
+def test_the_cosine_ends_at_decay_steps_then_stays_at_min_lr():
+    from pipetrain.config.train import OptimConfig
+    from pipetrain.train.optim import lr_at
+
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=2)
+    assert lr_at(1, cfg, 10) == pytest.approx(1.0)  # end of the warm-up
+    assert lr_at(6, cfg, 10) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(10, cfg, 10) == lr_at(50, cfg, 10) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="optim.decay_steps must be >= 1"):
+        OptimConfig(decay_steps=0)
+

@@ -101,3 +101,39 @@ def test_nonfinite_skips_stop_at_the_limit(tmp_path):
     assert res.returncode != 0
     assert "2 non-finite steps in a row" in res.stderr and "at step 3" in res.stderr, res.stderr[-2000:]
     assert "trainer.max_skipped_steps" in res.stderr and "Traceback" not in res.stderr
+
+
+
+def test_a_resume_with_more_steps_keeps_the_cosine_it_was_started_with(tmp_path):
+    """4 steps, then the same run resumed to 8: the lr used to jump back up the re-stretched cosine.
+    It now keeps the 4-step cosine (min_lr from step 5) and says so; optim.decay_steps stretches it."""
+    import json
+
+    from conftest import run_cli
+
+    base = ["model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32", "pipeline.microbatches=2", "logger=[console,jsonl]",
+            "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=1", "trainer.eval_every=0", "trainer.log_every=1"]
+
+    def lrs(run) -> dict[int, float]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}
+
+    run = tmp_path / "run"
+    first = run_cli([*base, "trainer.max_steps=4", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    more = run_cli([*base, "trainer.max_steps=8", "trainer.resume=auto", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert ("lr: the cosine keeps the length the run was started with, 4 steps (trainer.max_steps is now 8): "
+            "set optim.decay_steps=8 to stretch it") in more.stdout, more.stdout[-3000:]
+    assert all(lrs(run)[s] == pytest.approx(1e-4) for s in range(5, 9)), lrs(run)
+    stretched = tmp_path / "stretched"
+    run_cli([*base, "trainer.max_steps=4", f"hydra.run.dir={stretched}"], cwd=tmp_path)
+    res = run_cli([*base, "trainer.max_steps=8", "optim.decay_steps=8", "trainer.resume=auto",
+                   f"hydra.run.dir={stretched}"], cwd=tmp_path)
+    assert res.returncode == 0 and "the cosine keeps" not in res.stdout, res.stderr[-3000:]
+    from pipetrain.config.train import OptimConfig
+    from pipetrain.train.optim import lr_at
+
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1)  # step s trains with lr_at(s - 1)
+    assert [lrs(stretched)[s] for s in range(5, 9)] == pytest.approx([lr_at(s - 1, cfg, 8) for s in range(5, 9)])
+    assert lrs(stretched)[5] > 1.5e-4

@@ -74,7 +74,11 @@ class OptimConfig:
     """AdamW with decay / no-decay groups, linear warm-up then cosine decay to min_lr."""
 
     lr: float = 3e-3  # peak learning rate, reached after warmup_steps
-    min_lr: float = 3e-4  # where the cosine decay ends, at trainer.max_steps
+    min_lr: float = 3e-4  # where the cosine decay ends, at decay_steps
+    # the step where the cosine reaches min_lr (then lr stays there). None: trainer.max_steps, as the
+    # run was started: a resume with a larger trainer.max_steps keeps the checkpoint's length (set
+    # this to stretch it), as Megatron keeps --lr-decay-iters apart from --train-iters
+    decay_steps: Optional[int] = None
     warmup_steps: int = 5  # linear warm-up from 0 to lr over this many steps
     weight_decay: float = 0.1  # on matrices (>= 2-D); biases, norms and embeddings' 1-D params get none
     beta1: float = 0.9  # AdamW's first-moment decay
@@ -87,6 +91,8 @@ class OptimConfig:
             raise ValueError(f"optim.lr must be > 0 and optim.min_lr in [0, optim.lr] (got {self.lr}, {self.min_lr})")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(f"optim.decay_steps must be >= 1 or null (trainer.max_steps; got {self.decay_steps})")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1) (got {self.beta1}, {self.beta2})")
         if self.grad_clip < 0 or self.weight_decay < 0:

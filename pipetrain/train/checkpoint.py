@@ -71,6 +71,7 @@ class TrainState:
     step: int = 0  # optimizer steps done (= the data position: the batch of step k is a function of k)
     tokens: int = 0
     skipped: int = 0
+    decay_steps: int = 0  # the cosine's length the run was started with (optim.decay_steps or trainer.max_steps)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, n
     files = _manifest(tmp, group)
     if world_rank() == 0:
         meta = {"format": FORMAT, "step": st.step, "tokens": st.tokens, "skipped": st.skipped,
+                "decay_steps": st.decay_steps,
                 "data_position": st.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
                 "fingerprint": fingerprint(config), "files": files}
@@ -329,6 +331,8 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
                      f"keep their seeded RNG state")
     st = target.state
     st.step, st.tokens, st.skipped = meta["step"], meta["tokens"], meta.get("skipped", 0)
+    # checkpoints from before optim.decay_steps: their cosine ended at their trainer.max_steps
+    st.decay_steps = meta.get("decay_steps") or meta["fingerprint"]["training"].get("trainer.max_steps", 0)
     for n in notes:
         note(f"checkpoint: {n}")
     return meta

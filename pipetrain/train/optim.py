@@ -24,11 +24,12 @@ def make_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, *, device: 
     )
 
 
-def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Linear warm-up over warmup_steps, then cosine decay from lr to min_lr at max_steps."""
+def lr_at(step: int, cfg: OptimConfig, decay_steps: int) -> float:
+    """Linear warm-up over warmup_steps, then cosine decay from lr to min_lr at step decay_steps
+    (optim.decay_steps, else the run's trainer.max_steps as it was started), then min_lr."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, max_steps - cfg.warmup_steps)
+    span = max(1, decay_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 

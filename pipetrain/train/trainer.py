@@ -104,7 +104,7 @@ class Trainer:
                                vocab_size=getattr(config.model, "vocab_size", 0), model=model) if train_data else None
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
-        self.state = TrainState()
+        self.state = TrainState(decay_steps=config.optim.decay_steps or config.trainer.max_steps)
         tp = None
         if self.pipe.tp is not None:
             from pipetrain.parallel.tp_state import TPShards
@@ -131,8 +131,20 @@ class Trainer:
         if requeued:
             note(f"checkpoint: requeued by SLURM ({slurm_requeues()}x): resuming from the run directory's newest "
                  f"good checkpoint")
-        checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note, restarted=restarted or requeued)
+        loaded = checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note,
+                                   restarted=restarted or requeued)
+        self._keep_cosine(loaded is not None, note)
         return this_restart(self.tracker, self.config.layout) if restarted and self.rank == 0 else None
+
+    def _keep_cosine(self, loaded: bool, note: Note) -> None:
+        """The cosine's length: optim.decay_steps where set, else the one the run was started with
+        (a resume with another trainer.max_steps says it keeps that one, and how to change it)."""
+        cfg, st = self.config, self.state
+        if cfg.optim.decay_steps is not None or not loaded:
+            st.decay_steps = cfg.optim.decay_steps or cfg.trainer.max_steps
+        elif st.decay_steps != cfg.trainer.max_steps:
+            note(f"lr: the cosine keeps the length the run was started with, {st.decay_steps} steps (trainer.max_steps "
+                 f"is now {cfg.trainer.max_steps}): set optim.decay_steps={cfg.trainer.max_steps} to stretch it")
 
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -145,7 +157,7 @@ class Trainer:
         """One optimizer step. measure=True (a logged step; every rank alike) gathers every rank's
         timings and memory to rank 0, whose record then carries the step's measurement."""
         cfg, step = self.config, self.state.step
-        lr = lr_at(step, cfg.optim, cfg.trainer.max_steps)
+        lr = lr_at(step, cfg.optim, self.state.decay_steps)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
