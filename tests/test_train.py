@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -106,7 +107,8 @@ def test_nonfinite_skips_stop_at_the_limit(tmp_path):
 
 def test_a_resume_with_more_steps_keeps_the_cosine_it_was_started_with(tmp_path):
     """4 steps, then the same run resumed to 8: the lr used to jump back up the re-stretched cosine.
-    It now keeps the 4-step cosine (min_lr from step 5) and says so; optim.decay_steps stretches it."""
+    It now keeps the 4-step cosine (min_lr from step 5) and says so; optim.decay_steps stretches it.
+    The done line's first loss was the resumed segment's: it is step 1's, from the checkpoint."""
     import json
 
     from conftest import run_cli
@@ -126,6 +128,10 @@ def test_a_resume_with_more_steps_keeps_the_cosine_it_was_started_with(tmp_path)
     assert ("lr: the cosine keeps the length the run was started with, 4 steps (trainer.max_steps is now 8): "
             "set optim.decay_steps=8 to stretch it") in more.stdout, more.stdout[-3000:]
     assert all(lrs(run)[s] == pytest.approx(1e-4) for s in range(5, 9)), lrs(run)
+    # the done line starts from the run's step 1, not the resumed segment's first step
+    began = re.search(r"^done: 4 steps, loss (\d+\.\d+) -> ", first.stdout, re.M)
+    again = re.search(r"^done: 8 steps \(resumed at step 4\), loss (\d+\.\d+) -> ", more.stdout, re.M)
+    assert began and again and began.group(1) == again.group(1), (first.stdout[-500:], more.stdout[-500:])
     stretched = tmp_path / "stretched"
     run_cli([*base, "trainer.max_steps=4", f"hydra.run.dir={stretched}"], cwd=tmp_path)
     res = run_cli([*base, "trainer.max_steps=8", "optim.decay_steps=8", "trainer.resume=auto",

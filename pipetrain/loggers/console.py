@@ -129,5 +129,7 @@ class ConsoleLogger(Logger):
                        f"{summary.simulated_reduce_exposed_ms:.1f} ms simulated")
         change = (1 - final / first) * 100 if first else 0.0
         trend = f"{change:.0f}% lower" if change >= 0 else f"{-change:.0f}% higher"
-        self.console.print(f"done: {summary.steps} steps, loss {first:.4f} -> {final:.4f} ({trend}){bubble}; "
+        resumed = f" (resumed at step {summary.resumed_at})" if summary.resumed_at else ""
+        of = f" (step {summary.first_loss_step})" if summary.first_loss_step != 1 else ""
+        self.console.print(f"done: {summary.steps} steps{resumed}, loss {first:.4f}{of} -> {final:.4f} ({trend}){bubble}; "
                            f"{self.info.run_dir}", highlight=False, soft_wrap=True)

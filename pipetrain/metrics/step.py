@@ -84,6 +84,8 @@ class RunSummary:
     tokens: int
     step_time_s: Optional[float]  # median over the steps after the first (which pays for warm-up)
     tokens_per_s: Optional[float]
+    first_loss_step: int = 1  # the step first_loss is of: 1, or a resumed segment's first
+    resumed_at: Optional[int] = None  # the step this run resumed at (a checkpoint), if it did
     # Over the measured steps (rank 0; `measured` is False when no step was measured)
     measured: bool = False
     bubble_fraction_mean: Optional[float] = None  # median over the measured steps after the first

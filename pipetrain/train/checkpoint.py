@@ -72,6 +72,8 @@ class TrainState:
     tokens: int = 0
     skipped: int = 0
     decay_steps: int = 0  # the cosine's length the run was started with (optim.decay_steps or trainer.max_steps)
+    first_loss: Optional[float] = None  # step 1's loss: a resumed run's done line starts from it
+    resumed_at: Optional[int] = None  # the step this process resumed at (not saved)
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,7 @@ def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, n
     files = _manifest(tmp, group)
     if world_rank() == 0:
         meta = {"format": FORMAT, "step": st.step, "tokens": st.tokens, "skipped": st.skipped,
-                "decay_steps": st.decay_steps,
+                "decay_steps": st.decay_steps, "first_loss": st.first_loss,
                 "data_position": st.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
                 "fingerprint": fingerprint(config), "files": files}
@@ -333,6 +335,7 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
     st.step, st.tokens, st.skipped = meta["step"], meta["tokens"], meta.get("skipped", 0)
     # checkpoints from before optim.decay_steps: their cosine ended at their trainer.max_steps
     st.decay_steps = meta.get("decay_steps") or meta["fingerprint"]["training"].get("trainer.max_steps", 0)
+    st.first_loss, st.resumed_at = meta.get("first_loss"), st.step
     for n in notes:
         note(f"checkpoint: {n}")
     return meta

@@ -267,7 +267,10 @@ class Trainer:
     def loop(self) -> RunSummary:
         """The steps still to do; returns the run's summary (before the measured part is added)."""
         cfg, monitor = self.config.trainer, self.monitor
-        first_loss = final_loss = val_loss = None
+        final_loss = val_loss = None
+        st = self.state
+        # the run's step 1 loss; a resume from a checkpoint without it starts from its own first step
+        first_loss, first_step = st.first_loss, 1 if st.first_loss is not None else st.step + 1
         step_times: list[float] = []
         if self.state.step >= cfg.max_steps:
             monitor.note(f"nothing to do: resumed at step {self.state.step}, trainer.max_steps={cfg.max_steps}")
@@ -283,7 +286,10 @@ class Trainer:
             self.profiler.after(step)
             step_times.append(record.step_time_s)
             self.stop.grace_s = max(10.0, 3 * max(step_times))  # a signal's wait for the step in flight
-            first_loss = record.loss if first_loss is None else first_loss
+            if first_loss is None:
+                first_loss = record.loss
+                if step == 1:
+                    st.first_loss = record.loss  # checkpoints carry it from now on
             final_loss = record.loss
             if evaluate:
                 val_loss = self.evaluate()
@@ -308,6 +314,7 @@ class Trainer:
         steady = sorted(step_times[1:] or step_times)  # the first step pays for warm-up
         median_s = steady[len(steady) // 2] if steady else None
         return RunSummary(steps=self.state.step, first_loss=first_loss, final_loss=final_loss,
+                          first_loss_step=first_step, resumed_at=st.resumed_at,
                           final_val_loss=val_loss, skipped_steps=self.state.skipped, tokens=self.state.tokens,
                           step_time_s=median_s, tokens_per_s=self.tokens_per_step / median_s if median_s else None)
 
