@@ -159,3 +159,35 @@ def test_command_runs_as_written(case, tmp_path):
         else:
             assert res.returncode == 0, (cmd, res.stderr[-3000:])
             assert "Traceback" not in res.stderr, (cmd, res.stderr[-3000:])
+
+
+LAPTOP_GB = 16.0  # more per rank than this, predicted by the planner, and a command must say it is GPU-sized
+
+
+def _predicted_gb(cmd: str, compose) -> float | None:
+    """The planner's predicted peak per rank of a training or eval command (None: nothing to size:
+    not a run that builds the model, a sweep, or one that needs the user's files)."""
+    from pipetrain.planner.predict import predict
+
+    words = shlex.split(cmd)
+    if words[0] != "pipetrain" or any(w.startswith("-") for w in words[1:]) or \
+            any(w in words for w in ("mode=simulate", "mode=plan", "mode=export", "schedule=auto", "schedule=custom")):
+        return None
+    # the data's source does not change what a rank holds: sized on the built-in corpus
+    overrides = [w for w in words[1:] if "=" in w and "," not in w.split("=", 1)[1]
+                 and not w.startswith(("data=", "data.path="))]
+    if len(overrides) != len(words) - 1 - sum(w.startswith(("data=", "data.path=")) for w in words) or \
+            any("pretrained=" in w for w in overrides):
+        return None
+    return predict(compose(overrides))["total_gb"]
+
+
+def test_a_command_bigger_than_a_laptop_says_so(compose):
+    """Every unmarked command of the docs fits a laptop: the planner's own prediction per rank is at
+    most LAPTOP_GB (a GPU-sized one carries the mark and is not run)."""
+    sized = {c.commands[0]: _predicted_gb(c.commands[0], compose) for c in CASES if not c.gpu and not c.refused
+             and len(c.commands) == 1}
+    assert sum(gb is not None for gb in sized.values()) >= 8, sized  # the check sees the commands
+    assert _predicted_gb("pipetrain model=llama3.1-8b data=tokens data.path=x.bin", compose) > LAPTOP_GB  # it can tell
+    too_big = {cmd: round(gb, 1) for cmd, gb in sized.items() if gb is not None and gb > LAPTOP_GB}
+    assert not too_big, f"mark these GPU-sized in the docs: {too_big}"
