@@ -155,3 +155,29 @@ def test_gpt2_trained_on_two_ranks_exports_a_folder_from_pretrained_loads(tmp_pa
         check_folder(str(out), back)
         (again,) = split_model(back, [range(0, 5)], seed=0, rule=PretrainedWeights(str(out), knobs))
         torch.testing.assert_close(again.eval()(idx), ours(idx), atol=0, rtol=0)
+
+
+@pytest.mark.e2e
+def test_model_pretrained_loads_a_gpt2_folder_from_the_command_line(lm_folder, tmp_path):
+    """`model=gpt2-tiny model.pretrained=DIR`: the folder's config.json sets the shape (one line says
+    what it changed), the weights come from its files: an export of it, untrained, holds the same
+    tensors; a folder missing a shape key is one line naming it, before any rank starts."""
+    out = tmp_path / "out"
+    res = run_cli(["mode=export", "model=gpt2-tiny", f"model.pretrained={lm_folder}", f"export.dir={out}",
+                   f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = " ".join(res.stdout.split())  # rich wraps long lines off a terminal
+    assert f"model.pretrained={lm_folder}: its config.json sets " in said and "n_embd=32 (was 128)" in said, said
+    theirs = safetensors_torch.load_file(lm_folder / "model.safetensors")
+    mine = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in safetensors_torch.load_file(f).items()}
+    assert sorted(mine) == sorted(k for k in theirs if k != "lm_head.weight")
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    broken = tmp_path / "broken"
+    shutil.copytree(lm_folder, broken)
+    config = json.loads((broken / "config.json").read_text())
+    del config["n_embd"]
+    (broken / "config.json").write_text(json.dumps(config))
+    res = run_cli(["model=gpt2-tiny", f"model.pretrained={broken}", f"hydra.run.dir={tmp_path / 'run2'}"], cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0 and len(lines) == 1 and "lacks 'n_embd'" in lines[0], res.stderr[-3000:]
+    assert not list((tmp_path / "run2").glob("error_rank*"))

@@ -109,6 +109,12 @@ class CausalLMConfig(ModelConfig):
     extra_layers: ClassVar[int] = 2  # the embedding and the head
 
 
+GPT2_HF_SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "vocab_size": "vocab_size",
+                 "block_size": "n_positions"}  # pipetrain knob -> GPT2LMHeadModel config.json key
+GPT2_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # HF's names for GPT-2's tanh-approximated GELU
+GPT2_LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, what pipetrain's GPT-2 uses
+
+
 @dataclass
 class GPT2ModelConfig(CausalLMConfig):
     """GPT-2 (knobs named as nanoGPT's GPTConfig). Defaults are the 124M model; the
@@ -122,11 +128,18 @@ class GPT2ModelConfig(CausalLMConfig):
     block_size: int = 1024  # longest sequence (learned position embeddings)
     dropout: float = 0.0  # 0 for pretraining, as nanoGPT; GPT-2 itself used 0.1
     bias: bool = True  # biases in Linears and LayerNorms, as GPT-2
+    # A Hugging Face GPT2LMHeadModel folder (config.json + safetensors): its config.json sets n_layer,
+    # n_head, n_embd, vocab_size and block_size (= n_positions); model.dropout stays yours
+    pretrained: Optional[str] = None
     family: ClassVar[str] = "gpt2"
     layer_knob: ClassVar[str] = "model.n_layer"
     seq_knob: ClassVar[str] = "block_size"
 
     def __post_init__(self) -> None:
+        self.pretrained_changes: list[str] = []  # knobs config.json changed: "n_embd=32 (was 768)"
+        if self.pretrained is not None:
+            path, raw = read_pretrained_config(self.pretrained)
+            take_knobs(self, GPT2ModelConfig.from_hf(raw, where=f"model.pretrained: {path}"))
         self._at_least_one("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
         if self.n_embd % self.n_head:
             raise ValueError(
@@ -142,6 +155,40 @@ class GPT2ModelConfig(CausalLMConfig):
 
     def tp_divides(self) -> Optional[dict[str, int]]:
         return {"n_head": self.n_head, "vocab_size": self.vocab_size}  # MLP width 4 C = 4 n_head hs follows
+
+    def knobs(self) -> dict[str, Any]:
+        out = super().knobs()
+        del out["pretrained"]  # where the weights come from, not the model's shape
+        return out
+
+    @staticmethod
+    def from_hf(hf: dict[str, Any], *, where: str) -> dict[str, int]:
+        """The shape knobs of a GPT2LMHeadModel config.json (`where` names it in errors); a setting
+        pipetrain's GPT-2 does not compute is a one-line ValueError naming it. Dropout is not
+        taken: it is a training choice (model.dropout), not the checkpoint's."""
+        if hf.get("model_type") != "gpt2":
+            raise ValueError(f"{where} has model_type={hf.get('model_type')!r}, not gpt2: a GPT-2 model (model=gpt2*) "
+                             f"loads GPT2LMHeadModel folders; for a Llama-family folder use model=llama-tiny")
+        missing = [key for key in GPT2_HF_SHAPE.values() if key not in hf]
+        if missing:
+            raise ValueError(f"{where} lacks {missing[0]!r}, which pipetrain needs to build the model: copy it from "
+                             f"the model's original config.json")
+        knobs = {knob: hf[key] for knob, key in GPT2_HF_SHAPE.items()}
+        unsupported = (
+            ("activation_function", hf.get("activation_function", "gelu_new") in GPT2_GELU_TANH, "gelu_new"),
+            ("n_inner", hf.get("n_inner") in (None, 4 * knobs["n_embd"]), f"null (4 x n_embd = {4 * knobs['n_embd']})"),
+            ("layer_norm_epsilon", hf.get("layer_norm_epsilon", GPT2_LAYER_NORM_EPS) == GPT2_LAYER_NORM_EPS,
+             GPT2_LAYER_NORM_EPS),
+            ("scale_attn_weights", hf.get("scale_attn_weights", True) is True, True),
+            ("scale_attn_by_inverse_layer_idx", hf.get("scale_attn_by_inverse_layer_idx", False) is False, False),
+            ("add_cross_attention", hf.get("add_cross_attention", False) is False, False),
+            ("tie_word_embeddings", hf.get("tie_word_embeddings", True) is True, True),
+        )
+        for key, ok, want in unsupported:
+            if not ok:
+                raise ValueError(f"{where} sets {key}={hf[key]!r}, which pipetrain's GPT-2 does not compute "
+                                 f"(it computes {key}={want})")
+        return knobs
 
 
 # Rotary scalings the Llama model implements: plain RoPE and Llama 3.1's long-context recipe.
@@ -241,29 +288,14 @@ class LlamaModelConfig(CausalLMConfig):
 
     def _take_pretrained_shape(self) -> None:
         """Every knob from the folder's config.json; what that changes is kept for one note."""
-        path = Path(os.path.expanduser(str(self.pretrained))) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"model.pretrained={self.pretrained} must be a Hugging Face folder holding "
-                                    f"config.json and *.safetensors (no {path})")
-        try:  # one line naming the file: a bare KeyError or JSONDecodeError names neither
-            raw = json.loads(path.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raw = f"not JSON ({str(err).splitlines()[0]})"
-        if not isinstance(raw, dict):
-            raise ValueError(f"model.pretrained: {path} is {raw if isinstance(raw, str) else 'not a JSON object'}: "
-                             f"download it again, or re-save the folder with save_pretrained")
+        path, raw = read_pretrained_config(self.pretrained)
         try:
             hf = LlamaModelConfig.from_hf(raw, name=self.name)
         except KeyError as err:
             raise ValueError(f"model.pretrained: {path} lacks {err.args[0]!r}, which pipetrain needs to build the "
                              f"model: copy it from the model's original config.json") from None
-        for f in dataclasses.fields(self):
-            if f.name in ("name", "pretrained"):
-                continue
-            mine, theirs = getattr(self, f.name), getattr(hf, f.name)
-            if mine != theirs:
-                self.pretrained_changes.append(f"{f.name}={_plain(theirs)} (was {_plain(mine)})")
-                setattr(self, f.name, theirs)
+        take_knobs(self, {f.name: getattr(hf, f.name) for f in dataclasses.fields(self)
+                          if f.name not in ("name", "pretrained")})
 
     @property
     def kv_heads(self) -> int:
@@ -317,6 +349,32 @@ class LlamaModelConfig(CausalLMConfig):
         if self.rope_scaling is not None:  # a plain dict for the model (its config stays JSON-able)
             out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
         return out
+
+
+def read_pretrained_config(pretrained: str) -> tuple[Path, dict[str, Any]]:
+    """model.pretrained's config.json, parsed; one line naming the file when it is missing or not
+    a JSON object (a bare FileNotFoundError or JSONDecodeError names neither the knob nor the fix)."""
+    path = Path(os.path.expanduser(str(pretrained))) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model.pretrained={pretrained} must be a Hugging Face folder holding "
+                                f"config.json and *.safetensors (no {path})")
+    try:
+        raw: Any = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raw = f"not JSON ({str(err).splitlines()[0]})"
+    if not isinstance(raw, dict):
+        raise ValueError(f"model.pretrained: {path} is {raw if isinstance(raw, str) else 'not a JSON object'}: "
+                         f"download it again, or re-save the folder with save_pretrained")
+    return path, raw
+
+
+def take_knobs(model: Any, theirs: dict[str, Any]) -> None:
+    """Set a model config's knobs to a pretrained folder's, noting each change in pretrained_changes."""
+    for name, value in theirs.items():
+        mine = getattr(model, name)
+        if mine != value:
+            model.pretrained_changes.append(f"{name}={_plain(value)} (was {_plain(mine)})")
+            setattr(model, name, value)
 
 
 def _plain(value: Any) -> Any:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig
+from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, read_pretrained_config
 from pipetrain.models import hf_gpt2
 from pipetrain.models.base import LayeredModel
 from pipetrain.models.gpt2 import GPT2
@@ -218,12 +218,9 @@ def pretrained_rule(model: Any) -> Optional[PretrainedWeights]:
 
 
 def gpt2_knobs(pretrained: str) -> dict[str, int]:
-    """GPT-2's shape knobs from a GPT2LMHeadModel folder's config.json (hf_gpt2.knobs_from_hf)."""
-    path = folder_of(pretrained) / CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"model.pretrained={pretrained} must be a Hugging Face folder holding "
-                                f"config.json and *.safetensors (no {path})")
-    return hf_gpt2.knobs_from_hf(read_json(path), where=f"model.pretrained: {path}")
+    """GPT-2's shape knobs from a GPT2LMHeadModel folder's config.json (GPT2ModelConfig.from_hf)."""
+    path, raw = read_pretrained_config(pretrained)
+    return GPT2ModelConfig.from_hf(raw, where=f"model.pretrained: {path}")
 
 
 def hf_config(cfg: LlamaModelConfig | GPT2ModelConfig, *, dtype: str) -> dict[str, Any]:

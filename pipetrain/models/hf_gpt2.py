@@ -19,16 +19,12 @@ from typing import Any
 
 import torch
 
-from pipetrain.config.models import GPT2ModelConfig
+from pipetrain.config.models import GPT2_LAYER_NORM_EPS, GPT2ModelConfig
 
 PREFIX = "transformer."  # GPT2LMHeadModel's; a GPT2Model folder has none
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 LEGACY_KEYS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older transformers saved
 TIED_KEY = "lm_head.weight"
-GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # HF's names for GPT-2's tanh-approximated GELU
-LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, what pipetrain's GPT-2 uses
-SHAPE_KEYS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "vocab_size": "vocab_size",
-              "block_size": "n_positions"}  # pipetrain knob -> config.json key
 
 
 def prefix_of(keys: Any) -> str:
@@ -54,34 +50,6 @@ def swap_layout(key: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.t() if key.endswith(CONV1D) else tensor
 
 
-def knobs_from_hf(hf: dict[str, Any], *, where: str) -> dict[str, int]:
-    """pipetrain's GPT-2 shape knobs from a GPT2LMHeadModel config.json (`where` names it in
-    errors); a setting pipetrain's GPT-2 does not compute is a one-line ValueError naming it.
-    Dropout is not taken: it is a training choice (model.dropout), not the checkpoint's."""
-    if hf.get("model_type") != "gpt2":
-        raise ValueError(f"{where} has model_type={hf.get('model_type')!r}, not gpt2: a GPT-2 model (model=gpt2*) "
-                         f"loads GPT2LMHeadModel folders; for a Llama-family folder use model=llama-tiny")
-    missing = [key for key in SHAPE_KEYS.values() if key not in hf]
-    if missing:
-        raise ValueError(f"{where} lacks {missing[0]!r}, which pipetrain needs to build the model: copy it from "
-                         f"the model's original config.json")
-    knobs = {knob: hf[key] for knob, key in SHAPE_KEYS.items()}
-    unsupported = (
-        ("activation_function", hf.get("activation_function", "gelu_new") in GELU_TANH, "gelu_new"),
-        ("n_inner", hf.get("n_inner") in (None, 4 * knobs["n_embd"]), f"null (4 x n_embd = {4 * knobs['n_embd']})"),
-        ("layer_norm_epsilon", hf.get("layer_norm_epsilon", LAYER_NORM_EPS) == LAYER_NORM_EPS, LAYER_NORM_EPS),
-        ("scale_attn_weights", hf.get("scale_attn_weights", True) is True, True),
-        ("scale_attn_by_inverse_layer_idx", hf.get("scale_attn_by_inverse_layer_idx", False) is False, False),
-        ("add_cross_attention", hf.get("add_cross_attention", False) is False, False),
-        ("tie_word_embeddings", hf.get("tie_word_embeddings", True) is True, True),
-    )
-    for key, ok, want in unsupported:
-        if not ok:
-            raise ValueError(f"{where} sets {key}={hf[key]!r}, which pipetrain's GPT-2 does not compute "
-                             f"(it computes {key}={want})")
-    return knobs
-
-
 def hf_config(cfg: GPT2ModelConfig, *, dtype: str) -> dict[str, Any]:
     """config.json of a GPT2LMHeadModel computing what `cfg` computes (`dtype`: HF's spelling)."""
     if not cfg.bias:
@@ -91,7 +59,7 @@ def hf_config(cfg: GPT2ModelConfig, *, dtype: str) -> dict[str, Any]:
     return dict(
         architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size, n_positions=cfg.block_size,
         n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=None, activation_function="gelu_new",
-        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, layer_norm_epsilon=LAYER_NORM_EPS,
+        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, layer_norm_epsilon=GPT2_LAYER_NORM_EPS,
         initializer_range=0.02, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
         reorder_and_upcast_attn=False, tie_word_embeddings=True, use_cache=True, bos_token_id=endoftext,
         eos_token_id=endoftext, torch_dtype=dtype,
