@@ -6,7 +6,7 @@ CLI. `profile` (measured, machine-dependent) and `manual` (the user's cut) are l
 For each strategy: the cut, the imbalance (max/mean - 1) of estimated time (what bounds a
 pipeline's throughput) and of parameters (what bounds its memory), and the slowest stage.
 
-Writes JSON (default bench/results/partition_balance.json) and prints the README table.
+Writes JSON (default bench/results/partition_balance.json) and prints the table docs/benchmarks.md quotes.
 Usage: python bench/partition_balance.py [--out FILE] [--model gpt2] [--seq 1024]
 """
 

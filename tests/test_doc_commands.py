@@ -1,4 +1,4 @@
-"""Every command of the README and of the recipes' comments runs as written on this machine
+"""Every command of the README, of docs/*.md and of the recipes' comments runs as written on this machine
 (CPU), with short runs: a training command gets `trainer.max_steps` appended (a written one is
 scaled down, N -> max(2, N // 50), so a resume still continues past the first run). A command
 the docs call GPU-sized is not run; one that needs the user's own files (a Hugging Face folder,
@@ -58,8 +58,12 @@ def shorten(cmd: str, *, keep_checkpoints: bool = True) -> str:
     return f"{cmd} trainer.max_steps=1{tail}"
 
 
-def readme_cases() -> list[Case]:
-    text = (REPO / "README.md").read_text()
+DOCS = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
+
+
+def doc_cases(doc: str) -> list[Case]:
+    """The commands of one page: README.md or docs/<topic>.md."""
+    text = (REPO / doc).read_text()
     cases = []
     for block in re.finditer(r"```bash\n(.*?)```", text, flags=re.S):
         line = text[: block.start()].count("\n") + 2
@@ -71,20 +75,20 @@ def readme_cases() -> list[Case]:
             if not cmd or cmd.startswith(NOT_RUN) or cmd in RUN_ELSEWHERE:
                 continue
             if "GPU" in comment:
-                cases.append(Case(f"README.md:{line}", [cmd], gpu=True))
+                cases.append(Case(f"{doc}:{line}", [cmd], gpu=True))
                 continue
             if "refused" in comment:
-                cases.append(Case(f"README.md:{line}", [cmd], refused=True))
+                cases.append(Case(f"{doc}:{line}", [cmd], refused=True))
                 continue
             cmds.append(cmd)
         if cmds:
-            cases.append(Case(f"README.md:{line}", cmds))
+            cases.append(Case(f"{doc}:{line}", cmds))
     prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
     for m in re.finditer(r"`((?:pipetrain|torchrun|python -m pipetrain)\b[^`]*)`", prose):
         cmd = m.group(1)
         if cmd in ASIDES or cmd.startswith("pipetrain:") or re.search(r"\b[A-Z]{3,}\b", cmd) or " " not in cmd:
             continue  # a name, an error message, or a template (DIR, NAME)
-        cases.append(Case(f"README.md:{prose[: m.start()].count(chr(10)) + 1}", [cmd]))
+        cases.append(Case(f"{doc}:{prose[: m.start()].count(chr(10)) + 1}", [cmd]))
     return cases
 
 
@@ -115,7 +119,7 @@ def once(cases: list[Case]) -> list[Case]:
     return out
 
 
-CASES = once(readme_cases() + recipe_cases())
+CASES = once([c for doc in DOCS for c in doc_cases(doc)] + recipe_cases())
 
 
 def missing_paths(cmd: str, cwd: Path) -> list[str]:
@@ -132,7 +136,7 @@ def missing_paths(cmd: str, cwd: Path) -> list[str]:
 
 def test_the_docs_have_commands_to_check():
     where = [c.where.split(":")[0] for c in CASES]
-    assert where.count("README.md") >= 15 and len({w for w in where if w.startswith("recipes/")}) >= 4
+    assert sum(w.endswith(".md") for w in where) >= 15 and len({w for w in where if w.startswith("docs/")}) >= 8 and len({w for w in where if w.startswith("recipes/")}) >= 4
     gpu = [c.commands[0] for c in CASES if c.gpu]
     # only the GPT-2 recipes and the multi-GPU torchrun checks are GPU-sized
     assert gpu and all("+recipe=gpt2" in c or "trainer.device=cuda" in c for c in gpu), gpu
@@ -191,3 +195,26 @@ def test_a_command_bigger_than_a_laptop_says_so(compose):
     assert _predicted_gb("pipetrain model=llama3.1-8b data=tokens data.path=x.bin", compose) > LAPTOP_GB  # it can tell
     too_big = {cmd: round(gb, 1) for cmd, gb in sized.items() if gb is not None and gb > LAPTOP_GB}
     assert not too_big, f"mark these GPU-sized in the docs: {too_big}"
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_lands():
+    """README.md and docs/*.md link to each other's sections: each file exists and each #anchor is a
+    heading there (a page moved or a heading renamed breaks a link silently otherwise)."""
+    broken = []
+    for doc in DOCS:
+        text = (REPO / doc).read_text()
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([\w\-]+))?\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (REPO / doc).parent / target if target else REPO / doc
+            if not path.exists():
+                broken.append(f"{doc}: {target}")
+            elif anchor and path.suffix == ".md":
+                body = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+                if anchor not in {_slug(h) for h in re.findall(r"^#+ (.+)$", body, flags=re.M)}:
+                    broken.append(f"{doc}: {target}#{anchor}")
+    assert not broken, broken

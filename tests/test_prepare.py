@@ -256,7 +256,7 @@ def test_prepare_empty_input_and_out_file_are_one_line(tmp_path, capsys):
 
 @pytest.mark.pure
 def test_a_small_corpus_works_and_a_too_small_one_says_what_to_do(tmp_path, capsys):
-    """The README's command on a corpus of a few thousand tokens: no flag needed; one of 11 tokens
+    """The docs' command (docs/data.md) on a corpus of a few thousand tokens: no flag needed; one of 11 tokens
     gets one line naming --val-min-tokens, and the value it names works."""
     from pipetrain.prepare import main
 
@@ -398,9 +398,9 @@ def readme_corpus(path: Path, tokens: int, tok) -> Path:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_readme_prepare_example_on_a_small_corpus_trains(tmp_path):
-    """The README's two commands as written (--tokenizer hf --tokenizer-dir ... --shard-tokens 10^7)
+    """The docs' two commands as written (docs/data.md) (--tokenizer hf --tokenizer-dir ... --shard-tokens 10^7)
     on a 50k-token jsonl: train and val shards, then `pipetrain data=tokens data.path=...` trains
-    on them and evaluates on the val shard (2 ranks, llama-tiny: the README's model is 1B)."""
+    on them and evaluates on the val shard (2 ranks, llama-tiny: the docs' model is 1B)."""
     import subprocess
 
     folder = tiny_tokenizer(tmp_path / "tok")

@@ -1,6 +1,6 @@
 """Rebuild pipetrain's built-in corpus from the docstrings of Python's standard library.
 
-    python tools/make_corpus.py            # writes pipetrain/train/corpus/stdlib_docs.txt.gz
+    python pipetrain/train/corpus/make_corpus.py   # writes stdlib_docs.txt.gz beside itself
 
 Why this text: it is English prose (what a byte-level GPT can learn from in a few dozen
 steps), it is on every machine that runs Python (nothing is downloaded), and it is under
@@ -25,7 +25,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-OUT_DIR = Path(__file__).resolve().parents[1] / "pipetrain" / "train" / "corpus"
+OUT_DIR = Path(__file__).resolve().parent  # beside this script: pipetrain/train/corpus
 TARGET_BYTES = 1_000_000  # ~1 MB: ~7,800 windows of 128 tokens, ample for the quickstart's 60 x 8 sequences
 # Tests, tool scripts and generated tables: little prose, much code or data.
 SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "lib2to3", "__phello__", "encodings",
