@@ -3,7 +3,9 @@ folder (one file or sharded) and a GPT2Model folder without the "transformer." p
 the causal-mask buffers older checkpoints hold load into pipetrain's GPT-2 with HF's logits within
 1e-5 (fp32), unsplit and in stages; a folder whose config.json or weights do not match fails in one
 line naming the key; mode=export after two training steps on two ranks writes a folder that
-GPT2LMHeadModel.from_pretrained loads with the logits of pipetrain's model from the same checkpoint."""
+GPT2LMHeadModel.from_pretrained loads with the logits of pipetrain's model from the same checkpoint;
+from the command line, `model=gpt2-tiny model.pretrained=DIR` exports the folder's tensors unchanged
+and evaluates on two pipeline ranks to HF's loss."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import torch
 
 from conftest import run_cli
 from pipetrain.models.gpt2 import GPT2
-from pipetrain.models.hf import PretrainedWeights, check_folder, gpt2_knobs
+from pipetrain.config import GPT2ModelConfig
+from pipetrain.models.hf import PretrainedWeights, check_folder, gpt2_knobs, hf_config
 from pipetrain.models.split import split_model
 
 transformers = pytest.importorskip("transformers", reason="the test extra: pip install -e '.[test]'")
@@ -64,6 +67,7 @@ def test_gpt2_folder_gives_hf_logits_unsplit_and_in_stages(form, tmp_path):
         model = GPT2(**knobs)
     files = check_folder(str(folder), model)
     assert (len(set(files.values())) > 3) == (form == "sharded")
+    assert hf_config(GPT2ModelConfig(pretrained=str(folder)), dtype="fp32")["architectures"] == ["GPT2LMHeadModel"]
     idx = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf_model(folder)(idx).logits  # (B, T, V)
@@ -181,3 +185,23 @@ def test_model_pretrained_loads_a_gpt2_folder_from_the_command_line(lm_folder, t
     lines = res.stderr.strip().splitlines()
     assert res.returncode != 0 and len(lines) == 1 and "lacks 'n_embd'" in lines[0], res.stderr[-3000:]
     assert not list((tmp_path / "run2").glob("error_rank*"))
+
+
+@pytest.mark.e2e
+def test_eval_of_a_gpt2_folder_on_two_pipeline_ranks_equals_hf_loss(lm_folder, tmp_path):
+    """The ranks' path (the trainer's weight loading, each rank its stages): mode=eval of
+    `model=gpt2-tiny model.pretrained=DIR` on 2 pipeline ranks gives HF's loss on the same windows."""
+    T = 16
+    tokens = torch.randint(0, 96, (1000,), generator=torch.Generator().manual_seed(3))
+    tokens.numpy().astype("uint16").tofile(tmp_path / "tokens.bin")
+    run = cli(["mode=eval", "model=gpt2-tiny", f"model.pretrained={lm_folder}", "data=tokens", "data.val_fraction=0",
+               f"data.path={tmp_path / 'tokens.bin'}", f"data.seq_len={T}", "data.batch_size=4", "pipeline.degree=2",
+               "pipeline.microbatches=2", "trainer.device=cpu", "logger=[]"], tmp_path, "eval")
+    result = json.loads((run / "eval.json").read_text())
+    n = (len(tokens) - 1) // T  # windows of T + 1 tokens, one apart by T
+    assert result["tokens"] == n * T
+    windows = tokens[torch.arange(n)[:, None] * T + torch.arange(T + 1)]  # (n, T + 1)
+    with torch.no_grad():
+        logits = hf_model(lm_folder)(windows[:, :-1]).logits  # (n, T, V)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), windows[:, 1:].reshape(-1))
+    assert abs(result["loss"] - ref.item()) < 1e-5

@@ -220,3 +220,39 @@ def test_typed_config_without_hydra():
     assert cfg.model.num_layers == 4 and cfg.num_chunks == 2
     with pytest.raises(ValueError, match="data.seq_len"):
         Config(model=GPT2ModelConfig(block_size=32))  # default seq_len 64
+
+
+GPT2_JSON = dict(model_type="gpt2", n_layer=3, n_head=4, n_embd=32, vocab_size=96, n_positions=64, n_inner=None,
+                 activation_function="gelu_new", resid_pdrop=0.1)  # a GPT2LMHeadModel config.json, shortened
+
+
+def test_gpt2_pretrained_config_json_sets_the_shape(compose, tmp_path):
+    """model.pretrained's config.json sets GPT-2's five shape knobs over the preset, noting each
+    change; model.dropout stays the command line's; knobs() (the constructor's arguments) has no
+    `pretrained`."""
+    (tmp_path / "config.json").write_text(json.dumps(GPT2_JSON))
+    cfg = compose(["model=gpt2-tiny", f"model.pretrained={tmp_path}", "model.dropout=0.2", "data.seq_len=32"]).model
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.dropout) == (3, 4, 32, 96, 64, 0.2)
+    assert cfg.pretrained_changes == ["n_layer=3 (was 8)", "n_embd=32 (was 128)", "vocab_size=96 (was 512)",
+                                      "block_size=64 (was 256)"]  # n_head=4 is the preset's already
+    assert "pretrained" not in cfg.knobs() and cfg.num_layers == 5
+    assert compose(["model=gpt2-tiny"]).model.pretrained_changes == []
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, ["model.pretrained=", "must be a Hugging Face folder", "config.json"]),
+    ("{not json", ["config.json is not JSON", "save_pretrained"]),
+    (dict(GPT2_JSON, n_positions=None), ["lacks 'n_positions'", "original config.json"]),
+    (dict(GPT2_JSON, model_type="qwen2"), ["model_type='qwen2', not gpt2", "model=llama-tiny"]),
+    (dict(GPT2_JSON, n_inner=64), ["sets n_inner=64", "4 x n_embd = 128"]),
+    (dict(GPT2_JSON, n_embd=30), ["model.n_embd=30", "model.n_head=4"]),  # then the schema's own checks
+])
+def test_gpt2_pretrained_config_json_errors_are_one_line(compose, tmp_path, content, words):
+    if isinstance(content, dict):  # None values: the key left out
+        content = json.dumps({k: v for k, v in content.items() if v is not None})
+    if content is not None:
+        (tmp_path / "config.json").write_text(content)
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        compose(["model=gpt2-tiny", f"model.pretrained={tmp_path}", "data.seq_len=32"])
+    msg = str(root_cause(info.value))
+    assert "\n" not in msg and all(w in msg for w in words), msg

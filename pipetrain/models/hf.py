@@ -231,6 +231,8 @@ def hf_config(cfg: LlamaModelConfig | GPT2ModelConfig, *, dtype: str) -> dict[st
     if getattr(cfg, "pretrained", None) is not None:
         out = read_json(folder_of(cfg.pretrained) / CONFIG)
         out["dtype" if "dtype" in out else "torch_dtype"] = HF_DTYPES[dtype]  # "dtype": transformers 5's spelling
+        if isinstance(cfg, GPT2ModelConfig):  # export writes GPT2LMHeadModel's keys, from a GPT2Model folder too
+            out["architectures"] = ["GPT2LMHeadModel"]
         return out
     if isinstance(cfg, GPT2ModelConfig):
         return hf_gpt2.hf_config(cfg, dtype=HF_DTYPES[dtype])
