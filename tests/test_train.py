@@ -104,7 +104,7 @@ def test_nonfinite_skips_stop_at_the_limit(tmp_path):
     assert "trainer.max_skipped_steps" in res.stderr and "Traceback" not in res.stderr
 
 
-
+@pytest.mark.slow
 def test_a_resume_with_more_steps_keeps_the_cosine_it_was_started_with(tmp_path):
     """4 steps, then the same run resumed to 8: the lr used to jump back up the re-stretched cosine.
     It now keeps the 4-step cosine (min_lr from step 5) and says so; optim.decay_steps stretches it.
