@@ -30,6 +30,7 @@ from pipetrain.partition.plan import PartitionPlan, require_chunks
 from pipetrain.partition.strategies import partition
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.lower import fuse_backward
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts, split_stages
@@ -54,6 +55,7 @@ class Plan:
     # lane busy (bytes over cluster.dp_bandwidth_gbs, schedules/reduce_cost.py); None when dp = 1.
     reduce_ms: tuple[float, ...] | None = None
     recompute_stages: frozenset[int] = frozenset()  # stage ids whose layers recompute (trainer.activation_checkpointing)
+    compiled_stages: frozenset[int] = frozenset()  # stage ids whose layers are compiled (trainer.compile): BW, no W
 
     @property
     def layer_costs(self) -> tuple[LayerCost, ...]:
@@ -65,11 +67,13 @@ class Plan:
 
 
 def build_schedule(config: Config, stage_costs: StageCosts | None = None) -> Schedule:
-    """The run's validated schedule. `zb_auto` is searched for `stage_costs` (the run's own F, B, W
-    per stage and sim.comm_ms) when given; without them, for unit costs."""
+    """The run's validated schedule, lowered: a compiled stage's B is BW and its W gone (schedules/lower.py),
+    then under data parallel the gradient reductions placed. `zb_auto` is searched for `stage_costs` (the
+    run's own F, B, W per stage and sim.comm_ms) when given; without them, for unit costs."""
     s, p = config.schedule, config.pipeline
     if s.name == "zb_auto" and stage_costs is not None:
         registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
+        # compiled: searched on B = b + w, W = 0 (lowered to BW below), no W recomputing from what B kept
         rc = recompute_stages(config, p.degree) if not config.trainer.compile else frozenset()
         keep = [1.0 if j in rc else s.w_keep for j in range(p.degree)]  # W recomputes from what B kept
         steps = zb_auto_order(p.degree, p.microbatches, f=stage_costs.f, b=stage_costs.b, w=stage_costs.w,
@@ -82,7 +86,8 @@ def build_schedule(config: Config, stage_costs: StageCosts | None = None) -> Sch
         )
     else:
         schedule = registry.build(s.name, p.degree, p.microbatches, s.virtual_stages)
-    if config.layout.dp > 1:  # each stage's gradients reduced over dp once, after its last W (or at the end)
+    schedule = fuse_backward(schedule, compiled_stages(config, schedule.placement.num_stages))
+    if config.layout.dp > 1:  # each stage's gradients reduced over dp once, after its last W or BW (or at the end)
         schedule = add_reduces(schedule, at_end=not config.parallel.overlap_reduce)
     validate(schedule, p2p_lookahead=p.p2p_lookahead, p2p_transport=p.p2p_transport)
     return schedule
@@ -188,12 +193,12 @@ def make_plan(config: Config) -> Plan:
     costs = layer_costs(config)
     part = make_partition(config, costs, schedule.placement.num_chunks)
     chunks = part.chunk_fbw()
-    if config.trainer.compile:  # a compiled stage's B computes its weight gradients too
+    if config.trainer.compile:  # B = b + w, W = 0: zb_auto's search input (a BW costs b + w)
         chunks = chunk_costs(fuse_weight_grads(part.layers), part.bounds)
     stage_costs = StageCosts.from_chunks(schedule, chunks)
     recompute = recompute_stages(config, schedule.placement.num_stages)
-    if recompute:  # their backward passes run the forward again
-        stage_costs = stage_costs.with_recompute(set() if config.trainer.compile else split_stages(schedule), recompute)
+    if recompute:  # their backward passes run the forward again (in a W too, on the stages still running one)
+        stage_costs = stage_costs.with_recompute(split_stages(schedule), recompute)
     if config.schedule.name == "zb_auto":  # searched for this run's costs (same placement, so same stage costs)
         schedule = build_schedule(config, stage_costs)
     rc = registry.rank_costs(
@@ -205,7 +210,12 @@ def make_plan(config: Config) -> Plan:
         if formula is not None:
             analytic = formula(schedule.num_ranks, schedule.placement.stages_per_rank, rc)
     return Plan(schedule, part, stage_costs, rc, analytic, cost_source(config), plan_reduce_ms(config, schedule, part),
-                recompute)
+                recompute, compiled_stages(config, schedule.placement.num_stages))
+
+
+def compiled_stages(config: Config, num_stages: int) -> frozenset[int]:
+    """The stage ids whose layers are compiled: every stage under trainer.compile, else none."""
+    return frozenset(range(num_stages)) if config.trainer.compile else frozenset()
 
 
 def recompute_stages(config: Config, num_stages: int) -> frozenset[int]:

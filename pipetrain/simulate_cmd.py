@@ -145,6 +145,11 @@ def plan_and_simulate(
         console.print(f"{title}: {_too_many('stage', part.num_chunks)}; est. ms imbalance "
                       f"{100 * part.time_imbalance():.1f}%", highlight=False)
     console.print(_cost_note(config, plan), style="dim")
+    if plan.compiled_stages:  # schedules/lower.py: what the schedule, schedule.csv and the run say alike
+        ids = sorted(plan.compiled_stages)
+        who = "every stage" if len(ids) == plan.schedule.placement.num_stages else "stages " + ", ".join(map(str, ids))
+        console.print(f"trainer.compile: {who} runs B and W as one BW (compiled layers cannot split their "
+                      f"backward)", style="dim", highlight=False)
     layout = config.layout
     if layout.world > layout.pp and layout.world > MAX_TABLE_ROWS:
         console.print(f"ranks of {layout.describe()}: {_too_many('rank', layout.world)}", highlight=False)

@@ -1,10 +1,12 @@
 """trainer.compile=true on real gloo processes: every layer of every stage compiled with
 torch.compile (in place, names unchanged), 2 ranks, llama-tiny, two runs in one process group:
-tp=2 (the TP collectives inside compiled blocks) and pp=2 under ZB-V (a compiled stage's B
-computes its weight gradients too, W has nothing left: runtime/executor.py), the first step's
-receives waiting out the peer's compilation (trainer.compile_timeout_s). The losses of steps
-1-3 equal the eager single process within 1e-4, and the weights after 3 steps likewise. Slow:
-CPU compilation takes tens of seconds per rank here."""
+tp=2 (the TP collectives inside compiled blocks) and pp=2 under ZB-V (a compiled stage cannot
+split its backward: the plan's schedule runs BW where ZB-V has B, and no W, schedules/lower.py),
+the first step's receives waiting out the peer's compilation (trainer.compile_timeout_s). The
+losses of steps 1-3 equal the eager single process within 1e-4, and the weights after 3 steps
+likewise; the measured actions of the last step (what the trace and the timeline draw) are the
+schedule's as its schedule.csv writes them: BW, no W. Slow: CPU compilation takes tens of
+seconds per rank here."""
 
 from __future__ import annotations
 
@@ -15,13 +17,27 @@ import torch
 
 from _dist import spawn
 from pipetrain.plan import make_plan
-from test_tensor_parallel import BASE, reference, train_cases
+from pipetrain.schedules.ir import Schedule
+from test_tensor_parallel import BASE, STEPS, full_parameters, reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 # Two blocks (4 pipeline layers: embed, 2 blocks, head), enough for ZB-V's 4 stages on 2 ranks: every
 # compiled graph (embedding, block, head; forward and backward) still compiles, and CPU compilation
 # is what this test's time goes to.
 LAYERS = ("model.num_hidden_layers=2",)
+
+
+def train_measured(rank: int, world: int, out: Path, cases: list) -> None:
+    """test_tensor_parallel.train_cases, the last step measured: rank 0 keeps every rank's measured actions."""
+    from pipetrain.train.trainer import Trainer
+
+    for name, config, plan in cases:
+        trainer = Trainer(config, plan, out / name)
+        records = [trainer.train_step(measure=i == STEPS - 1) for i in range(STEPS)]
+        measured = records[-1].measurement
+        torch.save({"losses": [r.loss for r in records], "params": full_parameters(trainer),
+                    "measured": measured and [[t.step for t in s.timings] for s in measured.samples]},
+                   out / f"{name}.rank{rank}.pt")
 
 
 def test_compiled_stages_train_as_eager(compose, tmp_path: Path):
@@ -31,7 +47,8 @@ def test_compiled_stages_train_as_eager(compose, tmp_path: Path):
              "zbv": ["pipeline.degree=2", "schedule=zbv", "pipeline.p2p_timeout_s=5"]}
     configs = {name: compose([*BASE, "model=llama-tiny", *LAYERS, "trainer.compile=true", *extra])
                for name, extra in cases.items()}
-    spawn(train_cases, 2, tmp_path, [(name, c, make_plan(c)) for name, c in configs.items()])
+    plans = {name: make_plan(c) for name, c in configs.items()}
+    spawn(train_measured, 2, tmp_path, [(name, c, plans[name]) for name, c in configs.items()])
     ref = reference(compose, "llama-tiny", tmp_path / "eager", LAYERS)
     for name, rank in [(name, rank) for name in cases for rank in range(2)]:
         got = torch.load(tmp_path / f"{name}.rank{rank}.pt")
@@ -39,3 +56,9 @@ def test_compiled_stages_train_as_eager(compose, tmp_path: Path):
         assert got["params"]
         for name, t in got["params"].items():
             torch.testing.assert_close(t, ref["params"][name], rtol=0, atol=1e-4, msg=name)
+    zbv = plans["zbv"].schedule
+    written = Schedule.from_csv(zbv.to_csv(), name="zbv", placement=zbv.placement, num_microbatches=zbv.num_microbatches)
+    measured = torch.load(tmp_path / "zbv.rank0.pt")["measured"]
+    assert measured == [[str(step) for step in written.steps[r]] for r in range(2)]
+    ops = {a.op.value for r in range(2) for a in written.actions(r)}
+    assert ops == {"F", "BW"}, ops

@@ -31,8 +31,8 @@ class LayerCost:
 
 def fuse_weight_grads(layers: Sequence[LayerCost]) -> list[LayerCost]:
     """The costs of layers compiled whole (trainer.compile): their backward computes the weight
-    gradients with the input gradients, so B costs b + w and W nothing (runtime/executor.py runs
-    a compiled stage's B fused and its W as a no-op)."""
+    gradients with the input gradients, so B costs b + w and W nothing (schedules/lower.py lowers
+    a compiled stage's B and W into one BW; this view is zb_auto's search input)."""
     return [dataclasses.replace(c, b_ms=c.b_ms + c.w_ms, w_ms=0.0) for c in layers]
 
 

@@ -31,6 +31,7 @@ from pipetrain.planner.memory import (GB, RankMemory, StateBytes, gb_text, loss_
 from pipetrain.planner.space import Candidate
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.lower import fuse_backward
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import DTYPE_BYTES, reduce_ms, stage_params
@@ -59,7 +60,7 @@ class Workload:
     # microbatch size -> per layer, what the layer saves in the first stage over what `layers` says
     # (bf16 autocast: the first stage's residual stream stays fp32, a later stage's is bf16); None: 1
     first_stage_activation_ratio: Optional[Callable[[int], Sequence[float]]] = None
-    fused_backward: bool = False  # trainer.compile: B computes the weight gradients too, W nothing
+    fused_backward: bool = False  # trainer.compile: every stage's B becomes BW, its W goes (schedules/lower.py)
     # tensor parallel (schedules/tp_cost.py): a block's width, the vocabulary, bytes per value of the
     # tp collectives, and the activation bytes per token of a block that tp leaves whole without
     # sequence parallel (the norms' inputs and outputs; Korthikanti et al. 2022's 10 of 34)
@@ -283,17 +284,18 @@ class _Evaluator:
                   + copies[i] / c.tp for i in rng] for rng in part.bounds]
         full, full_layer = [math.fsum(x) + lo for x, lo in zip(saves, loss)], [max(x) for x in saves]
         act_stage = {s: (kept if s in rc else full)[pl.chunk_of(s)] for s in range(pl.num_stages)}
-        fused: Optional[set[int]] = set() if w.fused_backward else None  # compiled: no stage runs W's work
+        # trainer.compile: every stage's B becomes BW and its W goes (schedules/lower.py)
+        compiled = frozenset(range(pl.num_stages)) if w.fused_backward else frozenset()
         # the share B keeps for W: all of it on a recomputing stage that runs W (which recomputes from
-        # the kept inputs), else the workload's w_keep
-        keep = {s: 1.0 if fused is None and s in rc else w.w_keep for s in range(pl.num_stages)}
+        # the kept inputs), else the workload's w_keep (compiled: zb_auto's search input only)
+        keep = {s: 1.0 if s in rc and s not in compiled else w.w_keep for s in range(pl.num_stages)}
         sp = [float(part.chunk_params()[pl.chunk_of(s)]) for s in range(pl.num_stages)]  # mirrors hold copies
         params_rank = [math.fsum(sp[s] for s in pl.stages_of(r)) for r in range(c.pp)]
         static = self.static(c, params_rank, boundary, pl.stages_per_rank)
         transient = [max((full_layer[pl.chunk_of(s)] for s in pl.stages_of(r) if s in rc), default=0.0)
                      for r in range(c.pp)]
         chunks = chunk_costs(layers, part.bounds)
-        costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, fused)
+        costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, set() if compiled else None)
         comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
         overhead = d.gpu_overhead_gb * GB
         last = {pl.rank_of(s) for s in range(pl.num_stages) if part.bounds[pl.chunk_of(s)].stop == len(layers)}
@@ -316,8 +318,9 @@ class _Evaluator:
                                                                               transport=d.p2p_transport):
                 row.reason = f"hangs on NCCL under pipeline.p2p_transport={d.p2p_transport} (pair_groups runs it)"
                 return row
-            if fused is None and (d.action_overhead_ms or rc):  # now known: the stages running W apart
-                costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, split_stages(sched))
+        sched = fuse_backward(sched, compiled)  # the schedule the run's plan.build_schedule lowers alike
+        if (d.action_overhead_ms or rc) and c.schedule != "zb_auto":  # zb_auto was searched for `costs`
+            costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, split_stages(sched))  # stages running W apart
         red = None
         if c.dp > 1:
             sched = add_reduces(sched)

@@ -327,14 +327,7 @@ class Executor:
         nxt = pl.next_stage(s)
         grad = None if nxt is None else self._take("grad", nxt, m, a, step_text)
         assert grad is None or grad.dtype == out.dtype, f"{step_text}: gradient {grad.dtype} for output {out.dtype}"
-        if a.op is Op.B and getattr(self.stages[s], "fused_backward", False):
-            # Compiled layers (trainer.compile): one backward node per layer computes its input
-            # and weight gradients together, so B runs it once, weight gradients included, and
-            # the stage's W has nothing left to do (re-entering it from B's recorded gradients
-            # gave wrong weight gradients on torch 2.13).
-            grads = backward_full([out], [grad], [x], self._weights(s))
-            self._wstore[(s, m)] = WeightGradWork([], [])
-        elif a.op is Op.B:
+        if a.op is Op.B:
             grads, work = backward_input([out], [grad], [x], self._weights(s))
             self._wstore[(s, m)] = work
         else:

@@ -31,6 +31,7 @@ from pipetrain.parallel.pairs import build_pair_groups
 from pipetrain.parallel.tp_plan import TensorParallel
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.lower import split_on
 from pipetrain.schedules.p2p import TRANSPORT_STREAMS, Kind, Message, exchange_pairs
 
 
@@ -112,7 +113,7 @@ def build_rank_pipeline(
     pipelines: Optional[list[list[int]]] = None,
     dp: Optional[DataParallel] = None,
     tp: Optional[TensorParallel] = None,
-    compile_layers: bool = False,
+    compile_layers: bool | Collection[int] = False,
     precision: str = "fp32",
     seed: Optional[int] = None,
     init_rule: Optional[InitRule] = None,
@@ -126,8 +127,9 @@ def build_rank_pipeline(
     every pair of pipeline ranks that exchange tensors its own process group (every rank of the
     world creates every pipeline's: parallel/pairs.py), "one_group" posts all P2P on `group`;
     `tp` splits every stage's layers over its tensor-parallel group first (parallel/tp_plan.py);
-    `compile_layers` (trainer.compile) compiles each layer of every stage after tensor parallel
-    and before data parallel (torchtitan's order);
+    `compile_layers` (trainer.compile; a collection: those stage ids, plan.compiled_stages) compiles each
+    layer of the stages after tensor parallel and before data parallel (torchtitan's order); the schedule
+    must run their backward as BW (schedules/lower.py: fuse_backward, which plan.build_schedule applies);
     `activation_checkpointing`: True recomputes every stage's layers in its backward, a collection
     of stage ids those stages' (trainer.recompute_stages). `precision` is trainer.precision (fp32 | bf16); `seed`
     initialises the stages of a model built on meta, or `init_rule` gives their values
@@ -138,6 +140,11 @@ def build_rank_pipeline(
     pl = schedule.placement
     if len(bounds) != pl.num_chunks:
         raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
+    compiled = frozenset(pl.stages_of(rank) if compile_layers is True else compile_layers or ())
+    split = split_on(schedule, compiled.intersection(pl.stages_of(rank)))
+    if split:
+        raise ValueError(f"compiled stages cannot run B and W apart, but the schedule has {split[0]}: lower it "
+                         f"with schedules/lower.py fuse_backward (plan.build_schedule does)")
     device = torch.device(device)
     stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s, seed=seed, device=device, rule=init_rule)
               for s in pl.stages_of(rank)}
@@ -146,10 +153,9 @@ def build_rank_pipeline(
     for mod in stages.values():
         mod.checkpoint_layers = activation_checkpointing if isinstance(activation_checkpointing, bool) else \
             mod.stage_id in activation_checkpointing
-        if compile_layers:  # in place (nn.Module.compile): parameter names stay the unsplit ones
+        if mod.stage_id in compiled:  # in place (nn.Module.compile): parameter names stay the unsplit ones
             for layer in mod.layers.values():
                 layer.compile()
-            mod.fused_backward = True  # the executor's B computes weight gradients too (W: nothing)
     if dp is not None:
         stages = {s: dp.wrap(mod) for s, mod in stages.items()}
     specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
