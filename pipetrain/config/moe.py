@@ -1,0 +1,96 @@
+"""Schema of a Mixture-of-Experts layer: routing, balancing, shared experts (pure: no torch).
+
+The layer (pipetrain/models/moe.py) replaces a block's dense MLP by `num_experts` SwiGLU experts,
+of which a router picks `top_k` per token:
+
+  scores     softmax over the experts' logits (Mixtral, Qwen2/3-MoE, OLMoE) or a sigmoid per
+             expert (DeepSeek-V3, arXiv 2412.19437 eq. 15);
+  choice     top-k of the scores plus a per-expert bias (the bias steers the choice only: the
+             gates come from the unbiased scores); with n_group > 1, DeepSeek's group-limited
+             routing first keeps the topk_group groups whose two best experts score highest;
+  gates      the chosen scores, renormalised to sum to 1 (norm_topk_prob) and multiplied by
+             routed_scaling_factor (DeepSeek-V3: 2.5).
+
+`balance` says how experts are kept evenly loaded:
+  aux_free      DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step the bias
+                of an overloaded expert falls, of an underloaded one rises, by bias_update_rate;
+  aux_loss      Switch / GShard's auxiliary loss E * sum_i f_i P_i over the batch, times aux_loss_coef;
+  seq_aux_loss  the same loss per sequence, averaged (DeepSeek-V3 eq. 17-20);
+  none          neither (a fixed bias, e.g. one loaded from a checkpoint, still steers the choice).
+
+Dropless by default; capacity_factor c caps every expert at ceil(c * tokens * top_k / num_experts)
+assignments per forward, keeping the highest gates (Megatron's drop policy `probs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+BALANCES = ("aux_free", "aux_loss", "seq_aux_loss", "none")
+EXPERTS_IMPLS = ("loop", "grouped")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8  # routed experts (Mixtral-8x7B: 8)
+    top_k: int = 2  # experts per token (Mixtral: 2)
+    score_func: str = "softmax"  # softmax | sigmoid
+    norm_topk_prob: bool = True  # renormalise the chosen scores to sum to 1 (Mixtral always; Qwen2-MoE: false)
+    routed_scaling_factor: float = 1.0  # gates times this (DeepSeek-V3: 2.5)
+    n_group: int = 1  # expert groups for group-limited routing (DeepSeek-V3: 8); 1: no limit
+    topk_group: int = 1  # groups a token may use (DeepSeek-V3: 4)
+    balance: str = "aux_free"  # aux_free | aux_loss | seq_aux_loss | none
+    aux_loss_coef: float = 1e-3  # weight of the aux_loss / seq_aux_loss term (DeepSeek-V3's seq: 1e-4)
+    bias_update_rate: float = 1e-3  # aux_free step of the bias per optimizer step (DeepSeek-V3's gamma)
+    num_shared_experts: int = 0  # experts every token goes through (DeepSeek-V3: 1; Qwen2-MoE: 1, 4x wide)
+    shared_gate: bool = False  # scale the shared experts by sigmoid(linear(x)) (Qwen2-MoE)
+    capacity_factor: Optional[float] = None  # None: dropless; c: each expert takes <= ceil(c T K / E)
+    force_balanced: bool = False  # benchmarks only: route round-robin, ignoring the scores' choice
+    experts_impl: str = "loop"  # loop (the reference) | grouped (torch grouped_mm; see models/moe.py)
+
+    def __post_init__(self) -> None:
+        for knob in ("num_experts", "top_k", "n_group", "topk_group"):
+            if getattr(self, knob) < 1:
+                raise ValueError(f"model.moe.{knob} must be >= 1 (got {getattr(self, knob)})")
+        for knob, value, choices in (("score_func", self.score_func, SCORE_FUNCS),
+                                     ("balance", self.balance, BALANCES),
+                                     ("experts_impl", self.experts_impl, EXPERTS_IMPLS)):
+            if value not in choices:
+                raise ValueError(f"model.moe.{knob}={value!r} is unknown: choose one of {', '.join(choices)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts={self.num_experts}: "
+                             "lower top_k")
+        self._check_groups()
+        for knob in ("aux_loss_coef", "bias_update_rate", "num_shared_experts"):
+            if getattr(self, knob) < 0:
+                raise ValueError(f"model.moe.{knob} must be >= 0 (got {getattr(self, knob)})")
+        if self.routed_scaling_factor <= 0:
+            raise ValueError(f"model.moe.routed_scaling_factor must be > 0 (got {self.routed_scaling_factor})")
+        if self.shared_gate and self.num_shared_experts == 0:
+            raise ValueError("model.moe.shared_gate=true gates the shared experts: "
+                             "set model.moe.num_shared_experts >= 1 or drop it")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"model.moe.capacity_factor must be > 0, or null for dropless "
+                             f"(got {self.capacity_factor})")
+
+    def _check_groups(self) -> None:
+        if self.n_group == 1:
+            if self.topk_group != 1:
+                raise ValueError(f"model.moe.topk_group={self.topk_group} needs group-limited routing: "
+                                 "set model.moe.n_group > 1 or topk_group=1")
+            return
+        if self.num_experts % self.n_group:
+            raise ValueError(f"model.moe.n_group={self.n_group} does not divide model.moe.num_experts="
+                             f"{self.num_experts}: choose a divisor")
+        per_group = self.num_experts // self.n_group
+        if per_group < 2:  # a group scores as the sum of its two best experts (DeepSeek-V3)
+            raise ValueError(f"model.moe.n_group={self.n_group} leaves {per_group} expert per group; group "
+                             f"scores sum each group's top 2: use n_group <= {self.num_experts // 2}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"model.moe.topk_group={self.topk_group} exceeds model.moe.n_group={self.n_group}: "
+                             "lower topk_group")
+        if self.top_k > self.topk_group * per_group:
+            raise ValueError(f"model.moe.top_k={self.top_k} exceeds the {self.topk_group * per_group} experts "
+                             f"of topk_group={self.topk_group} groups: raise topk_group or lower top_k")

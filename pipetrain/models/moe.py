@@ -1,0 +1,157 @@
+"""A Mixture-of-Experts layer (pure torch, no torch.distributed): router, routed experts, shared experts.
+
+    out = sum_{e in top-k(x)} gate_e(x) * expert_e(x)  [+ sigmoid(x w_s) *] shared(x)
+
+with SwiGLU experts expert_e(x) = w2_e (silu(w1_e x) * w3_e x) (Shazeer 2020), stored stacked:
+`w1`, `w3` (E, I, H) and `w2` (E, H, I), nn.Linear's (out, in) order per expert, so transformers
+5's fused `gate_up_proj` (E, 2I, H) is cat([w1, w3], 1) and its `down_proj` (E, H, I) is w2, and the
+hub's per-expert `experts.j.{gate,up,down}_proj.weight` are w1[j], w3[j], w2[j] (no transpose).
+Shared experts are one SwiGLU MLP of num_shared_experts x I (DeepSeek's `shared_experts`,
+Qwen2-MoE's `shared_expert` with `shared_expert_gate`).
+
+Token order is deterministic: assignments are stable-sorted by expert id, so each expert sees its
+tokens in token order; the weighted outputs are put back in (token, k) order and summed over k.
+Routing maths, balancing and capacity: moe_router.py; the knobs: pipetrain/config/moe.py.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.config.moe import MoEConfig
+from pipetrain.models.moe_router import Router, Routing, balance_loss, capacity, tokens_per_expert, within_capacity
+
+
+class MoEOutput(NamedTuple):
+    out: torch.Tensor  # the layer's output, x's shape and dtype
+    aux_loss: torch.Tensor  # () aux_loss_coef x balance loss under balance=aux_loss|seq_aux_loss, else 0: add it
+    tokens_per_expert: torch.Tensor  # (E,) int64 routed assignments before any drop (aux_free's counts)
+    dropped_fraction: torch.Tensor  # () fp32 share of the T K assignments over capacity (0 when dropless)
+
+
+class Dispatch(NamedTuple):
+    """Which assignment goes where: `tokens` (N,) the token of each kept assignment in expert-major
+    order, `slots` (N,) its index into the flattened (T K) gates, `counts` (E,) per expert."""
+
+    tokens: torch.Tensor
+    slots: torch.Tensor
+    counts: torch.Tensor
+
+
+def dispatch(ids: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int) -> Dispatch:
+    """Stable sort of the (T, K) assignments by expert id; dropped ones (keep False) sort last, cut off."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)  # (T K,)
+    if keep is not None:
+        flat = flat.masked_fill(~keep.reshape(-1), num_experts)  # sentinel expert E: after every real one
+    slots = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    if keep is not None:
+        slots = slots[: int(keep.sum())]
+    return Dispatch(slots // k, slots, counts)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights; `forward` runs them over expert-major sorted tokens."""
+
+    def __init__(self, num_experts: int, *, hidden: int, intermediate: int, impl: str = "loop") -> None:
+        super().__init__()
+        if impl == "grouped" and (hidden % 8 or intermediate % 8):  # grouped_mm: rows of 16-byte multiples
+            raise ValueError(f"model.moe.experts_impl=grouped needs hidden ({hidden}) and expert width "
+                             f"({intermediate}) divisible by 8: use experts_impl=loop")
+        self.impl = impl
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, hidden))  # gate_proj per expert
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, hidden))  # up_proj
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # down_proj
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, H) sorted by expert, counts (E,) -> (N, H)."""
+        if self.impl == "grouped":
+            return self.forward_grouped(x, counts)
+        return self.forward_loop(x, counts)
+
+    def forward_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The reference: one matmul chain per expert over its contiguous rows (a host sync for the
+        counts, fine on CPU)."""
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts.tolist())):  # rows (n_e, H)
+            if rows.shape[0]:
+                h = F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e])  # (n_e, I)
+                outs.append(F.linear(h, self.w2[e]))  # (n_e, H)
+        return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[1])
+
+    def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The hook for the grouped-GEMM CUDA path: three `F.grouped_mm` calls with int32 end offsets,
+        no host sync. Checked equal to the loop on CPU (ATen's fallback, which needs H and I rows
+        aligned to 16 bytes) in tests/test_moe_layer.py; its CUDA speed and numerics are checked only in
+        the gpu tier (test_grouped_experts_on_cuda), not in this CPU-only suite."""
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,) end row of each expert
+        gate = F.grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)  # (N, I)
+        up = F.grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)  # (N, I)
+        return F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)  # (N, H)
+
+
+class SharedExperts(nn.Module):
+    """Experts every token goes through, fused into one SwiGLU MLP (HF's names), optionally scaled by
+    sigmoid(gate(x)) per token (Qwen2-MoE's `shared_expert_gate`, a (1, H) weight)."""
+
+    def __init__(self, *, hidden: int, intermediate: int, gated: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate = nn.Linear(hidden, 1, bias=False) if gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, H) -> (T, I) -> (T, H)
+        return y if self.gate is None else torch.sigmoid(self.gate(x)) * y
+
+
+class MoE(nn.Module):
+    """The layer a block calls in place of its MLP: `forward(x)` with x (B, T, H) or (T, H) returns an
+    MoEOutput. `intermediate` is one routed expert's width (HF `moe_intermediate_size`, Mixtral's
+    `intermediate_size`); `shared_intermediate` the shared MLP's (default num_shared_experts x
+    intermediate, DeepSeek's rule; Qwen2-MoE names its own `shared_expert_intermediate_size`).
+    balance=seq_aux_loss takes each row of a (B, T, H) input as a sequence; a (T, H) input is one."""
+
+    def __init__(self, config: MoEConfig, *, hidden: int, intermediate: int,
+                 shared_intermediate: Optional[int] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.router = Router(config, hidden=hidden)
+        self.experts = Experts(config.num_experts, hidden=hidden, intermediate=intermediate,
+                               impl=config.experts_impl)
+        self.shared_experts: Optional[SharedExperts] = None
+        if config.num_shared_experts:
+            width = shared_intermediate or config.num_shared_experts * intermediate
+            self.shared_experts = SharedExperts(hidden=hidden, intermediate=width, gated=config.shared_gate)
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        c = self.config
+        flat = x.reshape(-1, x.shape[-1])  # (T, H), T = B x seq
+        routing = self.router(flat)
+        counts = tokens_per_expert(routing.ids, c.num_experts)  # (E,) demand, before any drop
+        cap = capacity(c, flat.shape[0])
+        keep = None if cap is None else within_capacity(routing.ids, routing.gates, num_experts=c.num_experts,
+                                                         cap=cap)
+        dropped = torch.zeros((), device=x.device) if keep is None else 1.0 - keep.float().mean()
+        d = dispatch(routing.ids, keep, c.num_experts)
+        y = self.experts(flat[d.tokens], d.counts)  # (N, H) expert-major
+        y = y.to(routing.gates.dtype) * routing.gates.reshape(-1)[d.slots].unsqueeze(-1)  # gates in fp32+
+        # Back to (token, k) order, then a sum over k: no atomics, the same bits on CPU and CUDA.
+        full = y.new_zeros(routing.ids.numel(), y.shape[1]).index_copy(0, d.slots, y)  # (T K, H), dropped: 0
+        out = full.view(*routing.ids.shape, -1).sum(1)  # (T, H)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return MoEOutput(out.to(x.dtype).view(x.shape), self._aux_loss(routing, x), counts, dropped)
+
+    def _aux_loss(self, routing: Routing, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if c.balance not in ("aux_loss", "seq_aux_loss"):
+            return torch.zeros((), device=x.device)
+        seq_len = x.shape[-2] if c.balance == "seq_aux_loss" and x.dim() == 3 else None
+        return c.aux_loss_coef * balance_loss(routing.scores, routing.ids, score_func=c.score_func, seq_len=seq_len)
