@@ -6,7 +6,7 @@ Time: the simulator's makespan of the actual schedule under the partition's per-
 (`comm_ms`), the data-parallel reduce lane (schedules/reduce_cost.py) and what it leaves exposed
 after the last backward, plus the optimizer step (state bytes over memory bandwidth), plus the
 calibrated overheads a run adds (per action, per layer, per reduction, per step: planner/calibrate.py).
-Under tensor parallel each layer is one tp rank's (`tp_rank_layers`: schedules/tp_cost.py's
+Under tensor parallel each layer is one tp rank's (schedules/tp_cost.py `tp_rank_layers`:
 compute / tp and TP collectives, parameters / tp, activations per Korthikanti et al. 2022).
 Memory: planner/memory.py, with the activation peak taken from the same simulated timeline.
 `zb_auto` gets the largest activation budget the memory cap leaves (at most 2P, ZB-2p's).
@@ -36,7 +36,7 @@ from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import DTYPE_BYTES, reduce_ms, stage_params
 from pipetrain.schedules.simulate import StageCosts, simulate, split_stages
-from pipetrain.schedules.tp_cost import tp_layer_costs
+from pipetrain.schedules.tp_cost import tp_rank_layers
 from pipetrain.schedules.validate import hangs_on_nccl
 from pipetrain.schedules.zb_auto import zb_auto_order
 
@@ -143,23 +143,6 @@ class Row:
             "exposed_comm_ms": self.exposed_comm_ms, "memory_budget": self.memory_budget,
             "memory_per_rank": [m.to_json() for m in self.memory],
         }
-
-
-def tp_rank_layers(layers: Sequence[LayerCost], *, tp: int, sequence_parallel: bool, tokens: int, hidden: int,
-                   vocab: int, value_bytes: int, bandwidth_gbs: float,
-                   replicated_bytes_per_token: float = 0.0, latency_ms: float = 0.0) -> list[LayerCost]:
-    """One tp rank's layers (schedules/tp_cost.py: compute / tp plus the TP collectives, parameters
-    / tp). Activations: / tp under sequence parallel; without it a block keeps its replicated part
-    (`replicated_bytes_per_token`, the norms') whole and splits the rest (Korthikanti et al. 2022:
-    sbh (10 + 24 / t) for their 34); 0 leaves the blocks' activations whole (tp_cost's bound)."""
-    split = tp_layer_costs(layers, tp=tp, tokens=tokens, hidden=hidden, vocab=vocab, bytes_per_value=value_bytes,
-                           bandwidth_gbs=bandwidth_gbs, sequence_parallel=sequence_parallel, latency_ms=latency_ms)
-    if tp == 1 or sequence_parallel or not replicated_bytes_per_token:
-        return split
-    return [dataclasses.replace(l, activation_bytes_per_token=replicated_bytes_per_token
-                                + (l.activation_bytes_per_token - replicated_bytes_per_token) / tp)
-            if l.name not in ("embed", "head") and l.activation_bytes_per_token > replicated_bytes_per_token else l
-            for l in split]
 
 
 def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: frozenset[int],

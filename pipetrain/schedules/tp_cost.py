@@ -73,3 +73,19 @@ def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden:
             activation_bytes_per_token=(-(-layer.activation_bytes_per_token // tp) if sequence_parallel
                                         else layer.activation_bytes_per_token)))
     return out
+
+
+def tp_rank_layers(layers: Sequence[LayerCost], *, tp: int, sequence_parallel: bool, tokens: int, hidden: int,
+                   vocab: int, value_bytes: int, bandwidth_gbs: float,
+                   replicated_bytes_per_token: float = 0.0, latency_ms: float = 0.0) -> list[LayerCost]:
+    """One tp rank's layers (tp_layer_costs: compute / tp plus the TP collectives, parameters / tp). Activations: / tp under sequence parallel; without it a block keeps its replicated part
+    (`replicated_bytes_per_token`, the norms') whole and splits the rest (Korthikanti et al. 2022:
+    sbh (10 + 24 / t) for their 34); 0 leaves the blocks' activations whole (tp_cost's bound)."""
+    split = tp_layer_costs(layers, tp=tp, tokens=tokens, hidden=hidden, vocab=vocab, bytes_per_value=value_bytes,
+                           bandwidth_gbs=bandwidth_gbs, sequence_parallel=sequence_parallel, latency_ms=latency_ms)
+    if tp == 1 or sequence_parallel or not replicated_bytes_per_token:
+        return split
+    return [dataclasses.replace(l, activation_bytes_per_token=replicated_bytes_per_token
+                                + (l.activation_bytes_per_token - replicated_bytes_per_token) / tp)
+            if l.name not in ("embed", "head") and l.activation_bytes_per_token > replicated_bytes_per_token else l
+            for l in split]
