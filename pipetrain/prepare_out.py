@@ -18,11 +18,11 @@ import contextlib
 import fcntl
 import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import Callable, Optional, Sequence
+
+from pipetrain.files import replace_dir
 
 SHARD_NAME = re.compile(r"(train|val)_\d{6,}\.bin")  # what ShardWriter writes: {split}_{n:06d}.bin
 
@@ -93,14 +93,8 @@ class PartialOut:
         """Rename the partial folder to OUT. An empty OUT is replaced by the rename itself (rename(2)
         replaces an empty directory); a non-empty one (--overwrite: check_out allowed it) is moved
         aside under a fresh name first and removed after, so OUT is always whole."""
-        if self.out.is_dir() and any(self.out.iterdir()):
-            old = self.out.with_name(f".{self.out.name}.old-{uuid.uuid4().hex[:8]}")
-            self.out.rename(old)
-            self.path.rename(self.out)
-            shutil.rmtree(old)
+        if replace_dir(self.path, self.out):
             self.note(f"replaced {self.out} (--overwrite)")
-        else:
-            self.path.rename(self.out)
 
     def _reclaim(self) -> None:
         """Remove a dead run's partial folder; a one-line error when a live run holds it or it

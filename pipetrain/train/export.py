@@ -33,6 +33,7 @@ import torch
 
 from pipetrain.config import Config
 from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig
+from pipetrain.files import replace_dir
 from pipetrain.models.hf import CONFIG, INDEX, TOKENIZER_FILES, folder_of, hf_config, names_of, pretrained_rule
 from pipetrain.models.init import param_generator
 from pipetrain.plan import build_model
@@ -111,7 +112,7 @@ def run_export(config: Config, run_dir: Path, *, note: Callable[[str], None] = p
     tmp.mkdir()
     try:
         copied, tok = _write(config, tmp, shards, params, sizes, fill, dtype)
-        _replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: nothing of a failed export is left
         raise
@@ -181,15 +182,3 @@ def _read_from(config: Config, run_dir: Path, ckpt: Optional[Path]) -> list[tupl
     if ckpt is not None:
         out.append(("the checkpoint it exports", Path(ckpt)))
     return out + [("this run's directory", Path(run_dir))]
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing out (empty, or export.overwrite=true: check_out said so) is
-    moved aside under a fresh name first and removed after, so out is always whole."""
-    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-    if out.is_symlink():
-        out.unlink()  # the link, not the folder it names
-    elif out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
