@@ -1,6 +1,7 @@
 """Every command of the README, of docs/*.md and of the recipes' comments runs as written on this machine
 (CPU), with short runs: a training command gets `trainer.max_steps` appended (a written one is
-scaled down, N -> max(2, N // 50), so a resume still continues past the first run). A command
+scaled down, N -> max(2, N // 50), so a resume still continues past the first run; schedule=auto's
+calibration runs take 2 steps). A command
 the docs call GPU-sized is not run; one that needs the user's own files (a Hugging Face folder,
 a token file, a corpus) must fail in one line naming the missing file; one that needs SLURM must
 say so in one line. Commands run through bash, as a user pastes them, one ```bash block in one
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from pipetrain.planner.memory import StateBytes
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -41,16 +44,20 @@ class Case:
     commands: list[str]  # run in order in one directory
     gpu: bool = False  # the docs call it GPU-sized: not run
     refused: bool = False  # the docs say it is refused: it must fail in one line, before any rank
+    mark: str = ""  # the words that call it GPU-sized
 
 
 def shorten(cmd: str, *, keep_checkpoints: bool = True) -> str:
-    """Short runs: trainer.max_steps scaled down, or appended to a training command; no final
+    """Short runs: trainer.max_steps scaled down, or appended to a training command, and
+    schedule=auto's calibration runs at their shortest; no final
     checkpoint (GPT-2's is 1.5 GB) unless a later command of the block resumes from it."""
     words = cmd.split()
     if words[0] not in ("pipetrain", "torchrun") or "--help" in words or any(
             w in words for w in ("mode=simulate", "mode=export", "mode=eval")):
         return cmd
     tail = "" if keep_checkpoints or "trainer.ckpt_at_end=" in cmd else " trainer.ckpt_at_end=false"
+    if "schedule=auto" in words and "plan.calibrate_steps=" not in cmd:
+        tail += " plan.calibrate_steps=2"  # its calibration runs (on CPU) shortened too: 5 steps -> 2
     if "trainer.max_steps=" in cmd:
         return re.sub(r"trainer\.max_steps=(\d+)",
                       lambda m: f"trainer.max_steps={m.group(1) if int(m.group(1)) <= 5 else max(2, int(m.group(1)) // 50)}",
@@ -75,7 +82,7 @@ def doc_cases(doc: str) -> list[Case]:
             if not cmd or cmd.startswith(NOT_RUN) or cmd in RUN_ELSEWHERE:
                 continue
             if "GPU" in comment:
-                cases.append(Case(f"{doc}:{line}", [cmd], gpu=True))
+                cases.append(Case(f"{doc}:{line}", [cmd], gpu=True, mark=comment))
                 continue
             if "refused" in comment:
                 cases.append(Case(f"{doc}:{line}", [cmd], refused=True))
@@ -85,7 +92,7 @@ def doc_cases(doc: str) -> list[Case]:
             cases.append(Case(f"{doc}:{line}", cmds))
     prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
     for m in re.finditer(r"`((?:pipetrain|torchrun|python -m pipetrain)\b[^`]*)`", prose):
-        cmd = m.group(1)
+        cmd = " ".join(m.group(1).split())  # a command the text wraps is one line
         if cmd in ASIDES or cmd.startswith("pipetrain:") or re.search(r"\b[A-Z]{3,}\b", cmd) or " " not in cmd:
             continue  # a name, an error message, or a template (DIR, NAME)
         cases.append(Case(f"{doc}:{prose[: m.start()].count(chr(10)) + 1}", [cmd]))
@@ -96,14 +103,14 @@ def recipe_cases() -> list[Case]:
     cases = []
     for path in sorted((REPO / "recipes").glob("*.yaml")):
         lines = path.read_text().splitlines()
-        gpu_sized = any("GPU-sized" in ln for ln in lines)
+        mark = " ".join(ln for ln in lines if "GPU-sized" in ln)
         for i, ln in enumerate(lines):
             m = re.search(r"(pipetrain \S.*)$", ln) if ln.startswith("#") else None
             if m is None:
                 continue
             before = ln[: m.start()] + " ".join(lines[max(0, i - 1): i])  # the text that introduces it
-            cpu = "CPU" in before or not gpu_sized
-            cases.append(Case(f"recipes/{path.name}:{i + 1}", [m.group(1).strip()], gpu=not cpu))
+            cpu = "CPU" in before or not mark
+            cases.append(Case(f"recipes/{path.name}:{i + 1}", [m.group(1).strip()], gpu=not cpu, mark=mark))
     return cases
 
 
@@ -137,9 +144,7 @@ def missing_paths(cmd: str, cwd: Path) -> list[str]:
 def test_the_docs_have_commands_to_check():
     where = [c.where.split(":")[0] for c in CASES]
     assert sum(w.endswith(".md") for w in where) >= 15 and len({w for w in where if w.startswith("docs/")}) >= 8 and len({w for w in where if w.startswith("recipes/")}) >= 4
-    gpu = [c.commands[0] for c in CASES if c.gpu]
-    # only the GPT-2 recipes and the multi-GPU torchrun checks are GPU-sized
-    assert gpu and all("+recipe=gpt2" in c or "trainer.device=cuda" in c for c in gpu), gpu
+    assert any(c.gpu for c in CASES)  # and each is checked: test_a_command_bigger_than_a_laptop_says_so_and_only_then
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.gpu], ids=lambda c: c.where)
@@ -165,36 +170,83 @@ def test_command_runs_as_written(case, tmp_path):
             assert "Traceback" not in res.stderr, (cmd, res.stderr[-3000:])
 
 
-LAPTOP_GB = 16.0  # more per rank than this, predicted by the planner, and a command must say it is GPU-sized
+LAPTOP_GB = 16.0  # more than this, predicted by the planner, and a command must say it is GPU-sized
+WEIGHTS_SHARE = StateBytes().param / StateBytes().total  # what mode=eval keeps of a rank's training states
+NOT_SIZED = ("mode=simulate", "mode=plan", "mode=export", "schedule=auto", "schedule=custom")
+# where a rank's memory does not depend on the value: the data's source, the output, the resumed step
+UNSIZED_KEYS = ("data", "data.path", "data.val_path", "data.tokenizer_dir", "hydra.run.dir", "trainer.resume")
 
 
-def _predicted_gb(cmd: str, compose) -> float | None:
-    """The planner's predicted peak per rank of a training or eval command (None: nothing to size:
-    not a run that builds the model, a sweep, or one that needs the user's files)."""
+def _preset(folder: str) -> str:
+    """The model preset a Hugging Face folder's name implies (`$HOME/hf/Llama-3.2-1B` -> llama3.2-1b):
+    the planner sizes the shape, which the folder's config.json would set."""
+    from pipetrain.compose import CONF_DIR
+
+    key = lambda s: re.sub(r"[^a-z0-9.]", "", s.lower())  # noqa: E731
+    presets = {key(p.stem): p.stem for p in Path(CONF_DIR, "model").glob("*.yaml")}
+    name = key(Path(folder).name)
+    assert name in presets, f"{folder}: no model preset has its name; name the folder after one or mark the command"
+    return presets[name]
+
+
+def _needed_gb(cmd: str, compose) -> tuple[float, float] | None:
+    """The planner's prediction for a training or eval command: (the fullest rank's GB, the GB of one
+    machine: every rank's under the local launcher, which puts them all on it). None: nothing to size
+    (not a run that builds the model, a sweep, options)."""
     from pipetrain.planner.predict import predict
 
     words = shlex.split(cmd)
-    if words[0] != "pipetrain" or any(w.startswith("-") for w in words[1:]) or \
-            any(w in words for w in ("mode=simulate", "mode=plan", "mode=export", "schedule=auto", "schedule=custom")):
+    if words[0] != "pipetrain" or any(w.startswith("-") for w in words[1:]) or any(w in words for w in NOT_SIZED):
         return None
-    # the data's source does not change what a rank holds: sized on the built-in corpus
-    overrides = [w for w in words[1:] if "=" in w and "," not in w.split("=", 1)[1]
-                 and not w.startswith(("data=", "data.path="))]
-    if len(overrides) != len(words) - 1 - sum(w.startswith(("data=", "data.path=")) for w in words) or \
-            any("pretrained=" in w for w in overrides):
-        return None
-    return predict(compose(overrides))["total_gb"]
+    overrides, evaluating = [], "mode=eval" in words
+    for word in words[1:]:
+        key, eq, value = word.partition("=")
+        if not eq or "," in value:
+            return None  # a sweep
+        if key == "model.pretrained":  # its config.json sets the shape, over model=
+            overrides = [o for o in overrides if not o.startswith("model=")] + [f"model={_preset(value)}"]
+        elif key == "model" and any(w.startswith("model.pretrained=") for w in words):
+            continue
+        elif key not in UNSIZED_KEYS and word != "mode=eval":
+            overrides.append(word)
+    config = compose(overrides)
+    got = predict(config)
+    per_rank = [m["states_gb"] * WEIGHTS_SHARE if evaluating else m["total_gb"] for m in got["memory_per_rank"]]
+    if config.cluster.name not in ("local", "submitit_local"):
+        return max(per_rank), max(per_rank)  # one rank per machine at the least
+    return max(per_rank), sum(per_rank) * (config.layout.world // len(per_rank))  # dp and tp copies of each
 
 
-def test_a_command_bigger_than_a_laptop_says_so(compose):
-    """Every unmarked command of the docs fits a laptop: the planner's own prediction per rank is at
-    most LAPTOP_GB (a GPU-sized one carries the mark and is not run)."""
-    sized = {c.commands[0]: _predicted_gb(c.commands[0], compose) for c in CASES if not c.gpu and not c.refused
-             and len(c.commands) == 1}
-    assert sum(gb is not None for gb in sized.values()) >= 8, sized  # the check sees the commands
-    assert _predicted_gb("pipetrain model=llama3.1-8b data=tokens data.path=x.bin", compose) > LAPTOP_GB  # it can tell
-    too_big = {cmd: round(gb, 1) for cmd, gb in sized.items() if gb is not None and gb > LAPTOP_GB}
-    assert not too_big, f"mark these GPU-sized in the docs: {too_big}"
+def _sized(compose) -> dict[str, tuple[Case, tuple[float, float]]]:
+    """Every command the planner can size (those of a block too), with its case."""
+    return {cmd: (c, gb) for c in CASES if not c.refused for cmd in c.commands
+            for gb in [_needed_gb(cmd, compose)] if gb is not None}
+
+
+def test_a_command_bigger_than_a_laptop_says_so_and_only_then(compose):
+    """A training or eval command the planner predicts at more than LAPTOP_GB (on its fullest rank, or
+    on one machine under the local launcher) carries the GPU-sized mark and is not run; one marked
+    in a page quotes the GB the planner predicts (within 10%); a marked one that fits is a wrong mark."""
+    sized = _sized(compose)
+    assert len(sized) >= 12 and sum(c.gpu for c, _ in sized.values()) >= 4, sized  # the check sees the commands
+    assert _needed_gb("pipetrain model=llama3.1-8b data=tokens data.path=x.bin", compose)[0] > LAPTOP_GB  # it can tell
+    unmarked, wrong, misquoted = {}, {}, {}
+    for cmd, (case, (rank_gb, machine_gb)) in sized.items():
+        need = max(rank_gb, machine_gb)
+        if need > LAPTOP_GB and not case.gpu:
+            unmarked[cmd] = (round(rank_gb, 1), round(machine_gb, 1))
+        elif case.gpu and need <= LAPTOP_GB:
+            wrong[cmd] = (round(rank_gb, 1), round(machine_gb, 1))
+        elif case.gpu and case.where.split(":")[0].endswith(".md"):
+            quoted = [float(x) for x in re.findall(r"(\d+(?:\.\d+)?) GB", case.mark)]
+            if not any(abs(q - gb) <= 0.1 * gb for q in quoted for gb in (rank_gb, machine_gb)):
+                misquoted[cmd] = (case.mark, round(rank_gb, 1), round(machine_gb, 1))
+    unchecked = [c.commands[0] for c in CASES if c.gpu and c.commands[0] not in sized
+                 and "trainer.device=cuda" not in c.commands[0]]  # a mark is memory or CUDA itself
+    assert not unchecked, f"GPU-sized but neither sized by the planner nor asking for CUDA: {unchecked}"
+    assert not unmarked, f"mark these GPU-sized (GB per rank, per machine): {unmarked}"
+    assert not wrong, f"these fit a laptop, drop their GPU-sized mark: {wrong}"
+    assert not misquoted, f"these marks must quote the planner's GB (per rank or per machine): {misquoted}"
 
 
 def _slug(title: str) -> str:
