@@ -75,4 +75,3 @@ def test_the_cosine_ends_at_decay_steps_then_stays_at_min_lr():
     assert lr_at(10, cfg, 10) == lr_at(50, cfg, 10) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="optim.decay_steps must be >= 1"):
         OptimConfig(decay_steps=0)
-

@@ -1,8 +1,9 @@
 """The public names of every metric, in namespaces, the same in metrics.jsonl, summary.json,
 wandb and TensorBoard.
 
-  train/     loss, val_loss, lr, grad_norm, skipped; in summary.json also first_loss,
-             skipped_steps, tokens
+  train/     loss, val_loss, lr, grad_norm, skipped; in summary.json also first_loss (of step
+             first_loss_step: 1, unless resumed from a checkpoint older than first_loss), resumed_at
+             (the step a resumed run started from, else null), skipped_steps, tokens
   perf/      tokens_per_s, step_time_s, mfu
   pipeline/  bubble_measured, bubble_simulated (mean over ranks; per rank under /rank<r>),
              makespan_ms, makespan_simulated_ms, per stage `pipeline/stage<s>/{f,b,w}_ms` (the
@@ -23,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 LOSS, VAL_LOSS, LR, GRAD_NORM, SKIPPED = "train/loss", "train/val_loss", "train/lr", "train/grad_norm", "train/skipped"
 FIRST_LOSS, SKIPPED_STEPS, TOKENS = "train/first_loss", "train/skipped_steps", "train/tokens"
+FIRST_LOSS_STEP, RESUMED_AT = "train/first_loss_step", "train/resumed_at"
 TOKENS_PER_S, STEP_TIME, MFU = "perf/tokens_per_s", "perf/step_time_s", "perf/mfu"
 BUBBLE, BUBBLE_SIM = "pipeline/bubble_measured", "pipeline/bubble_simulated"
 MAKESPAN, MAKESPAN_SIM = "pipeline/makespan_ms", "pipeline/makespan_simulated_ms"

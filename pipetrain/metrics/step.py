@@ -104,7 +104,8 @@ class RunSummary:
         """summary.json: `steps`, then the run's metrics under the names a step's have
         (metrics/names.py); the measured ones where a step was measured."""
         out: dict[str, Any] = {
-            "steps": self.steps, names.FIRST_LOSS: self.first_loss, names.LOSS: self.final_loss,
+            "steps": self.steps, names.FIRST_LOSS: self.first_loss, names.FIRST_LOSS_STEP: self.first_loss_step,
+            names.RESUMED_AT: self.resumed_at, names.LOSS: self.final_loss,
             names.VAL_LOSS: self.final_val_loss, names.SKIPPED_STEPS: self.skipped_steps, names.TOKENS: self.tokens,
             names.STEP_TIME: self.step_time_s, names.TOKENS_PER_S: self.tokens_per_s,
         }
