@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from pipetrain.launch.local import spawn_local
 from pipetrain.models.sleep import sleep_layer_costs
-from pipetrain.models.costs import chunk_costs
+from pipetrain.partition.costs import chunk_costs
 from pipetrain.models.sleep_module import SleepModel
 from pipetrain.partition.uniform import uniform_bounds
-from pipetrain.train.pipeline import build_rank_pipeline
+from pipetrain.train.pipeline import Transport, build_rank_pipeline
 from pipetrain.schedules import registry
 from pipetrain.schedules.simulate import StageCosts, simulate
 
@@ -51,7 +51,8 @@ def rank_main(rank: int, world: int, out: Path, M: int, layer_ms: float, steps: 
         sched = registry.build(name, world, M, spec(name))
         model = SleepModel(layers=layers_for(world), f_ms=layer_ms, b_ms=layer_ms, w_ms=layer_ms, hidden=HIDDEN)
         bounds = uniform_bounds(len(model.layers), sched.placement.num_chunks)
-        rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=1, timeout_s=120, p2p_lookahead=lookahead)
+        rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=1,
+                                 transport=Transport(timeout_s=120, lookahead=lookahead))
         g = torch.Generator().manual_seed(0)
         mbs = [model.example_batch(microbatch=1, seq=1, generator=g) for _ in range(M)]
         times = []

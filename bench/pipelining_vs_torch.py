@@ -68,7 +68,7 @@ from pipetrain.models.gpt2 import GPT2
 from pipetrain.models.split import build_stage
 from pipetrain.partition.strategies import min_max_bounds
 from pipetrain.partition.uniform import uniform_bounds
-from pipetrain.train.pipeline import build_rank_pipeline
+from pipetrain.train.pipeline import Transport, build_rank_pipeline
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
@@ -122,8 +122,8 @@ class PipetrainSide:
 
     def __init__(self, model: GPT2, bounds: list[range], sched: Schedule, rank: int, batch, args) -> None:
         self.rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=args.batch // args.microbatches,
-                                      seq_len=args.seq, timeout_s=args.p2p_timeout_s,
-                                      p2p_lookahead=args.p2p_lookahead)
+                                      seq_len=args.seq, transport=Transport(
+                                          timeout_s=args.p2p_timeout_s, lookahead=args.p2p_lookahead))
         idx, tgt = batch
         M = args.microbatches  # the same chunks torch's default TensorChunkSpec(0) makes
         self.mbs = list(zip(idx.tensor_split(M), tgt.tensor_split(M)))
@@ -227,7 +227,7 @@ def recv_buffer_scaling(rank: int, world: int, args: argparse.Namespace) -> dict
             model = build_model(args)
             bounds = stage_cut(model, sched, args)
             rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=mb, seq_len=args.seq,
-                                     timeout_s=args.p2p_timeout_s, p2p_lookahead=args.p2p_lookahead)
+                                     transport=Transport(timeout_s=args.p2p_timeout_s, lookahead=args.p2p_lookahead))
             idx, tgt = global_batch(model, scaled)
             res = rp.train_step(list(zip(idx.tensor_split(M), tgt.tensor_split(M))))
             merged: dict[str, int] = {}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.config import Config, ModelConfig, SleepModelConfig
-from pipetrain.models.costs import LayerCost, chunk_costs, fuse_weight_grads
+from pipetrain.partition.costs import LayerCost, chunk_costs, fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.partition.plan import PartitionPlan, require_chunks
 from pipetrain.partition.strategies import partition

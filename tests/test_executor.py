@@ -22,7 +22,8 @@ from pipetrain.metrics.records import RankSample
 from pipetrain.models.factory import build_model
 from pipetrain.partition.uniform import uniform_bounds
 from pipetrain.runtime.clock import StepClock
-from pipetrain.train.pipeline import build_rank_pipeline
+from pipetrain.parallel.parallelize import Parallelize
+from pipetrain.train.pipeline import Transport, build_rank_pipeline
 from pipetrain.schedules import registry
 
 V = {"interleaved_1f1b": 2, "looped_bfs": 2}
@@ -53,8 +54,8 @@ def run_all_schedules(rank: int, world: int, out, model_name: str) -> None:
         model = make_model(model_name, device="meta")
         sched = registry.build(name, world, M, V.get(name, registry.get(name).fixed_stages_per_rank or 1))
         bounds = uniform_bounds(len(model.layers), sched.placement.num_chunks)
-        rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=MB, seq_len=SEQ, timeout_s=60,
-                                 p2p_in_order=True, seed=0)
+        rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=MB, seq_len=SEQ, seed=0,
+                                 transport=Transport(timeout_s=60, in_order=True))
         opt = torch.optim.SGD(rp.parameters(), lr=LR, momentum=0.9)
         first = None
         for step in range(STEPS):
@@ -126,7 +127,7 @@ def test_activation_checkpointing_same_gradients_less_memory(name):
         model = make_model("gpt2-tiny")
         sched = registry.build(name, 1, M, 1)
         rp = build_rank_pipeline(model, [range(len(model.layers))], sched, 0, microbatch_size=MB, seq_len=SEQ,
-                                 activation_checkpointing=ckpt)
+                                 parallelize=Parallelize(recompute=ckpt))
         res = rp.train_step(batches(model, 0))
         results[ckpt] = (res, {n: p.grad.clone() for _, n, p in rp.named_parameters()})
     (plain, g0), (ckpt, g1) = results[False], results[True]
@@ -146,7 +147,7 @@ def test_recompute_on_some_stages_same_gradients_memory_between():
         sched = registry.build("interleaved_1f1b", 1, M, 2)
         half = len(model.layers) // 2
         rp = build_rank_pipeline(model, [range(half), range(half, len(model.layers))], sched, 0,
-                                 microbatch_size=MB, seq_len=SEQ, activation_checkpointing=recompute)
+                                 microbatch_size=MB, seq_len=SEQ, parallelize=Parallelize(recompute=recompute))
         assert [m.checkpoint_layers for _, m in sorted(rp.stages.items())] == \
             ([recompute] * 2 if isinstance(recompute, bool) else [True, False])
         res = rp.train_step(batches(model, 0))
@@ -188,7 +189,7 @@ def late_and_skewed(rank: int, world: int, out) -> None:
     model = make_model("mlp", device="meta")
     sched = registry.build("1f1b", world, 4)
     rp = build_rank_pipeline(model, uniform_bounds(len(model.layers), world), sched, rank, microbatch_size=MB,
-                             timeout_s=60, seed=0)
+                             transport=Transport(timeout_s=60), seed=0)
     rp.executor.clock = StepClock(torch.device("cpu"), host_clock=lambda: time.perf_counter() + SKEW_S * rank)
     log: list = []
     for s, mod in rp.stages.items():

@@ -14,7 +14,7 @@ from pipetrain.models.factory import build_model
 from pipetrain.parallel.layout import Layout
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.partition.uniform import uniform_bounds
-from pipetrain.train.pipeline import build_rank_pipeline
+from pipetrain.train.pipeline import Transport, build_rank_pipeline
 from pipetrain.schedules import registry
 
 pytestmark = pytest.mark.dist
@@ -26,7 +26,8 @@ def die_mid_step(rank: int, world: int, out, victim: int, how: str) -> None:
     torch.manual_seed(0)
     model = build_model("mlp", n_layer=8)
     sched = registry.build("1f1b", world, 8, 1)
-    rp = build_rank_pipeline(model, uniform_bounds(8, world), sched, rank, microbatch_size=2, timeout_s=TIMEOUT_S)
+    rp = build_rank_pipeline(model, uniform_bounds(8, world), sched, rank, microbatch_size=2,
+                             transport=Transport(timeout_s=TIMEOUT_S))
     g = torch.Generator().manual_seed(0)
     mbs = [model.example_batch(microbatch=2, seq=1, generator=g) for _ in range(8)]
     rp.train_step(mbs)  # one healthy step first
@@ -108,8 +109,8 @@ def die_under_dp(rank: int, world: int, out, victim: int) -> None:
     model = build_model("mlp", n_layer=8)
     sched = registry.build("1f1b", 2, 8, 1)
     rp = build_rank_pipeline(model, uniform_bounds(8, 2), sched, groups.pp_rank, microbatch_size=2,
-                             timeout_s=TIMEOUT_S, group=groups.pp_group, group_ranks=groups.pipeline_ranks,
-                             pipelines=layout.pipelines())
+                             transport=Transport(timeout_s=TIMEOUT_S, group=groups.pp_group,
+                                                 group_ranks=groups.pipeline_ranks, pipelines=layout.pipelines()))
     rp.executor.comm.name_ranks(layout)  # as the Trainer does
     g = torch.Generator().manual_seed(0)
     mbs = [model.example_batch(microbatch=2, seq=1, generator=g) for _ in range(8)]

@@ -117,6 +117,7 @@ def test_split_backward_equals_fused_under_autocast():
 
 def _pipeline(config, *, dp=None, seed=0):
     from pipetrain.plan import build_model, make_plan
+    from pipetrain.parallel.parallelize import Parallelize
     from pipetrain.train.pipeline import build_rank_pipeline
 
     from pipetrain.schedules.reduce import add_reduces
@@ -126,7 +127,7 @@ def _pipeline(config, *, dp=None, seed=0):
     schedule = plan.schedule if dp is None else add_reduces(plan.schedule)  # what a dp run's plan carries
     return plan, build_rank_pipeline(model, plan.chunk_bounds, schedule, 0,
                                      microbatch_size=config.microbatch_size, seq_len=config.data.seq_len,
-                                     device=DEVICE, dp=dp, seed=seed)
+                                     device=DEVICE, parallelize=Parallelize(dp=dp), seed=seed)
 
 
 class _OneRankFsdp:

@@ -151,7 +151,7 @@ def test_no_tp_rank_allocates_the_whole_logits(tmp_path):
 @pytest.mark.pure
 def test_tp_cost_head_runs_the_loss_all_reduces_not_a_logits_gather():
     """The head's F under tp: its compute / tp plus 2 all-reduces of N and 2N fp32 values, whatever V."""
-    from pipetrain.models.costs import LayerCost
+    from pipetrain.partition.costs import LayerCost
     from pipetrain.schedules.reduce_cost import ring_factor
     from pipetrain.schedules.tp_cost import collectives, tp_layer_costs
 

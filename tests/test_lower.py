@@ -155,8 +155,10 @@ def test_simulate_writes_and_prints_bw_for_compiled_stages(tmp_path: Path):
 def test_a_rank_refuses_compiled_stages_on_a_schedule_not_lowered():
     """The executor has no compile branch: a compiled stage given B and W apart is refused when the
     rank is assembled, before anything is built."""
+    from pipetrain.parallel.parallelize import Parallelize
     from pipetrain.train.pipeline import build_rank_pipeline
 
     zbv = registry.build("zbv", 2, 4, 2)
     with pytest.raises(ValueError, match="compiled stages cannot run B and W apart, but the schedule has 3B0"):
-        build_rank_pipeline(None, [range(1)] * 4, zbv, 0, microbatch_size=1, compile_layers=True)  # type: ignore[arg-type]
+        build_rank_pipeline(None, [range(1)] * 4, zbv, 0, microbatch_size=1,
+                            parallelize=Parallelize(compiled=True))  # type: ignore[arg-type]

@@ -85,13 +85,13 @@ def run_transports(rank: int, world: int, out, timeout_s: float) -> None:
 
     from pipetrain.partition.uniform import uniform_bounds
     from pipetrain.schedules import registry
-    from pipetrain.train.pipeline import build_rank_pipeline
+    from pipetrain.train.pipeline import Transport, build_rank_pipeline
 
     sched = registry.build("interleaved_1f1b", world, M4, 2)
     for transport in ("pair_groups", "one_group"):
         model = mlp("meta")
-        rp = build_rank_pipeline(model, uniform_bounds(8, 8), sched, rank, microbatch_size=MB, timeout_s=timeout_s,
-                                 p2p_in_order=True, p2p_transport=transport, seed=0)
+        rp = build_rank_pipeline(model, uniform_bounds(8, 8), sched, rank, microbatch_size=MB, seed=0,
+                                 transport=Transport(timeout_s=timeout_s, in_order=True, kind=transport))
         t0 = time.monotonic()
         try:
             res = rp.train_step(mlp_batches(model))

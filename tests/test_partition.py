@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from conftest import assert_torch_free
-from pipetrain.models.costs import LayerCost, chunk_costs
+from pipetrain.partition.costs import LayerCost, chunk_costs
 from pipetrain.partition.plan import PartitionPlan, imbalance
 from pipetrain.partition.strategies import (
     STRATEGIES,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.compose import compose_config
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.planner.auto import measurable_peak_gb
 from pipetrain.planner.cmd import assumptions, device, workload
 from pipetrain.planner.memory import GB

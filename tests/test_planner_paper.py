@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Device, Workload, search
 from pipetrain.planner.space import Candidate

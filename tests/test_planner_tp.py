@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipetrain.compose import compose_config
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.planner.cmd import PLAN_FILE, apply_row, make_rows, run_plan
 from pipetrain.schedules.tp_cost import tp_rank_layers
 from pipetrain.schedules.reduce_cost import ring_factor

@@ -20,7 +20,7 @@ from _dist import spawn
 from pipetrain.models.factory import build_model
 from pipetrain.partition.uniform import uniform_bounds
 from pipetrain.schedules import registry
-from pipetrain.train.pipeline import build_rank_pipeline
+from pipetrain.train.pipeline import Transport, build_rank_pipeline
 
 M, MB, SEQ = 4, 2, 16
 REL = 2e-2  # bf16 keeps 8 bits of mantissa; the pipeline also rounds the residual stream at each cut
@@ -61,8 +61,8 @@ def train_step(schedule, rank: int, precision: str, *, seen: list | None = None)
     every tensor the P2P layer sends or hands back from a receive."""
     model = make_model()
     bounds = uniform_bounds(len(model.layers), schedule.placement.num_chunks)
-    rp = build_rank_pipeline(model, bounds, schedule, rank, microbatch_size=MB, seq_len=SEQ, timeout_s=60,
-                             p2p_in_order=True, precision=precision)
+    rp = build_rank_pipeline(model, bounds, schedule, rank, microbatch_size=MB, seq_len=SEQ, precision=precision,
+                             transport=Transport(timeout_s=60, in_order=True))
     if seen is not None:
         for s, stage in rp.stages.items():
             if s != 0:  # stage 0 takes token ids from the batch

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.plan import make_plan
 from pipetrain.schedules.tp_cost import tp_layer_costs
 

@@ -27,7 +27,7 @@ def tp_stage(device: str) -> nn.Module:
     stage = nn.ModuleDict({"fc": ColumnParallelLinear(nn.Linear(4, 8, device=device), g),
                            "proj": RowParallelLinear(nn.Linear(8, 4, device=device), g),
                            "norm": nn.LayerNorm(4, device=device)})
-    stage.tp_shards = shard_layout(stage)
+    stage.tp_shards, stage.tied = shard_layout(stage), {}  # what GradSync reads of a stage (runtime/stage_protocol.py)
     return stage
 
 

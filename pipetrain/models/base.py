@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import init_parameters
 
 # trainer.precision -> the stages' compute dtype (None: no autocast, boundaries in the parameters' dtype)

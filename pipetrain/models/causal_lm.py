@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pipetrain.models.base import LayeredModel, TensorSpec, ms_from_flops
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 
 
 IGNORE_INDEX = -1  # a target that counts in no loss (runtime/batch.py: counted_targets)

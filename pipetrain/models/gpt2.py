@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipetrain.models.causal_lm import CausalLM, layer_cost
-from pipetrain.models.costs import LayerCost
+from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
+from pipetrain.parallel.tp_spec import Column, CrossEntropy, TPLayerPlan
 
 # Knob values per preset; every preset uses dropout 0.0 and bias True unless overridden.
 # gpt2-tiny: 8 blocks (enough for 8 stages), width 128, and a 512-token (byte-level-sized)
@@ -60,6 +61,9 @@ class Embedding(nn.Module):
             raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}: shorten the sequences")
         pos = torch.arange(t, dtype=torch.long, device=idx.device)  # (T,)
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+
+    def tp_plan(self) -> TPLayerPlan:
+        return TPLayerPlan(vocab_embedding="wte")  # wpe stays whole: it is added after the all-reduce
 
 
 class CausalSelfAttention(nn.Module):
@@ -115,6 +119,14 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+    def tp_plan(self) -> TPLayerPlan:
+        """c_attn column-parallel per head (rank r holds rows r of q, of k and of v), c_fc column-parallel,
+        both c_proj row-parallel; under SP the norms and the row-parallel biases see a rank's tokens only."""
+        biases = tuple(f"{p}.bias" for p in ("attn.c_proj", "mlp.c_proj") if self.get_submodule(p).bias is not None)
+        return TPLayerPlan(column=(Column("attn.c_attn", blocks=3), Column("mlp.c_fc")),
+                           row=("attn.c_proj", "mlp.c_proj"), head_counts=(("attn", "n_head"),),
+                           partial_sp=_norm_names(self) + biases)
+
 
 class Head(nn.Module):
     """Final LayerNorm and the output projection; `lm_head.weight` is tied to `wte.weight`."""
@@ -126,6 +138,14 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))  # (B, T, C) -> (B, T, V)
+
+    def tp_plan(self) -> TPLayerPlan:
+        return TPLayerPlan(column=(Column("lm_head"),), partial_sp=_norm_names(self),  # (B, T, V/tp) logits
+                           loss=CrossEntropy(IGNORE_INDEX))
+
+
+def _norm_names(layer: nn.Module) -> tuple[str, ...]:
+    return tuple(n for n, _ in layer.named_parameters() if n.startswith("ln_"))
 
 
 class GPT2(CausalLM):

@@ -14,6 +14,9 @@ embedding's draw without replaying the embedding layer's other parameters (GPT-2
 Models built on torch's meta device hold shapes only; `init_parameters` allocates each
 parameter on the target device as it initialises it (values are drawn on the CPU in fp32,
 so they do not depend on the device or dtype either), keeping ties inside the module.
+`materialize` does the same for a stage already split over tensor-parallel ranks and sharded by
+FSDP2 on meta: it allocates only this rank's slices and shards, drawing one whole parameter at a
+time and keeping its part (so no rank ever holds its whole stage, only its largest weight once).
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+
+class Held(Protocol):
+    """How this rank holds each parameter (parallel/tp_state.py: TPShards): its unsplit shape, and
+    this rank's part of the unsplit value copied into the local tensor."""
+
+    def full_shape(self, name: str, t: torch.Tensor) -> torch.Size: ...
+
+    def keep_local(self, name: str, full: torch.Tensor, into: torch.Tensor) -> None: ...
 
 
 class InitRule(Protocol):
@@ -73,6 +85,30 @@ def init_parameters(module: nn.Module, rule: InitRule, *, seed: int, device: Any
         if done[id(p)] is not p:
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner), leaf, done[id(p)])
+    _no_meta_buffers(module)
+
+
+def _no_meta_buffers(module: nn.Module) -> None:
     meta = [n for n, b in module.named_buffers() if b.device.type == "meta"]
     if meta:  # pipetrain's models derive constants in forward; a buffer would need its own rule
         raise RuntimeError(f"{type(module).__name__} keeps buffers {meta} that materializing cannot fill")
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, rule: InitRule, held: Held, *, seed: int, device: Any,
+                canonical: Mapping[str, str]) -> None:
+    """Allocate a meta-device `module`'s parameters on `device` as this rank holds them (its tp
+    slices, its FSDP2 shards: `held`) and fill each with its part of (seed, canonical name)'s value.
+    One whole parameter is drawn at a time on the CPU, in fp32, as `init_parameters` draws it, so
+    the values equal the unsplit model's bit for bit."""
+    _no_meta_buffers(module)  # before to_empty, which would leave them uninitialized
+    module.to_empty(device=device)  # the local shapes parallelizing left (a DTensor: its local shard)
+    done: set[int] = set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in done:
+            continue
+        done.add(id(p))
+        key = canonical.get(name, name)
+        value = torch.empty(held.full_shape(key, p), dtype=torch.float32, device="cpu")
+        rule.init_parameter(key, value, param_generator(seed, key))
+        held.keep_local(key, value, p)

@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.config.models import LlamaModelConfig
-from pipetrain.models.causal_lm import CausalLM, layer_cost
-from pipetrain.models.costs import LayerCost
+from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
+from pipetrain.parallel.tp_spec import Column, CrossEntropy, TPLayerPlan
 
 INIT_STD = 0.02  # HF's initializer_range for every Llama-family config
 
@@ -146,6 +147,23 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def tp_plan(self) -> TPLayerPlan:
+        """Megatron's split: q, k, v, gate, up column-parallel, o and down row-parallel; a tp rank keeps
+        H/tp query and KV/tp key/value heads (query head j still reads KV head j // (H/KV): tp divides KV)."""
+        if not isinstance(self.mlp, MLP):
+            raise ValueError(f"parallel.tp: no tensor-parallel plan for a {type(self.mlp).__name__} MLP: set parallel.tp=1")
+        attn = self.self_attn
+        partial_sp = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        partial_sp += ["self_attn.o_proj.bias"] if attn.o_proj.bias is not None else []
+        return TPLayerPlan(
+            regions=("self_attn", "mlp"),
+            column=tuple(Column(p) for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                             "mlp.gate_proj", "mlp.up_proj")),
+            row=("self_attn.o_proj", "mlp.down_proj"),
+            head_counts=(("self_attn", "heads"), ("self_attn", "kv_heads")),
+            partial=("self_attn.q_norm.weight", "self_attn.k_norm.weight") if attn.q_norm is not None else (),
+            partial_sp=tuple(partial_sp))
+
 
 class Embedding(nn.Module):
     def __init__(self, *, vocab_size: int, hidden: int) -> None:
@@ -154,6 +172,9 @@ class Embedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(idx)  # (B, T) -> (B, T, C); positions enter through RoPE
+
+    def tp_plan(self) -> TPLayerPlan:
+        return TPLayerPlan(vocab_embedding="embed_tokens")
 
 
 class Head(nn.Module):
@@ -164,6 +185,11 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))  # (B, T, C) -> (B, T, V)
+
+    def tp_plan(self) -> TPLayerPlan:
+        """lm_head column-parallel on the vocabulary, its (B, T, V/tp) logits left split (the vocab-parallel loss)."""
+        return TPLayerPlan(column=(Column("lm_head"),), partial_sp=("norm.weight",),
+                           loss=CrossEntropy(IGNORE_INDEX))
 
 
 class Llama(CausalLM):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.models.base import LayeredModel, TensorSpec, ms_from_flops
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 
 
 class Dense(nn.Module):

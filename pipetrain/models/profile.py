@@ -50,7 +50,7 @@ from torch import nn
 from pipetrain.compat import clear_cublas_workspaces
 from pipetrain.files import write_text_atomic
 from pipetrain.models.base import COMPUTE_DTYPES, LayeredModel
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 
 CACHE_FORMAT = 3  # 3: one layer at a time under the run's autocast (2: the whole model in fp32; 1: torch's default threads)
 

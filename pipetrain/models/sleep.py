@@ -6,7 +6,7 @@ makes it the yardstick for schedule efficiency on machines with few cores.
 
 from __future__ import annotations
 
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 
 
 def sleep_layer_costs(*, layers: int, f_ms: float, b_ms: float, w_ms: float, hidden: int,

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.models.base import LayeredModel, TensorSpec
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.models.sleep import sleep_layer_costs
 
 # time.sleep overshoots (timer slack, wake-up): ~0.1 ms idle, more on a loaded machine,

@@ -41,7 +41,7 @@ class StageModule(nn.Module):
         idx = sorted(layers)
         self.layer_range = range(idx[0], idx[-1] + 1)
         self.stage_id = stage_id
-        self.checkpoint_layers = False  # activation checkpointing, set by the trainer
+        self.checkpoint_layers = False  # activation checkpointing (parallel/parallelize.py sets it)
         self.is_first = self.layer_range.start == 0
         self.is_last = self.layer_range.stop == num_layers
         self.layers = nn.ModuleDict({str(i): layers[i] for i in idx})
@@ -51,6 +51,10 @@ class StageModule(nn.Module):
         self._names = frozenset(names)
         # local parameter name -> tie group (the canonical unsplit name of the tied weight)
         self.tied: dict[str, str] = {n: tie_groups[n] for n in names if n in tie_groups}
+        # tensor parallel (parallel/tp_plan.py sets both): local name -> how it is split over the tp
+        # group (parallel/tp.py: Split), and the whole weights whose gradients the tp group sums
+        self.tp_shards: dict[str, Any] = {}
+        self.tp_partial: tuple[str, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recompute = self.checkpoint_layers and torch.is_grad_enabled()
@@ -98,23 +102,34 @@ def tie_groups(model: nn.Module) -> dict[str, str]:
     return {n: names[0] for names in by_param.values() if len(names) > 1 for n in names}
 
 
-def build_stage(model: LayeredModel, layer_range: range, *, stage_id: int, seed: int | None = None,
-                device: Any = None, rule: InitRule | None = None) -> StageModule:
-    """One stage: deep copies of `model.layers[layer_range]` (only what this rank needs), on `device`.
-
-    A model built on the meta device (shapes only) gives a stage materialized here: each
-    parameter allocated on `device` and initialised from (seed, its unsplit name), a tied
-    copy under its tie group's name, so the stage holds exactly the weights the unsplit model
-    built for real with the same seed holds (init.py), and no rank ever holds the whole model.
-    `rule` fills the values instead of the model's own init (models/hf.py: from safetensors files).
-    """
+def cut_stage(model: LayeredModel, layer_range: range, *, stage_id: int) -> StageModule:
+    """One stage: deep copies of `model.layers[layer_range]` (only what this rank needs), where the
+    model's parameters are (a model built on the meta device gives a meta stage: parallelize it,
+    then materialize only this rank's parts: models/init.py)."""
     n = len(model.layers)
     if layer_range.step != 1 or len(layer_range) == 0 or layer_range.start < 0 or layer_range.stop > n:
         raise ValueError(f"stage {stage_id}: layer range {layer_range} must be a non-empty step-1 range in 0..{n}")
     picked = copy.deepcopy([model.layers[i] for i in layer_range])  # one memo: ties inside the stage survive
-    stage = StageModule(dict(zip(layer_range, picked)), stage_id=stage_id, num_layers=n,
-                        loss_fn=type(model).loss_fn, tie_groups=tie_groups(model))
-    if any(p.device.type == "meta" for p in stage.parameters()):
+    return StageModule(dict(zip(layer_range, picked)), stage_id=stage_id, num_layers=n,
+                       loss_fn=type(model).loss_fn, tie_groups=tie_groups(model))
+
+
+def on_meta(module: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in module.parameters())
+
+
+def build_stage(model: LayeredModel, layer_range: range, *, stage_id: int, seed: int | None = None,
+                device: Any = None, rule: InitRule | None = None) -> StageModule:
+    """One whole stage (`cut_stage`) on `device`.
+
+    A model built on the meta device (shapes only) gives a stage materialized here: each
+    parameter allocated on `device` and initialised from (seed, its unsplit name), a tied
+    copy under its tie group's name, so the stage holds exactly the weights the unsplit model
+    built for real with the same seed holds (init.py).
+    `rule` fills the values instead of the model's own init (models/hf.py: from safetensors files).
+    """
+    stage = cut_stage(model, layer_range, stage_id=stage_id)
+    if on_meta(stage):
         if seed is None:
             raise ValueError(f"stage {stage_id}: the model was built on the meta device: pass seed= to initialise it")
         init_parameters(stage, rule or model, seed=seed, device=device, canonical=stage.tied)

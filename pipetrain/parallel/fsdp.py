@@ -37,9 +37,8 @@ from pipetrain.compat import fsdp_finish_backward, fsdp_param_groups
 def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, param_dtype: Optional[torch.dtype],
                 reduce_dtype: torch.dtype) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    tied = set(getattr(stage, "tied", {}))
-    layers = getattr(stage, "layers", {})
-    for name, layer in layers.items():
+    tied = set(stage.tied)
+    for name, layer in stage.layers.items():
         own = [n for n, _ in layer.named_parameters()]
         # A weight tied to another layer of this stage is one Parameter in two layers: the
         # stage's own group (below) must hold it, not either layer's.

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
-from torch import nn
 
 from pipetrain.compat import local_shape_and_offset
 from pipetrain.parallel.tp import Split, TPGroup, gather_full
+from pipetrain.runtime.stage_protocol import Stage
 
 
 def _dtensor_type():
@@ -35,15 +35,14 @@ def _dtensor_type():
 
 @dataclass(frozen=True)
 class TPShards:
-    """Canonical name -> how it is split over the tp group (`Split`), and the group."""
+    """Canonical name -> how it is split over the tp group (`Split`), and the group (None: no tp)."""
 
-    g: TPGroup
+    g: Optional[TPGroup]
     shards: Mapping[str, Split]
 
     @classmethod
-    def of(cls, g: TPGroup, stages: Mapping[int, nn.Module]) -> TPShards:
-        shards = {getattr(m, "tied", {}).get(n, n): spec for m in stages.values()
-                  for n, spec in getattr(m, "tp_shards", {}).items()}
+    def of(cls, g: Optional[TPGroup], stages: Mapping[int, Stage]) -> TPShards:
+        shards = {m.tied.get(n, n): spec for m in stages.values() for n, spec in m.tp_shards.items()}
         return cls(g, shards)
 
     def full(self, name: str, t: torch.Tensor, *, holder_only: bool = False) -> Optional[torch.Tensor]:
@@ -54,16 +53,21 @@ class TPShards:
         return gather_full(local.detach(), self.shards[name], self.g, holder_only=holder_only)
 
     def full_shape(self, name: str, t: torch.Tensor) -> torch.Size:
-        split = self.shards[name]
+        """The unsplit shape of `name` held as `t` (an FSDP2 DTensor's shape is already whole over dp)."""
         shape = list(t.shape)
-        shape[split.dim] = split.size
+        split = self.shards.get(name)
+        if split is not None:
+            shape[split.dim] = split.size
         return torch.Size(shape)
 
     def keep_local(self, name: str, full: torch.Tensor, into: torch.Tensor) -> None:
-        """Copy this rank's slice of the unsplit `full` into `into` (a plain tensor or an FSDP2 DTensor);
-        the index is made on `full`'s device (index_select wants both on one)."""
-        split = self.shards[name]
-        mine = full.index_select(split.dim, split.index(self.g.size, self.g.rank, device=full.device))
+        """Copy this rank's part of the unsplit `full` into `into` (a plain tensor or an FSDP2 DTensor):
+        its tp slice if `name` is split, then its dp shard; the index is made on `full`'s device
+        (index_select wants both on one). models/init.py: materialize fills a stage this way."""
+        split, mine = self.shards.get(name), full
+        if split is not None:
+            assert self.g is not None, f"{name} is tp-split but no tp group was given"
+            mine = full.index_select(split.dim, split.index(self.g.size, self.g.rank, device=full.device))
         dtensor = _dtensor_type()
         with torch.no_grad():
             if dtensor is not None and isinstance(into, dtensor):

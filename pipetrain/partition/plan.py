@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipetrain.models.costs import LayerCost, chunk_costs
+from pipetrain.partition.costs import LayerCost, chunk_costs
 
 # What a strategy can balance, as one number per layer. "layers" counts layers, which is
 # what `uniform` and `manual` do (they look at no cost at all).

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from itertools import accumulate, pairwise
 
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.partition.plan import METRICS, PartitionPlan, require_chunks
 from pipetrain.partition.uniform import uniform_bounds
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 from rich import box
 from rich.table import Table
 
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.partition.plan import PartitionPlan, imbalance
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")

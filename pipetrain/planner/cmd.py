@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
-from pipetrain.models.costs import fuse_weight_grads
+from pipetrain.partition.costs import fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Device, Row, Workload, search

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from pipetrain.config import Config
 from pipetrain.metrics import names
-from pipetrain.models.costs import chunk_costs
+from pipetrain.partition.costs import chunk_costs
 from pipetrain.planner.calibrate import OPS, overheads, tp_latency
 from pipetrain.planner.search import Workload
 from pipetrain.schedules.tp_cost import tp_rank_layers

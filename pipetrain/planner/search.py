@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
-from pipetrain.models.costs import LayerCost, chunk_costs
+from pipetrain.partition.costs import LayerCost, chunk_costs
 from pipetrain.partition.plan import PartitionPlan
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import (GB, RankMemory, StateBytes, gb_text, loss_rank_bytes, peak_activation_bytes,

@@ -1,15 +1,17 @@
 """What the executor needs of a stage: the protocol runtime/ can depend on instead of models/.
 
 The executor runs a stage's forward, asks the last stage for the loss, and collects the
-parameters it computes weight gradients for; it needs nothing else of the module.
-`models/split.py: StageModule` is the implementation; the executor's `stages` are typed
-with this protocol, and runtime/ imports nothing of models/ (train/pipeline.py assembles a
-rank's stages from the model). tests/test_architecture.py checks both.
+parameters it computes weight gradients for. The parallelize steps and the gradient sync read
+the rest: the stage's layers, its tie groups, its tensor-parallel splits and whether it recomputes.
+`models/split.py: StageModule` is the implementation; runtime/, parallel/ and train/ read no
+other attribute of a stage (tests/test_architecture.py checks that no `getattr(stage, "...")`
+reaches for an undeclared one, and tests/test_assembly.py that a built stage carries none),
+and runtime/ imports nothing of models/ (train/pipeline.py assembles a rank's stages).
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -21,6 +23,11 @@ class Stage(Protocol):
     stage_id: int
     is_first: bool  # holds the model's first layer (takes the batch's inputs)
     is_last: bool  # holds the model's last layer (computes the loss)
+    layers: Mapping[str, torch.nn.Module]  # global layer index (a string) -> the layer
+    tied: Mapping[str, str]  # local parameter name -> tie group (the canonical unsplit name)
+    tp_shards: Mapping[str, Any]  # local name -> how it is split over the tp group (parallel/tp.py: Split)
+    tp_partial: tuple[str, ...]  # whole weights whose gradients the tp group sums after a step
+    checkpoint_layers: bool  # recompute each layer's forward in its backward
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Forward of one microbatch: (microbatch, ...) in, the next stage's input out."""

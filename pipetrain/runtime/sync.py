@@ -49,7 +49,7 @@ def canonical_params(stages: dict[int, nn.Module]) -> dict[str, list[nn.Paramete
     out: dict[str, list[nn.Parameter]] = defaultdict(list)
     for s in sorted(stages):
         mod = stages[s]
-        tied = getattr(mod, "tied", {})
+        tied = mod.tied
         for name, p in mod.named_parameters(remove_duplicate=False):
             key = tied.get(name, name)
             if all(p is not q for q in out[key]):

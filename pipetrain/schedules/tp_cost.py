@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from pipetrain.models.costs import LayerCost
+from pipetrain.partition.costs import LayerCost
 from pipetrain.schedules.reduce_cost import ring_factor
 
 

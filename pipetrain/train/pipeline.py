@@ -1,9 +1,10 @@
 """Assemble one rank's pipeline: its stage modules, P2P buffers, executor and grad sync.
 
-Every rank is handed the same model, usually built on the meta device (shapes only), and
-materializes the stages its placement gives it: each parameter initialised from (seed, its
-name), so a layer's initial weights do not depend on the partition or the rank, and no rank
-holds more than its own stages (models/init.py). A model built for real is copied instead.
+Every rank is handed the same model, usually built on the meta device (shapes only), cuts the
+stages its placement gives it, parallelizes them there (parallel/parallelize.py) and then
+materializes only its tp slices and dp shards: each parameter initialised from (seed, its name),
+so a layer's initial weights do not depend on the partition, the layout or the rank, and no rank
+holds more than its own parts (models/init.py). A model built for real is copied instead.
 Receive buffers get their shape and dtype from the model's boundary specs: an activation
 entering stage s has the spec of its chunk's first layer boundary, the gradient sent back to
 it the same. Under `precision="bf16"` a floating-point boundary crosses in bf16 (the executor
@@ -14,43 +15,43 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Collection, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipetrain.models.base import COMPUTE_DTYPES, LayeredModel
-from pipetrain.models.init import InitRule
-from pipetrain.models.split import build_stage
+from pipetrain.models.init import InitRule, materialize
+from pipetrain.models.split import StageModule, cut_stage, on_meta
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.step_result import StepResult
-from pipetrain.parallel.dp import DataParallel
 from pipetrain.parallel.pairs import build_pair_groups
+from pipetrain.parallel.parallelize import Parallelize
 from pipetrain.parallel.tp_plan import TensorParallel
+from pipetrain.parallel.tp_state import TPShards
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.lower import split_on
 from pipetrain.schedules.p2p import TRANSPORT_STREAMS, Kind, Message, exchange_pairs
 
 
-def _pair_groups(schedule: Schedule, transport: str, group_ranks: Optional[list[int]],
-                 pipelines: Optional[list[list[int]]], device: torch.device,
-                 timeout_s: float) -> Optional[dict[int, dist.ProcessGroup]]:
+def _pair_groups(schedule: Schedule, t: Transport, device: torch.device) -> Optional[dict[int, dist.ProcessGroup]]:
     """pipeline.p2p_transport=pair_groups: this rank's pair groups by peer global rank (collective
     over the world); one_group: None (everything on the pipeline's group)."""
-    if transport not in TRANSPORT_STREAMS:
-        raise ValueError(f"pipeline.p2p_transport must be {' or '.join(TRANSPORT_STREAMS)} (got {transport!r})")
-    if transport == "one_group" or not dist.is_initialized():
+    if t.kind not in TRANSPORT_STREAMS:
+        raise ValueError(f"pipeline.p2p_transport must be {' or '.join(TRANSPORT_STREAMS)} (got {t.kind!r})")
+    if t.kind == "one_group" or not dist.is_initialized():
         return None
+    pipelines = t.pipelines
     if pipelines is None:  # one pipeline: the world, or the ranks of `group`
-        pipelines = [group_ranks if group_ranks is not None else list(range(schedule.num_ranks))]
+        pipelines = [t.group_ranks if t.group_ranks is not None else list(range(schedule.num_ranks))]
     # On NCCL the watchdog ends a hung P2P after the group's timeout (the host does not time its
     # waits there); gloo's waits are timed by the transport, so its groups keep the default.
     nccl = dist.get_backend() == "nccl"
     return build_pair_groups(exchange_pairs(schedule), pipelines, rank=dist.get_rank(), device=device,
-                             timeout_s=timeout_s if nccl else None)
+                             timeout_s=t.timeout_s if nccl else None)
 
 
 @dataclass
@@ -94,72 +95,52 @@ class RankPipeline:
         return self.sync.owned(only=self.tp.sharded_names(self.stages))
 
 
-def build_rank_pipeline(
-    model: LayeredModel,
-    bounds: Sequence[range],
-    schedule: Schedule,
-    rank: int,
-    *,
-    microbatch_size: int,
-    seq_len: int = 1,
-    timeout_s: float = 300.0,
-    device: torch.device | str = "cpu",
-    group: Optional[dist.ProcessGroup] = None,
-    activation_checkpointing: bool | Collection[int] = False,
-    p2p_lookahead: int = 1,
-    p2p_in_order: bool = False,
-    p2p_transport: str = "pair_groups",
-    group_ranks: Optional[list[int]] = None,
-    pipelines: Optional[list[list[int]]] = None,
-    dp: Optional[DataParallel] = None,
-    tp: Optional[TensorParallel] = None,
-    compile_layers: bool | Collection[int] = False,
-    precision: str = "fp32",
-    seed: Optional[int] = None,
-    init_rule: Optional[InitRule] = None,
-) -> RankPipeline:
+@dataclass(frozen=True)
+class Transport:
+    """How this rank's pipeline exchanges tensors (the pipeline.p2p_* knobs) and with whom: `group`
+    is this pipeline's process group, `group_ranks` its global ranks and `pipelines` every pipeline's
+    global ranks (None: one pipeline, the world). "pair_groups" gives every pair of pipeline ranks that
+    exchange tensors its own process group (every rank of the world creates every pipeline's:
+    parallel/pairs.py); "one_group" posts all P2P on `group`."""
+
+    timeout_s: float = 300.0
+    lookahead: int = 1
+    in_order: bool = False
+    kind: str = "pair_groups"
+    group: Optional[dist.ProcessGroup] = None
+    group_ranks: Optional[list[int]] = None
+    pipelines: Optional[list[list[int]]] = None
+
+
+def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: Schedule, rank: int, *,
+                        microbatch_size: int, seq_len: int = 1, device: torch.device | str = "cpu",
+                        precision: str = "fp32", seed: Optional[int] = None, init_rule: Optional[InitRule] = None,
+                        parallelize: Parallelize = Parallelize(), transport: Transport = Transport()) -> RankPipeline:
     """Collective when the schedule has several ranks: every rank must call it.
 
-    `rank` is the pipeline rank; under data parallel `group` is this pipeline's process group,
-    `group_ranks` its global ranks, `pipelines` every pipeline's global ranks, and `dp` wraps
-    the stages (FSDP2 under dp_shard) and builds their gradient reducer (the schedule then
-    carries REDUCE_GRAD marks); `p2p_transport` (pipeline.p2p_transport): "pair_groups" gives
-    every pair of pipeline ranks that exchange tensors its own process group (every rank of the
-    world creates every pipeline's: parallel/pairs.py), "one_group" posts all P2P on `group`;
-    `tp` splits every stage's layers over its tensor-parallel group first (parallel/tp_plan.py);
-    `compile_layers` (trainer.compile; a collection: those stage ids, plan.compiled_stages) compiles each
-    layer of the stages after tensor parallel and before data parallel (torchtitan's order); the schedule
-    must run their backward as BW (schedules/lower.py: fuse_backward, which plan.build_schedule applies);
-    `activation_checkpointing`: True recomputes every stage's layers in its backward, a collection
-    of stage ids those stages' (trainer.recompute_stages). `precision` is trainer.precision (fp32 | bf16); `seed`
-    initialises the stages of a model built on meta, or `init_rule` gives their values
-    (model.pretrained: models/hf.PretrainedWeights reads them from the folder's files)."""
+    `rank` is the pipeline rank. Each local stage is cut from `model` (on the meta device: shapes
+    only), parallelized by `parallelize`'s ordered steps (parallel/parallelize.py: tensor parallel,
+    recompute, compile, data parallel; the schedule carries REDUCE_GRAD marks under dp and runs a
+    compiled stage's backward as BW: schedules/lower.py fuse_backward, which plan.build_schedule
+    applies), then materialized: only this rank's slices and shards, from (seed, name) or `init_rule`
+    (model.pretrained: models/hf.PretrainedWeights reads them from the folder's files). A model built
+    for real is copied instead. `precision` is trainer.precision (fp32 | bf16)."""
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision must be {' or '.join(COMPUTE_DTYPES)} (got {precision!r})")
     compute_dtype = COMPUTE_DTYPES[precision]
     pl = schedule.placement
     if len(bounds) != pl.num_chunks:
         raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
-    compiled = frozenset(pl.stages_of(rank) if compile_layers is True else compile_layers or ())
-    split = split_on(schedule, compiled.intersection(pl.stages_of(rank)))
+    split = split_on(schedule, [s for s in pl.stages_of(rank) if parallelize.compiles(s)])
     if split:
         raise ValueError(f"compiled stages cannot run B and W apart, but the schedule has {split[0]}: lower it "
                          f"with schedules/lower.py fuse_backward (plan.build_schedule does)")
     device = torch.device(device)
-    stages = {s: build_stage(model, bounds[pl.chunk_of(s)], stage_id=s, seed=seed, device=device, rule=init_rule)
+    stages = {s: _stage(model, bounds[pl.chunk_of(s)], s, parallelize, device, seed, init_rule)
               for s in pl.stages_of(rank)}
-    if tp is not None:  # torchtitan's order: cut, tensor parallel, (compile,) data parallel
-        stages = {s: tp.wrap(mod) for s, mod in stages.items()}
-    for mod in stages.values():
-        mod.checkpoint_layers = activation_checkpointing if isinstance(activation_checkpointing, bool) else \
-            mod.stage_id in activation_checkpointing
-        if mod.stage_id in compiled:  # in place (nn.Module.compile): parameter names stay the unsplit ones
-            for layer in mod.layers.values():
-                layer.compile()
-    if dp is not None:
-        stages = {s: dp.wrap(mod) for s, mod in stages.items()}
     specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
-    if tp is not None:  # sequence parallel: each tp rank sends and receives its (B, T/tp, C) part
+    if parallelize.tp is not None:  # sequence parallel: each tp rank sends and receives its (B, T/tp, C) part
+        tp = parallelize.tp
         specs = [specs[0], *(dataclasses.replace(t, shape=tp.boundary_shape(t.shape)) for t in specs[1:-1]),
                  specs[-1]]
     if compute_dtype is not None:
@@ -174,14 +155,35 @@ def build_rank_pipeline(
         assert other is not None
         return other
 
+    t = transport
     comm = None
     if schedule.num_ranks > 1:
-        comm = P2P(rank, num_microbatches=schedule.num_microbatches, timeout_s=timeout_s, group=group,
-                   group_ranks=group_ranks, in_order=p2p_in_order, consumer_stage=consumer_stage,
-                   pair_groups=_pair_groups(schedule, p2p_transport, group_ranks, pipelines, device, timeout_s))
+        comm = P2P(rank, num_microbatches=schedule.num_microbatches, timeout_s=t.timeout_s, group=t.group,
+                   group_ranks=t.group_ranks, in_order=t.in_order, consumer_stage=consumer_stage,
+                   pair_groups=_pair_groups(schedule, t, device))
     # The loss is averaged over every rank's microbatches: the whole world (every pipeline).
+    dp = parallelize.dp
     executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
-                        loss_group=group if pipelines is None else None, lookahead=p2p_lookahead,
+                        loss_group=t.group if t.pipelines is None else None, lookahead=t.lookahead,
                         reducer=dp.reducer(stages) if dp is not None else None, compute_dtype=compute_dtype)
-    sync = GradSync(stages, group=group, pipelines=pipelines)
-    return RankPipeline(rank, schedule, stages, executor, sync, tp)
+    sync = GradSync(stages, group=t.group, pipelines=t.pipelines)
+    return RankPipeline(rank, schedule, stages, executor, sync, parallelize.tp)
+
+
+def _stage(model: LayeredModel, layers: range, stage_id: int, parallelize: Parallelize, device: torch.device,
+           seed: Optional[int], rule: Optional[InitRule]) -> StageModule:
+    """Cut, parallelize, materialize: a stage cut on meta is parallelized there and then allocated as
+    this rank holds it (its tp slices and dp shards only); a real one is moved to `device` first."""
+    stage = cut_stage(model, layers, stage_id=stage_id)
+    meta = on_meta(stage)
+    if meta and seed is None:
+        raise ValueError(f"stage {stage_id}: the model was built on the meta device: pass seed= to initialise it")
+    if not meta:
+        stage.to(device)
+    stage = parallelize.apply(stage)
+    if meta:
+        assert seed is not None
+        tp = parallelize.tp
+        materialize(stage, rule or model, TPShards.of(tp.g if tp else None, {stage_id: stage}), seed=seed,
+                    device=device, canonical=stage.tied)
+    return stage

@@ -30,9 +30,10 @@ from pipetrain.models.hf import pretrained_rule
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.timeouts import bound_waits
 from pipetrain.parallel.dp import data_parallel
+from pipetrain.parallel.parallelize import Parallelize
 from pipetrain.parallel.tp_plan import tensor_parallel
 from pipetrain.plan import Plan, build_model
-from pipetrain.train.pipeline import RankPipeline, build_rank_pipeline
+from pipetrain.train.pipeline import RankPipeline, Transport, build_rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.checkpoint_dirs import Note, silent
@@ -83,18 +84,17 @@ class Trainer:
         model = build_model(config.model, device="meta")  # shapes only: each rank materializes its stages
         weights = pretrained_rule(config.model)  # model.pretrained: values from its files, not the seeded init
         many = config.layout.world > config.layout.pp  # several pipelines (dp and / or tp)
+        p = config.pipeline
+        transport = Transport(timeout_s=p.p2p_timeout_s, lookahead=p.p2p_lookahead, in_order=p.p2p_in_order,
+                              kind=p.p2p_transport, group=self.groups.pp_group,
+                              group_ranks=self.groups.pipeline_ranks if many else None,
+                              pipelines=config.layout.pipelines() if many else None)
+        parallelize = Parallelize(tp=tensor_parallel(config, self.groups), recompute=plan.recompute_stages,
+                                  compiled=plan.compiled_stages, dp=data_parallel(config, self.groups))
         self.pipe: RankPipeline = build_rank_pipeline(
-            model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank,
-            microbatch_size=config.microbatch_size, seq_len=config.data.seq_len,
-            timeout_s=config.pipeline.p2p_timeout_s, device=self.device,
-            p2p_lookahead=config.pipeline.p2p_lookahead, p2p_in_order=config.pipeline.p2p_in_order,
-            p2p_transport=config.pipeline.p2p_transport,
-            activation_checkpointing=plan.recompute_stages, compile_layers=config.trainer.compile,
-            group=self.groups.pp_group, group_ranks=self.groups.pipeline_ranks if many else None,
-            pipelines=config.layout.pipelines() if many else None,
-            dp=data_parallel(config, self.groups), tp=tensor_parallel(config, self.groups),
-            precision=config.trainer.precision, seed=config.trainer.seed, init_rule=weights,
-        )
+            model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank, microbatch_size=config.microbatch_size,
+            seq_len=config.data.seq_len, device=self.device, precision=config.trainer.precision,
+            seed=config.trainer.seed, init_rule=weights, parallelize=parallelize, transport=transport)
         if self.pipe.executor.comm is not None:  # its errors name global ranks and their pp / dp / tp coordinates
             self.pipe.executor.comm.name_ranks(config.layout)
         self.pretrained_files = [] if weights is None else weights.opened  # the files this rank read

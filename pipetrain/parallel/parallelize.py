@@ -1,0 +1,66 @@
+"""One rank's stages parallelized in torchtitan's order, from declared steps.
+
+    cut (models/split.py, on the meta device)
+      -> tensor parallel      parallel/tp_plan.py, from each layer's declared plan (parallel/tp_spec.py)
+      -> activation recompute trainer.activation_checkpointing / plan.recompute_stages
+      -> compile              trainer.compile: each layer, in place, after TP and before FSDP
+      -> data parallel        FSDP2 under dp_shard (HSDP too), plain modules under dp_replicate
+      -> materialize          only this rank's tp slices and dp shards (models/init.py: materialize)
+
+A step is a function of (Parallelize, stage) that reads its own field and nothing of the others;
+adding a parallelism (expert parallel next) is one field here, one step in `STEPS` and one degree
+in the layout (parallel/layout.py), not a branch in the builder (train/pipeline.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Collection, Optional
+
+from torch import nn
+
+from pipetrain.parallel.dp import DataParallel
+from pipetrain.parallel.tp_plan import TensorParallel
+
+
+@dataclass(frozen=True)
+class Parallelize:
+    """What one rank applies to each of its stages. `recompute` and `compiled`: True for every
+    stage, or a collection of stage ids (plan.recompute_stages, plan.compiled_stages)."""
+
+    tp: Optional[TensorParallel] = None
+    recompute: bool | Collection[int] = False
+    compiled: bool | Collection[int] = False
+    dp: Optional[DataParallel] = None
+
+    def compiles(self, stage_id: int) -> bool:
+        return self.compiled if isinstance(self.compiled, bool) else stage_id in self.compiled
+
+    def apply(self, stage: nn.Module) -> nn.Module:
+        for step in STEPS:
+            stage = step(self, stage)
+        return stage
+
+
+def apply_tp(p: Parallelize, stage: nn.Module) -> nn.Module:
+    return stage if p.tp is None else p.tp.wrap(stage)
+
+
+def apply_recompute(p: Parallelize, stage: nn.Module) -> nn.Module:
+    stage.checkpoint_layers = p.recompute if isinstance(p.recompute, bool) else stage.stage_id in p.recompute
+    return stage
+
+
+def apply_compile(p: Parallelize, stage: nn.Module) -> nn.Module:
+    if p.compiles(stage.stage_id):  # in place (nn.Module.compile): parameter names stay the unsplit ones
+        for layer in stage.layers.values():
+            layer.compile()
+    return stage
+
+
+def apply_dp(p: Parallelize, stage: nn.Module) -> nn.Module:
+    return stage if p.dp is None else p.dp.wrap(stage)
+
+
+STEPS: tuple[Callable[[Parallelize, nn.Module], nn.Module], ...] = (
+    apply_tp, apply_recompute, apply_compile, apply_dp)
