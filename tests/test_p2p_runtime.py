@@ -15,7 +15,7 @@ import torch
 from _dist import spawn
 from pipetrain.runtime.comm import P2P, P2PError
 from pipetrain.schedules.ir import Action, Op
-from pipetrain.schedules.p2p import Group, Kind, Message, RankPlan
+from pipetrain.schedules.p2p import Group, Kind, Message, RankTransfers
 
 pytestmark = pytest.mark.dist
 
@@ -24,11 +24,11 @@ GRAD = Message(Kind.GRAD, 1, 0, 1, 0)
 N = 1 << 16  # floats: large enough that no transport could buffer it without the receive
 
 
-def crossed(rank: int) -> RankPlan:
+def crossed(rank: int) -> RankTransfers:
     """Both ranks send first, then receive what the other sent: fine with tags, a deadlock in order."""
     mine, theirs = (ACT, GRAD) if rank == 0 else (GRAD, ACT)
     parts = (Action(Op.F, rank, 0), Action(Op.BW, rank, 0))
-    return RankPlan(rank, parts, (None, theirs),
+    return RankTransfers(rank, parts, (None, theirs),
                     ((Group(1 - rank, (mine,), ()),), (Group(1 - rank, (), (theirs,)),), ()))
 
 

@@ -23,9 +23,9 @@ not only hand-written layers:
      (the first) has no input path: B does nothing and W is one full pass.
 
 Steps 1-2 are Python graph walks. Every microbatch of a stage builds the same graph, so
-their result (the *plan*) is cached under the graph's structure: one breadth-first walk
+their result (the *analysis*) is cached under the graph's structure: one breadth-first walk
 numbers the nodes, and the key (node types, edges, which nodes are the parameters',
-inputs' and outputs') finds a plan made for an earlier microbatch, naming nodes by number.
+inputs' and outputs') finds an analysis made for an earlier microbatch, naming nodes by number.
 
 Memory: B keeps the graph (retain_graph: W re-runs the boundary nodes) but, unless a
 group is recomputed from them, not the outputs: what lies above the boundary nodes can go
@@ -56,7 +56,7 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge, Node
 
-_PLAN_CACHE_SIZE = 64  # graph structures remembered (a few per stage: training, and any odd shapes)
+_ANALYSIS_CACHE_SIZE = 64  # graph structures remembered (a few per stage: training, and any odd shapes)
 _PLAIN = (torch.Tensor, torch.nn.Parameter, GradientEdge)
 
 
@@ -86,7 +86,7 @@ def _run(roots: Sequence, seeds: Sequence[torch.Tensor], inputs: Sequence, *, ke
 
 
 @dataclass
-class _Plan:
+class _GraphAnalysis:
     """A stage graph's analysis, naming nodes by their number in `_walk` order."""
 
     captures: list[tuple[int, int]]  # (node, input slot): the gradients B records
@@ -108,7 +108,7 @@ class WeightGradWork:
     only_b: list[tuple[Node, str]] = field(default_factory=list)  # saved tensors `_untie` checks
 
 
-_plans: OrderedDict = OrderedDict()
+_analyses: OrderedDict = OrderedDict()
 _saved_attrs: dict[type, tuple[str, ...]] = {}
 
 
@@ -137,9 +137,9 @@ def _walk(out_nodes: Sequence[Node]) -> tuple[list[Node], dict[Node, int], list[
     return order, index, edges
 
 
-def _plan_for(outputs: list[torch.Tensor], diff_inputs: list[torch.Tensor],
-              params: list[torch.Tensor]) -> tuple[list[Node], _Plan]:
-    """This graph's nodes by number, and its plan (cached under the graph's structure)."""
+def _analysis_for(outputs: list[torch.Tensor], diff_inputs: list[torch.Tensor],
+              params: list[torch.Tensor]) -> tuple[list[Node], _GraphAnalysis]:
+    """This graph's nodes by number, and its analysis (cached under the graph's structure)."""
     out_nodes = [_grad_node(o) for o in outputs]
     order, index, edges = _walk([n for n in out_nodes if n is not None])
     by_id = {id(p): k for k, p in enumerate(params)}
@@ -153,18 +153,18 @@ def _plan_for(outputs: list[torch.Tensor], diff_inputs: list[torch.Tensor],
     outs = tuple((-1, 0) if n is None else (index[n], o.output_nr if o.grad_fn is not None else 0)
                  for o, n in zip(outputs, out_nodes))
     key = (tuple(map(type, order)), tuple(edges), outs, ins, tuple(accs))
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = _analyse(order, edges, outs, ins, accs)
-        if len(_plans) > _PLAN_CACHE_SIZE:
-            _plans.popitem(last=False)
+    analysis = _analyses.get(key)
+    if analysis is None:
+        analysis = _analyses[key] = _analyse(order, edges, outs, ins, accs)
+        if len(_analyses) > _ANALYSIS_CACHE_SIZE:
+            _analyses.popitem(last=False)
     else:
-        _plans.move_to_end(key)
-    return order, plan
+        _analyses.move_to_end(key)
+    return order, analysis
 
 
 def _analyse(order: list[Node], edges: list[tuple[tuple[int, int], ...]], outs: tuple[tuple[int, int], ...],
-             ins: tuple[int, ...], accs: list[int]) -> _Plan:
+             ins: tuple[int, ...], accs: list[int]) -> _GraphAnalysis:
     """Steps 1-2 of the module docstring, on node numbers."""
     kids = [tuple(c for c, _ in es if c >= 0) for es in edges]
     parents: list[list[int]] = [[] for _ in order]
@@ -220,7 +220,7 @@ def _analyse(order: list[Node], edges: list[tuple[tuple[int, int], ...]], outs: 
         for b in g[1]:
             group_of[b] = gid
     captures: list[tuple[int, int]] = []
-    plan_groups: list[tuple[list[int], list[tuple[int, int, int]]]] = []
+    found_groups: list[tuple[list[int], list[tuple[int, int, int]]]] = []
     recompute: list[int] = []
     for gid in sorted(groups):
         params, boundary = groups[gid]
@@ -235,10 +235,10 @@ def _analyse(order: list[Node], edges: list[tuple[tuple[int, int], ...]], outs: 
                     captures.append((b, slot))
             else:  # an output node B never runs: its gradients are the given grad_outputs
                 roots.extend((b, nr, -1 - k) for k, (n, nr) in enumerate(outs) if n == b)
-        plan_groups.append((sorted(params), roots))
-    bounds = {b for _, roots in plan_groups for b, _, _ in roots}
+        found_groups.append((sorted(params), roots))
+    bounds = {b for _, roots in found_groups for b, _, _ in roots}
     only_b = [(i, a) for i in sorted(input_path - bounds) for a in _saved_attributes(order[i])]
-    return _Plan(captures, plan_groups, sorted(recompute), only_b)
+    return _GraphAnalysis(captures, found_groups, sorted(recompute), only_b)
 
 
 def _reaches_through_input_path(params: list[int], boundary: list[int], kids: list[tuple[int, ...]],
@@ -307,11 +307,11 @@ def backward_input(
     if not diff_inputs:  # first stage: nothing flows back; W does the whole backward
         work.recompute = params
         return [None] * len(inputs), work
-    order, plan = _plan_for(outputs, diff_inputs, params)
-    edges = [GradientEdge(order[n], slot) for n, slot in plan.captures]
+    order, analysis = _analysis_for(outputs, diff_inputs, params)
+    edges = [GradientEdge(order[n], slot) for n, slot in analysis.captures]
     grads = _run(outputs, grad_outputs, diff_inputs + edges, keep=True, accumulate=False)
     captured = grads[len(diff_inputs):]
-    for pos, roots in plan.groups:
+    for pos, roots in analysis.groups:
         group_roots, seeds = [], []
         for n, slot, k in roots:
             grad = captured[k] if k >= 0 else grad_outputs[-1 - k]
@@ -320,8 +320,8 @@ def backward_input(
                 seeds.append(grad)
         if group_roots:  # else no gradient reached the group: its parameters get none
             work.groups.append(([params[k] for k in pos], group_roots, seeds))
-    work.recompute = [params[k] for k in plan.recompute]
-    work.only_b = [(order[n], attr) for n, attr in plan.only_b]
+    work.recompute = [params[k] for k in analysis.recompute]
+    work.only_b = [(order[n], attr) for n, attr in analysis.only_b]
     if not work.recompute:  # W starts at the boundaries: let the graph above them go now
         work.outputs, work.grad_outputs = [], []
     it = iter(grads[: len(diff_inputs)])

@@ -1,4 +1,4 @@
-"""All point-to-point communication of the pipeline: it carries out a rank's `RankPlan`.
+"""All point-to-point communication of the pipeline: it carries out a rank's `RankTransfers`.
 
 The plan (schedules/p2p.py, pure) says which messages cross ranks and at which boundary
 between two actions each is issued, grouped per peer, in an order both ranks of a pair
@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from pipetrain.compat import set_group_timeout
 from pipetrain.parallel.layout import DIMS, Layout
-from pipetrain.schedules.p2p import Group, Message, RankPlan
+from pipetrain.schedules.p2p import Group, Message, RankTransfers
 
 
 class P2PError(RuntimeError):
@@ -145,11 +145,11 @@ class P2P:
         # groups, one per rank on a single process group.
         self.stream_per_peer = pair_groups is not None
         self.consumer_stage = consumer_stage
-        self.plan: Optional[RankPlan] = None
+        self.plan: Optional[RankTransfers] = None
         self._streams: dict[Optional[int], _Stream] = {}  # in order mode: peer (or None: all) -> stream, kept across steps
 
     # ---- one step -----------------------------------------------------------------
-    def begin(self, plan: RankPlan, buffer_for: Callable[[Message], torch.Tensor]) -> None:
+    def begin(self, plan: RankTransfers, buffer_for: Callable[[Message], torch.Tensor]) -> None:
         self.plan, self.buffer_for = plan, buffer_for
         self._ready: dict[Message, torch.Tensor] = {}  # produced, not yet issued
         self._recvs: dict[Message, _Posted] = {}  # issued receives not yet taken

@@ -136,8 +136,8 @@ class Group(NamedTuple):
 
 
 @dataclass(frozen=True)
-class RankPlan:
-    """One rank's plan: its atomic actions and, per boundary, the groups issued there."""
+class RankTransfers:
+    """One rank's transfers: its atomic actions and, per boundary, the P2P groups issued there."""
 
     rank: int
     parts: tuple[Action, ...]
@@ -156,7 +156,7 @@ class RankPlan:
         return peak
 
 
-def forward_plan(plan: RankPlan) -> RankPlan:
+def forward_plan(plan: RankTransfers) -> RankTransfers:
     """The plan of the forward-only pass (validation): the training plan with its backward
     parts and gradient messages dropped, groups kept at the next forward part.
 
@@ -181,7 +181,7 @@ def forward_plan(plan: RankPlan) -> RankPlan:
             sends += [m for m in g.sends if m.kind is Kind.ACT]
             recvs += [m for m in g.recvs if m.kind is Kind.ACT]
         out.append(tuple(Group(p, tuple(sd), tuple(rv)) for p, (sd, rv) in sorted(merged.items()) if sd or rv))
-    return RankPlan(plan.rank, tuple(parts), tuple(waits), tuple(out))
+    return RankTransfers(plan.rank, tuple(parts), tuple(waits), tuple(out))
 
 
 def comm_message(c: Comm, schedule: Schedule, rank: int) -> tuple[Message, bool]:
@@ -201,7 +201,7 @@ def comm_message(c: Comm, schedule: Schedule, rank: int) -> tuple[Message, bool]
     return Message(kind, producer, c.microbatch, rank if send else peer, peer if send else rank), send
 
 
-def _explicit_plan(schedule: Schedule, rank: int) -> RankPlan:
+def _explicit_plan(schedule: Schedule, rank: int) -> RankTransfers:
     """The plan a hand-written schedule spells out: each communication its own group, where written."""
     parts = tuple(schedule.actions(rank))
     needs = tuple(needed_by(a, schedule, rank) for a in parts)
@@ -225,7 +225,7 @@ def _explicit_plan(schedule: Schedule, rank: int) -> RankPlan:
     for msg, send in set(where) - expected:
         raise PlanError(f"rank {rank} {'sends' if send else 'receives'} the {msg.describe()}, which no action of "
                         f"rank {rank} {'produces' if send else 'consumes'}: remove it")
-    return RankPlan(rank, parts, needs, tuple(tuple(at.get(b, ())) for b in range(len(parts) + 1)))
+    return RankTransfers(rank, parts, needs, tuple(tuple(at.get(b, ())) for b in range(len(parts) + 1)))
 
 
 Crossings = tuple[tuple[Action, Optional[Message], Optional[Message]], ...]  # per part: (action, consumes, sends)
@@ -270,7 +270,7 @@ def message_order(schedule: Schedule, result: Optional[Walk] = None,
 
 def build_plan(schedule: Schedule, rank: int, *, lookahead: int = 1,
                order: Optional[dict[Message, tuple[float, int, int]]] = None,
-               cross: Optional[Crossings] = None) -> RankPlan:
+               cross: Optional[Crossings] = None) -> RankTransfers:
     """One rank's plan (see the module docstring); pure and deterministic.
 
     Toward each peer the rank issues its sends and receives in the pair's order
@@ -308,10 +308,10 @@ def build_plan(schedule: Schedule, rank: int, *, lookahead: int = 1,
     for b, by_peer in at.items():
         issue[b] = tuple([Group(p, tuple(by_peer[p][0]), tuple(by_peer[p][1])) for p in sorted(by_peer)])
     parts, needs, _ = zip(*cross) if cross else ((), (), ())
-    return RankPlan(rank, tuple(parts), tuple(needs), tuple(issue))
+    return RankTransfers(rank, tuple(parts), tuple(needs), tuple(issue))
 
 
-def build_plans(schedule: Schedule, *, lookahead: int = 1, unit_walk: Optional[Walk] = None) -> tuple[RankPlan, ...]:
+def build_plans(schedule: Schedule, *, lookahead: int = 1, unit_walk: Optional[Walk] = None) -> tuple[RankTransfers, ...]:
     """Every rank's plan; `unit_walk`: the schedule's unit-cost walk if the caller has it."""
     if schedule.comms:
         return tuple(_explicit_plan(schedule, r) for r in range(schedule.num_ranks))

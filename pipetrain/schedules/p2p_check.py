@@ -21,7 +21,7 @@ from typing import Literal, Optional
 
 from pipetrain.schedules.deps import Walk
 from pipetrain.schedules.ir import Schedule
-from pipetrain.schedules.p2p import Message, PlanError, RankPlan, build_plans, forward_plan
+from pipetrain.schedules.p2p import Message, PlanError, RankTransfers, build_plans, forward_plan
 
 
 Streams = Literal["pair", "rank"]
@@ -30,7 +30,7 @@ Streams = Literal["pair", "rank"]
 STREAM_RULES = {"pair": "one stream per pair of ranks", "rank": "one stream per rank"}
 
 
-def _positions(plan: RankPlan) -> dict[tuple[int, bool], list[tuple[int, Message]]]:
+def _positions(plan: RankTransfers) -> dict[tuple[int, bool], list[tuple[int, Message]]]:
     """(peer, is_send) -> [(group number on the pair's stream, message)] in issue order."""
     out: dict[tuple[int, bool], list[tuple[int, Message]]] = defaultdict(list)
     count: dict[int, int] = defaultdict(int)
@@ -106,7 +106,7 @@ class _Streams:
     messages (each group becomes the head once).
     """
 
-    def __init__(self, plans: tuple[RankPlan, ...], streams: Streams) -> None:
+    def __init__(self, plans: tuple[RankTransfers, ...], streams: Streams) -> None:
         self.plans = plans
         self.key = (lambda r, peer: (r, peer)) if streams == "pair" else (lambda r, peer: (r,))
         self.groups: dict[Key, list[tuple[Message, ...]]] = defaultdict(list)
@@ -212,7 +212,7 @@ class _Streams:
         return "; ".join(out)
 
 
-def _run_streams(plans: tuple[RankPlan, ...], streams: Streams = "pair") -> Optional[str]:
+def _run_streams(plans: tuple[RankTransfers, ...], streams: Streams = "pair") -> Optional[str]:
     """(3) Run every rank's plan under NCCL's rules; None if all completes, else who is stuck and why."""
     return _Streams(plans, streams).run()
 
