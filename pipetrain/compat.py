@@ -30,6 +30,13 @@ def flatten_mesh(mesh: Any, dims: Sequence[str], name: str) -> Any:
     return mesh[tuple(dims)]._flatten(name)
 
 
+def unflatten_mesh(mesh: Any, dim: str, sizes: Sequence[int], names: Sequence[str]) -> Any:
+    """`mesh` with dimension `dim` split row-major into `sizes` named `names` (`DeviceMesh._unflatten`,
+    as torchtitan's ParallelDims builds its expert-parallel view); collective, as creating groups is.
+    No public spelling in 2.13."""
+    return mesh._unflatten(dim, tuple(sizes), tuple(names))
+
+
 def fsdp_state_param_groups(state: object) -> list:
     """One FSDP2 state's parameter groups: a list in torch 2.13 (`_fsdp_param_groups`), one group
     or None in 2.11 (`_fsdp_param_group`: an H200 run failed on the newer name)."""

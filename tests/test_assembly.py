@@ -51,7 +51,7 @@ def build(rank: int, world: int, out, how: str) -> None:
     from pipetrain.parallel.parallelize import Parallelize
     from pipetrain.parallel.tp import TPGroup
     from pipetrain.parallel.tp_plan import TensorParallel
-    from pipetrain.parallel.tp_state import TPShards
+    from pipetrain.parallel.split_weights import SplitWeights
     from pipetrain.schedules import registry
     from pipetrain.schedules.reduce import add_reduces
     from pipetrain.train.pipeline import build_rank_pipeline
@@ -67,7 +67,7 @@ def build(rank: int, world: int, out, how: str) -> None:
         meta, [range(len(meta.layers))], sched, 0, microbatch_size=1, seq_len=8, seed=0,
         parallelize=Parallelize(tp=tp, dp=dp, recompute=True)))
     stage = rp.stages[0]
-    held = TPShards.of(tp.g if tp else None, rp.stages)
+    held = SplitWeights.of(tp.g if tp else None, rp.stages)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in rp.parameters()) * 4
     full = {}
     for name, p in stage.named_parameters():

@@ -389,7 +389,7 @@ def test_tp_index_helpers_with_cuda_tensors():
     """G3, G4 (F2): gather_full over world-1 NCCL with CUDA slices; keep_local from a CUDA unsplit
     tensor: indices are made on the data's device, only the data crosses the group."""
     from pipetrain.parallel.tp import Split, TPGroup, gather_full
-    from pipetrain.parallel.tp_state import TPShards
+    from pipetrain.parallel.split_weights import SplitWeights
 
     with world_of_one():
         full = torch.arange(24.0, device=DEVICE).unsqueeze(1)
@@ -397,7 +397,7 @@ def test_tp_index_helpers_with_cuda_tensors():
             got = gather_full(full.clone(), Split(0, 24, 3), TPGroup(None, 1, 0), holder_only=holder_only)
             assert got.device == full.device and torch.equal(got, full)
         into = torch.empty(12, 1, device=DEVICE)
-        TPShards(TPGroup(None, 2, 1), {"w": Split(0, 24, 3)}).keep_local("w", full, into)
+        SplitWeights(TPGroup(None, 2, 1), {"w": Split(0, 24, 3)}).keep_local("w", full, into)
         assert into.squeeze(1).tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
 
 
@@ -409,7 +409,7 @@ def test_fused_adamw_steps_after_a_tp_resume():
     from torch import nn
 
     from pipetrain.parallel.tp import ColumnParallelLinear, RowParallelLinear, TPGroup, shard_layout
-    from pipetrain.parallel.tp_state import TPShards
+    from pipetrain.parallel.split_weights import SplitWeights
     from pipetrain.runtime.sync import GradSync
     from pipetrain.train.checkpoint import Checkpointable, TrainState, _load_targets, _restore
 
@@ -419,7 +419,7 @@ def test_fused_adamw_steps_after_a_tp_resume():
                            "proj": RowParallelLinear(nn.Linear(8, 4, device=DEVICE), g)})
     stage.tp_shards = shard_layout(stage)
     opt = torch.optim.AdamW(stage.parameters(), fused=True)
-    target = Checkpointable(GradSync({0: stage}), opt, TrainState(), TPShards(g, stage.tp_shards))
+    target = Checkpointable(GradSync({0: stage}), opt, TrainState(), SplitWeights(g, stage.tp_shards))
     names = sorted(target.sync.local)
     keys = {f"model.{n}" for n in names} | {f"optim.{k}.{n}" for n in names for k in ("step", "exp_avg", "exp_avg_sq")}
     targets, adam = _load_targets(target, keys)

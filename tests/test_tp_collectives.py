@@ -65,12 +65,12 @@ def split(whole: nn.ModuleDict, g: TPGroup) -> nn.ModuleDict:
 
 def checkpoint_gather(rank: int, world: int, out: Path) -> None:
     """Gather every split weight as a checkpoint does (to tp rank 0) and as the tests do (to all)."""
-    from pipetrain.parallel.tp_state import TPShards
+    from pipetrain.parallel.split_weights import SplitWeights
 
     g = TPGroup(None, world, rank)
     whole = unsplit()
     mods = split(whole, g)
-    shards = TPShards(g, shard_layout(mods))
+    shards = SplitWeights(g, shard_layout(mods))
     got, rec = {}, Record()
     with rec:
         for name, p in mods.named_parameters():
@@ -168,10 +168,10 @@ def test_split_indices_cover_every_row_once_on_any_device(size, blocks, tp):
 def test_keep_local_indexes_on_the_data_device():
     """F2, load side: this rank's slice of an unsplit tensor, with the index made on that tensor's
     device (a meta tensor here stands for a CUDA one)."""
-    from pipetrain.parallel.tp_state import TPShards
+    from pipetrain.parallel.split_weights import SplitWeights
 
     g = TPGroup(None, 2, 1)
-    shards = TPShards(g, {"w": Split(0, 24, 3)})
+    shards = SplitWeights(g, {"w": Split(0, 24, 3)})
     full = torch.arange(24.0).unsqueeze(1)
     into = torch.empty(12, 1)
     shards.keep_local("w", full, into)

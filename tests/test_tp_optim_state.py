@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipetrain.parallel.tp import ColumnParallelLinear, RowParallelLinear, TPGroup, shard_layout
-from pipetrain.parallel.tp_state import TPShards
+from pipetrain.parallel.split_weights import SplitWeights
 from pipetrain.runtime.sync import GradSync
 from pipetrain.train.checkpoint import Checkpointable, TrainState, _load_targets, _restore
 
@@ -35,7 +35,7 @@ def tp_stage(device: str) -> nn.Module:
 def test_resumed_step_where_torch_load_state_dict_puts_it(device, kind):
     stage = tp_stage(device)
     opt = torch.optim.AdamW(stage.parameters(), **({kind: True} if kind != "plain" else {}))
-    target = Checkpointable(GradSync({0: stage}), opt, TrainState(), TPShards(TPGroup(None, 2, 0), stage.tp_shards))
+    target = Checkpointable(GradSync({0: stage}), opt, TrainState(), SplitWeights(TPGroup(None, 2, 0), stage.tp_shards))
     targets, adam = _load_targets(target, available=set(_all_keys(target)))
     on_device = kind != "plain"
     for name, p in ((n, ps[0]) for n, ps in target.sync.local.items()):

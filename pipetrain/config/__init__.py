@@ -212,7 +212,8 @@ class Config:
     @property
     def layout(self) -> Layout:
         """The parallel layout: pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.tp ranks."""
-        return Layout(self.pipeline.degree, self.parallel.dp_replicate, self.parallel.dp_shard, self.parallel.tp)
+        return Layout(self.pipeline.degree, self.parallel.dp_replicate, self.parallel.dp_shard, self.parallel.tp,
+                      self.parallel.ep)
 
     @property
     def microbatch_size(self) -> int:
@@ -249,6 +250,24 @@ class Config:
                 )
         if par.tp > 1:
             self._check_tp()
+        if par.ep > 1:
+            self._check_ep()
+
+    def _check_ep(self) -> None:
+        """Expert parallel borrows dp_shard's ranks and splits every MoE layer's experts evenly."""
+        ep, par, m = self.parallel.ep, self.parallel, self.model
+        moe = getattr(m, "moe", None)  # the MoE knobs of a model family that has them
+        if moe is None:
+            raise ValueError(f"parallel.ep={ep} splits MoE experts but model={m.name} has none: set parallel.ep=1 "
+                             f"or choose an MoE model (model=moe-tiny)")
+        if par.dp_shard % ep:
+            raise ValueError(f"parallel.ep={ep} must divide parallel.dp_shard={par.dp_shard} (expert parallel borrows "
+                             f"dp_shard's ranks): set parallel.dp_shard to a multiple of {ep}")
+        if moe.num_experts % ep:
+            raise ValueError(f"parallel.ep={ep} must divide model.moe.num_experts={moe.num_experts}: set parallel.ep "
+                             f"to a divisor of {moe.num_experts}")
+        if par.tp > 1:
+            raise ValueError(f"parallel.ep={ep} with parallel.tp={par.tp} is not supported yet: set one of them to 1")
 
     def _check_tp(self) -> None:
         """Every dimension tensor parallel splits must split evenly (one line naming the knob)."""

@@ -15,6 +15,10 @@ world = pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.t
                 in-projections, row-parallel out-projections), embedding and head split on the
                 vocabulary; each tp rank of a stage sends its activations to the same tp index of
                 the next stage. tp must divide the heads, kv heads, MLP width and vocabulary.
+  ep            expert parallel: each MoE layer's experts split across this many ranks, borrowed from
+                dp_shard (torchtitan's rule: the world is unchanged; ep must divide dp_shard and the
+                expert count); tokens go to their experts' ranks and back by all-to-all; experts
+                are FSDP2-sharded over the ranks holding the same ones. Not with tp > 1 yet.
   sequence_parallel  (Korthikanti et al. 2022) between the tensor-parallel regions, activations,
                 norms and dropout are split on the sequence: (batch, seq / tp, hidden) per tp rank,
                 also what crosses between stages. Needs tp > 1 and data.seq_len divisible by tp.
@@ -46,12 +50,15 @@ class ParallelConfig:
     overlap_reduce: bool = True  # false: every stage's reduction at the end of the step
     tp: int = 1  # tensor-parallel degree: each stage's layers split across this many ranks (innermost)
     sequence_parallel: bool = False  # tp > 1: norms, dropout and stage-to-stage tensors split on the sequence
+    ep: int = 1  # expert-parallel degree: MoE experts split across this many of dp_shard's ranks
 
     def __post_init__(self) -> None:
         if self.dp_replicate < 1:
             raise ValueError(f"parallel.dp_replicate must be >= 1 (got {self.dp_replicate})")
         if self.tp < 1:
             raise ValueError(f"parallel.tp must be >= 1 (got {self.tp})")
+        if self.ep < 1:
+            raise ValueError(f"parallel.ep must be >= 1 (got {self.ep})")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true splits tensor-parallel activations on the sequence: "
                              "set parallel.tp > 1 or drop it")

@@ -30,7 +30,7 @@ from torch import nn
 
 
 class Held(Protocol):
-    """How this rank holds each parameter (parallel/tp_state.py: TPShards): its unsplit shape, and
+    """How this rank holds each parameter (parallel/split_weights.py: SplitWeights): its unsplit shape, and
     this rank's part of the unsplit value copied into the local tensor."""
 
     def full_shape(self, name: str, t: torch.Tensor) -> torch.Size: ...

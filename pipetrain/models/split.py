@@ -55,6 +55,7 @@ class StageModule(nn.Module):
         # group (parallel/tp.py: Split), and the whole weights whose gradients the tp group sums
         self.tp_shards: dict[str, Any] = {}
         self.tp_partial: tuple[str, ...] = ()
+        self.ep_shards: dict[str, Any] = {}  # expert parallel (parallel/ep.py): stacked experts -> Split(0, E)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recompute = self.checkpoint_layers and torch.is_grad_enabled()

@@ -41,9 +41,13 @@ class DataParallel:
             return stage
         from pipetrain.parallel.fsdp import shard_stage  # torch's FSDP2 costs ~0.5 s to import
 
+        from pipetrain.parallel.ep import expert_modules
+
         mesh = self.groups.fsdp_mesh
         assert mesh is not None
-        return shard_stage(stage, mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+        return shard_stage(stage, mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
+                           experts=expert_modules(stage), experts_mesh=self.groups.experts_mesh,
+                           dp=self.groups.layout.dp)
 
     def reducer(self, stages: dict[int, nn.Module]) -> GradReducer:
         if self.sharded:

@@ -24,7 +24,7 @@ the optimizer holds.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -35,8 +35,16 @@ from pipetrain.compat import fsdp_finish_backward, fsdp_param_groups
 
 
 def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, param_dtype: Optional[torch.dtype],
-                reduce_dtype: torch.dtype) -> nn.Module:
+                reduce_dtype: torch.dtype, experts: Sequence[nn.Module] = (),
+                experts_mesh: Optional[DeviceMesh] = None, dp: int = 1) -> nn.Module:
+    """`experts` (expert parallel: parallel/ep.py) are sharded first, over `experts_mesh` (the ranks
+    holding the same experts), their gradients divided by the whole dp degree `dp`: every ep rank's
+    tokens are already summed into them (torchtitan sets the same divide factor)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in experts:
+        assert experts_mesh is not None, "expert parallel needs its experts' mesh"
+        fully_shard(module, mesh=experts_mesh, reshard_after_forward=False, mp_policy=mp)
+        module.set_gradient_divide_factor(float(dp))
     tied = set(stage.tied)
     for name, layer in stage.layers.items():
         own = [n for n, _ in layer.named_parameters()]

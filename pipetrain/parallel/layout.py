@@ -9,6 +9,13 @@ one tensor-parallel group (one stage's layers split across them, collectives in 
 tp innermost keeps a TP group, which talks the most often, on neighbouring ranks (one node,
 as Megatron-LM and torchtitan place it); pp outermost puts the pipeline across nodes.
 
+Expert parallel borrows its ranks from dp_shard (torchtitan's "dp2ep"; the world is unchanged):
+dp_shard's index s splits as s = e_dp * ep + e, and the `ep` ranks of one block of consecutive
+dp_shard indices (same pp, r, t, e_dp) split each MoE layer's experts between them, exchanging
+tokens with all-to-all; the ranks holding the same experts (same pp, t, e; every r and e_dp) are
+the expert-data-parallel group their expert gradients are reduced over. Consecutive ranks keep an
+EP group inside one node while ep x tp <= the GPUs per node.
+
 Pure Python: `mode=simulate` prints the rank table without importing torch.
 """
 
@@ -34,11 +41,17 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel, within dp_shard
 
     def __post_init__(self) -> None:
-        for name in DIMS:
+        for name in (*DIMS, "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout degree {name} must be >= 1 (got {getattr(self, name)})")
+        if self.dp_shard % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp_shard={self.dp_shard} (expert parallel "
+                             f"borrows dp_shard's ranks): set parallel.dp_shard to a multiple of {self.ep}")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(f"parallel.ep={self.ep} with parallel.tp={self.tp} is not supported yet: set one of them to 1")
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -95,6 +108,22 @@ class Layout:
         c = self.coords(rank)
         return [self.rank_of(c.pp, c.dp_replicate, c.dp_shard, t) for t in range(self.tp)]
 
+    def ep_index(self, rank: int) -> int:
+        """Which of its EP group's expert blocks `rank` holds."""
+        return self.coords(rank).dp_shard % self.ep
+
+    def ep_ranks(self, rank: int) -> list[int]:
+        """Global ranks exchanging tokens with `rank` in its MoE layers (its expert-parallel group), by ep index."""
+        c = self.coords(rank)
+        first = c.dp_shard - c.dp_shard % self.ep
+        return [self.rank_of(c.pp, c.dp_replicate, first + e, c.tp) for e in range(self.ep)]
+
+    def edp_ranks(self, rank: int) -> list[int]:
+        """Global ranks holding the same experts as `rank` (its expert-data-parallel group), by dp index."""
+        c = self.coords(rank)
+        return [self.rank_of(c.pp, r, s, c.tp) for r in range(self.dp_replicate)
+                for s in range(c.dp_shard % self.ep, self.dp_shard, self.ep)]
+
     def describe(self) -> str:
         parts = [f"pp={self.pp}"]
         if self.dp_replicate > 1:
@@ -103,7 +132,8 @@ class Layout:
             parts.append(f"dp_shard={self.dp_shard}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
-        return " x ".join(parts) + f" = {self.world} ranks"
+        ep = f" (ep={self.ep} within dp_shard)" if self.ep > 1 else ""
+        return " x ".join(parts) + f" = {self.world} ranks{ep}"
 
     @property
     def dp_mode(self) -> str:

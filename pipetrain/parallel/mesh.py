@@ -5,7 +5,8 @@
 same order, before anything else creates a process group. A rank then reads its pipeline
 group (pp: point-to-point between stages), its data-parallel group (the ranks that hold its
 stages and its tp shard), its tensor-parallel group (the ranks its stages' layers are split
-across) and, for FSDP2, the sub-mesh its stages are sharded (and replicated) over.
+across), under expert parallel its EP and expert-data-parallel groups (an unflattened view of
+dp_shard: layout.py) and, for FSDP2, the sub-mesh its stages are sharded (and replicated) over.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipetrain.compat import flatten_mesh
+from pipetrain.compat import flatten_mesh, unflatten_mesh
 from pipetrain.parallel.layout import DIMS, Coords, Layout
 
 
@@ -29,6 +30,9 @@ class RankGroups:
     pipeline_ranks: list[int]  # global ranks of this rank's pipeline, by pipeline rank
     dp_group: Optional[dist.ProcessGroup]  # ranks holding the same stages (None when dp = 1)
     tp_group: Optional[dist.ProcessGroup] = None  # ranks splitting this rank's layers (None when tp = 1)
+    ep_group: Optional[dist.ProcessGroup] = None  # ranks splitting this rank's experts (None when ep = 1)
+    edp_group: Optional[dist.ProcessGroup] = None  # ranks holding this rank's experts (None when only it does)
+    experts_mesh: Optional[DeviceMesh] = None  # what FSDP2 shards experts over: ("dp_replicate",) "edp_shard"
 
     @property
     def pp_rank(self) -> int:
@@ -50,7 +54,12 @@ class RankGroups:
         """Every group of the mesh this rank is in, and its pipeline, data and tensor parallel groups
         (a flattened dp group is not among the mesh's own): what a training step communicates over."""
         mine = list(self.mesh.get_all_groups()) if self.mesh is not None else []
-        return [g for g in (*mine, self.pp_group, self.dp_group, self.tp_group) if g is not None]
+        return [g for g in (*mine, self.pp_group, self.dp_group, self.tp_group, self.ep_group, self.edp_group)
+                if g is not None]
+
+    @property
+    def ep_index(self) -> int:
+        return self.layout.ep_index(self.rank)
 
     @property
     def fsdp_mesh(self) -> Optional[DeviceMesh]:
@@ -82,4 +91,16 @@ def build_groups(layout: Layout, device_type: str) -> RankGroups:
     else:
         dp_group = flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp").get_group()
     tp_group = mesh["tp"].get_group() if layout.tp > 1 else None
-    return RankGroups(layout, rank, mesh, pp_group, layout.pipeline_ranks(rank), dp_group, tp_group)
+    ep_group = edp_group = experts_mesh = None
+    if layout.ep > 1:  # the expert view of the same ranks: dp_shard = (edp_shard, ep), row-major
+        experts = unflatten_mesh(mesh, "dp_shard", (layout.dp_shard // layout.ep, layout.ep), ("edp_shard", "ep"))
+        ep_group = experts["ep"].get_group()
+        experts_mesh = experts["dp_replicate", "edp_shard"] if layout.dp_replicate > 1 else experts["edp_shard"]
+        edp = [d for d, n in (("dp_replicate", layout.dp_replicate), ("edp_shard", layout.dp_shard // layout.ep))
+               if n > 1]
+        if len(edp) == 1:
+            edp_group = experts[edp[0]].get_group()
+        elif edp:
+            edp_group = flatten_mesh(experts, edp, "edp").get_group()
+    return RankGroups(layout, rank, mesh, pp_group, layout.pipeline_ranks(rank), dp_group, tp_group,
+                      ep_group, edp_group, experts_mesh)

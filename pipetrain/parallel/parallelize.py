@@ -2,14 +2,16 @@
 
     cut (models/split.py, on the meta device)
       -> tensor parallel      parallel/tp_plan.py, from each layer's declared plan (parallel/tp_spec.py)
+      -> expert parallel      parallel/ep.py: this rank's block of each declared stacked-experts module
       -> activation recompute trainer.activation_checkpointing / plan.recompute_stages
       -> compile              trainer.compile: each layer, in place, after TP and before FSDP
-      -> data parallel        FSDP2 under dp_shard (HSDP too), plain modules under dp_replicate
+      -> data parallel        FSDP2 under dp_shard (HSDP too; experts over their own mesh), plain
+                              modules under dp_replicate
       -> materialize          only this rank's tp slices and dp shards (models/init.py: materialize)
 
 A step is a function of (Parallelize, stage) that reads its own field and nothing of the others;
-adding a parallelism (expert parallel next) is one field here, one step in `STEPS` and one degree
-in the layout (parallel/layout.py), not a branch in the builder (train/pipeline.py).
+adding a parallelism is one field here, one step in `STEPS` and one degree in the layout
+(parallel/layout.py), not a branch in the builder (train/pipeline.py): expert parallel came so.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Callable, Collection, Optional
 from torch import nn
 
 from pipetrain.parallel.dp import DataParallel
+from pipetrain.parallel.ep import parallelize_experts
 from pipetrain.parallel.tp_plan import TensorParallel
+from pipetrain.runtime.ep_comm import EPGroup
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class Parallelize:
     stage, or a collection of stage ids (plan.recompute_stages, plan.compiled_stages)."""
 
     tp: Optional[TensorParallel] = None
+    ep: Optional[EPGroup] = None
     recompute: bool | Collection[int] = False
     compiled: bool | Collection[int] = False
     dp: Optional[DataParallel] = None
@@ -44,6 +49,10 @@ class Parallelize:
 
 def apply_tp(p: Parallelize, stage: nn.Module) -> nn.Module:
     return stage if p.tp is None else p.tp.wrap(stage)
+
+
+def apply_ep(p: Parallelize, stage: nn.Module) -> nn.Module:
+    return stage if p.ep is None else parallelize_experts(stage, p.ep)
 
 
 def apply_recompute(p: Parallelize, stage: nn.Module) -> nn.Module:
@@ -63,4 +72,4 @@ def apply_dp(p: Parallelize, stage: nn.Module) -> nn.Module:
 
 
 STEPS: tuple[Callable[[Parallelize, nn.Module], nn.Module], ...] = (
-    apply_tp, apply_recompute, apply_compile, apply_dp)
+    apply_tp, apply_ep, apply_recompute, apply_compile, apply_dp)

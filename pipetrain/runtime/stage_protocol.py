@@ -27,6 +27,7 @@ class Stage(Protocol):
     tied: Mapping[str, str]  # local parameter name -> tie group (the canonical unsplit name)
     tp_shards: Mapping[str, Any]  # local name -> how it is split over the tp group (parallel/tp.py: Split)
     tp_partial: tuple[str, ...]  # whole weights whose gradients the tp group sums after a step
+    ep_shards: Mapping[str, Any]  # local name -> how its experts are split over the ep group (Split(0, E))
     checkpoint_layers: bool  # recompute each layer's forward in its backward
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ from pipetrain.train.disk_full import one_line_if_full
 from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
 
 if TYPE_CHECKING:
-    from pipetrain.parallel.tp_state import TPShards
+    from pipetrain.parallel.split_weights import SplitWeights
     from pipetrain.runtime.sync import GradSync
 
 @dataclass
@@ -84,7 +84,7 @@ class Checkpointable:
     sync: GradSync
     optimizer: torch.optim.Optimizer
     state: TrainState
-    tp: Optional[TPShards] = None  # tensor parallel: the weights split across tp ranks (saved unsplit)
+    splits: Optional[SplitWeights] = None  # tensor / expert parallel: weights split across ranks (saved unsplit)
     # the checkpoint phase's own gloo group (checkpoint.timeout_s), made at the first resume or save
     comm: CheckpointGroup = field(default_factory=CheckpointGroup, compare=False, repr=False)
 
@@ -166,12 +166,12 @@ def save_state_dict(target: Checkpointable) -> dict[str, torch.Tensor]:
     sync, opt = target.sync, target.optimizer
     optimized = _optimized(opt)
     out: dict[str, torch.Tensor] = {}
-    split = target.tp.shards if target.tp is not None else {}
+    split = target.splits.split_names() if target.splits is not None else set()
     for name in owned_names(sync):
         p = sync.local[name][0]
         # a tp slice is saved unsplit, by tp rank 0 only (collective over the tp group: every tp rank
         # owns the same names; the others get None and offer nothing under that key)
-        whole = (lambda t: target.tp.full(name, t, holder_only=True) if t.dim() else t) if name in split \
+        whole = (lambda t: target.splits.full(name, t, holder_only=True) if t.dim() else t) if name in split \
             else (lambda t: t)
         items = {f"model.{name}": whole(p.detach())}
         if id(p) in optimized:
@@ -297,11 +297,11 @@ def _load_targets(target: Checkpointable, available: set[str]) -> tuple[dict[str
     optimized = _optimized(opt)
     targets: dict[str, torch.Tensor] = {}
     adam: dict[str, dict[str, torch.Tensor]] = {}
-    split = target.tp.shards if target.tp is not None else {}
+    split = target.splits.split_names() if target.splits is not None else set()
     for name in sorted(sync.local):
         p = sync.local[name][0]
         # a tp slice reads the unsplit tensor (load_checkpoint keeps this rank's slice)
-        like = torch.empty(target.tp.full_shape(name, p), dtype=p.dtype) if name in split else p.detach()
+        like = torch.empty(target.splits.full_shape(name, p), dtype=p.dtype) if name in split else p.detach()
         targets[f"model.{name}"] = like
         if id(p) in optimized:
             adam[name] = _fresh_adam_state(opt, p, like)
@@ -344,10 +344,10 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
 def _restore(target: Checkpointable, targets: dict[str, torch.Tensor], adam: dict[str, dict]) -> None:
     """The loaded tensors into the target: this rank's tp slices, every local copy, AdamW's state, RNG."""
     sync, opt = target.sync, target.optimizer
-    split = target.tp.shards if target.tp is not None else {}
+    split = target.splits.split_names() if target.splits is not None else set()
     for name in split:
         if name in sync.local:
-            target.tp.keep_local(name, targets[f"model.{name}"], sync.local[name][0])
+            target.splits.keep_local(name, targets[f"model.{name}"], sync.local[name][0])
     with torch.no_grad():
         for name, copies in sync.local.items():
             for p in copies[1:]:
@@ -369,10 +369,10 @@ def _slice_of(target: Checkpointable, name: str, t: torch.Tensor, p: torch.Tenso
     if not t.dim():
         return t.to(dtype=torch.float32, device=p.device, copy=True) if _step_on_device(target.optimizer, p) \
             else t.clone()
-    if target.tp is None or name not in target.tp.shards:
+    if target.splits is None or name not in target.splits.split_names():
         return t.clone()
     mine = torch.zeros_like(p.detach(), memory_format=torch.preserve_format)
-    target.tp.keep_local(name, t, mine)
+    target.splits.keep_local(name, t, mine)
     return mine
 
 

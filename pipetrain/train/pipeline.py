@@ -30,7 +30,7 @@ from pipetrain.runtime.step_result import StepResult
 from pipetrain.parallel.pairs import build_pair_groups
 from pipetrain.parallel.parallelize import Parallelize
 from pipetrain.parallel.tp_plan import TensorParallel
-from pipetrain.parallel.tp_state import TPShards
+from pipetrain.parallel.split_weights import SplitWeights
 from pipetrain.runtime.sync import GradSync
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.lower import split_on
@@ -184,6 +184,6 @@ def _stage(model: LayeredModel, layers: range, stage_id: int, parallelize: Paral
     if meta:
         assert seed is not None
         tp = parallelize.tp
-        materialize(stage, rule or model, TPShards.of(tp.g if tp else None, {stage_id: stage}), seed=seed,
-                    device=device, canonical=stage.tied)
+        held = SplitWeights.of(tp.g if tp else None, {stage_id: stage}, parallelize.ep)
+        materialize(stage, rule or model, held, seed=seed, device=device, canonical=stage.tied)
     return stage

@@ -30,6 +30,7 @@ from pipetrain.models.hf import pretrained_rule
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.timeouts import bound_waits
 from pipetrain.parallel.dp import data_parallel
+from pipetrain.parallel.ep import expert_parallel
 from pipetrain.parallel.parallelize import Parallelize
 from pipetrain.parallel.tp_plan import tensor_parallel
 from pipetrain.plan import Plan, build_model
@@ -89,8 +90,9 @@ class Trainer:
                               kind=p.p2p_transport, group=self.groups.pp_group,
                               group_ranks=self.groups.pipeline_ranks if many else None,
                               pipelines=config.layout.pipelines() if many else None)
-        parallelize = Parallelize(tp=tensor_parallel(config, self.groups), recompute=plan.recompute_stages,
-                                  compiled=plan.compiled_stages, dp=data_parallel(config, self.groups))
+        parallelize = Parallelize(tp=tensor_parallel(config, self.groups), ep=expert_parallel(self.groups),
+                                  recompute=plan.recompute_stages, compiled=plan.compiled_stages,
+                                  dp=data_parallel(config, self.groups))
         self.pipe: RankPipeline = build_rank_pipeline(
             model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank, microbatch_size=config.microbatch_size,
             seq_len=config.data.seq_len, device=self.device, precision=config.trainer.precision,
@@ -105,17 +107,18 @@ class Trainer:
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         self.state = TrainState(decay_steps=config.optim.decay_steps or config.trainer.max_steps)
-        tp = None
-        if self.pipe.tp is not None:
-            from pipetrain.parallel.tp_state import TPShards
+        splits = None
+        if parallelize.tp is not None or parallelize.ep is not None:
+            from pipetrain.parallel.split_weights import SplitWeights
 
-            tp = TPShards.of(self.pipe.tp.g, self.pipe.stages)
+            tp = parallelize.tp
+            splits = SplitWeights.of(tp.g if tp else None, self.pipe.stages, parallelize.ep)
         self._stepped = False  # whether this process ran a training step (a compiled run's first waits longer)
         self.skipped_in_a_row = 0  # trainer.on_nonfinite=skip: non-finite steps since the last good one
         self.stop = StopSignals()  # SIGTERM / SIGINT: finish the step, save it, stop (train/stop.py)
         self.stopped: Optional[dict[str, Any]] = None  # where to resume (rank 0's record), after a signal
         self.tracker = StepTracker(self.rank)  # the step in progress, for a restart's message
-        self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state, tp)
+        self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state, splits)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
         self.saver = (AsyncSaver(config, self.run_dir, note=self.monitor.note)  # checkpoint.async_save

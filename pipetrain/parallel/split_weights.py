@@ -1,4 +1,10 @@
-"""Checkpoints across tensor-parallel degrees: tp slices <-> the unsplit tensors.
+"""A rank's parts of split weights <-> the unsplit tensors: checkpoints across tensor- and
+expert-parallel degrees, and materializing a stage's parts (models/init.py: materialize).
+
+Expert parallel (parallel/ep.py) splits stacked experts on their first dimension over the EP group
+the way tensor parallel splits a weight over the tp group: an expert is saved whole under its
+global index whatever ep was, and gathered, placed and kept as below with the EP group in place of
+the tp group (ep > 1 with tp > 1 is refused, so a weight is split over one of them at most).
 
 A tensor-parallel rank holds slices of its split weights (and of their AdamW moments) under the
 unsplit names. A checkpoint keeps the unsplit tensor under that name, whatever the degrees,
@@ -18,13 +24,14 @@ moments unsplit while saving (the other tp ranks only their slices). Writing DTe
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 import torch
 
 from pipetrain.compat import local_shape_and_offset
 from pipetrain.parallel.tp import Split, TPGroup, gather_full
+from pipetrain.runtime.ep_comm import EPGroup
 from pipetrain.runtime.stage_protocol import Stage
 
 
@@ -34,28 +41,43 @@ def _dtensor_type():
 
 
 @dataclass(frozen=True)
-class TPShards:
-    """Canonical name -> how it is split over the tp group (`Split`), and the group (None: no tp)."""
+class SplitWeights:
+    """Canonical name -> how it is split (`Split`) over the tp group `g` (None: no tp), and, under
+    expert parallel, the experts' splits over the EP group `ep`."""
 
     g: Optional[TPGroup]
     shards: Mapping[str, Split]
+    ep: Optional[EPGroup] = None
+    ep_shards: Mapping[str, Split] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, g: Optional[TPGroup], stages: Mapping[int, Stage]) -> TPShards:
+    def of(cls, g: Optional[TPGroup], stages: Mapping[int, Stage], ep: Optional[EPGroup] = None) -> SplitWeights:
         shards = {m.tied.get(n, n): spec for m in stages.values() for n, spec in m.tp_shards.items()}
-        return cls(g, shards)
+        experts = {m.tied.get(n, n): spec for m in stages.values() for n, spec in m.ep_shards.items()}
+        return cls(g, shards, ep, experts)
+
+    def split_names(self) -> set[str]:
+        return {*self.shards, *self.ep_shards}
+
+    def _split(self, name: str) -> tuple[Optional[Split], Any]:
+        """How `name` is split and over which group (None, None: whole on this rank)."""
+        if name in self.ep_shards:
+            return self.ep_shards[name], self.ep
+        return self.shards.get(name), self.g
 
     def full(self, name: str, t: torch.Tensor, *, holder_only: bool = False) -> Optional[torch.Tensor]:
         """Collective (dp shard group, then tp group): the unsplit tensor of `name` from this rank's `t`;
         holder_only: on tp rank 0 only (None on the others)."""
         dtensor = _dtensor_type()
         local = t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else t
-        return gather_full(local.detach(), self.shards[name], self.g, holder_only=holder_only)
+        split, group = self._split(name)
+        assert split is not None, f"{name} is not split"
+        return gather_full(local.detach(), split, group, holder_only=holder_only)
 
     def full_shape(self, name: str, t: torch.Tensor) -> torch.Size:
         """The unsplit shape of `name` held as `t` (an FSDP2 DTensor's shape is already whole over dp)."""
         shape = list(t.shape)
-        split = self.shards.get(name)
+        split, _ = self._split(name)
         if split is not None:
             shape[split.dim] = split.size
         return torch.Size(shape)
@@ -64,10 +86,10 @@ class TPShards:
         """Copy this rank's part of the unsplit `full` into `into` (a plain tensor or an FSDP2 DTensor):
         its tp slice if `name` is split, then its dp shard; the index is made on `full`'s device
         (index_select wants both on one). models/init.py: materialize fills a stage this way."""
-        split, mine = self.shards.get(name), full
+        (split, group), mine = self._split(name), full
         if split is not None:
-            assert self.g is not None, f"{name} is tp-split but no tp group was given"
-            mine = full.index_select(split.dim, split.index(self.g.size, self.g.rank, device=full.device))
+            assert group is not None, f"{name} is split but no group was given"
+            mine = full.index_select(split.dim, split.index(group.size, group.rank, device=full.device))
         dtensor = _dtensor_type()
         with torch.no_grad():
             if dtensor is not None and isinstance(into, dtensor):

@@ -1,0 +1,91 @@
+"""Expert parallel inside a stage: each rank of an EP group keeps E/ep of every MoE layer's experts.
+
+A layer declares where its stacked experts are (`ep_plan()`: module paths whose parameters are
+(E, ...) tensors, one expert per row, and whose forward takes (rows sorted by expert, counts per
+expert)). `shard_experts` keeps this rank's block of such a module's experts, rows
+[i E/ep, (i+1) E/ep) of every stacked weight under the unsplit name, and wraps its forward in
+dispatch and combine (runtime/ep_comm.py): the router and the rest of the layer run on this rank's tokens as
+before. The stage records the split (`ep_shards`: local name -> Split(0, E)) so materializing and
+checkpoints hold and save experts by their global index (a run resumes at another ep).
+
+Under data parallel the experts are FSDP2-sharded over their own mesh, the expert-data-parallel
+ranks (parallel/mesh.py), and their gradients divided by the whole dp degree, not that mesh's
+size: tokens of all ep ranks already summed into an expert's gradient (the "gradients doubled
+with EP=2" bug class).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from pipetrain.parallel.mesh import RankGroups
+from pipetrain.parallel.tp import Split
+from pipetrain.runtime.ep_comm import EPGroup, combine, dispatch
+
+
+@runtime_checkable
+class ExpertsPlanned(Protocol):
+    """A layer that says where its stacked experts are."""
+
+    def ep_plan(self) -> tuple[str, ...]: ...
+
+
+class ExpertParallel(nn.Module):
+    """Mixed into a stacked-experts module in place (FSDP2's way: the instance's class becomes a
+    subclass), so its parameters keep their unsplit names: its forward runs the inherited one on
+    the rows dispatch brings to this rank's experts."""
+
+    ep_group: EPGroup
+    ep_split: Split
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, H) this rank's tokens sorted by global expert, counts (E,) -> (N, H) in x's order."""
+        rows, local_counts, routed = dispatch(x, counts, self.ep_group)
+        return combine(super().forward(rows, local_counts), routed, self.ep_group)
+
+
+def shard_experts(experts: nn.Module, g: EPGroup) -> Split:
+    """Keep rows [i E/ep, (i+1) E/ep) of every stacked weight of `experts` (on meta: shapes only)
+    and make it dispatch and combine; returns how its weights are split (Split(0, E))."""
+    sizes = {p.shape[0] for p in experts.parameters()}
+    if len(sizes) != 1 or next(iter(sizes)) % g.size:
+        raise ValueError(f"parallel.ep={g.size} must divide the number of experts ({sorted(sizes)}): "
+                         f"set parallel.ep to a divisor of it")
+    num = sizes.pop()
+    block = slice(g.rank * num // g.size, (g.rank + 1) * num // g.size)
+    for name, p in list(experts.named_parameters(recurse=False)):
+        setattr(experts, name, nn.Parameter(p.detach()[block].clone(), requires_grad=p.requires_grad))
+    cls = type(experts)
+    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+    experts.ep_group, experts.ep_split = g, Split(0, num)
+    return experts.ep_split
+
+
+def parallelize_experts(stage: nn.Module, g: EPGroup) -> nn.Module:
+    """Split every declared stacked-experts module of the stage over the EP group, in place; sets
+    `stage.ep_shards` (local parameter name -> Split(0, E))."""
+    shards: dict[str, Split] = {}
+    for key, layer in stage.layers.items():
+        if not isinstance(layer, ExpertsPlanned):
+            continue
+        for path in layer.ep_plan():
+            experts = layer.get_submodule(path)
+            split = shard_experts(experts, g)
+            shards.update({f"layers.{key}.{path}.{n}": split for n, _ in experts.named_parameters()})
+    stage.ep_shards = shards
+    return stage
+
+
+def expert_modules(stage: nn.Module) -> list[nn.Module]:
+    """The local experts of every ExpertParallel in the stage (what FSDP2 shards over the EDP mesh)."""
+    return [m for m in stage.modules() if isinstance(m, ExpertParallel)]
+
+
+def expert_parallel(groups: RankGroups) -> Optional[EPGroup]:
+    """None without expert parallel (parallel.ep = 1)."""
+    if groups.layout.ep == 1:
+        return None
+    return EPGroup(groups.ep_group, groups.layout.ep, groups.ep_index)

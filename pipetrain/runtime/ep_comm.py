@@ -1,0 +1,84 @@
+"""All expert-parallel communication: tokens to the ranks holding their experts and back.
+
+The one module for EP traffic, as comm.py is for point-to-point. An EP group of `ep` ranks splits
+a layer's E experts into ep consecutive blocks of E/ep; every rank routes its own tokens, then
+
+  dispatch   counts exchange (all_to_all_single of the (E,) assignments per expert, E/ep to each
+             rank), then the tokens, sorted by expert, to the rank holding their expert (uneven
+             all_to_all_single: splits from the counts), then rank-major -> expert-major, so the
+             local experts see their rows contiguous: by local expert, then source rank, then the
+             source's own (token) order. Deterministic: the same bits on every run.
+  combine    the inverse permutation and the reverse all-to-all (splits swapped).
+
+Both all-to-alls are autograd functions whose backward is the reverse all-to-all, so the input
+gradient (B) carries them back; the counts need no gradient. Every rank of an EP group runs the
+same schedule on the same stage, so their all-to-alls come in the same order (what NCCL needs:
+one communicator's collectives run in issue order). gloo implements the uneven all-to-all on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class EPGroup:
+    group: Optional[dist.ProcessGroup]
+    size: int
+    rank: int  # this rank's ep index: it holds experts [rank E/ep, (rank + 1) E/ep)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows `in_splits[r]` of x to rank r, `out_splits[r]` rows from rank r; backward the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, g):  # type: ignore[override]
+        ctx.splits, ctx.g = (out_splits, in_splits), g
+        return _all_to_all(x, out_splits, in_splits, g)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.g), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGroup) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=g.group)
+    return out
+
+
+class Routed(NamedTuple):
+    """What combine needs of a dispatch: the expert-major order of the received rows and the splits."""
+
+    order: torch.Tensor  # (M,) received row of each expert-major row
+    send: list[int]  # rows this rank sent to each rank
+    recv: list[int]  # rows it received from each rank
+
+
+def dispatch(x: torch.Tensor, counts: torch.Tensor, g: EPGroup) -> tuple[torch.Tensor, torch.Tensor, Routed]:
+    """x (N, H) sorted by global expert id, counts (E,) per expert -> (this rank's rows (M, H) in
+    local-expert-major order, their counts per local expert (E/ep,), what combine needs)."""
+    local = counts.numel() // g.size
+    mine = torch.empty_like(counts)  # from rank r: its counts for my experts, E/ep of them
+    dist.all_to_all_single(mine, counts.contiguous(), group=g.group)
+    mine = mine.view(g.size, local)  # (ep sources, E/ep local experts)
+    send = counts.view(g.size, local).sum(1).tolist()  # host values: the splits (one sync, as torchtitan)
+    recv = mine.sum(1).tolist()
+    rows = _AllToAll.apply(x, recv, send, g)  # (M, H): by source rank, then by local expert
+    # expert-major: local expert j's rows from source 0, then source 1, ..., each in its source's order
+    key = torch.arange(local, device=mine.device).repeat(g.size) * g.size + \
+        torch.arange(g.size, device=mine.device).repeat_interleave(local)  # (source, expert) -> j ep + s
+    order = torch.argsort(torch.repeat_interleave(key, mine.reshape(-1)), stable=True).to(x.device)
+    return rows.index_select(0, order), mine.sum(0), Routed(order, send, recv)
+
+
+def combine(y: torch.Tensor, routed: Routed, g: EPGroup) -> torch.Tensor:
+    """The experts' rows (M, H) in dispatch's local order -> (N, H) back in x's order on its rank."""
+    back = torch.empty_like(routed.order)
+    back[routed.order] = torch.arange(routed.order.numel(), device=routed.order.device)
+    return _AllToAll.apply(y.index_select(0, back), routed.send, routed.recv, g)
