@@ -1,0 +1,176 @@
+"""Context parallel: causal attention over a sequence split across the cp group (first piece of
+issue #30: the attention and its sharding, before the layout, data and loss plumbing).
+
+Load balance (torchtitan's head-tail, Megatron's 2cp chunks): the sequence is cut into 2 cp equal
+chunks and cp rank r takes chunks r and 2cp-1-r, so every rank's queries see the same amount of
+causal work. A rank's tokens are `positions(seq_len, cp, r)`, in that order; inputs, labels and
+RoPE's positions are sharded alike, and attention masks by the true positions.
+
+Two ways to reach the other ranks' keys and values (`parallel.cp_rotate`):
+
+  allgather  gather K and V (only the KV heads under grouped-query attention) over the cp group,
+             attend with a causal mask built from the positions; backward reduce-scatters dK, dV.
+  ring       K, V blocks travel around the ring (each rank sends its block on while it attends to
+             the one it holds), partial results merged with the online softmax (log-sum-exp), so
+             no rank holds more than its own block and one in flight; the backward sends dK, dV
+             around with them and they arrive home summed (Liu et al. 2023, Ring Attention).
+
+Both equal full-sequence attention at a rank's positions (tests/test_cp_attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SEQ = 2  # (B, heads, T, head_dim): the sequence dimension attention's inputs carry
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    group: Optional[dist.ProcessGroup]
+    size: int
+    rank: int
+    ranks: tuple[int, ...] = ()  # global ranks by cp index (the ring's neighbours); () : the default group's
+
+
+def positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The (seq_len / cp,) positions cp rank `rank` holds: chunks rank and 2cp-1-rank of 2cp."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"parallel.cp={cp} cuts data.seq_len={seq_len} into {2 * cp} equal chunks (load balance): "
+                         f"set data.seq_len to a multiple of {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Forward: every cp rank's K or V, concatenated on the sequence in cp order; backward: the
+    gradient's sum over the group, this rank's part (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, g):  # type: ignore[override]
+        ctx.g = g
+        parts = x.new_empty((g.size, *x.shape))
+        dist.all_gather_into_tensor(parts.view(g.size * x.shape[0], *x.shape[1:]), x.contiguous(), group=g.group)
+        return torch.cat(list(parts), dim=SEQ)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        g = ctx.g
+        chunks = torch.stack(grad.chunk(g.size, dim=SEQ)).contiguous()  # (cp, B, KV, T/cp, hd)
+        out = grad.new_empty(chunks.shape[1:])
+        dist.reduce_scatter_tensor(out, chunks.view(-1, *chunks.shape[2:]), group=g.group)
+        return out, None
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: CPGroup, seq_len: int,
+                        scale: Optional[float] = None) -> torch.Tensor:
+    """q (B, H, T/cp, hd), k, v (B, KV, T/cp, hd) at this rank's positions -> (B, H, T/cp, hd)."""
+    mine = positions(seq_len, g.size, g.rank).to(q.device)
+    every = torch.cat([positions(seq_len, g.size, r) for r in range(g.size)]).to(q.device)
+    mask = every[None, :] <= mine[:, None]  # (T/cp, T): causal by true position
+    k_all, v_all = _GatherSeq.apply(k, g), _GatherSeq.apply(v, g)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, KV, T, hd) -> (B, H, T, hd): query head j reads KV head j // (H / KV)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
+
+
+def _fold(dx: torch.Tensor, kv: int) -> torch.Tensor:
+    """The inverse of _expand for gradients: (B, H, T, hd) summed per KV head -> (B, KV, T, hd)."""
+    b, h, t, d = dx.shape
+    return dx.view(b, kv, h // kv, t, d).sum(2) if h != kv else dx
+
+
+class _Ring:
+    """One ring pass: this rank's tensors go to rank+1, rank-1's arrive (batched isend / irecv)."""
+
+    def __init__(self, g: CPGroup) -> None:
+        self.g = g
+        ranks = g.ranks or tuple(range(g.size))
+        self.next, self.prev = ranks[(g.rank + 1) % g.size], ranks[(g.rank - 1) % g.size]
+
+    def start(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        incoming = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, group=self.g.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, group=self.g.group) for t in incoming]
+        return incoming, dist.batch_isend_irecv(ops)
+
+
+def _block(q, k, v, qpos, kpos, scale):
+    """Scores of one K/V block: (B, H, Tq, Tk) with -inf where the key is later than the query."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    return s.masked_fill(~(kpos[None, :] <= qpos[:, None]), float("-inf"))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, seq_len, scale):  # type: ignore[override]
+        heads, ring = q.shape[1], _Ring(g)
+        qpos = positions(seq_len, g.size, g.rank).to(q.device)
+        acc = torch.zeros_like(q, dtype=torch.float32)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, Tq)
+        kb, vb = k, v
+        for i in range(g.size):
+            src = (g.rank - i) % g.size  # whose block this rank holds now
+            works = None
+            if i + 1 < g.size:
+                (kn, vn), works = ring.start([kb, vb])  # the next block travels while this one is used
+            s = _block(q.float(), _expand(kb, heads).float(), None, qpos,
+                       positions(seq_len, g.size, src).to(q.device), scale)
+            block_lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq); -inf where no key is visible
+            new = torch.logaddexp(lse, block_lse)
+            p = torch.exp(s - new.unsqueeze(-1)).nan_to_num(0.0)
+            acc = acc * torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1) + \
+                torch.matmul(p, _expand(vb, heads).float())
+            lse = new
+            if works is not None:
+                for w in works:
+                    w.wait()
+                kb, vb = kn, vn
+        out = acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.g, ctx.seq_len, ctx.scale = g, seq_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        g, seq_len, scale = ctx.g, ctx.seq_len, ctx.scale
+        heads, kv, ring = q.shape[1], k.shape[1], _Ring(g)
+        qpos = positions(seq_len, g.size, g.rank).to(q.device)
+        qf, dof = q.float(), dout.float()
+        delta = (dof * out.float()).sum(-1, keepdim=True)  # (B, H, Tq, 1)
+        dq = torch.zeros_like(qf)
+        kb, vb = k, v
+        dkb, dvb = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for i in range(g.size):
+            src = (g.rank - i) % g.size
+            kf, vf = _expand(kb, heads).float(), _expand(vb, heads).float()
+            s = _block(qf, kf, None, qpos, positions(seq_len, g.size, src).to(q.device), scale)
+            p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # (B, H, Tq, Tk)
+            dp = torch.matmul(dof, vf.transpose(-2, -1))
+            ds = p * (dp - delta) * scale
+            dq += torch.matmul(ds, kf)
+            dkb = dkb + _fold(torch.matmul(ds.transpose(-2, -1), qf), kv)
+            dvb = dvb + _fold(torch.matmul(p.transpose(-2, -1), dof), kv)
+            if g.size > 1:  # the block and its gradient so far move on together; after cp moves they are home
+                (kb, vb, dkb, dvb), works = ring.start([kb, vb, dkb, dvb])
+                for w in works:
+                    w.wait()
+        return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: CPGroup, seq_len: int,
+                   scale: Optional[float] = None) -> torch.Tensor:
+    """As allgather_attention, with K/V blocks passed around the ring (no rank holds them all)."""
+    return _RingAttention.apply(q, k, v, g, seq_len, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
