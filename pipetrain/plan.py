@@ -87,7 +87,7 @@ def build_schedule(config: Config, stage_costs: StageCosts | None = None) -> Sch
     else:
         schedule = registry.build(s.name, p.degree, p.microbatches, s.virtual_stages)
     schedule = fuse_backward(schedule, compiled_stages(config, schedule.placement.num_stages))
-    if config.layout.dp > 1:  # each stage's gradients reduced over dp once, after its last W or BW (or at the end)
+    if config.layout.dp_mode != "none":  # each stage's gradients reduced over dp (x cp) once, after its last W or BW (or at the end)
         schedule = add_reduces(schedule, at_end=not config.parallel.overlap_reduce)
     validate(schedule, p2p_lookahead=p.p2p_lookahead, p2p_transport=p.p2p_transport)
     return schedule
@@ -236,8 +236,8 @@ def recompute_stages(config: Config, num_stages: int) -> frozenset[int]:
 def plan_reduce_ms(config: Config, schedule: Schedule, part: PartitionPlan) -> tuple[float, ...] | None:
     """Per stage, the simulated ms of its data-parallel gradient reduction (None without data parallel)."""
     layout = config.layout
-    if layout.dp == 1:
+    if layout.dp_mode == "none":
         return None
     return reduce_ms(stage_params(schedule, part.chunk_params()), dp_replicate=layout.dp_replicate,
-                     dp_shard=layout.dp_shard, bandwidth_gbs=config.cluster.dp_bandwidth_gbs,
+                     dp_shard=layout.dp_shard * layout.cp, bandwidth_gbs=config.cluster.dp_bandwidth_gbs,
                      reduce_dtype=config.parallel.reduce_dtype)

@@ -19,27 +19,32 @@ from pipetrain.schedules.validate import ScheduleError, validate
 pytestmark = pytest.mark.pure
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 1, 1), (4, 2, 2, 1), (3, 1, 4, 1),
-                                   (2, 1, 1, 2), (2, 1, 2, 2), (2, 2, 2, 2), (1, 1, 1, 4)])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (2, 1, 2, 1, 1), (2, 2, 1, 1, 1), (4, 2, 2, 1, 1),
+                                   (3, 1, 4, 1, 1), (2, 1, 1, 1, 2), (2, 1, 2, 1, 2), (2, 2, 2, 1, 2),
+                                   (1, 1, 1, 1, 4), (2, 1, 2, 2, 1), (2, 2, 1, 2, 1), (1, 1, 1, 4, 1)])
 def test_coordinates_are_the_mesh_order_and_groups_partition_the_world(shape):
-    layout = Layout(*shape)
+    layout = Layout(**dict(zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), shape)))
+    assert layout.shape == shape
     ranks = list(range(layout.world))
-    # row-major over ("pp", "dp_replicate", "dp_shard", "tp"), as init_device_mesh lays the ranks out
+    # row-major over ("pp", "dp_replicate", "dp_shard", "cp", "tp"), as init_device_mesh lays the ranks out
     assert all(layout.rank_of(*vars(layout.coords(r)).values()) == r for r in ranks)
     assert [tuple(vars(layout.coords(r)).values()) for r in ranks] == list(itertools.product(*map(range, shape)))
     pipelines = layout.pipelines()
-    assert len(pipelines) == layout.dp * layout.tp and sorted(sum(pipelines, [])) == ranks
+    assert len(pipelines) == layout.dp * layout.cp * layout.tp and sorted(sum(pipelines, [])) == ranks
     for r in ranks:
         c = layout.coords(r)
         mine = layout.pipeline_ranks(r)
         assert mine in pipelines and mine[layout.pp_rank(r)] == r
         assert all(layout.tp_index(g) == c.tp for g in mine)  # tp index i sends to tp index i
-        group = layout.dp_ranks(r)
-        assert len(group) == layout.dp and r in group
+        group = layout.dp_ranks(r)  # data and context parallel: every rank holding the same parameters
+        assert len(group) == layout.dp * layout.cp and r in group
         assert all(layout.pp_rank(g) == c.pp and layout.tp_index(g) == c.tp for g in group)
         tp_group = layout.tp_ranks(r)
         assert len(tp_group) == layout.tp and r in tp_group and tp_group == list(range(tp_group[0], tp_group[-1] + 1))
         assert {layout.dp_index(g) for g in tp_group} == {layout.dp_index(r)}  # one batch slice per tp group
+        cp_group = layout.cp_ranks(r)
+        assert len(cp_group) == layout.cp and r in cp_group and set(cp_group) <= set(group)
+        assert {layout.dp_index(g) for g in cp_group} == {layout.dp_index(r)}  # cp: positions of the same rows
     # each pipeline takes a different slice of the global batch
     assert sorted({layout.dp_index(p[0]) for p in pipelines}) == list(range(layout.dp))
 

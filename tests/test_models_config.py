@@ -184,7 +184,7 @@ def test_sleep_plan_never_imports_torch():
         (["model=llama-tiny", "model.hidden_size=130"], ["model.hidden_size", "model.num_attention_heads"]),
         (["model=llama-tiny", "model.hidden_size=100"], ["model.hidden_size / model.num_attention_heads = 25", "even"]),
         (["model=llama3.1-8b", "model.rope_scaling.rope_type=yarn"], ["model.rope_scaling.rope_type", "null"]),
-        (["model=llama-tiny", "data.seq_len=512"], ["data.seq_len", "model.max_position_embeddings"]),
+        (["model=llama-tiny", "data.seq_len=8192"], ["data.seq_len", "model.max_position_embeddings"]),
         (["model=llama-tiny", "schedule=zbv", "pipeline.degree=8", "pipeline.microbatches=16"],
          ["pipeline.degree", "model.num_hidden_layers", ">= 14"]),
     ],

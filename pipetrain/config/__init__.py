@@ -211,9 +211,10 @@ class Config:
 
     @property
     def layout(self) -> Layout:
-        """The parallel layout: pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.tp ranks."""
-        return Layout(self.pipeline.degree, self.parallel.dp_replicate, self.parallel.dp_shard, self.parallel.tp,
-                      self.parallel.ep)
+        """The parallel layout: pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.cp x
+        parallel.tp ranks (parallel.ep within dp_shard)."""
+        par = self.parallel
+        return Layout(self.pipeline.degree, par.dp_replicate, par.dp_shard, par.tp, par.ep, par.cp)
 
     @property
     def microbatch_size(self) -> int:
@@ -252,6 +253,22 @@ class Config:
             self._check_tp()
         if par.ep > 1:
             self._check_ep()
+        if par.cp > 1:
+            self._check_cp()
+
+    def _check_cp(self) -> None:
+        """Context parallel splits every sequence into 2 cp load-balanced chunks inside Llama's attention."""
+        cp, par, m = self.parallel.cp, self.parallel, self.model
+        if m.family != "llama":
+            raise ValueError(f"parallel.cp={cp} splits sequences inside Llama-family attention but model={m.name} is "
+                             f"{m.family}: set parallel.cp=1 or choose a Llama-family model")
+        for knob, other in (("tp", par.tp), ("ep", par.ep)):
+            if other > 1:
+                raise ValueError(f"parallel.cp={cp} with parallel.{knob}={other} is not supported yet: "
+                                 f"set one of them to 1")
+        if self.data.seq_len % (2 * cp):
+            raise ValueError(f"parallel.cp={cp} cuts data.seq_len={self.data.seq_len} into {2 * cp} equal chunks (load "
+                             f"balance): set data.seq_len to a multiple of {2 * cp}")
 
     def _check_ep(self) -> None:
         """Expert parallel borrows dp_shard's ranks and splits every MoE layer's experts evenly."""

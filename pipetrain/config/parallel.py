@@ -1,7 +1,8 @@
 """Schema of the `parallel` config group: data and tensor parallel around the pipeline (pure: no torch).
 
-world = pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.tp, one DeviceMesh
-("pp", "dp_replicate", "dp_shard", "tp") with pp outermost and tp innermost (pipetrain/parallel/layout.py).
+world = pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.cp x parallel.tp, one
+DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp") with pp outermost and tp innermost
+(pipetrain/parallel/layout.py).
 
   dp_replicate  full replicas of every stage; a stage's gradients are all-reduced once per
                 step (one bucketed all-reduce, issued right after its last backward).
@@ -19,6 +20,11 @@ world = pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.t
                 dp_shard (torchtitan's rule: the world is unchanged; ep must divide dp_shard and the
                 expert count); tokens go to their experts' ranks and back by all-to-all; experts
                 are FSDP2-sharded over the ranks holding the same ones. Not with tp > 1 yet.
+  cp            context parallel (parallel/cp.py): each sequence's positions split across this many
+                ranks, load-balanced for causal attention (rank r: chunks r and 2cp-1-r of 2cp);
+                attention reaches the others' keys and values by `cp_rotate`: allgather (K/V
+                gathered) or ring (K/V blocks passed around, none held whole). Parameters are
+                FSDP2-sharded over dp_shard x cp. Llama family; not with tp or ep yet.
   sequence_parallel  (Korthikanti et al. 2022) between the tensor-parallel regions, activations,
                 norms and dropout are split on the sequence: (batch, seq / tp, hidden) per tp rank,
                 also what crosses between stages. Needs tp > 1 and data.seq_len divisible by tp.
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 DTYPES = ("float32", "bfloat16")
+CP_ROTATE = ("allgather", "ring")
 
 
 @dataclass
@@ -51,14 +58,19 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel degree: each stage's layers split across this many ranks (innermost)
     sequence_parallel: bool = False  # tp > 1: norms, dropout and stage-to-stage tensors split on the sequence
     ep: int = 1  # expert-parallel degree: MoE experts split across this many of dp_shard's ranks
+    cp: int = 1  # context-parallel degree: each sequence's positions split across this many ranks
+    cp_rotate: str = "allgather"  # how attention reaches the other positions' K/V: allgather | ring
 
     def __post_init__(self) -> None:
         if self.dp_replicate < 1:
             raise ValueError(f"parallel.dp_replicate must be >= 1 (got {self.dp_replicate})")
         if self.tp < 1:
             raise ValueError(f"parallel.tp must be >= 1 (got {self.tp})")
-        if self.ep < 1:
-            raise ValueError(f"parallel.ep must be >= 1 (got {self.ep})")
+        for knob in ("ep", "cp"):
+            if getattr(self, knob) < 1:
+                raise ValueError(f"parallel.{knob} must be >= 1 (got {getattr(self, knob)})")
+        if self.cp_rotate not in CP_ROTATE:
+            raise ValueError(f"parallel.cp_rotate={self.cp_rotate!r} is unknown: choose one of {', '.join(CP_ROTATE)}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true splits tensor-parallel activations on the sequence: "
                              "set parallel.tp > 1 or drop it")
@@ -81,9 +93,9 @@ def fill_dp_shard(parallel: ParallelConfig, *, degree: int, world: Optional[int]
             f"parallel.dp_shard=-1 fills the world, but {where} does not fix the world size: "
             f"set parallel.dp_shard to a number"
         )
-    other = degree * parallel.dp_replicate * parallel.tp
+    other = degree * parallel.dp_replicate * parallel.cp * parallel.tp
     if world % other:
-        tp = f" x parallel.tp={parallel.tp}" if parallel.tp > 1 else ""
+        tp = "".join(f" x parallel.{k}={getattr(parallel, k)}" for k in ("cp", "tp") if getattr(parallel, k) > 1)
         raise ValueError(
             f"parallel.dp_shard=-1: the world of {world} ranks is not a multiple of pipeline.degree={degree} x "
             f"parallel.dp_replicate={parallel.dp_replicate}{tp} = {other}: change one of them"
@@ -98,12 +110,11 @@ def launched_world(cluster_name: str) -> Optional[int]:
     return None
 
 
-def world_text(degree: int, dp_replicate: int, dp_shard: int, tp: int = 1) -> str:
+def world_text(degree: int, dp_replicate: int, dp_shard: int, cp: int = 1, tp: int = 1) -> str:
     """How error messages name the world: `the world of 8 ranks (pipeline.degree=2 x parallel.dp_shard=4)`."""
-    if dp_replicate == dp_shard == tp == 1:
+    if dp_replicate == dp_shard == cp == tp == 1:
         return f"pipeline.degree={degree}"
     parts = [f"pipeline.degree={degree}"]
-    parts += [f"parallel.dp_replicate={dp_replicate}"] if dp_replicate > 1 else []
-    parts += [f"parallel.dp_shard={dp_shard}"] if dp_shard > 1 else []
-    parts += [f"parallel.tp={tp}"] if tp > 1 else []
-    return f"the world of {degree * dp_replicate * dp_shard * tp} ranks ({' x '.join(parts)})"
+    parts += [f"parallel.{k}={v}" for k, v in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp),
+                                              ("tp", tp)) if v > 1]
+    return f"the world of {degree * dp_replicate * dp_shard * cp * tp} ranks ({' x '.join(parts)})"

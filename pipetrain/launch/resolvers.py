@@ -102,15 +102,16 @@ def _shared(what: str, make: Callable[[], str]) -> str:
 
 
 def _tasks_per_node(degree: int, nodes: int, ranks_per_node: Optional[int], dp_replicate: int = 1,
-                    dp_shard: int = 1, tp: int = 1) -> int:
+                    dp_shard: int = 1, tp: int = 1, cp: int = 1) -> int:
     rpn = None if ranks_per_node is None else int(ranks_per_node)
     if int(dp_shard) == -1:  # fills the world: nodes x ranks_per_node (the schema says so when unset)
         if rpn is None:
             raise ValueError("parallel.dp_shard=-1 fills the world, which cluster.nodes x cluster.ranks_per_node "
                              "fixes: set cluster.ranks_per_node (or parallel.dp_shard to a number)")
         return rpn
-    world = int(degree) * int(dp_replicate) * int(dp_shard) * int(tp)
-    return tasks_per_node(world, int(nodes), rpn, world_text(int(degree), int(dp_replicate), int(dp_shard), int(tp)))
+    world = int(degree) * int(dp_replicate) * int(dp_shard) * int(cp) * int(tp)
+    return tasks_per_node(world, int(nodes), rpn, world_text(int(degree), int(dp_replicate), int(dp_shard), int(cp),
+                                                             int(tp)))
 
 
 def register_resolvers() -> None:

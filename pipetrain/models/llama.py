@@ -107,6 +107,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=attention_bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.context: Optional[Any] = None  # context parallel (parallel/cp.py: ContextAttention), set by parallelize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x)  # (B, T, H hd); T from here: sequence parallel hands x in as (B, T/tp, C)
@@ -116,11 +117,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.tables(t, x.device, q.dtype)  # (T, hd) each
+        cp = self.context  # under context parallel x holds this rank's positions of each sequence only
+        cos, sin = self.rotary.tables(t, x.device, q.dtype) if cp is None else cp.tables(self.rotary, x.device, q.dtype)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
-        # Query head i reads key/value head i // (H / KV), as HF's repeat_kv, without copying k and v.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        if cp is not None:  # causal by true position, K/V of the other positions from the cp group
+            y = cp.attend(q, k, v)
+        else:  # query head i reads key/value head i // (H / KV), as HF's repeat_kv, without copying k and v
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # (B, T, C)
 
 
@@ -146,6 +150,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def cp_plan(self) -> tuple[str, ...]:
+        """The attention modules context parallel gives the cp group's K/V (parallel/cp.py)."""
+        return ("self_attn",)
 
     def tp_plan(self) -> TPLayerPlan:
         """Megatron's split: q, k, v, gate, up column-parallel, o and down row-parallel; a tp rank keeps

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,7 @@ class _Ring:
         self.next, self.prev = ranks[(g.rank + 1) % g.size], ranks[(g.rank - 1) % g.size]
 
     def start(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
-        incoming = [torch.empty_like(t) for t in tensors]
+        incoming = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # dense, as P2P needs
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, group=self.g.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.prev, group=self.g.group) for t in incoming]
         return incoming, dist.batch_isend_irecv(ops)
@@ -174,3 +174,60 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: CPGroup
                    scale: Optional[float] = None) -> torch.Tensor:
     """As allgather_attention, with K/V blocks passed around the ring (no rank holds them all)."""
     return _RingAttention.apply(q, k, v, g, seq_len, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+
+
+class ContextAttention:
+    """What a declared attention module calls under context parallel: RoPE's tables at this rank's
+    positions, and attention over the whole sequence's keys and values from the cp group."""
+
+    def __init__(self, g: CPGroup, seq_len: int, rotate: str) -> None:
+        self.g, self.seq_len = g, seq_len
+        self.attend_fn = {"allgather": allgather_attention, "ring": ring_attention}[rotate]
+        self.positions = positions(seq_len, g.size, g.rank)
+
+    def tables(self, rotary, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rotary.tables(self.seq_len, device, dtype)  # (T, hd) of the whole sequence, cached
+        pos = self.positions.to(device)
+        return cos[pos], sin[pos]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.attend_fn(q, k, v, self.g, self.seq_len)
+
+    def boundary_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A (B, T, C) tensor crossing between stages, as this cp rank holds it: (B, T/cp, C)."""
+        b, t, *rest = shape
+        return (b, t // self.g.size, *rest)
+
+
+@runtime_checkable
+class ContextPlanned(Protocol):
+    """A layer that says which of its modules attend across positions (they get a ContextAttention)."""
+
+    def cp_plan(self) -> tuple[str, ...]: ...
+
+
+def parallelize_context(stage: torch.nn.Module, context: ContextAttention) -> torch.nn.Module:
+    """Give every declared attention module of the stage the cp group's K/V, in place."""
+    for layer in stage.layers.values():
+        if isinstance(layer, ContextPlanned):
+            for path in layer.cp_plan():
+                layer.get_submodule(path).context = context
+    return stage
+
+
+def local_positions(rows: tuple[torch.Tensor, torch.Tensor], context: Optional[ContextAttention]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's (inputs, labels) (B, T) at this cp rank's positions (both alike: label i is the token
+    after input i wherever position i goes); the batch itself without context parallel."""
+    if context is None:
+        return rows
+    pos = context.positions
+    return tuple(t[:, pos] for t in rows)  # type: ignore[return-value]
+
+
+def context_parallel(groups, seq_len: int, rotate: str) -> Optional[ContextAttention]:
+    """None without context parallel (parallel.cp = 1)."""
+    if groups.layout.cp == 1:
+        return None
+    return ContextAttention(CPGroup(groups.cp_group, groups.layout.cp, groups.cp_index,
+                                    tuple(groups.layout.cp_ranks(groups.rank))), seq_len, rotate)

@@ -33,7 +33,7 @@ class DataParallel:
 
     @property
     def sharded(self) -> bool:
-        return self.groups.layout.dp_shard > 1
+        return self.groups.layout.dp_mode in ("shard", "hsdp")
 
     def wrap(self, stage: nn.Module) -> nn.Module:
         """The stage as the executor runs it: FSDP2-sharded under dp_shard, else itself."""
@@ -59,8 +59,8 @@ class DataParallel:
 
 
 def data_parallel(config: Config, groups: RankGroups) -> Optional[DataParallel]:
-    """None without data parallel (dp = 1: everything as a single pipeline)."""
-    if groups.layout.dp == 1:
+    """None without data (or context) parallel: everything as a single pipeline."""
+    if groups.layout.dp_mode == "none":
         return None
     par = config.parallel
     param = par.param_dtype or ("bfloat16" if config.trainer.precision == "bf16" else None)

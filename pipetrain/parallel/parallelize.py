@@ -3,6 +3,7 @@
     cut (models/split.py, on the meta device)
       -> tensor parallel      parallel/tp_plan.py, from each layer's declared plan (parallel/tp_spec.py)
       -> expert parallel      parallel/ep.py: this rank's block of each declared stacked-experts module
+      -> context parallel     parallel/cp.py: declared attention modules attend over the cp group's K/V
       -> activation recompute trainer.activation_checkpointing / plan.recompute_stages
       -> compile              trainer.compile: each layer, in place, after TP and before FSDP
       -> data parallel        FSDP2 under dp_shard (HSDP too; experts over their own mesh), plain
@@ -21,6 +22,7 @@ from typing import Callable, Collection, Optional
 
 from torch import nn
 
+from pipetrain.parallel.cp import ContextAttention, parallelize_context
 from pipetrain.parallel.dp import DataParallel
 from pipetrain.parallel.ep import parallelize_experts
 from pipetrain.parallel.tp_plan import TensorParallel
@@ -34,9 +36,16 @@ class Parallelize:
 
     tp: Optional[TensorParallel] = None
     ep: Optional[EPGroup] = None
+    cp: Optional[ContextAttention] = None
     recompute: bool | Collection[int] = False
     compiled: bool | Collection[int] = False
     dp: Optional[DataParallel] = None
+
+    def boundary_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A hidden (B, T, C) tensor crossing between stages as this rank holds it (cp, then sequence parallel)."""
+        if self.cp is not None:
+            shape = self.cp.boundary_shape(shape)
+        return shape if self.tp is None else self.tp.boundary_shape(shape)
 
     def compiles(self, stage_id: int) -> bool:
         return self.compiled if isinstance(self.compiled, bool) else stage_id in self.compiled
@@ -53,6 +62,10 @@ def apply_tp(p: Parallelize, stage: nn.Module) -> nn.Module:
 
 def apply_ep(p: Parallelize, stage: nn.Module) -> nn.Module:
     return stage if p.ep is None else parallelize_experts(stage, p.ep)
+
+
+def apply_cp(p: Parallelize, stage: nn.Module) -> nn.Module:
+    return stage if p.cp is None else parallelize_context(stage, p.cp)
 
 
 def apply_recompute(p: Parallelize, stage: nn.Module) -> nn.Module:
@@ -72,4 +85,4 @@ def apply_dp(p: Parallelize, stage: nn.Module) -> nn.Module:
 
 
 STEPS: tuple[Callable[[Parallelize, nn.Module], nn.Module], ...] = (
-    apply_tp, apply_ep, apply_recompute, apply_compile, apply_dp)
+    apply_tp, apply_ep, apply_cp, apply_recompute, apply_compile, apply_dp)

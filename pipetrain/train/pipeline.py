@@ -139,10 +139,9 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
     stages = {s: _stage(model, bounds[pl.chunk_of(s)], s, parallelize, device, seed, init_rule)
               for s in pl.stages_of(rank)}
     specs = model.boundary_specs(microbatch=microbatch_size, seq=seq_len)
-    if parallelize.tp is not None:  # sequence parallel: each tp rank sends and receives its (B, T/tp, C) part
-        tp = parallelize.tp
-        specs = [specs[0], *(dataclasses.replace(t, shape=tp.boundary_shape(t.shape)) for t in specs[1:-1]),
-                 specs[-1]]
+    # context / sequence parallel: each rank sends and receives its (B, T/cp(/tp), C) part
+    specs = [specs[0], *(dataclasses.replace(t, shape=parallelize.boundary_shape(t.shape)) for t in specs[1:-1]),
+             specs[-1]]
     if compute_dtype is not None:
         specs = [dataclasses.replace(t, dtype=compute_dtype) if t.dtype.is_floating_point else t for t in specs]
 

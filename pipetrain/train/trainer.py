@@ -29,6 +29,7 @@ from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.models.hf import pretrained_rule
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.timeouts import bound_waits
+from pipetrain.parallel.cp import context_parallel, local_positions
 from pipetrain.parallel.dp import data_parallel
 from pipetrain.parallel.ep import expert_parallel
 from pipetrain.parallel.parallelize import Parallelize
@@ -90,8 +91,9 @@ class Trainer:
                               kind=p.p2p_transport, group=self.groups.pp_group,
                               group_ranks=self.groups.pipeline_ranks if many else None,
                               pipelines=config.layout.pipelines() if many else None)
+        self.context = context_parallel(self.groups, config.data.seq_len, config.parallel.cp_rotate)
         parallelize = Parallelize(tp=tensor_parallel(config, self.groups), ep=expert_parallel(self.groups),
-                                  recompute=plan.recompute_stages, compiled=plan.compiled_stages,
+                                  cp=self.context, recompute=plan.recompute_stages, compiled=plan.compiled_stages,
                                   dp=data_parallel(config, self.groups))
         self.pipe: RankPipeline = build_rank_pipeline(
             model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank, microbatch_size=config.microbatch_size,
@@ -151,10 +153,11 @@ class Trainer:
 
     # ---- one optimizer step -------------------------------------------------------------
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This pipeline's microbatches of step `step`: its 1/dp rows of the global batch, split in M."""
+        """This pipeline's microbatches of step `step`: its 1/dp rows of the global batch (under context
+        parallel their positions this rank holds), split in M."""
         assert self.data is not None, "this Trainer was built with train_data=False (mode=eval)"
         rows = local_rows(self.data.batch(step, split=split), self.groups.dp_index, self.config.layout.dp)
-        return split_microbatches(rows, self.config.pipeline.microbatches)
+        return split_microbatches(local_positions(rows, self.context), self.config.pipeline.microbatches)
 
     def train_step(self, *, measure: bool = False) -> StepRecord:
         """One optimizer step. measure=True (a logged step; every rank alike) gathers every rank's
