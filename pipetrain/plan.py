@@ -1,8 +1,10 @@
 """From a Config to what runs: the validated schedule, the partition and the per-stage costs.
 
-The same Plan feeds `mode=simulate` and (later) the executor, so what is simulated is
-exactly what runs, and the partition table and the simulation read the same numbers
-(the stage costs are the plan's own `chunk_fbw()`).
+The same Plan feeds `mode=simulate` and the run, so what is simulated is exactly what runs, and
+the partition table and the simulation read the same numbers (the stage costs are the partition's
+chunk sums). From the partition on, make_plan and the planner (planner/search.py) take one path:
+`simulate_layout(LayoutInputs) -> SimulatedPlan` (costs, zb_auto's search, the lowering passes, the
+gradient reductions, the simulation); the planner only varies its inputs, one set per candidate.
 
 Where layer costs come from:
   - model=sleep: its configured times, in pure Python (the sleep + any analytic partition
@@ -20,8 +22,9 @@ Where layer costs come from:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 from pipetrain.config import Config, ModelConfig, SleepModelConfig
 from pipetrain.partition.costs import LayerCost, chunk_costs, fuse_weight_grads
@@ -30,10 +33,11 @@ from pipetrain.partition.plan import PartitionPlan, require_chunks
 from pipetrain.partition.strategies import partition
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.lower import fuse_backward
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
-from pipetrain.schedules.simulate import StageCosts, split_stages
+from pipetrain.schedules.simulate import SimResult, StageCosts, simulate, split_stages
 from pipetrain.schedules.spec import RankCosts
 from pipetrain.schedules.tp_cost import tp_layer_costs
 from pipetrain.schedules.validate import validate
@@ -56,6 +60,8 @@ class Plan:
     reduce_ms: tuple[float, ...] | None = None
     recompute_stages: frozenset[int] = frozenset()  # stage ids whose layers recompute (trainer.activation_checkpointing)
     compiled_stages: frozenset[int] = frozenset()  # stage ids whose layers are compiled (trainer.compile): BW, no W
+    # what simulate_layout returned for this plan: `simulated.result` is mode=simulate's simulation
+    simulated: SimulatedPlan | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def layer_costs(self) -> tuple[LayerCost, ...]:
@@ -66,29 +72,139 @@ class Plan:
         return self.partition.bounds
 
 
-def build_schedule(config: Config, stage_costs: StageCosts | None = None) -> Schedule:
-    """The run's validated schedule, lowered: a compiled stage's B is BW and its W gone (schedules/lower.py),
-    then under data parallel the gradient reductions placed. `zb_auto` is searched for `stage_costs` (the
-    run's own F, B, W per stage and sim.comm_ms) when given; without them, for unit costs."""
+# ---- the one path from a layout to a simulated schedule ----------------------------------------
+# make_plan (mode=simulate and the run) and the planner (planner/search.py, which varies the inputs
+# per candidate) both call simulate_layout, so a rule about costs, lowering or reductions is written once.
+
+
+@dataclass(frozen=True)
+class GradReduce:
+    """Data parallel: how each stage's gradient reduction is placed and timed (schedules/reduce_cost.py)."""
+
+    dp_replicate: int
+    dp_shard: int
+    bandwidth_gbs: float  # per rank (cluster.dp_bandwidth_gbs, plan.dp_gbs)
+    reduce_dtype: str
+    at_end: bool = False  # all after the rank's last action (parallel.overlap_reduce=false), else after each last W
+    latency_ms: float = 0.0  # added to every stage's reduction (plan.reduce_latency_ms)
+
+
+@dataclass(frozen=True)
+class LayoutInputs:
+    """One pipeline layout, everything simulate_layout reads: a run's config gives one (layout_inputs),
+    the planner one per candidate."""
+
+    schedule: str  # a registry name; zb_auto is searched for these costs
+    degree: int  # pipeline ranks
+    microbatches: int
+    virtual_stages: int
+    partition: PartitionPlan  # one tp rank's per-layer costs of one microbatch, cut into the placement's chunks
+    recompute_stages: frozenset[int] = frozenset()  # their backward passes run the forward again
+    compiled_stages: frozenset[int] = frozenset()  # their B and W run as one BW (schedules/lower.py)
+    comm_ms: float = 0.0  # per cross-rank transfer
+    fb_overlap: float = 0.0  # sim.fb_overlap
+    action_overhead_ms: float = 0.0  # the executor's own time per F, B, W or BW (plan.action_overhead_ms)
+    w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (zb_auto's memory model)
+    memory_budget: Sequence[float] | None = None  # zb_auto: activations per rank, in microbatches (None: 2P-1)
+    grad_reduce: GradReduce | None = None  # data parallel; None when dp = 1
+
+
+@dataclass(frozen=True)
+class SimulatedPlan:
+    """What simulate_layout returns: the schedule that runs, what its actions cost, and (on first
+    read, `result`) its simulation."""
+
+    schedule: Schedule  # lowered: compiled stages run BW, and under data parallel the reductions placed
+    stage_costs: StageCosts  # per stage id; compiled stages as B = b + w, W = 0 (their BW costs b + w)
+    reduce_ms: tuple[float, ...] | None  # per stage id, its gradient reduction; None without data parallel
+    w_keep: tuple[float, ...]  # per stage id, the share B keeps for W (all of it where W recomputes)
+    comm_ms: float
+    fb_overlap: float
+
+    @functools.cached_property
+    def result(self) -> SimResult:
+        return simulate(self.schedule, self.stage_costs, comm_ms=self.comm_ms, fb_overlap=self.fb_overlap,
+                        check=False, reduce_ms=self.reduce_ms)
+
+    def __getstate__(self) -> dict:  # a Plan sent to the ranks leaves the simulation (10^6 steps at P=10^4) behind
+        return {k: v for k, v in self.__dict__.items() if k != "result"}
+
+
+def simulate_layout(inputs: LayoutInputs, *, built: Schedule | None = None) -> SimulatedPlan:
+    """Costs -> schedule -> lowering -> reductions for one layout; pure, no torch, not validated (the
+    caller validates what runs). `built`: the schedule built already (make_plan's, validated; a custom
+    CSV), lowered and costed here instead of built; zb_auto is searched for `inputs`' own costs."""
+    pl = registry.placement_for(inputs.schedule, inputs.degree, inputs.virtual_stages) if built is None \
+        else built.placement
+    num_stages, compiled = pl.num_stages, inputs.compiled_stages
+    keep = tuple(1.0 if s in inputs.recompute_stages and s not in compiled else inputs.w_keep
+                 for s in range(num_stages))  # a W that recomputes does so from everything B kept
+    if built is None and inputs.schedule == "zb_auto":  # compiled stages searched as B = b + w, W = 0, then lowered
+        registry.check(inputs.schedule, inputs.degree, inputs.microbatches, inputs.virtual_stages)
+        search = layout_stage_costs(inputs, pl, set(range(num_stages)) - compiled)
+        steps = zb_auto_order(inputs.degree, inputs.microbatches, f=search.f, b=search.b, w=search.w,
+                              comm=inputs.comm_ms, budget=inputs.memory_budget, w_keep=list(keep))
+        built = Schedule.build(inputs.schedule, pl, inputs.microbatches, steps)
+    elif built is None:
+        built = registry.build(inputs.schedule, inputs.degree, inputs.microbatches, inputs.virtual_stages)
+    schedule = lower(built, compiled, inputs.grad_reduce)
+    # which stages run W apart from B decides what recompute and the per-action overhead add to W
+    split = split_stages(schedule) if inputs.recompute_stages or inputs.action_overhead_ms else set()
+    costs = layout_stage_costs(inputs, pl, split)
+    red = None
+    if inputs.grad_reduce is not None:
+        g = inputs.grad_reduce
+        red = reduce_ms(stage_params(schedule, inputs.partition.chunk_params()), dp_replicate=g.dp_replicate,
+                        dp_shard=g.dp_shard, bandwidth_gbs=g.bandwidth_gbs, reduce_dtype=g.reduce_dtype)
+        if g.latency_ms:
+            red = tuple(r + g.latency_ms for r in red)
+    return SimulatedPlan(schedule, costs, red, keep, inputs.comm_ms, inputs.fb_overlap)
+
+
+def layout_stage_costs(inputs: LayoutInputs, pl: Placement, split: Collection[int]) -> StageCosts:
+    """Per stage id (f, b, w) of one microbatch: the chunk's layers summed (a compiled stage's as
+    B = b + w, W = 0: zb_auto's search input; its BW costs b + w either way); a recomputing stage's
+    backward passes run its forward again (in W too on the stages in `split`, StageCosts.with_recompute);
+    inputs.action_overhead_ms added to every action (to W on the stages in `split` only)."""
+    part, compiled = inputs.partition, inputs.compiled_stages
+    chunks = chunk_costs(part.layers, part.bounds)
+    fused = chunk_costs(fuse_weight_grads(part.layers), part.bounds) if compiled else chunks
+    per_stage = [(fused if s in compiled else chunks)[pl.chunk_of(s)] for s in range(pl.num_stages)]
+    costs = StageCosts(*(tuple(c[i] for c in per_stage) for i in range(3)))
+    if inputs.recompute_stages:
+        costs = costs.with_recompute(split, inputs.recompute_stages)
+    extra = inputs.action_overhead_ms
+    if not extra:
+        return costs
+    n = pl.num_stages
+    return StageCosts(tuple(f + extra for f in costs.f), tuple(b + extra for b in costs.b),
+                      tuple(w + (extra if s in split else 0.0) for s, w in enumerate(costs.w)),
+                      tuple(costs.fused(s) + extra for s in range(n)))  # a BW is one action
+
+
+def lower(schedule: Schedule, compiled: Collection[int], grad_reduce: GradReduce | None) -> Schedule:
+    """Every run-time change to a schedule, in order: a compiled stage's B becomes BW and its W goes
+    (schedules/lower.py), then under data parallel each stage's gradient reduction is placed after
+    its last W or BW (or at the end). Lowered twice is lowered once."""
+    schedule = fuse_backward(schedule, compiled)
+    if grad_reduce is not None:
+        schedule = add_reduces(schedule, at_end=grad_reduce.at_end)
+    return schedule
+
+
+def build_schedule(config: Config) -> Schedule:
+    """The run's validated schedule, lowered (`lower`): a compiled stage's B is BW and its W gone, then
+    under data parallel the gradient reductions placed. `zb_auto` is searched here for unit costs;
+    make_plan searches it again for the run's own (simulate_layout)."""
     s, p = config.schedule, config.pipeline
-    if s.name == "zb_auto" and stage_costs is not None:
-        registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
-        # compiled: searched on B = b + w, W = 0 (lowered to BW below), no W recomputing from what B kept
-        rc = recompute_stages(config, p.degree) if not config.trainer.compile else frozenset()
-        keep = [1.0 if j in rc else s.w_keep for j in range(p.degree)]  # W recomputes from what B kept
-        steps = zb_auto_order(p.degree, p.microbatches, f=stage_costs.f, b=stage_costs.b, w=stage_costs.w,
-                              comm=config.sim.comm_ms, budget=budget_of(s.memory_budget, p.degree), w_keep=keep)
-        schedule = Schedule.build(s.name, registry.placement_for(s.name, p.degree), p.microbatches, steps)
-    elif s.name == registry.CUSTOM:
+    if s.name == registry.CUSTOM:
         schedule = registry.load_custom(
             s.path, num_ranks=p.degree, num_microbatches=p.microbatches,
             placement=s.placement, virtual_stages=s.virtual_stages,
         )
     else:
         schedule = registry.build(s.name, p.degree, p.microbatches, s.virtual_stages)
-    schedule = fuse_backward(schedule, compiled_stages(config, schedule.placement.num_stages))
-    if config.layout.dp_mode != "none":  # each stage's gradients reduced over dp (x cp) once, after its last W or BW (or at the end)
-        schedule = add_reduces(schedule, at_end=not config.parallel.overlap_reduce)
+    schedule = lower(schedule, compiled_stages(config, schedule.placement.num_stages), grad_reduce(config))
     validate(schedule, p2p_lookahead=p.p2p_lookahead, p2p_transport=p.p2p_transport)
     return schedule
 
@@ -187,30 +303,45 @@ def make_partition(config: Config, layers: list[LayerCost], num_chunks: int) -> 
 
 
 def make_plan(config: Config) -> Plan:
-    schedule = build_schedule(config)
-    # Fail on too many stages before building (or profiling) anything.
-    require_chunks(config.model.num_layers, schedule.placement.num_chunks)
-    costs = layer_costs(config)
-    part = make_partition(config, costs, schedule.placement.num_chunks)
-    chunks = part.chunk_fbw()
-    if config.trainer.compile:  # B = b + w, W = 0: zb_auto's search input (a BW costs b + w)
-        chunks = chunk_costs(fuse_weight_grads(part.layers), part.bounds)
-    stage_costs = StageCosts.from_chunks(schedule, chunks)
-    recompute = recompute_stages(config, schedule.placement.num_stages)
-    if recompute:  # their backward passes run the forward again (in a W too, on the stages still running one)
-        stage_costs = stage_costs.with_recompute(split_stages(schedule), recompute)
-    if config.schedule.name == "zb_auto":  # searched for this run's costs (same placement, so same stage costs)
-        schedule = build_schedule(config, stage_costs)
-    rc = registry.rank_costs(
-        schedule, list(stage_costs.f), list(stage_costs.b), list(stage_costs.w), config.sim.fb_overlap
-    )
+    schedule = build_schedule(config)  # validated before anything is built (or profiled)
+    require_chunks(config.model.num_layers, schedule.placement.num_chunks)  # so are too many stages
+    part = make_partition(config, layer_costs(config), schedule.placement.num_chunks)
+    searched = config.schedule.name == "zb_auto"  # searched again for this run's costs (same placement)
+    inputs = layout_inputs(config, part, schedule.placement.num_stages)
+    laid = simulate_layout(inputs, built=None if searched else schedule)
+    if searched:
+        validate(laid.schedule, p2p_lookahead=config.pipeline.p2p_lookahead,
+                 p2p_transport=config.pipeline.p2p_transport)
+    schedule, costs = laid.schedule, laid.stage_costs
+    rc = registry.rank_costs(schedule, list(costs.f), list(costs.b), list(costs.w), config.sim.fb_overlap)
     analytic = None
     if config.schedule.name != registry.CUSTOM:
         formula = registry.get(config.schedule.name).analytic_bubble
         if formula is not None:
             analytic = formula(schedule.num_ranks, schedule.placement.stages_per_rank, rc)
-    return Plan(schedule, part, stage_costs, rc, analytic, cost_source(config), plan_reduce_ms(config, schedule, part),
-                recompute, compiled_stages(config, schedule.placement.num_stages))
+    return Plan(schedule, part, costs, rc, analytic, cost_source(config), laid.reduce_ms, inputs.recompute_stages,
+                inputs.compiled_stages, laid)
+
+
+def layout_inputs(config: Config, part: PartitionPlan, stages: int) -> LayoutInputs:
+    """What a run's config gives the one path (the planner gives its candidates'), for `stages` stage ids."""
+    s, p = config.schedule, config.pipeline
+    budget = budget_of(s.memory_budget, p.degree) if s.name == "zb_auto" else None
+    return LayoutInputs(s.name, p.degree, p.microbatches, s.virtual_stages, part,
+                        recompute_stages=recompute_stages(config, stages),
+                        compiled_stages=compiled_stages(config, stages),
+                        comm_ms=config.sim.comm_ms, fb_overlap=config.sim.fb_overlap, w_keep=s.w_keep,
+                        memory_budget=budget, grad_reduce=grad_reduce(config))
+
+
+def grad_reduce(config: Config) -> GradReduce | None:
+    """The data-parallel gradient reductions a config runs (None when dp = cp = 1; context parallel's
+    ranks shard the parameters with dp_shard's)."""
+    layout = config.layout
+    if layout.dp_mode == "none":
+        return None
+    return GradReduce(layout.dp_replicate, layout.dp_shard * layout.cp, config.cluster.dp_bandwidth_gbs,
+                      config.parallel.reduce_dtype, at_end=not config.parallel.overlap_reduce)
 
 
 def compiled_stages(config: Config, num_stages: int) -> frozenset[int]:
@@ -231,13 +362,3 @@ def recompute_stages(config: Config, num_stages: int) -> frozenset[int]:
         raise ValueError(f"trainer.recompute_stages={list(t.recompute_stages)}: stage {bad[0]} does not exist, the "
                          f"schedule has stages 0..{num_stages - 1}: list stage ids below {num_stages}")
     return frozenset(t.recompute_stages)
-
-
-def plan_reduce_ms(config: Config, schedule: Schedule, part: PartitionPlan) -> tuple[float, ...] | None:
-    """Per stage, the simulated ms of its data-parallel gradient reduction (None without data parallel)."""
-    layout = config.layout
-    if layout.dp_mode == "none":
-        return None
-    return reduce_ms(stage_params(schedule, part.chunk_params()), dp_replicate=layout.dp_replicate,
-                     dp_shard=layout.dp_shard * layout.cp, bandwidth_gbs=config.cluster.dp_bandwidth_gbs,
-                     reduce_dtype=config.parallel.reduce_dtype)

@@ -23,7 +23,7 @@ from pipetrain.plan import Plan, make_plan
 from pipetrain.schedules import render
 from pipetrain.schedules.export import rounded
 from pipetrain.schedules.gc_pause import gc_paused
-from pipetrain.schedules.simulate import SimResult, simulate
+from pipetrain.schedules.simulate import SimResult
 
 
 # Rows of a table printed at most: past it a table costs seconds to lay out (4 s for P=10^4) and says
@@ -118,10 +118,7 @@ def plan_and_simulate(
     if config.partition.name == "profile":
         console.print(f"partition=profile: timing every layer of model={config.model.name} (cached after the first run)")
     plan = make_plan(config)
-    result: SimResult = simulate(
-        plan.schedule, plan.stage_costs, comm_ms=config.sim.comm_ms, fb_overlap=config.sim.fb_overlap, check=False,
-        reduce_ms=plan.reduce_ms,
-    )
+    result: SimResult = plan.simulated.result  # plan.py simulate_layout: the path the planner takes too
     record = render.result_record(
         result,
         schedule_name=plan.schedule.name,

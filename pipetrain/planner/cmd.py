@@ -98,7 +98,10 @@ def workload(config: Config) -> Workload:
     hidden = next(getattr(m, k) for k in HIDDEN_KNOBS if hasattr(m, k))
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
     w_keep = p.w_keep
-    if config.trainer.compile:  # compiled layers: B computes the weight gradients too (and frees what F saved)
+    # trainer.compile: B computes the weight gradients too and frees what F saved. The layers in the view a
+    # compiled run measures (metrics/measure.py: b = BW, w = 0), for calibration's fit and the lower bound;
+    # plan.simulate_layout fuses the compiled stages' costs itself (fusing twice changes nothing)
+    if config.trainer.compile:
         unfused, w_keep = layers, 0.0
 
         def layers(mbs: int):

@@ -1,11 +1,12 @@
 """Score one (layout, schedule, v, M, microbatch size, recompute) by simulation, and rank many
 (the candidates themselves: planner/space.py).
 
-Time: the simulator's makespan of the actual schedule under the partition's per-stage F, B, W
-(recompute adds F to B, and to W where a stage runs W apart: StageCosts.with_recompute), each cross-rank transfer costing latency + boundary bytes / bandwidth
-(`comm_ms`), the data-parallel reduce lane (schedules/reduce_cost.py) and what it leaves exposed
-after the last backward, plus the optimizer step (state bytes over memory bandwidth), plus the
-calibrated overheads a run adds (per action, per layer, per reduction, per step: planner/calibrate.py).
+Time: `plan.simulate_layout`, the path a run's make_plan takes, with the candidate as its inputs: the
+makespan of the lowered schedule under the partition's per-stage F, B, W (recompute adds F to B, and to
+W where a stage runs W apart), each transfer costing latency + boundary bytes / bandwidth (`comm_ms`),
+the data-parallel reduce lane (schedules/reduce_cost.py) and what it leaves exposed; here plus the
+optimizer step (state bytes over memory bandwidth) and the calibrated overheads a run adds (per
+action, per layer, per reduction, per step: planner/calibrate.py).
 Under tensor parallel each layer is one tp rank's (schedules/tp_cost.py `tp_rank_layers`:
 compute / tp and TP collectives, parameters / tp, activations per Korthikanti et al. 2022).
 Memory: planner/memory.py, with the activation peak taken from the same simulated timeline.
@@ -23,22 +24,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
-from pipetrain.partition.costs import LayerCost, chunk_costs
+from pipetrain.partition.costs import LayerCost
 from pipetrain.partition.plan import PartitionPlan
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import (GB, RankMemory, StateBytes, gb_text, loss_rank_bytes, peak_activation_bytes,
                                       rank_memory, sync_copy_bytes)
 from pipetrain.planner.space import Candidate
+from pipetrain.plan import GradReduce, LayoutInputs, SimulatedPlan, simulate_layout
 from pipetrain.schedules import registry
-from pipetrain.schedules.ir import Schedule
-from pipetrain.schedules.lower import fuse_backward
 from pipetrain.schedules.placement import Placement
-from pipetrain.schedules.reduce import add_reduces
-from pipetrain.schedules.reduce_cost import DTYPE_BYTES, reduce_ms, stage_params
-from pipetrain.schedules.simulate import StageCosts, simulate, split_stages
+from pipetrain.schedules.reduce_cost import DTYPE_BYTES
+from pipetrain.schedules.simulate import simulate
 from pipetrain.schedules.tp_cost import tp_rank_layers
 from pipetrain.schedules.validate import hangs_on_nccl
-from pipetrain.schedules.zb_auto import zb_auto_order
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,7 @@ class Workload:
     # microbatch size -> per layer, what the layer saves in the first stage over what `layers` says
     # (bf16 autocast: the first stage's residual stream stays fp32, a later stage's is bf16); None: 1
     first_stage_activation_ratio: Optional[Callable[[int], Sequence[float]]] = None
-    fused_backward: bool = False  # trainer.compile: every stage's B becomes BW, its W goes (schedules/lower.py)
+    fused_backward: bool = False  # trainer.compile: every stage compiled, its B and W one BW (plan.simulate_layout)
     # tensor parallel (schedules/tp_cost.py): a block's width, the vocabulary, bytes per value of the
     # tp collectives, and the activation bytes per token of a block that tp leaves whole without
     # sequence parallel (the norms' inputs and outputs; Korthikanti et al. 2022's 10 of 34)
@@ -145,20 +143,17 @@ class Row:
         }
 
 
-def _stage_costs(pl: Placement, chunks: list[tuple[float, float, float]], recompute: frozenset[int],
-                 action_ms: float = 0.0, split: Optional[set[int]] = None) -> StageCosts:
-    """Per stage id (f, b, w); the `recompute` stages run their forward again in their backward
-    passes (StageCosts.with_recompute). `action_ms` is added to every action: to f, b and w of the
-    stages in `split` (they run B and W apart; all stages when None), to f and b only of the others
-    (their BW is one action of b + w)."""
-    per = [chunks[pl.chunk_of(s)] for s in range(pl.num_stages)]
-    costs = StageCosts(*(tuple(c[i] for c in per) for i in range(3)))
-    if recompute:
-        costs = costs.with_recompute(split, recompute)
-    w_extra = [action_ms if split is None or s in split else 0.0 for s in range(pl.num_stages)]
-    return StageCosts(tuple(f + action_ms for f in costs.f), tuple(b + action_ms for b in costs.b),
-                      tuple(w + x for w, x in zip(costs.w, w_extra)),
-                      tuple(costs.fused(s) + action_ms for s in range(pl.num_stages)))  # a BW is one action
+@dataclass(frozen=True)
+class _MemoryModel:
+    """One candidate's memory, all but the activations' peak (which its simulated timeline gives)."""
+
+    stage_bytes: dict[int, float]  # per stage id: what one microbatch's F keeps (recomputing: its layers' inputs)
+    static: list[RankMemory]  # per rank: weights, gradients and optimizer states, the receive buffers
+    transient: list[float]  # per rank, while a backward runs: one recomputing layer's activations + the loss's backward
+    loss_grad: list[float]  # per rank: the loss's backward (the rank of the last stage)
+    stage_params: list[float]  # per stage id (DualPipe's mirrors hold copies)
+    overhead: float  # per device, outside the allocator
+    room: list[float]  # per rank: bytes the cap leaves for activations (negative: over already)
 
 
 class _Evaluator:
@@ -200,26 +195,60 @@ class _Evaluator:
             self._cuts[key] = partition(self.layers(c.microbatch_size, c.tp, c.sequence_parallel), chunks, c.partition)
         return self._cuts[key]
 
-    def static(self, c: Candidate, params_rank: list[float], boundary: float, stages: int) -> list[RankMemory]:
-        shard = c.dp if c.dp_shard else 1
-        return [rank_memory(r, params=p, state=self.work.state, shard=shard, activations=0.0,
-                            boundary_bytes=boundary, stages=stages, lookahead=self.device.lookahead, margin=0.0)
-                for r, p in enumerate(params_rank)]
+    def boundary_bytes(self, cand: Candidate) -> float:  # one microbatch across a stage boundary (1/tp of it under sp)
+        tokens = cand.microbatch_size * self.work.seq
+        return self.work.boundary_bytes_per_token * tokens / (cand.tp if cand.sequence_parallel else 1)
 
-    def zb_auto(self, row: Row, pl: Placement, costs: StageCosts, comm_ms: float,
-                fits: list[float], keeps: dict[int, float]) -> Optional[Schedule]:
-        """zb_auto searched under each rank's own budget: the microbatches of activations its memory
-        leaves (`fits`), at most 2P (ZB-2p's); None (with the reason on the row) when one does not fit."""
-        c = row.candidate
-        budgets = [math.floor(min(2.0 * c.pp, x) * 100) / 100 for x in fits]
-        low = min(range(c.pp), key=lambda r: budgets[r])
+    def memory_model(self, cand: Candidate, placement: Placement, part: PartitionPlan,
+                     recompute: frozenset[int]) -> _MemoryModel:
+        """What the candidate keeps per microbatch and per rank before its schedule is known. Recompute keeps each
+        layer's input, and while a backward recomputes a layer, its activations (`transient`, on the peak)."""
+        work, dev = self.work, self.device
+        layers = self.layers(cand.microbatch_size, cand.tp, cand.sequence_parallel)
+        tokens = cand.microbatch_size * work.seq
+        seq_split = cand.tp if cand.sequence_parallel else 1
+        boundary = self.boundary_bytes(cand)
+        model_input = boundary if work.input_bytes_per_token is None else work.input_bytes_per_token * tokens
+        first_stage_input = boundary if work.first_stage_bytes_per_token is None else \
+            work.first_stage_bytes_per_token * tokens / seq_split
+        on_tp = functools.partial(loss_rank_bytes, tokens=tokens, tp=cand.tp)  # the vocab-parallel loss: 1/tp per rank
+        loss = [on_tp(work.loss_bytes_per_token) if rng.stop == len(layers) else 0.0 for rng in part.bounds]
+        inputs_kept = [(model_input + first_stage_input * (len(rng) - 1) if rng.start == 0 else boundary * len(rng))
+                       + chunk_loss for rng, chunk_loss in zip(part.bounds, loss)]
+        ratio = self.first_stage_ratio(cand.microbatch_size)
+        bf16_params = cand.dp_shard and cand.dp > 1 and not work.fsdp_casts  # FSDP2 computes in bf16 params: no copies
+        copies = work.weight_copy_bytes if work.weight_copy_bytes and not bf16_params else [0.0] * len(layers)
+        saved = [[layers[i].activation_bytes_per_token * (ratio[i] if rng.start == 0 else 1.0) * tokens
+                  + copies[i] / cand.tp for i in rng] for rng in part.bounds]
+        all_saved = [math.fsum(x) + chunk_loss for x, chunk_loss in zip(saved, loss)]
+        stage_bytes = {s: (inputs_kept if s in recompute else all_saved)[placement.chunk_of(s)]
+                       for s in range(placement.num_stages)}
+        stage_params = [float(part.chunk_params()[placement.chunk_of(s)]) for s in range(placement.num_stages)]
+        shard = cand.dp if cand.dp_shard else 1
+        static = [rank_memory(r, params=math.fsum(stage_params[s] for s in placement.stages_of(r)), state=work.state,
+                              shard=shard, activations=0.0, boundary_bytes=boundary, stages=placement.stages_per_rank,
+                              lookahead=dev.lookahead, margin=0.0) for r in range(cand.pp)]
+        largest_layer = [max(x) for x in saved]
+        last_ranks = {placement.rank_of(s) for s in range(placement.num_stages)
+                      if part.bounds[placement.chunk_of(s)].stop == len(layers)}
+        loss_grad = [on_tp(work.loss_grad_bytes_per_token) if r in last_ranks else 0.0 for r in range(cand.pp)]
+        transient = [max((largest_layer[placement.chunk_of(s)] for s in placement.stages_of(r) if s in recompute),
+                         default=0.0) + loss_grad[r] for r in range(cand.pp)]  # both while a backward runs: on the peak
+        overhead = dev.gpu_overhead_gb * GB
+        room = [(dev.memory_gb * GB - overhead) / (1 + dev.margin) - m.total - t for m, t in zip(static, transient)]
+        return _MemoryModel(stage_bytes, static, transient, loss_grad, stage_params, overhead, room)
+
+    def zb_auto_budgets(self, row: Row, mem: _MemoryModel) -> Optional[list[float]]:
+        """Per rank, zb_auto's activation budget: the microbatches its memory leaves, at most 2P (ZB-2p's);
+        None (the reason on the row) when one does not fit."""
+        pp = row.candidate.pp
+        budgets = [math.floor(min(2.0 * pp, mem.room[r] / mem.stage_bytes[r]) * 100) / 100 for r in range(pp)]
+        low = min(range(pp), key=lambda r: budgets[r])
         if budgets[low] < 1.0:
             row.reason = f"OOM on rank {low}: one microbatch of activations does not fit"
             return None
         row.memory_budget, row.budgets = budgets[low], budgets
-        steps = zb_auto_order(c.pp, c.microbatches, f=costs.f, b=costs.b, w=costs.w, comm=comm_ms,
-                              budget=budgets, w_keep=[keeps[s] for s in range(c.pp)])
-        return Schedule.build(c.schedule, pl, c.microbatches, steps)
+        return budgets
 
     def grad_copies(self, c: Candidate, pl: Placement, part: PartitionPlan,
                     stage_params: list[float]) -> tuple[dict[int, float], list[float]]:
@@ -241,97 +270,82 @@ class _Evaluator:
             weights[f"tied{n}"] = ([pl.rank_of(s) for s in sorted(stages)], numel / c.tp * grad)
         return held, [sync_copy_bytes(weights, r) for r in range(c.pp)]
 
-    def evaluate(self, c: Candidate) -> Row:
-        row, d, w = Row(c), self.device, self.work
-        cap = d.memory_gb * GB
-        layers = self.layers(c.microbatch_size, c.tp, c.sequence_parallel)
-        pl = registry.placement_for(c.schedule, c.pp, c.v)
-        part = self.cut(c)
+    def evaluate(self, cand: Candidate) -> Row:
+        """The candidate's memory, then (if its weights fit) plan.simulate_layout of its layout, with the
+        activations' peak read off the simulated timeline."""
+        row, dev = Row(cand), self.device
+        placement = registry.placement_for(cand.schedule, cand.pp, cand.v)
+        part = self.cut(cand)
         row.cut = tuple((r.start, r.stop) for r in part.bounds)
-        tokens = c.microbatch_size * w.seq
-        boundary = w.boundary_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
-        # recompute (per-layer checkpointing) keeps each layer's input, and while a backward pass
-        # recomputes a layer, that one layer's activations (`transient`, added to the rank's peak)
-        rc = c.recompute_stages(pl)
-        first = boundary if w.input_bytes_per_token is None else w.input_bytes_per_token * tokens
-        inner = boundary if w.first_stage_bytes_per_token is None else \
-            w.first_stage_bytes_per_token * tokens / (c.tp if c.sequence_parallel else 1)
-        on_tp = functools.partial(loss_rank_bytes, tokens=tokens, tp=c.tp)  # the vocab-parallel loss: 1/tp per rank
-        loss = [on_tp(w.loss_bytes_per_token) if rng.stop == len(layers) else 0.0 for rng in part.bounds]
-        kept = [(first + inner * (len(rng) - 1) if rng.start == 0 else boundary * len(rng)) + lo
-                for rng, lo in zip(part.bounds, loss)]
-        ratio = self.first_stage_ratio(c.microbatch_size)
-        bf16_params = c.dp_shard and c.dp > 1 and not w.fsdp_casts  # FSDP2 computes in bf16 parameters: no copies
-        copies = w.weight_copy_bytes if w.weight_copy_bytes and not bf16_params else [0.0] * len(layers)
-        saves = [[layers[i].activation_bytes_per_token * (ratio[i] if rng.start == 0 else 1.0) * tokens
-                  + copies[i] / c.tp for i in rng] for rng in part.bounds]
-        full, full_layer = [math.fsum(x) + lo for x, lo in zip(saves, loss)], [max(x) for x in saves]
-        act_stage = {s: (kept if s in rc else full)[pl.chunk_of(s)] for s in range(pl.num_stages)}
-        # trainer.compile: every stage's B becomes BW and its W goes (schedules/lower.py)
-        compiled = frozenset(range(pl.num_stages)) if w.fused_backward else frozenset()
-        # the share B keeps for W: all of it on a recomputing stage that runs W (which recomputes from
-        # the kept inputs), else the workload's w_keep (compiled: zb_auto's search input only)
-        keep = {s: 1.0 if s in rc and s not in compiled else w.w_keep for s in range(pl.num_stages)}
-        sp = [float(part.chunk_params()[pl.chunk_of(s)]) for s in range(pl.num_stages)]  # mirrors hold copies
-        params_rank = [math.fsum(sp[s] for s in pl.stages_of(r)) for r in range(c.pp)]
-        static = self.static(c, params_rank, boundary, pl.stages_per_rank)
-        transient = [max((full_layer[pl.chunk_of(s)] for s in pl.stages_of(r) if s in rc), default=0.0)
-                     for r in range(c.pp)]
-        chunks = chunk_costs(layers, part.bounds)
-        costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, set() if compiled else None)
-        comm_ms = d.p2p_latency_ms + boundary / (d.p2p_gbs * GB) * 1e3 if c.pp > 1 else 0.0
-        overhead = d.gpu_overhead_gb * GB
-        last = {pl.rank_of(s) for s in range(pl.num_stages) if part.bounds[pl.chunk_of(s)].stop == len(layers)}
-        loss_grad = [on_tp(w.loss_grad_bytes_per_token) if r in last else 0.0 for r in range(c.pp)]
-        transient = [t + g for t, g in zip(transient, loss_grad)]  # both while a backward runs: on the peak
-        room = [(cap - overhead) / (1 + d.margin) - m.total - t for m, t in zip(static, transient)]
-        worst = min(range(c.pp), key=lambda r: room[r])
-        if room[worst] < 0:
-            row.reason = f"OOM on rank {worst} by {gb_text(-room[worst] * (1 + d.margin))} GB (weights and optimizer state alone)"
-            row.memory = [RankMemory(m.rank, m.states, 0.0, m.receive, d.margin * (m.total + t), recompute=t - g,
-                                     loss_grad=g, overhead=overhead) for m, t, g in zip(static, transient, loss_grad)]
+        recompute = cand.recompute_stages(placement)
+        mem = self.memory_model(cand, placement, part, recompute)
+        worst = min(range(cand.pp), key=lambda r: mem.room[r])
+        if mem.room[worst] < 0:
+            row.reason = (f"OOM on rank {worst} by {gb_text(-mem.room[worst] * (1 + dev.margin))} GB "
+                          f"(weights and optimizer state alone)")
+            row.memory = [RankMemory(static.rank, static.states, 0.0, static.receive,
+                                     dev.margin * (static.total + transient), recompute=transient - loss_grad,
+                                     loss_grad=loss_grad, overhead=mem.overhead)
+                          for static, transient, loss_grad in zip(mem.static, mem.transient, mem.loss_grad)]
             return row
-        if c.schedule == "zb_auto":
-            sched = self.zb_auto(row, pl, costs, comm_ms, [room[r] / act_stage[r] for r in range(c.pp)], keep)
-            if sched is None:
+        budgets = None
+        if cand.schedule == "zb_auto":
+            budgets = self.zb_auto_budgets(row, mem)
+            if budgets is None:
                 return row
-        else:
-            sched = registry.build(c.schedule, c.pp, c.microbatches, c.v)
-            if c.pp > 1 and d.p2p_transport != "pair_groups" and hangs_on_nccl(sched, lookahead=d.lookahead,
-                                                                              transport=d.p2p_transport):
-                row.reason = f"hangs on NCCL under pipeline.p2p_transport={d.p2p_transport} (pair_groups runs it)"
-                return row
-        sched = fuse_backward(sched, compiled)  # the schedule the run's plan.build_schedule lowers alike
-        if (d.action_overhead_ms or rc) and c.schedule != "zb_auto":  # zb_auto was searched for `costs`
-            costs = _stage_costs(pl, chunks, rc, d.action_overhead_ms, split_stages(sched))  # stages running W apart
-        red = None
-        if c.dp > 1:
-            sched = add_reduces(sched)
-            red = reduce_ms(stage_params(sched, part.chunk_params()), dp_replicate=1 if c.dp_shard else c.dp,
-                            dp_shard=c.dp if c.dp_shard else 1, bandwidth_gbs=d.dp_gbs, reduce_dtype=d.reduce_dtype)
-            red = tuple(r + d.reduce_latency_ms for r in red)
-        sim = simulate(sched, costs, comm_ms=comm_ms, check=False, reduce_ms=red)
-        held, sync = self.grad_copies(c, pl, part, sp)
-        row.memory = []
-        for r, m in enumerate(static):
-            act = peak_activation_bytes(sim.timeline[r], act_stage, keep)
-            # the reducer's copies join the activations during the drain; the sync's come after them
-            with_held = peak_activation_bytes(sim.timeline[r], act_stage, keep, held) if held else act
-            copies = max(with_held, sync[r]) - act
-            base = m.states + act + transient[r] + copies + m.receive
-            row.memory.append(RankMemory(r, m.states, act, m.receive, d.margin * base,
-                                         recompute=transient[r] - loss_grad[r], loss_grad=loss_grad[r],
-                                         grad_copies=copies, overhead=overhead))
-        opt_ms = max(m.states for m in static) / (d.optim_gbs * GB) * 1e3 if d.optim_gbs > 0 else 0.0
-        row.pred_step_ms = sim.makespan_with_reduce + opt_ms + d.step_overhead_ms
+        laid = simulate_layout(self.layout_inputs(cand, part, recompute, budgets))
+        # a named schedule's P2P order on NCCL (zb_auto's searched orders are left to the run's validate)
+        if cand.schedule != "zb_auto" and cand.pp > 1 and dev.p2p_transport != "pair_groups" and hangs_on_nccl(
+                laid.schedule, lookahead=dev.lookahead, transport=dev.p2p_transport):
+            row.reason = f"hangs on NCCL under pipeline.p2p_transport={dev.p2p_transport} (pair_groups runs it)"
+            return row
+        row.memory = self.rank_memories(cand, placement, part, mem, laid)
+        sim = laid.result
+        optimizer_ms = max(m.states for m in mem.static) / (dev.optim_gbs * GB) * 1e3 if dev.optim_gbs > 0 else 0.0
+        row.pred_step_ms = sim.makespan_with_reduce + optimizer_ms + dev.step_overhead_ms
         row.bubble = sim.bubble_fraction_mean
-        ideal = simulate(sched, costs, comm_ms=0.0, check=False).makespan if comm_ms > 0 else sim.makespan
-        row.exposed_comm_ms = sim.makespan_with_reduce - ideal
-        row.tokens_per_s = c.dp * c.microbatches * tokens / (row.pred_step_ms / 1e3) if row.pred_step_ms > 0 else math.inf
-        over = row.peak.total - cap
+        no_comm = simulate(laid.schedule, laid.stage_costs, comm_ms=0.0, check=False).makespan \
+            if laid.comm_ms > 0 else sim.makespan
+        row.exposed_comm_ms = sim.makespan_with_reduce - no_comm
+        tokens = cand.dp * cand.microbatches * cand.microbatch_size * self.work.seq
+        row.tokens_per_s = tokens / (row.pred_step_ms / 1e3) if row.pred_step_ms > 0 else math.inf
+        over = row.peak.total - dev.memory_gb * GB
         row.feasible = over <= 0
         row.reason = "" if row.feasible else f"OOM on rank {row.peak.rank} by {gb_text(over)} GB"
         return row
+
+    def layout_inputs(self, cand: Candidate, part: PartitionPlan, recompute: frozenset[int],
+                      budgets: Optional[list[float]]) -> LayoutInputs:
+        """The candidate as plan.simulate_layout's inputs: what a run's config of this row gives make_plan."""
+        dev, work = self.device, self.work
+        comm_ms = dev.p2p_latency_ms + self.boundary_bytes(cand) / (dev.p2p_gbs * GB) * 1e3 if cand.pp > 1 else 0.0
+        stages = registry.placement_for(cand.schedule, cand.pp, cand.v).num_stages
+        grad_reduce = None if cand.dp == 1 else GradReduce(
+            1 if cand.dp_shard else cand.dp, cand.dp if cand.dp_shard else 1, dev.dp_gbs, dev.reduce_dtype,
+            latency_ms=dev.reduce_latency_ms)
+        return LayoutInputs(cand.schedule, cand.pp, cand.microbatches, cand.v, part, recompute_stages=recompute,
+                            compiled_stages=frozenset(range(stages)) if work.fused_backward else frozenset(),
+                            comm_ms=comm_ms, action_overhead_ms=dev.action_overhead_ms, w_keep=work.w_keep,
+                            memory_budget=budgets, grad_reduce=grad_reduce)
+
+    def rank_memories(self, cand: Candidate, placement: Placement, part: PartitionPlan, mem: _MemoryModel,
+                      laid: SimulatedPlan) -> list[RankMemory]:
+        """Each rank's peak: states, the activations' peak on its simulated timeline, the gradient copies at
+        their worst moment over it, the transient peaks and the margin."""
+        keep = dict(enumerate(laid.w_keep))
+        held, sync = self.grad_copies(cand, placement, part, mem.stage_params)
+        out = []
+        for r, m in enumerate(mem.static):
+            timeline = laid.result.timeline[r]
+            activations = peak_activation_bytes(timeline, mem.stage_bytes, keep)
+            # the reducer's copies join the activations during the drain; the sync's come after them
+            with_held = peak_activation_bytes(timeline, mem.stage_bytes, keep, held) if held else activations
+            copies = max(with_held, sync[r]) - activations
+            base = m.states + activations + mem.transient[r] + copies + m.receive
+            out.append(RankMemory(r, m.states, activations, m.receive, self.device.margin * base,
+                                  recompute=mem.transient[r] - mem.loss_grad[r], loss_grad=mem.loss_grad[r],
+                                  grad_copies=copies, overhead=mem.overhead))
+        return out
 
 
 def lower_bound_ms(ev: _Evaluator, c: Candidate) -> float:
