@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Collection, Sequence
 from pipetrain.config import Config, ModelConfig, SleepModelConfig
 from pipetrain.partition.costs import LayerCost, chunk_costs, fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
-from pipetrain.partition.plan import PartitionPlan, require_chunks
+from pipetrain.partition.partition import Partition, require_chunks
 from pipetrain.partition.strategies import partition
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # torch-typed names only; importing them at run time would lo
 @dataclass(frozen=True)
 class Plan:
     schedule: Schedule
-    partition: PartitionPlan  # chunk -> layer range, with the layer costs it was cut by
+    partition: Partition  # chunk -> layer range, with the layer costs it was cut by
     stage_costs: StageCosts  # per stage id, from partition.chunk_fbw() through the placement
     rank_costs: RankCosts  # one microbatch through the heaviest rank's share
     analytic_bubble: float | None  # published idle time per rank (ms), where a formula exists
@@ -98,7 +98,7 @@ class LayoutInputs:
     degree: int  # pipeline ranks
     microbatches: int
     virtual_stages: int
-    partition: PartitionPlan  # one tp rank's per-layer costs of one microbatch, cut into the placement's chunks
+    partition: Partition  # one tp rank's per-layer costs of one microbatch, cut into the placement's chunks
     recompute_stages: frozenset[int] = frozenset()  # their backward passes run the forward again
     compiled_stages: frozenset[int] = frozenset()  # their B and W run as one BW (schedules/lower.py)
     comm_ms: float = 0.0  # per cross-rank transfer
@@ -295,7 +295,7 @@ def whole_layer_costs(config: Config) -> list[LayerCost]:
     return model.cost_model(microbatch=config.microbatch_size, seq=seq, tflops=config.sim.tflops)
 
 
-def make_partition(config: Config, layers: list[LayerCost], num_chunks: int) -> PartitionPlan:
+def make_partition(config: Config, layers: list[LayerCost], num_chunks: int) -> Partition:
     p = config.partition
     if p.name == "profile":  # balance the measured f + b + w, and say where the cut came from
         return dataclasses.replace(partition(layers, num_chunks, "time"), strategy="profile")
@@ -323,7 +323,7 @@ def make_plan(config: Config) -> Plan:
                 inputs.compiled_stages, laid)
 
 
-def layout_inputs(config: Config, part: PartitionPlan, stages: int) -> LayoutInputs:
+def layout_inputs(config: Config, part: Partition, stages: int) -> LayoutInputs:
     """What a run's config gives the one path (the planner gives its candidates'), for `stages` stage ids."""
     s, p = config.schedule, config.pipeline
     budget = budget_of(s.memory_budget, p.degree) if s.name == "zb_auto" else None

@@ -17,7 +17,7 @@ from rich.console import Console
 from pipetrain.config import Config, Mode
 from pipetrain.loggers.tables import print_table
 from pipetrain.parallel.table import rank_table
-from pipetrain.partition.plan import PartitionPlan
+from pipetrain.partition.partition import Partition
 from pipetrain.partition.table import compact_names, partition_table
 from pipetrain.plan import Plan, make_plan
 from pipetrain.schedules import render
@@ -35,7 +35,7 @@ def _too_many(what: str, n: int) -> str:
     return f"no table past {MAX_TABLE_ROWS} {what}s" + (f" (simulate.json lists all {n})" if what == "stage" else "")
 
 
-def partition_record(part: PartitionPlan, *, model: str, cost_source: str) -> dict:
+def partition_record(part: Partition, *, model: str, cost_source: str) -> dict:
     """The "partition" object of simulate.json: one entry per model chunk (= stage, except
     DualPipe's mirror, where chunk c is stage c of one direction and of the other)."""
     return {

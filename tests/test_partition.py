@@ -1,4 +1,4 @@
-"""Partition strategies, PartitionPlan and the partition table (pure: no torch).
+"""Partition strategies, Partition and the partition table (pure: no torch).
 
 The exact strategies are checked against a brute-force search over every contiguous cut
 of small random models, including the documented tie-break, and against a greedy pass."""
@@ -16,7 +16,7 @@ from rich.console import Console
 
 from conftest import assert_torch_free
 from pipetrain.partition.costs import LayerCost, chunk_costs
-from pipetrain.partition.plan import PartitionPlan, imbalance
+from pipetrain.partition.partition import Partition, imbalance
 from pipetrain.partition.strategies import (
     STRATEGIES,
     exact_ints,
@@ -96,7 +96,7 @@ def greedy(weights: list, k: int) -> tuple[int, ...]:
     return tuple(cuts)
 
 
-def assert_invariants(plan: PartitionPlan, n: int, k: int) -> None:
+def assert_invariants(plan: Partition, n: int, k: int) -> None:
     assert len(plan.bounds) == k
     assert [i for r in plan.bounds for i in r] == list(range(n))  # cover, once, in order
     assert all(len(r) > 0 and r.step == 1 for r in plan.bounds)
@@ -278,7 +278,7 @@ def test_bad_strategy_costs_and_knobs_raise_one_line_errors():
         assert "\n" not in str(err.value)
 
 
-# ---- PartitionPlan ---------------------------------------------------------------------
+# ---- Partition ---------------------------------------------------------------------
 
 
 def test_plan_rejects_invalid_bounds():
@@ -292,10 +292,10 @@ def test_plan_rejects_invalid_bounds():
         (range(0, 6, 2),),  # not contiguous
     ]:
         with pytest.raises(ValueError) as err:
-            PartitionPlan("manual", layers, bounds)
+            Partition("manual", layers, bounds)
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="cannot cut 6 layers into 7 stages"):
-        PartitionPlan("manual", layers, tuple(range(i, i + 1) for i in range(6)) + (range(6, 6),))
+        Partition("manual", layers, tuple(range(i, i + 1) for i in range(6)) + (range(6, 6),))
 
 
 def test_plan_sums_and_imbalance():

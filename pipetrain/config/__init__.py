@@ -30,7 +30,7 @@ from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelC
 from pipetrain.config.profile import ProfileConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
 from pipetrain.config.run import CheckpointConfig, LaunchConfig, RunConfig
-from pipetrain.config.plan import PlanConfig
+from pipetrain.config.planner import PlannerConfig
 from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
 from pipetrain.partition.strategies import manual_bounds
@@ -170,7 +170,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
+    plan: PlannerConfig = field(default_factory=PlannerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: list[str] = field(default_factory=default_loggers)  # logger=[console,jsonl,trace,wandb]
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -28,7 +28,7 @@ from fractions import Fraction
 from itertools import accumulate, pairwise
 
 from pipetrain.partition.costs import LayerCost
-from pipetrain.partition.plan import METRICS, PartitionPlan, require_chunks
+from pipetrain.partition.partition import METRICS, Partition, require_chunks
 from pipetrain.partition.uniform import uniform_bounds
 
 STRATEGIES = ("uniform", "params", "flops", "time", "balanced", "manual")
@@ -40,7 +40,7 @@ _WHAT = {"params": "parameter count", "flops": "flops_per_token", "time": "f_ms 
 
 def partition(
     layers: Sequence[LayerCost], num_chunks: int, strategy: str, *, boundaries: Sequence[int] | None = None
-) -> PartitionPlan:
+) -> Partition:
     """Cut `layers` into `num_chunks` contiguous non-empty chunks by `strategy` (see STRATEGIES).
 
     `boundaries` (partition=manual only) is the first layer index of chunks 1..k-1,
@@ -57,9 +57,9 @@ def partition(
     require_chunks(len(layers), num_chunks)
     check_costs(layers)
     if strategy == "uniform":
-        return PartitionPlan(strategy, layers, tuple(uniform_bounds(len(layers), num_chunks)), "layers")
+        return Partition(strategy, layers, tuple(uniform_bounds(len(layers), num_chunks)), "layers")
     if strategy == "manual":
-        return PartitionPlan(strategy, layers, manual_bounds(len(layers), num_chunks, boundaries), "layers")
+        return Partition(strategy, layers, manual_bounds(len(layers), num_chunks, boundaries), "layers")
     if strategy == "balanced":
         metric = next(m for m in BALANCED_PREFERENCE if any(METRICS[m](layer) for layer in layers))
     else:
@@ -70,7 +70,7 @@ def partition(
                 f"model's cost model: choose partition=balanced or partition=uniform"
             )
     weights = [METRICS[metric](layer) for layer in layers]
-    return PartitionPlan(strategy, layers, min_max_bounds(weights, num_chunks), metric)
+    return Partition(strategy, layers, min_max_bounds(weights, num_chunks), metric)
 
 
 def check_costs(layers: Sequence[LayerCost]) -> None:

@@ -14,7 +14,7 @@ from rich import box
 from rich.table import Table
 
 from pipetrain.partition.costs import LayerCost
-from pipetrain.partition.plan import PartitionPlan, imbalance
+from pipetrain.partition.partition import Partition, imbalance
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 _WHAT = {"layers": "layer count", "params": "params", "flops": "FLOPs/token", "time": "time f+b+w"}
@@ -57,7 +57,7 @@ def _imbalance(values: Sequence[float]) -> str:
 
 
 def partition_table(
-    plan: PartitionPlan, layers: Sequence[LayerCost] | None = None, *, title: str | None = None
+    plan: Partition, layers: Sequence[LayerCost] | None = None, *, title: str | None = None
 ) -> Table:
     """One row per stage, then the imbalance (max/mean - 1) of every cost column.
 

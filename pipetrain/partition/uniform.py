@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipetrain.partition.plan import require_chunks
+from pipetrain.partition.partition import require_chunks
 
 
 def uniform_bounds(num_layers: int, num_chunks: int) -> list[range]:

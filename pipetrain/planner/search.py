@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 from pipetrain.partition.costs import LayerCost
-from pipetrain.partition.plan import PartitionPlan
+from pipetrain.partition.partition import Partition
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import (GB, RankMemory, StateBytes, gb_text, loss_rank_bytes, peak_activation_bytes,
                                       rank_memory, sync_copy_bytes)
@@ -162,7 +162,7 @@ class _Evaluator:
         self._whole: dict[int, tuple[LayerCost, ...]] = {}
         self._layers: dict[tuple[int, int, bool], tuple[LayerCost, ...]] = {}
         self._ratio: dict[int, tuple[float, ...]] = {}
-        self._cuts: dict[tuple, PartitionPlan] = {}
+        self._cuts: dict[tuple, Partition] = {}
 
     def first_stage_ratio(self, mbs: int) -> Sequence[float]:
         if self.work.first_stage_activation_ratio is None:
@@ -186,7 +186,7 @@ class _Evaluator:
                                       for l in split)
         return self._layers[key]
 
-    def cut(self, c: Candidate) -> PartitionPlan:
+    def cut(self, c: Candidate) -> Partition:
         """The candidate's partition of its layers into its placement's chunks (one per layer costs,
         chunk count and strategy: the merge of alike strategies and the evaluation share it)."""
         chunks = registry.placement_for(c.schedule, c.pp, c.v).num_chunks
@@ -199,7 +199,7 @@ class _Evaluator:
         tokens = cand.microbatch_size * self.work.seq
         return self.work.boundary_bytes_per_token * tokens / (cand.tp if cand.sequence_parallel else 1)
 
-    def memory_model(self, cand: Candidate, placement: Placement, part: PartitionPlan,
+    def memory_model(self, cand: Candidate, placement: Placement, part: Partition,
                      recompute: frozenset[int]) -> _MemoryModel:
         """What the candidate keeps per microbatch and per rank before its schedule is known. Recompute keeps each
         layer's input, and while a backward recomputes a layer, its activations (`transient`, on the peak)."""
@@ -250,7 +250,7 @@ class _Evaluator:
         row.memory_budget, row.budgets = budgets[low], budgets
         return budgets
 
-    def grad_copies(self, c: Candidate, pl: Placement, part: PartitionPlan,
+    def grad_copies(self, c: Candidate, pl: Placement, part: Partition,
                     stage_params: list[float]) -> tuple[dict[int, float], list[float]]:
         """Per stage, the data-parallel reducer's flat copies (replicas only: FSDP2 reduce-scatters in
         its own buffers), and per rank, what GradSync.sync allocates for the weights held on several
@@ -314,7 +314,7 @@ class _Evaluator:
         row.reason = "" if row.feasible else f"OOM on rank {row.peak.rank} by {gb_text(over)} GB"
         return row
 
-    def layout_inputs(self, cand: Candidate, part: PartitionPlan, recompute: frozenset[int],
+    def layout_inputs(self, cand: Candidate, part: Partition, recompute: frozenset[int],
                       budgets: Optional[list[float]]) -> LayoutInputs:
         """The candidate as plan.simulate_layout's inputs: what a run's config of this row gives make_plan."""
         dev, work = self.device, self.work
@@ -328,7 +328,7 @@ class _Evaluator:
                             comm_ms=comm_ms, action_overhead_ms=dev.action_overhead_ms, w_keep=work.w_keep,
                             memory_budget=budgets, grad_reduce=grad_reduce)
 
-    def rank_memories(self, cand: Candidate, placement: Placement, part: PartitionPlan, mem: _MemoryModel,
+    def rank_memories(self, cand: Candidate, placement: Placement, part: Partition, mem: _MemoryModel,
                       laid: SimulatedPlan) -> list[RankMemory]:
         """Each rank's peak: states, the activations' peak on its simulated timeline, the gradient copies at
         their worst moment over it, the transient peaks and the margin."""

@@ -14,7 +14,7 @@ PLAN_PARTITIONS = ("uniform", "params", "flops", "balanced", "profile")  # the s
 
 
 @dataclass
-class PlanConfig:
+class PlannerConfig:
     world_size: Optional[int] = None  # ranks to plan for; null = plan.nodes x plan.devices_per_node, else the configured layout's
     nodes: int = 1  # with plan.devices_per_node, the world when plan.world_size is null
     devices_per_node: Optional[int] = None  # devices (ranks) per node

@@ -1,4 +1,4 @@
-"""PartitionPlan: which contiguous layers each model chunk holds, and what each chunk costs.
+"""Partition: which contiguous layers each model chunk holds, and what each chunk costs.
 
 Pure Python (no torch). A chunk is one pipeline stage's share of the model: with
 pipeline.degree ranks and v stages per rank there are degree * v chunks, and chunk s is
@@ -55,7 +55,7 @@ def imbalance(values: Sequence[float]) -> float:
 
 
 @dataclass(frozen=True)
-class PartitionPlan:
+class Partition:
     """Chunk c holds layers bounds[c] (contiguous, non-empty, in order, covering every layer once).
 
     `balanced_on` names the METRICS entry the strategy balanced ("layers" for uniform and
@@ -76,7 +76,7 @@ class PartitionPlan:
         n, k = len(self.layers), len(self.bounds)
         require_chunks(n, k)
         if self.balanced_on not in METRICS:
-            raise ValueError(f"partition plan balanced_on={self.balanced_on!r} is unknown: use one of {sorted(METRICS)}")
+            raise ValueError(f"partition balanced_on={self.balanced_on!r} is unknown: use one of {sorted(METRICS)}")
         start = 0
         for c, rng in enumerate(self.bounds):
             if not isinstance(rng, range) or rng.step != 1 or rng.start != start or len(rng) == 0:
