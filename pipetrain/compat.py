@@ -30,6 +30,13 @@ def flatten_mesh(mesh: Any, dims: Sequence[str], name: str) -> Any:
     return mesh[tuple(dims)]._flatten(name)
 
 
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (`torch._C._current_graph_task_id`, -1
+    outside one): non-reentrant activation checkpointing re-runs forwards there, and an MoE block
+    must not count their tokens again. No public API says whether a backward is running."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def unflatten_mesh(mesh: Any, dim: str, sizes: Sequence[int], names: Sequence[str]) -> Any:
     """`mesh` with dimension `dim` split row-major into `sizes` named `names` (`DeviceMesh._unflatten`,
     as torchtitan's ParallelDims builds its expert-parallel view); collective, as creating groups is.

@@ -10,11 +10,7 @@ single process training on the same batches (test_tensor_parallel.py's bounds).
 from __future__ import annotations
 
 import pytest
-import torch
-
-from _dist import spawn
-from pipetrain.plan import make_plan
-from test_tensor_parallel import BASE, assert_equal_training, reference, train_cases
+from test_tensor_parallel import BASE, assert_ranks_equal, assert_resumes, reference, train_spawned
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -26,40 +22,17 @@ CASES = {"cp2-pp2-1f1b-allgather": ["pipeline.degree=2", "schedule=1f1b", "paral
 @pytest.fixture(scope="module")
 def runs(compose, tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    cases = []
-    for name, extra in CASES.items():
-        config = compose([*BASE, "model=llama-tiny", "parallel.cp=2", *extra])
-        assert config.layout.world == 4
-        cases.append((name, config, make_plan(config)))
-    spawn(train_cases, 4, out, cases)
+    train_spawned(compose, out, [*BASE, "model=llama-tiny", "parallel.cp=2"], CASES, 4)
     return out, reference(compose, "llama-tiny", out / "reference")
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_cp_equals_one_process(runs, name):
     out, ref = runs
-    names = set()
-    for r in range(4):
-        got = torch.load(out / f"{name}.rank{r}.pt")
-        assert_equal_training(got, ref)
-        names |= set(got["params"])
-    assert names == set(ref["params"])
+    assert_ranks_equal(out, name, ref, 4)
 
 
 def test_a_cp2_checkpoint_resumes_at_cp1_within_1e4(compose, tmp_path):
     """Parameters are unsplit under context parallel (only positions are split), so a checkpoint of
     cp=2 x pp=2 loads at cp=1 x pp=2 and steps 3-4 repeat the uninterrupted run's losses."""
-    from pipetrain.launch import launch
-    from pipetrain.train import checkpoint_dirs as dirs
-    from test_checkpoint import losses
-
-    base = [*BASE, "model=llama-tiny", "pipeline.degree=2", "trainer.max_steps=4", "trainer.log_every=1"]
-    runs = {}
-    for name, extra in (("cp2", ["parallel.cp=2", "trainer.ckpt_every=2"]), ("cp1", [])):
-        config = compose([*base, *extra, *([f"trainer.resume={dirs.step_dir(runs['cp2'], 2)}"] if runs else [])])
-        launch(config, make_plan(config), tmp_path / name)
-        runs[name] = tmp_path / name
-    ref, got = losses(runs["cp2"]), losses(runs["cp1"])
-    assert sorted(got) == [3, 4]
-    for s in got:
-        assert abs(got[s] - ref[s]) < 1e-4, (s, got[s], ref[s])
+    assert_resumes(compose, tmp_path, [*BASE, "model=llama-tiny", "pipeline.degree=2"], ["parallel.cp=2"], [])

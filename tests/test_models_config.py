@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_torch_free
 from pipetrain.compose import CONF_DIR
 from pipetrain.config import (
-    LLAMA_OPTIONS, MODEL_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, LlamaModelConfig, MLPModelConfig,
+    LLAMA_OPTIONS, MODEL_OPTIONS, MOE_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, LlamaModelConfig, MLPModelConfig,
     SleepModelConfig,
 )
 from pipetrain.plan import make_plan
@@ -25,7 +25,7 @@ MODEL_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "model").glob("*.yaml"))
 PARTITION_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "partition").glob("*.yaml"))
 GPT2_OPTIONS = [m for m in MODEL_OPTIONS if m.startswith("gpt2")]
 SCHEMA = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, **{m: GPT2ModelConfig for m in GPT2_OPTIONS},
-          **{m: LlamaModelConfig for m in LLAMA_OPTIONS}}
+          **{m: LlamaModelConfig for m in (*LLAMA_OPTIONS, *MOE_OPTIONS)}}
 
 
 def root_cause(err: BaseException) -> BaseException:

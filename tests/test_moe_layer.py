@@ -35,7 +35,8 @@ def make_moe(seed: int = 0, *, hidden: int = H, intermediate: int = I, bias: boo
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in moe.parameters():
-            p.normal_(0.0, STD, generator=g)
+            if p.requires_grad:  # not the router's expert_bias (a parameter without gradient)
+                p.normal_(0.0, STD, generator=g)
         if bias:
             moe.router.expert_bias.normal_(0.0, 0.1, generator=g)
     return moe

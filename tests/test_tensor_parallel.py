@@ -41,18 +41,20 @@ EXTRA = {("gpt2-tiny", "zbv", True): ["trainer.activation_checkpointing=true"]}
 
 
 def full_parameters(trainer) -> dict[str, torch.Tensor]:
-    """Unsplit name -> the whole tensor: FSDP2 shards and tp slices gathered (collective)."""
+    """Unsplit name -> the whole tensor: FSDP2 shards, tp slices and ep blocks gathered (collective)."""
     from torch.distributed.tensor import DTensor
 
     from pipetrain.parallel.tp import gather_full
 
     out = {}
-    tp = trainer.pipe.tp
+    tp, splits = trainer.pipe.tp, trainer.checkpointable.splits
     for s, name, p in trainer.pipe.named_parameters():
         stage = trainer.pipe.stages[s]
         t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         if tp is not None and name in stage.tp_shards:
             t = gather_full(t, stage.tp_shards[name], tp.g)
+        elif name in stage.ep_shards:  # expert parallel: every rank's block of experts
+            t = gather_full(t, stage.ep_shards[name], splits.ep)
         out[stage.tied.get(name, name)] = t
     return out
 
@@ -103,6 +105,44 @@ def assert_equal_training(got: dict, ref: dict) -> None:
     for name, t in got["params"].items():
         torch.testing.assert_close(t, ref["params"][name], rtol=0, atol=1e-6, msg=name)
         assert (t - ref["params"][name]).abs().mean() < 2e-8, name
+
+
+def assert_ranks_equal(out: Path, name: str, ref: dict, world: int) -> None:
+    """Every rank of case `name` trained as `ref`, and together they hold every weight."""
+    names = set()
+    for r in range(world):
+        got = torch.load(out / f"{name}.rank{r}.pt")
+        assert_equal_training(got, ref)
+        names |= set(got["params"])
+    assert names == set(ref["params"])
+
+
+def train_spawned(compose, out: Path, base: list[str], cases: dict[str, list[str]], world: int) -> None:
+    """Every case (name -> its knobs on top of `base`) trained in one group of `world` gloo ranks."""
+    built = []
+    for name, extra in cases.items():
+        config = compose([*base, *extra])
+        assert config.layout.world == world, (name, config.layout.describe())
+        built.append((name, config, make_plan(config)))
+    spawn(train_cases, world, out, built)
+
+
+def assert_resumes(compose, run_dir: Path, base: list[str], saved: list[str], resumed: list[str]) -> None:
+    """Train 4 steps with `saved` knobs and a checkpoint at step 2, resume it for steps 3-4 with
+    `resumed` knobs: the resumed losses repeat the uninterrupted run's within 1e-4."""
+    from pipetrain.launch import launch
+    from pipetrain.train import checkpoint_dirs as dirs
+    from test_checkpoint import losses
+
+    base = [*base, "trainer.max_steps=4", "trainer.log_every=1"]
+    first = compose([*base, *saved, "trainer.ckpt_every=2"])
+    launch(first, make_plan(first), run_dir / "saved")
+    second = compose([*base, *resumed, f"trainer.resume={dirs.step_dir(run_dir / 'saved', 2)}"])
+    launch(second, make_plan(second), run_dir / "resumed")
+    ref, got = losses(run_dir / "saved"), losses(run_dir / "resumed")
+    assert sorted(got) == [3, 4]
+    for s in got:
+        assert abs(got[s] - ref[s]) < 1e-4, (s, got[s], ref[s])
 
 
 @pytest.mark.parametrize("model, schedule, sp", CASES)

@@ -266,6 +266,9 @@ class Config:
             if other > 1:
                 raise ValueError(f"parallel.cp={cp} with parallel.{knob}={other} is not supported yet: "
                                  f"set one of them to 1")
+        if getattr(m, "moe", None) is not None:  # the balance counts would need summing over cp too
+            raise ValueError(f"parallel.cp={cp} with an MoE model (model={m.name}) is not supported yet: "
+                             f"set parallel.cp=1")
         if self.data.seq_len % (2 * cp):
             raise ValueError(f"parallel.cp={cp} cuts data.seq_len={self.data.seq_len} into {2 * cp} equal chunks (load "
                              f"balance): set data.seq_len to a multiple of {2 * cp}")
@@ -337,8 +340,9 @@ MODEL_SCHEMAS: dict[str, type] = {"sleep": SleepModelConfig, "mlp": MLPModelConf
                                   "llama": LlamaModelConfig}
 LLAMA_OPTIONS = ("llama-tiny", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3.1-70b", "qwen2.5-0.5b",
                  "qwen2.5-7b", "qwen3-0.6b", "mistral-7b-v0.3")
+MOE_OPTIONS = ("moe-tiny", "mixtral-8x7b", "qwen3-30b-a3b", "qwen2-moe-a2.7b", "olmoe-1b-7b")  # llama_schema + moe
 MODEL_OPTIONS = ("sleep", "mlp", "gpt2-tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl",
-                 *LLAMA_OPTIONS)  # conf/model/*.yaml
+                 *LLAMA_OPTIONS, *MOE_OPTIONS)  # conf/model/*.yaml
 
 
 def register_configs() -> None:

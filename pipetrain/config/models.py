@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
+from pipetrain.config.moe import HF_MOE_TYPES, MoEConfig, keep_training_knobs, moe_from_hf
+
 
 @dataclass
 class ModelConfig:
@@ -193,8 +195,10 @@ class GPT2ModelConfig(CausalLMConfig):
 
 # Rotary scalings the Llama model implements: plain RoPE and Llama 3.1's long-context recipe.
 ROPE_TYPES = ("default", "llama3")
-# HF config.json model_type values LlamaModelConfig.from_hf reads (qwen2: q, k, v biases; qwen3: QK-norm)
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# HF config.json model_type values LlamaModelConfig.from_hf reads (qwen2: q, k, v biases; qwen3: QK-norm;
+# the MoE ones: config/moe.py moe_from_hf)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *HF_MOE_TYPES)
+QKV_BIAS_TYPES, QK_NORM_TYPES = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe", "olmoe")
 
 
 @dataclass
@@ -247,7 +251,9 @@ class LlamaModelConfig(CausalLMConfig):
     attention_bias: bool = False  # biases on q, k, v and o (HF Llama's knob)
     qkv_bias: bool = False  # biases on q, k, v only (Qwen2 / 2.5)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    qk_norm_per_head: bool = True  # false: QK-norm over all heads' q (and k) at once, before the head split (OLMoE)
     max_position_embeddings: int = 131072  # longest sequence (bounds data.seq_len)
+    moe: Optional[MoEConfig] = None  # Mixture-of-Experts blocks (config/moe.py); null: every MLP dense
     # A Hugging Face folder (config.json + safetensors): its config.json sets every knob above
     # (it wins over the preset and the command line; `pretrained_changes` lists what it changed)
     # and each rank reads its stages' weights from its safetensors (models/hf.py).
@@ -259,6 +265,8 @@ class LlamaModelConfig(CausalLMConfig):
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # built from keyword arguments (models/llama.py)
             self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
         self.pretrained_changes: list[str] = []  # knobs config.json changed: "hidden_size=64 (was 128)"
         if self.pretrained is not None:
             self._take_pretrained_shape()
@@ -294,6 +302,7 @@ class LlamaModelConfig(CausalLMConfig):
         except KeyError as err:
             raise ValueError(f"model.pretrained: {path} lacks {err.args[0]!r}, which pipetrain needs to build the "
                              f"model: copy it from the model's original config.json") from None
+        hf.moe = keep_training_knobs(hf.moe, self.moe)  # balance etc. stay this run's choice
         take_knobs(self, {f.name: getattr(hf, f.name) for f in dataclasses.fields(self)
                           if f.name not in ("name", "pretrained")})
 
@@ -310,6 +319,8 @@ class LlamaModelConfig(CausalLMConfig):
         return self.num_hidden_layers + 2  # embedding, blocks, head (final norm + lm_head)
 
     def tp_divides(self) -> Optional[dict[str, int]]:
+        if self.moe is not None or (self.qk_norm and not self.qk_norm_per_head):  # no plan for these yet
+            return None
         return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.kv_heads,
                 "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
 
@@ -324,7 +335,7 @@ class LlamaModelConfig(CausalLMConfig):
         for key, ok in (("hidden_act", "silu"), ("mlp_bias", False), ("use_sliding_window", False)):
             if hf.get(key, ok) != ok:
                 raise ValueError(f"config.json {key}={hf[key]!r} is not supported (pipetrain builds {key}={ok!r})")
-        if kind == "mistral" and hf.get("sliding_window") is not None:
+        if kind in ("mistral", "mixtral") and hf.get("sliding_window") is not None:
             raise ValueError(f"config.json sliding_window={hf['sliding_window']} is not supported: pipetrain's "
                              f"attention is full causal (Mistral v0.3 and later set it to null)")
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -339,8 +350,9 @@ class LlamaModelConfig(CausalLMConfig):
             num_attention_heads=hf["num_attention_heads"], num_key_value_heads=hf.get("num_key_value_heads"),
             head_dim=hf.get("head_dim"), rms_norm_eps=hf["rms_norm_eps"], rope_theta=float(theta),
             rope_scaling=scaling, tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=kind != "qwen2" and hf.get("attention_bias", False), qkv_bias=kind == "qwen2",
-            qk_norm=kind == "qwen3", max_position_embeddings=hf["max_position_embeddings"],
+            attention_bias=kind not in QKV_BIAS_TYPES and hf.get("attention_bias", False),
+            qkv_bias=kind in QKV_BIAS_TYPES, qk_norm=kind in QK_NORM_TYPES, qk_norm_per_head=kind != "olmoe",
+            max_position_embeddings=hf["max_position_embeddings"], moe=moe_from_hf(hf),
         )
 
     def knobs(self) -> dict[str, Any]:
@@ -348,6 +360,8 @@ class LlamaModelConfig(CausalLMConfig):
         del out["pretrained"]  # where the weights come from, not the model's shape
         if self.rope_scaling is not None:  # a plain dict for the model (its config stays JSON-able)
             out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        if self.moe is not None:
+            out["moe"] = dataclasses.asdict(self.moe)
         return out
 
 

@@ -20,12 +20,17 @@ of which a router picks `top_k` per token:
 
 Dropless by default; capacity_factor c caps every expert at ceil(c * tokens * top_k / num_experts)
 assignments per forward, keeping the highest gates (Megatron's drop policy `probs`).
+
+Which blocks of a model are MoE (`is_moe`): all but the first `first_dense_layers` (DeepSeek-V3's
+first_k_dense_replace), those listed in `dense_layers` (Qwen's mlp_only_layers) and those whose
+index i (from 0) misses (i + 1) % layer_freq == 0 (Qwen's decoder_sparse_step); the others keep
+the model's dense SwiGLU MLP of model.intermediate_size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 BALANCES = ("aux_free", "aux_loss", "seq_aux_loss", "none")
@@ -49,9 +54,14 @@ class MoEConfig:
     capacity_factor: Optional[float] = None  # None: dropless; c: each expert takes <= ceil(c T K / E)
     force_balanced: bool = False  # benchmarks only: route round-robin, ignoring the scores' choice
     experts_impl: str = "loop"  # loop (the reference) | grouped (torch grouped_mm; see models/moe.py)
+    intermediate_size: Optional[int] = None  # one routed expert's width (HF moe_intermediate_size); null: the model's
+    shared_intermediate_size: Optional[int] = None  # shared MLP's width (Qwen2-MoE); null: num_shared_experts x expert
+    first_dense_layers: int = 0  # the first k blocks keep a dense MLP (DeepSeek-V3's first_k_dense_replace: 3)
+    layer_freq: int = 1  # block i is MoE when (i + 1) % layer_freq == 0 (Qwen's decoder_sparse_step)
+    dense_layers: list[int] = field(default_factory=list)  # blocks kept dense, by index (Qwen's mlp_only_layers)
 
     def __post_init__(self) -> None:
-        for knob in ("num_experts", "top_k", "n_group", "topk_group"):
+        for knob in ("num_experts", "top_k", "n_group", "topk_group", "layer_freq"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"model.moe.{knob} must be >= 1 (got {getattr(self, knob)})")
         for knob, value, choices in (("score_func", self.score_func, SCORE_FUNCS),
@@ -63,7 +73,7 @@ class MoEConfig:
             raise ValueError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts={self.num_experts}: "
                              "lower top_k")
         self._check_groups()
-        for knob in ("aux_loss_coef", "bias_update_rate", "num_shared_experts"):
+        for knob in ("aux_loss_coef", "bias_update_rate", "num_shared_experts", "first_dense_layers"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"model.moe.{knob} must be >= 0 (got {getattr(self, knob)})")
         if self.routed_scaling_factor <= 0:
@@ -71,6 +81,9 @@ class MoEConfig:
         if self.shared_gate and self.num_shared_experts == 0:
             raise ValueError("model.moe.shared_gate=true gates the shared experts: "
                              "set model.moe.num_shared_experts >= 1 or drop it")
+        for knob in ("intermediate_size", "shared_intermediate_size"):
+            if getattr(self, knob) is not None and getattr(self, knob) < 1:
+                raise ValueError(f"model.moe.{knob} must be >= 1, or null for the default (got {getattr(self, knob)})")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"model.moe.capacity_factor must be > 0, or null for dropless "
                              f"(got {self.capacity_factor})")
@@ -94,3 +107,67 @@ class MoEConfig:
         if self.top_k > self.topk_group * per_group:
             raise ValueError(f"model.moe.top_k={self.top_k} exceeds the {self.topk_group * per_group} experts "
                              f"of topk_group={self.topk_group} groups: raise topk_group or lower top_k")
+
+    def is_moe(self, block: int) -> bool:
+        """Whether decoder block `block` (0-based) has an MoE layer rather than the dense MLP."""
+        return (block >= self.first_dense_layers and block not in self.dense_layers
+                and (block + 1) % self.layer_freq == 0)
+
+    def expert_width(self, model_intermediate: int) -> int:
+        return self.intermediate_size or model_intermediate
+
+    def shared_width(self, model_intermediate: int) -> int:
+        """The shared experts' MLP width (0: none)."""
+        if not self.num_shared_experts:
+            return 0
+        return self.shared_intermediate_size or self.num_shared_experts * self.expert_width(model_intermediate)
+
+
+# Knobs a training run chooses, not the checkpoint: a model.pretrained folder's config.json leaves them as set.
+TRAINING_KNOBS = ("balance", "aux_loss_coef", "bias_update_rate", "capacity_factor", "force_balanced", "experts_impl")
+HF_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # config.json model_type values with MoE layers
+
+
+def moe_from_hf(hf: dict[str, Any]) -> Optional[MoEConfig]:
+    """The MoE knobs of an HF config.json (None for a dense model_type). Mixtral and OLMoE: every
+    block MoE, experts of intermediate_size (top-k renormalised: Mixtral always, OLMoE if
+    norm_topk_prob); Qwen2/3-MoE: moe_intermediate_size experts, decoder_sparse_step,
+    mlp_only_layers, norm_topk_prob, and Qwen2-MoE's gated shared expert. balance=none: the run's
+    preset or command line chooses it (keep_training_knobs)."""
+    kind = hf.get("model_type")
+    if kind not in HF_MOE_TYPES:
+        return None
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    if hf.get("router_jitter_noise", 0.0):
+        raise ValueError(f"config.json router_jitter_noise={hf['router_jitter_noise']} is not supported "
+                         f"(pipetrain routes without noise): set it to 0.0")
+    out = MoEConfig(num_experts=experts, top_k=hf["num_experts_per_tok"], score_func="softmax", balance="none")
+    if hf.get("clip_qkv") is not None:  # OLMoE's optional clamp of q, k, v
+        raise ValueError(f"config.json clip_qkv={hf['clip_qkv']} is not supported (pipetrain does not clamp q, k, "
+                         f"v): set it to null")
+    if kind == "mixtral":
+        return out
+    out.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
+    if kind == "olmoe":  # experts of intermediate_size, every block MoE
+        return out
+    out.intermediate_size = hf["moe_intermediate_size"]
+    out.layer_freq = hf.get("decoder_sparse_step", 1)
+    out.dense_layers = list(hf.get("mlp_only_layers") or [])
+    if kind == "qwen2_moe" and hf.get("shared_expert_intermediate_size", 0):
+        out.num_shared_experts, out.shared_gate = 1, True
+        out.shared_intermediate_size = hf["shared_expert_intermediate_size"]
+    out.__post_init__()
+    return out
+
+
+def keep_training_knobs(theirs: Optional[MoEConfig], mine: Optional[MoEConfig]) -> Optional[MoEConfig]:
+    """A pretrained folder's MoE shape with this run's training knobs (TRAINING_KNOBS), whatever the
+    folder's config.json says of them."""
+    if theirs is None or mine is None:
+        return theirs
+    for knob in TRAINING_KNOBS:
+        setattr(theirs, knob, getattr(mine, knob))
+    theirs.__post_init__()
+    return theirs

@@ -15,6 +15,8 @@ save_pretrained writes it); one that has it anyway has it ignored. Out (`mode=ex
 
 Two families: the Llama family (keys: llama.hf_name) and GPT-2 (GPT2LMHeadModel folders:
 hf_gpt2.py, whose Conv1D weights are stored transposed). `HFNames` is what differs between them.
+MoE blocks of the Llama family (Mixtral, Qwen2/3-MoE, OLMoE) stack their experts: one weight is
+several HF tensors, or part of one, in either on-disk layout (hf_moe.py: `pieces`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, read_pret
 from pipetrain.models import hf_gpt2
 from pipetrain.models.base import LayeredModel
 from pipetrain.models.gpt2 import GPT2
+from pipetrain.models.hf_moe import MoEKeys, Piece, assemble, hf_moe_config, to_hf
 from pipetrain.models.llama import Llama, hf_name
 
 WEIGHTS = "model.safetensors"
@@ -120,12 +123,27 @@ class HFNames:
     # (HF key, tensor) -> the tensor in the other side's layout (GPT-2's Conv1D: a transpose, its own inverse)
     layout: Callable[[str, torch.Tensor], torch.Tensor] = _same
     legacy: tuple[str, ...] = LEGACY_KEYS  # suffixes of keys that are derived buffers, not weights
+    moe: Optional[MoEKeys] = None  # how the folder stores MoE blocks (None: the model has none)
+
+    def pieces(self, name: str, shape: tuple[int, ...]) -> Optional[list[Piece]]:
+        """The HF tensors of an MoE block's weight `name` (hf_moe.py); None: an ordinary one-key weight."""
+        if self.moe is None or ".mlp." not in name:
+            return None
+        return self.moe.pieces(self.key(name).partition(".mlp.")[0], name.partition(".mlp.")[2], shape)
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Export: HF key -> tensor of pipetrain's weight `name` (an MoE weight: one per expert)."""
+        pieces = self.pieces(name, tuple(tensor.shape))
+        if pieces is None:
+            return {self.key(name): self.layout(self.key(name), tensor)}
+        return to_hf(pieces, tensor, name=name)
 
 
-def names_of(knobs: dict[str, Any], keys: Iterable[str] = ()) -> HFNames:
+def names_of(knobs: dict[str, Any], keys: Iterable[str] = (), model_type: Optional[str] = None) -> HFNames:
     """The HFNames of a model from its constructor arguments (a model's `config`, or a model
     config's `knobs()`); `keys` are the folder's, whose prefix GPT-2's names follow (none given:
-    GPT2LMHeadModel's "transformer.", what an export writes)."""
+    GPT2LMHeadModel's "transformer.", what an export writes) and whose MoE layout is read; an
+    export passes its config.json's `model_type` instead (Mixtral's per-expert names differ)."""
     if "n_layer" in knobs:  # GPT-2
         keys = list(keys)
         prefix = hf_gpt2.prefix_of(keys) if keys else hf_gpt2.PREFIX
@@ -133,14 +151,24 @@ def names_of(knobs: dict[str, Any], keys: Iterable[str] = ()) -> HFNames:
                        layout=hf_gpt2.swap_layout, legacy=hf_gpt2.LEGACY_KEYS)
     if "num_hidden_layers" in knobs:  # the Llama family
         return HFNames(partial(hf_name, num_hidden_layers=knobs["num_hidden_layers"]),
-                       tied=knobs["tie_word_embeddings"])
+                       tied=knobs["tie_word_embeddings"],
+                       moe=(MoEKeys.of(keys) if keys else MoEKeys(mixtral=model_type == "mixtral"))
+                       if knobs.get("moe") else None)
     raise ValueError(f"a model with knobs {sorted(knobs)} has no Hugging Face form: use a GPT-2 or Llama-family model")
 
 
 def expected_shapes(model: LayeredModel, names: HFNames) -> dict[str, tuple[int, ...]]:
     """HF key -> shape of every distinct weight of `model` (built on meta is enough) in HF's
-    layout; a tied head is the embedding, so lm_head.weight is absent then."""
-    return {names.key(name): tuple(names.layout(names.key(name), p).shape) for name, p in model.named_parameters()}
+    layout; a tied head is the embedding, so lm_head.weight is absent then. An MoE weight gives
+    its pieces' keys (each expert's, or the fused tensor's) and none for the aux_free bias."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, p in model.named_parameters():
+        pieces = names.pieces(name, tuple(p.shape))
+        if pieces is None:
+            out[names.key(name)] = tuple(names.layout(names.key(name), p).shape)
+        else:
+            out.update({piece.key: piece.shape for piece in pieces})
+    return out
 
 
 def check_folder(pretrained: str, model: LayeredModel) -> dict[str, str]:
@@ -190,13 +218,21 @@ class PretrainedWeights:
 
     def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
         key = self.names.key(name)
-        if key not in self.files:
-            raise ValueError(f"model.pretrained={self.folder} lacks {key} (pipetrain's {name})")
-        tensor = self.names.layout(key, self._open(self.files[key]).get_tensor(key))
+        pieces = self.names.pieces(name, tuple(value.shape))
+        if pieces == []:  # the aux_free bias of a family that stores none: unbiased routing
+            value.zero_()
+            return
+        read = partial(self._read, name=name)
+        tensor = self.names.layout(key, read(key)) if pieces is None else assemble(pieces, read)
         if tuple(tensor.shape) != tuple(value.shape):
             raise ValueError(f"model.pretrained={self.folder}: {key} has shape {list(tensor.shape)} but the model "
                              f"needs {list(value.shape)}")
         value.copy_(tensor)  # cast to the fp32 the rule fills
+
+    def _read(self, key: str, *, name: str) -> torch.Tensor:
+        if key not in self.files:
+            raise ValueError(f"model.pretrained={self.folder} lacks {key} (pipetrain's {name})")
+        return self._open(self.files[key]).get_tensor(key)
 
     def _open(self, file: str) -> Any:
         if file not in self._handles:
@@ -250,6 +286,10 @@ def hf_config(cfg: LlamaModelConfig | GPT2ModelConfig, *, dtype: str) -> dict[st
         rope_theta=cfg.rope_theta, rope_scaling=rope, tie_word_embeddings=cfg.tie_word_embeddings,
         max_position_embeddings=cfg.max_position_embeddings, attention_dropout=0.0, torch_dtype=HF_DTYPES[dtype],
     )
+    if cfg.moe is not None:  # models/hf_moe.py: Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE
+        return {**out, **hf_moe_config(cfg.moe, intermediate=cfg.intermediate_size, layers=cfg.num_hidden_layers,
+                                       qk_norm=cfg.qk_norm, qk_norm_per_head=cfg.qk_norm_per_head,
+                                       qkv_bias=cfg.qkv_bias, attention_bias=cfg.attention_bias)}
     if kind == "llama":
         out.update(attention_bias=cfg.attention_bias, mlp_bias=False)
     else:  # Qwen2 / Qwen3: full attention in every layer

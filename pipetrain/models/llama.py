@@ -9,9 +9,12 @@ Maths as Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM c
     2021) in HF's half-split layout (rotate_half), optionally with Llama 3's frequency scaling
     (rope_scaling rope_type "llama3"); optional biases on q, k, v (`qkv_bias`, Qwen2) or on
     q, k, v and o (`attention_bias`, HF Llama's knob); optional QK-norm (Qwen3: RMSNorm over
-    head_dim on q and k before RoPE); causal scaled_dot_product_attention, no dropout;
+    head_dim on q and k before RoPE; OLMoE: over all heads' q and k at once, qk_norm_per_head
+    false); causal scaled_dot_product_attention, no dropout;
   - SwiGLU MLP (Shazeer 2020): down_proj(silu(gate_proj(x)) * up_proj(x)), no biases;
-  - a final RMSNorm and an lm_head, tied to the token embedding or not (tie_word_embeddings).
+  - a final RMSNorm and an lm_head, tied to the token embedding or not (tie_word_embeddings);
+  - with `moe` set, a Mixture-of-Experts MLP in the blocks model.moe picks (Mixtral, Qwen2/3-MoE,
+    OLMoE: models/moe_block.py; their HF keys: models/hf_moe.py; sizes and costs: moe_costs.py).
 
 Layers (causal_lm.py): 0 = embedding, 1..L = decoder blocks, L + 1 = head (norm + lm_head).
 Parameter names are HF's shifted by the embedding's layer (`hf_name` / `pipetrain_name`):
@@ -31,7 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.config.models import LlamaModelConfig
+from pipetrain.config.moe import MoEConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
+from pipetrain.models.moe_block import MoEBlock
+from pipetrain.models.moe_costs import mlp_params, mlp_values
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
 from pipetrain.parallel.tp_spec import Column, CrossEntropy, TPLayerPlan
@@ -97,7 +103,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, attention_bias: bool,
-                 qkv_bias: bool, qk_norm: bool, eps: float, rotary: Rotary) -> None:
+                 qkv_bias: bool, qk_norm: bool, eps: float, rotary: Rotary, qk_norm_per_head: bool = True) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.rotary = heads, kv_heads, head_dim, rotary
         qkv = attention_bias or qkv_bias
@@ -105,17 +111,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=attention_bias)
-        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        # QK-norm per head over head_dim (Qwen3), or over all heads' q and k at once (OLMoE)
+        self.norm_heads = qk_norm_per_head
+        self.q_norm = RMSNorm(head_dim if qk_norm_per_head else heads * head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim if qk_norm_per_head else kv_heads * head_dim, eps) if qk_norm else None
         self.context: Optional[Any] = None  # context parallel (parallel/cp.py: ContextAttention), set by parallelize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x)  # (B, T, H hd); T from here: sequence parallel hands x in as (B, T/tp, C)
+        q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H hd), (B, T, KV hd); sequence parallel: T/tp
+        if self.q_norm is not None and self.k_norm is not None and not self.norm_heads:  # OLMoE
+            q, k = self.q_norm(q), self.k_norm(k)
         b, t, _ = q.shape
         q = q.view(b, t, self.heads, self.head_dim)  # (B, T, H, hd); tensor parallel: this rank's H/tp heads
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)  # (B, T, KV, hd)
+        k = k.view(b, t, self.kv_heads, self.head_dim)  # (B, T, KV, hd)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+        if self.q_norm is not None and self.k_norm is not None and self.norm_heads:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         cp = self.context  # under context parallel x holds this rank's positions of each sequence only
         cos, sin = self.rotary.tables(t, x.device, q.dtype) if cp is None else cp.tables(self.rotary, x.device, q.dtype)
@@ -140,12 +150,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, *, hidden: int, intermediate: int, eps: float, **attn: Any) -> None:
+    """`moe` set: the MLP is an MoE layer (models/moe_block.py) in place of the SwiGLU MLP."""
+
+    def __init__(self, *, hidden: int, intermediate: int, eps: float, moe: Optional[MoEConfig] = None,
+                 **attn: Any) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = Attention(hidden=hidden, eps=eps, **attn)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = MLP(hidden=hidden, intermediate=intermediate)
+        self.mlp: nn.Module = (MLP(hidden=hidden, intermediate=intermediate) if moe is None else
+                               MoEBlock(moe, hidden=hidden, model_intermediate=intermediate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -154,6 +168,10 @@ class DecoderLayer(nn.Module):
     def cp_plan(self) -> tuple[str, ...]:
         """The attention modules context parallel gives the cp group's K/V (parallel/cp.py)."""
         return ("self_attn",)
+
+    def ep_plan(self) -> tuple[str, ...]:
+        """The stacked experts expert parallel splits (parallel/ep.py): an MoE MLP's, none of a dense one."""
+        return ("mlp.experts",) if isinstance(self.mlp, MoEBlock) else ()
 
     def tp_plan(self) -> TPLayerPlan:
         """Megatron's split: q, k, v, gate, up column-parallel, o and down row-parallel; a tp rank keeps
@@ -217,7 +235,9 @@ class Llama(CausalLM):
         blocks = [DecoderLayer(hidden=c, intermediate=args.intermediate_size, eps=args.rms_norm_eps,
                                heads=args.num_attention_heads, kv_heads=args.kv_heads, head_dim=args.head_size,
                                attention_bias=args.attention_bias, qkv_bias=args.qkv_bias, qk_norm=args.qk_norm,
-                               rotary=rotary) for _ in range(n)]
+                               qk_norm_per_head=args.qk_norm_per_head, rotary=rotary,
+                               moe=args.moe if args.moe is not None and args.moe.is_moe(i) else None)
+                  for i in range(n)]
         head = Head(hidden=c, vocab_size=v, eps=args.rms_norm_eps)
         if args.tie_word_embeddings:
             head.lm_head.weight = embed.embed_tokens.weight  # one weight; split.py keeps cross-stage copies equal
@@ -229,12 +249,13 @@ class Llama(CausalLM):
         # HF's Llama init (N(0, initializer_range) for matmuls and the embedding, zero biases,
         # unit norms), with nanoGPT's depth scaling for the two projections that write into
         # the residual stream (o_proj, down_proj): std / sqrt(2 L), as gpt2.py does.
+        # MoE blocks: experts as the MLP (w2 is down_proj), the router as a matmul, the aux_free bias at 0.
         if isinstance(self.get_submodule(name.rpartition(".")[0]), RMSNorm):
             nn.init.ones_(value)
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", ".expert_bias")):
             nn.init.zeros_(value)
         else:
-            residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+            residual = name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2"))
             std = INIT_STD / math.sqrt(2 * self._config["num_hidden_layers"]) if residual else INIT_STD
             nn.init.normal_(value, mean=0.0, std=std, generator=generator)
 
@@ -278,13 +299,15 @@ def pipetrain_name(key: str, *, num_hidden_layers: int) -> str:
 
 def llama_layer_params(cfg: dict[str, Any]) -> list[int]:
     """Parameters each pipeline layer stores. A tied head counts its copy of the embedding
-    (V*C), what it stores when it sits on another stage: sum(...) = total + V*C then."""
-    c, v, i = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    (V*C), what it stores when it sits on another stage: sum(...) = total + V*C then. MoE
+    blocks count all their experts (moe_costs.mlp_params)."""
+    c, v = cfg["hidden_size"], cfg["vocab_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     qkv_bias = cfg["attention_bias"] or cfg["qkv_bias"]
     attn = c * (q + 2 * kv) + q * c + qkv_bias * (q + 2 * kv) + cfg["attention_bias"] * c
-    block = attn + 3 * c * i + 2 * c + cfg["qk_norm"] * 2 * cfg["head_dim"]
-    return [v * c, *[block] * cfg["num_hidden_layers"], c + v * c]
+    qk_norm = (2 * cfg["head_dim"] if cfg.get("qk_norm_per_head", True) else q + kv) if cfg["qk_norm"] else 0
+    block = attn + 2 * c + qk_norm
+    return [v * c, *(block + stored for stored, _ in mlp_params(cfg)), c + v * c]
 
 
 def llama_param_count(cfg: dict[str, Any]) -> int:
@@ -309,13 +332,15 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
     c, v, t, tokens = cfg["hidden_size"], cfg["vocab_size"], seq, microbatch * seq
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     params = llama_layer_params(cfg)
-    block_values = 6 * c + 2 * q + 2 * kv + 4 * cfg["intermediate_size"] + cfg["qk_norm"] * 2 * (q + kv)
+    # an MoE block multiplies each token by its active parameters only (moe_costs.py)
+    matmuls = [params[1 + b] - stored + active for b, (stored, active) in enumerate(mlp_params(cfg))]
+    block_values = [6 * c + 2 * q + 2 * kv + mlp + cfg["qk_norm"] * 2 * (q + kv) for mlp in mlp_values(cfg)]
 
     def cost(name: str, stored: int, matmul: int, attn_f: int, act: int) -> LayerCost:
         return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops)
 
     out = [cost("embed", params[0], 0, 0, 8)]
-    out += [cost(f"layers.{i}", params[1 + i], params[1 + i], 2 * 2 * t * q, block_values * bytes_per_value)
+    out += [cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q, block_values[i] * bytes_per_value)
             for i in range(cfg["num_hidden_layers"])]
     out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
     return out

@@ -76,13 +76,14 @@ class Experts(nn.Module):
 
     def forward_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The reference: one matmul chain per expert over its contiguous rows (a host sync for the
-        counts, fine on CPU)."""
+        counts, fine on CPU). An expert without tokens still runs (0 rows): the output stays in the
+        graph even when no token comes, so under expert parallel every rank's backward issues the
+        same reverse all-to-alls, and every microbatch builds the same graph."""
         outs = []
-        for e, rows in enumerate(torch.split(x, counts.tolist())):  # rows (n_e, H)
-            if rows.shape[0]:
-                h = F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e])  # (n_e, I)
-                outs.append(F.linear(h, self.w2[e]))  # (n_e, H)
-        return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[1])
+        for e, rows in enumerate(torch.split(x, counts.tolist())):  # rows (n_e, H), n_e may be 0
+            h = F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e])  # (n_e, I)
+            outs.append(F.linear(h, self.w2[e]))  # (n_e, H)
+        return torch.cat(outs)
 
     def forward_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The hook for the grouped-GEMM CUDA path: three `F.grouped_mm` calls with int32 end offsets,

@@ -39,14 +39,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class Router(nn.Module):
-    """Token-choice top-k router: gate `weight` (E, H) as HF's `mlp.gate.weight`, and a persistent
-    fp32 `expert_bias` (E,) that steers the choice only (HF DeepSeek-V3's `e_score_correction_bias`)."""
+    """Token-choice top-k router: gate `weight` (E, H) as HF's `mlp.gate.weight`, and an fp32
+    `expert_bias` (E,) that steers the choice only (HF DeepSeek-V3's `e_score_correction_bias`),
+    saved with the weights, never trained by gradient."""
 
     def __init__(self, config: MoEConfig, *, hidden: int) -> None:
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden))
-        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        # A parameter without gradient rather than a buffer: models built on the meta device are
+        # materialized parameter by parameter from (seed, name) or a checkpoint (models/init.py), and
+        # the optimizer skips it (no grad); the aux_free hook moves it (models/moe_block.py).
+        self.expert_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> Routing:
         c = self.config

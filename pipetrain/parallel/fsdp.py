@@ -41,9 +41,12 @@ def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, param_dtype: Optional[tor
     holding the same experts), their gradients divided by the whole dp degree `dp`: every ep rank's
     tokens are already summed into them (torchtitan sets the same divide factor)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # weights no gradient reaches (an MoE router's aux_free bias, moved by its own rule before each
+    # optimizer step) stay whole, plain tensors on every rank
+    frozen = {p for p in stage.parameters() if not p.requires_grad} or None
     for module in experts:
         assert experts_mesh is not None, "expert parallel needs its experts' mesh"
-        fully_shard(module, mesh=experts_mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(module, mesh=experts_mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=frozen)
         module.set_gradient_divide_factor(float(dp))
     tied = set(stage.tied)
     for name, layer in stage.layers.items():
@@ -51,8 +54,8 @@ def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, param_dtype: Optional[tor
         # A weight tied to another layer of this stage is one Parameter in two layers: the
         # stage's own group (below) must hold it, not either layer's.
         if own and not any(f"layers.{name}.{n}" in tied for n in own):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
-    fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=frozen)
+    fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=frozen)
     return stage
 
 

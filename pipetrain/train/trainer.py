@@ -108,6 +108,8 @@ class Trainer:
                                vocab_size=getattr(config.model, "vocab_size", 0), model=model) if train_data else None
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
+        if getattr(config.model, "moe", None) is not None:
+            self._moe_hooks(config)
         self.state = TrainState(decay_steps=config.optim.decay_steps or config.trainer.max_steps)
         splits = None
         if parallelize.tp is not None or parallelize.ep is not None:
@@ -127,6 +129,20 @@ class Trainer:
                       if config.checkpoint.async_save else None)
         self.profiler = StepProfiler(config.profile, rank=self.rank, device=self.device, run_dir=self.run_dir,
                                      executor=self.pipe.executor, note=self.monitor.note)
+
+    def _moe_hooks(self, config: Config) -> None:
+        """MoE blocks: each block's aux loss averaged over the microbatches as the loss is, and under
+        balance=aux_free the router biases moved before every optimizer step from the step's token
+        counts summed over the data-parallel ranks (torchtitan's optimizer pre-step hook)."""
+        from pipetrain.models.moe_block import set_aux_loss_scale, update_expert_biases
+
+        set_aux_loss_scale(1.0 / config.pipeline.microbatches)
+        stages, group = list(self.pipe.stages.values()), self.groups.dp_group
+
+        def moe_pre_step(*_: Any) -> None:  # returns None: Optimizer.step reads a returned value as new args
+            update_expert_biases(stages, group)
+
+        self.optimizer.register_step_pre_hook(moe_pre_step)
 
     def resume(self, note: Note = silent) -> Optional[Restart]:
         """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh

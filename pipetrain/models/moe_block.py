@@ -1,0 +1,142 @@
+"""The MoE layer as a decoder block's MLP: a tensor in, a tensor out, balancing kept on the side.
+
+A pipeline stage passes one tensor between layers and starts its backward from that tensor (or
+the loss on the last stage), so the auxiliary balance loss of a block cannot be added to the
+model's loss. Megatron's MoEAuxLossAutoScaler does it in backward instead: the layer output is
+returned through `AttachAuxLoss`, whose backward hands the output's gradient through unchanged
+and gives the aux loss a gradient of `aux_loss_scale`, as if `aux_loss_scale * aux_loss` had
+been added to the objective. Every stage's routers get their balance gradient in their own
+backward, with no executor change. The objective is the mean over the step's microbatches of
+(cross-entropy + sum of the blocks' aux losses) when aux_loss_scale = 1 / pipeline.microbatches,
+which the trainer sets (`set_aux_loss_scale`); it is 1 until then.
+
+For aux_free balancing each MoEBlock counts the assignments per expert of every forward of the
+step in `tokens_per_expert`, once per token: a forward re-run by activation recompute (inside
+the backward pass) does not count again, nor does evaluation (no grad). `update_expert_biases`
+is the optimizer pre-step hook: it sums the counts over the data-parallel ranks and moves each
+router's bias (moe_router.py).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.compat import in_backward
+from pipetrain.config.moe import MoEConfig
+from pipetrain.models.moe import MoE
+from pipetrain.models.moe_router import updated_expert_bias
+
+_AUX_LOSS_SCALE = [1.0]  # d(objective) / d(one block's aux loss of one microbatch)
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """The gradient each block's aux loss gets: 1 / pipeline.microbatches makes the objective the
+    microbatch mean of (loss + aux losses), as the executor averages the loss (runtime/executor.py)."""
+    _AUX_LOSS_SCALE[0] = float(scale)
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """out -> out; backward: out's gradient unchanged, the aux loss's = aux_loss_scale."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(aux_loss)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, _AUX_LOSS_SCALE[0])
+
+
+class MoEBlock(MoE):
+    """The MLP of an MoE decoder block (models/llama.py DecoderLayer): parameters named as MoE's
+    (`router.weight`, `router.expert_bias`, `experts.w1|w2|w3`, `shared_experts.*`).
+
+    Kept per step, for the trainer and metrics: `tokens_per_expert` (E,) int64 summed over the
+    step's forwards (None before the first), `aux_loss_sum` and `dropped_sum` (detached) with
+    `forwards` counting them."""
+
+    def __init__(self, config: MoEConfig, *, hidden: int, model_intermediate: int) -> None:
+        super().__init__(config, hidden=hidden, intermediate=config.expert_width(model_intermediate),
+                         shared_intermediate=config.shared_width(model_intermediate) or None)
+        self.reset_step_stats()
+
+    def reset_step_stats(self) -> None:
+        self.tokens_per_expert: Optional[torch.Tensor] = None
+        self.aux_loss_sum: Optional[torch.Tensor] = None
+        self.dropped_sum: Optional[torch.Tensor] = None
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        res = super().forward(x)
+        # Training forwards only: not evaluation (no grad), nor a forward recompute re-runs in backward.
+        if torch.is_grad_enabled() and not in_backward():
+            with torch.no_grad():
+                counts, aux, dropped = res.tokens_per_expert, res.aux_loss.detach(), res.dropped_fraction
+                first = self.tokens_per_expert is None
+                self.tokens_per_expert = counts.clone() if first else self.tokens_per_expert + counts
+                self.aux_loss_sum = aux.clone() if first else self.aux_loss_sum + aux
+                self.dropped_sum = dropped.clone() if first else self.dropped_sum + dropped
+                self.forwards += 1
+        if self.config.balance in ("aux_loss", "seq_aux_loss") and torch.is_grad_enabled():
+            return AttachAuxLoss.apply(res.out, res.aux_loss)
+        return res.out
+
+
+def moe_blocks(module: nn.Module) -> Iterator[tuple[str, MoEBlock]]:
+    """Every MoE block under `module` (a stage, a model), with its name."""
+    for name, m in module.named_modules():
+        if isinstance(m, MoEBlock):
+            yield name, m
+
+
+@torch.no_grad()
+def update_expert_biases(modules: list[nn.Module], group: Optional[dist.ProcessGroup] = None, *,
+                         move: bool = True) -> int:
+    """The optimizer pre-step hook of balance=aux_free: for every MoE block of `modules` (a rank's
+    stages), sum the step's tokens per expert over `group` (the ranks holding the same blocks: data
+    and context parallel; None: this process's counts alone), move the router's bias by
+    bias_update_rate x sign(mean - count) (moe_router.updated_expert_bias), then reset the step's
+    statistics (only that with move=False). Every rank of `group` must call it with the same blocks
+    in the same order (one all-reduce per block). Returns how many biases moved."""
+    moved = 0
+    for module in modules:
+        for _, block in moe_blocks(module):
+            c = block.config
+            counts = block.tokens_per_expert
+            if move and c.balance == "aux_free" and counts is not None:
+                counts = counts.clone()
+                if group is not None and dist.get_world_size(group) > 1:
+                    dist.all_reduce(counts, group=group)
+                bias = block.router.expert_bias
+                bias.copy_(updated_expert_bias(bias, counts, rate=c.bias_update_rate))
+                moved += 1
+            block.reset_step_stats()
+    return moved
+
+
+@torch.no_grad()
+def moe_step_stats(modules: list[nn.Module]) -> dict[str, float]:
+    """Metrics of the step so far, per MoE block of `modules` (this rank's stages), under the `moe/`
+    namespace and the model's block names (`layers.{i}`, as layer_names): `imbalance` max / mean
+    tokens per expert (1 = even), `aux_loss` and `dropped` (share of assignments over capacity) per
+    forward, `bias_abs_max` the aux_free bias's largest magnitude. This rank's tokens only; read it
+    before the optimizer pre-step hook resets the counts (update_expert_biases)."""
+    out: dict[str, float] = {}
+    for module in modules:
+        for name, block in moe_blocks(module):
+            counts = block.tokens_per_expert
+            if counts is None or block.aux_loss_sum is None or block.dropped_sum is None:
+                continue
+            parts = name.split(".")  # [..., "layers", "<pipeline layer>", "mlp"]: block i is pipeline layer i + 1
+            key = f"moe/layers.{int(parts[-2]) - 1}"
+            out[f"{key}/imbalance"] = float(counts.max()) / max(float(counts.double().mean()), 1e-12)
+            out[f"{key}/aux_loss"] = float(block.aux_loss_sum) / block.forwards
+            out[f"{key}/dropped"] = float(block.dropped_sum) / block.forwards
+            out[f"{key}/bias_abs_max"] = float(block.router.expert_bias.abs().max())
+    return out
