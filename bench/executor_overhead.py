@@ -13,7 +13,9 @@ Schedules: every built-in pipetrain schedule at P in --degrees (2,4) and M in --
 torch 2.13 also has ScheduleInterleavedZeroBubble, which has no pipetrain counterpart).
 
 What is counted: a step is `train_step` on pipetrain's side (executor step, its closing loss
-all-reduce, GradSync) and `schedule.step` + GradSync on torch's; CPU is the rank process's
+all-reduce, GradSync), unmeasured as the trainer's unlogged steps run (`Executor.measure`;
+--measured: as its logged steps, with timings, comm events and activation bytes recorded), and
+`schedule.step` + GradSync on torch's (which records nothing); CPU is the rank process's
 `time.process_time` delta (main thread + gloo's threads) and, beside it, the main thread's
 `time.thread_time`. Actions are each side's own compute actions on that rank: F, B (input
 grad; torch's I), W, BW (full backward; torch's B), an F&B pair (torch's OVERLAP_F_B) counting
@@ -36,7 +38,7 @@ add up to more seconds than the thread's CPU), so p2p_wait is an upper bound and
 also given without it. The top frames by self samples are kept.
 
 Usage: python bench/executor_overhead.py [--quick] [--rounds 3] [--steps 3] [--degrees 2,4]
-         [--microbatches 8,32] [--schedules gpipe,1f1b,...] [--no-profile] [--out FILE] [--note TEXT]
+         [--microbatches 8,32] [--schedules gpipe,1f1b,...] [--measured] [--no-profile] [--out FILE] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ PHASES: list[tuple[str, str, frozenset[str] | None]] = [
     ("p2p_issue", "distributed_c10d.py", frozenset({"isend", "irecv", "batch_isend_irecv", "P2POp", "__new__"})),
     ("collectives", "distributed_c10d.py", frozenset({"all_reduce", "all_gather"})),  # not barrier: the harness's
     ("collectives", "pipetrain/runtime/sync.py", None),
-    ("collectives", "pipetrain/runtime/executor.py", frozenset({"_mean_loss", "_reduce_device"})),
-    ("bookkeeping", "pipetrain/runtime/executor.py", frozenset({"_alloc", "_free", "_reset", "_timings"})),
+    ("collectives", "pipetrain/runtime/executor.py", frozenset({"_mean_loss"})),
+    ("bookkeeping", "pipetrain/runtime/executor.py", frozenset({"_reset"})),
+    ("bookkeeping", "pipetrain/runtime/recorder.py", None),
     ("bookkeeping", "pipetrain/runtime/clock.py", None),
     ("bookkeeping", "pipetrain/runtime/step_result.py", None),
     ("bookkeeping", "pipetrain/runtime/batch.py", None),
@@ -169,6 +172,7 @@ def build_case(name: str, P: int, M: int, rank: int, args: argparse.Namespace) -
     bounds = list(uniform_bounds(n, n))  # one layer per stage
     batch = model.example_batch(microbatch=M, generator=torch.Generator().manual_seed(1))
     sides: dict[str, Any] = {"pipetrain": PipetrainSide(model, bounds, sched, rank, batch, case)}
+    sides["pipetrain"].rp.executor.measure = args.measured
     actions = {"pipetrain": sum(1 for _ in sched.actions(rank))}
     if name in TORCH_SCHEDULES:
         sides["torch"] = TorchSide(model, bounds, sched, name, rank, batch, case)
@@ -351,6 +355,9 @@ def main() -> None:
     ap.add_argument("--p2p-lookahead", type=int, default=1)
     ap.add_argument("--loss-tol", type=float, default=1e-6)
     ap.add_argument("--grad-tol", type=float, default=1e-6)
+    ap.add_argument("--measured", action="store_true",
+                    help="pipetrain's steps measured (timings, comm events, activation bytes: the trainer's logged "
+                         "steps) instead of unmeasured (its other steps; torch's steps measure nothing)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the py-spy phase split")
     ap.add_argument("--profile-p", type=int, default=2, help="P of the profiled cases")
     ap.add_argument("--profile-m", type=int, default=32, help="M of the profiled cases")

@@ -124,6 +124,7 @@ class PipetrainSide:
         self.rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=args.batch // args.microbatches,
                                       seq_len=args.seq, transport=Transport(
                                           timeout_s=args.p2p_timeout_s, lookahead=args.p2p_lookahead))
+        self.rp.executor.measure = False  # records nothing, as torch's side (the trainer's unlogged steps)
         idx, tgt = batch
         M = args.microbatches  # the same chunks torch's default TensorChunkSpec(0) makes
         self.mbs = list(zip(idx.tensor_split(M), tgt.tensor_split(M)))

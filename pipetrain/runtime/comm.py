@@ -17,8 +17,10 @@ other neighbour; the validator refuses plans that deadlock so).
 
 Backends:
   - NCCL: each group is one `batch_isend_irecv` (one step of the pair's order).
-  - gloo: plain isend/irecv with a tag per message (`batch_isend_irecv` has been reported
-    to hang with gloo, pytorch/PiPPy#989, pytorch/pytorch#132644).
+  - gloo: plain send/recv with a tag per message (`batch_isend_irecv` has been reported
+    to hang with gloo, pytorch/PiPPy#989, pytorch/pytorch#132644), posted on the process
+    group itself (`ProcessGroup.send/recv`, what `dist.isend/irecv` call after checking their
+    arguments: group, peer rank in it and tag are worked out once per plan, `_Prepared`).
   - gloo, in order (`pipeline.p2p_in_order`, for tests): gloo made to behave like NCCL under
     the transport. Every message of a pair carries the same tag, so messages match by
     position, and a rank's groups run one after another on a thread per NCCL stream (one per
@@ -41,7 +43,7 @@ import datetime
 import queue
 import threading
 from collections import defaultdict
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,13 +57,25 @@ class P2PError(RuntimeError):
     """A point-to-point wait failed: timed out, or the peer is gone."""
 
 
+class _Prepared(NamedTuple):
+    """One group of a plan as this transport posts it, worked out once per plan."""
+
+    group: Group
+    process_group: Optional[dist.ProcessGroup]  # None: the default one (one_group without a group)
+    peer: int  # the peer's global rank (batch_isend_irecv's P2POp takes that)
+    posted_on: Optional[dist.ProcessGroup]  # gloo: the process group it is posted on, and
+    peer_in_group: int  # the peer's rank in it
+    send_tags: tuple[int, ...]
+    recvs: tuple[tuple[Message, int, int], ...]  # (message, tag, consumer stage)
+
+
 class _Posted:
     """One group toward one peer, as posted (or queued, in order mode)."""
 
-    __slots__ = ("group", "send_works", "recv_works", "recv_bufs", "send_bufs", "done", "error")
+    __slots__ = ("group", "prepared", "send_works", "recv_works", "recv_bufs", "send_bufs", "done", "error")
 
-    def __init__(self, group: Group, in_order: bool) -> None:
-        self.group = group
+    def __init__(self, prepared: _Prepared, in_order: bool) -> None:
+        self.group, self.prepared = prepared.group, prepared
         self.send_works: list[dist.Work] = []
         self.recv_works: dict[Message, list[dist.Work]] = {}  # what a receive waits for
         self.recv_bufs: dict[Message, torch.Tensor] = {}
@@ -146,16 +160,18 @@ class P2P:
         self.stream_per_peer = pair_groups is not None
         self.consumer_stage = consumer_stage
         self.plan: Optional[RankTransfers] = None
+        # id(plan) -> (plan, its groups per boundary as posted): worked out at a plan's first step
+        self._prepared: dict[int, tuple[RankTransfers, list[list[_Prepared]]]] = {}
         self._streams: dict[Optional[int], _Stream] = {}  # in order mode: peer (or None: all) -> stream, kept across steps
 
     # ---- one step -----------------------------------------------------------------
     def begin(self, plan: RankTransfers, buffer_for: Callable[[Message], torch.Tensor]) -> None:
         self.plan, self.buffer_for = plan, buffer_for
+        self._groups = self._prepare(plan)
         self._ready: dict[Message, torch.Tensor] = {}  # produced, not yet issued
-        self._recvs: dict[Message, _Posted] = {}  # issued receives not yet taken
+        self._recvs: dict[Message, tuple[_Posted, int, int]] = {}  # issued, not yet taken -> (group, stage, bytes)
         self._inflight: list[_Posted] = []  # posted groups whose sends are not yet waited for
         self._pending_bytes: dict[int, int] = defaultdict(int)
-        self._recv_nbytes: dict[Message, int] = {}  # issued receive -> its buffer's bytes
         self.peak_recv_bytes: dict[int, int] = defaultdict(int)  # consumer stage -> peak bytes of live buffers
 
     def produced(self, msg: Message, tensor: torch.Tensor) -> None:
@@ -163,19 +179,18 @@ class P2P:
 
     def issue(self, boundary: int) -> None:
         """Post the groups the plan puts at this boundary (before part `boundary`)."""
-        assert self.plan is not None
-        for g in self.plan.issue[boundary]:
-            posted = _Posted(g, self.in_order)
-            for m in g.sends:
-                posted.send_bufs.append(self._ready.pop(m))
-            for m in g.recvs:
-                buf = self.buffer_for(m)
-                posted.recv_bufs[m] = buf
-                self._recvs[m] = posted
-                stage, nbytes = self.consumer_stage(m), buf.untyped_storage().nbytes()
-                self._recv_nbytes[m] = nbytes
-                self._pending_bytes[stage] += nbytes
-                self.peak_recv_bytes[stage] = max(self.peak_recv_bytes[stage], self._pending_bytes[stage])
+        pending, peak = self._pending_bytes, self.peak_recv_bytes
+        for prepared in self._groups[boundary]:
+            g = prepared.group
+            posted = _Posted(prepared, self.in_order)
+            posted.send_bufs = [self._ready.pop(m) for m in g.sends]
+            for m, _, stage in prepared.recvs:
+                buf = posted.recv_bufs[m] = self.buffer_for(m)
+                nbytes = buf.untyped_storage().nbytes()
+                self._recvs[m] = (posted, stage, nbytes)
+                pending[stage] += nbytes
+                if pending[stage] > peak[stage]:
+                    peak[stage] = pending[stage]
             if self.in_order:
                 key = g.peer if self.stream_per_peer else None
                 if key not in self._streams:
@@ -189,7 +204,7 @@ class P2P:
                               if p.recv_bufs or not all(w.is_completed() for w in p.send_works)]
 
     def receive(self, msg: Message, *, action: str) -> torch.Tensor:
-        posted = self._recvs.pop(msg)
+        posted, stage, nbytes = self._recvs.pop(msg)
 
         def what() -> str:  # formatted only when a wait fails: receives are per action
             return f"{action} waiting for the {msg.describe()} from {self.name(msg.src)}"
@@ -199,7 +214,7 @@ class P2P:
         else:
             for work in posted.recv_works[msg]:
                 self._wait(work, what, msg.src)
-        self._pending_bytes[self.consumer_stage(msg)] -= self._recv_nbytes.pop(msg)
+        self._pending_bytes[stage] -= nbytes
         return posted.recv_bufs.pop(msg)
 
     def finish(self) -> None:
@@ -265,22 +280,42 @@ class P2P:
     def _peer(self, pipeline_rank: int) -> int:
         return pipeline_rank if self._global is None else self._global[pipeline_rank]
 
+    def _prepare(self, plan: RankTransfers) -> list[list[_Prepared]]:
+        """Per boundary, its groups as posted: computed at a plan's first step, kept for the next."""
+        if id(plan) in self._prepared and self._prepared[id(plan)][0] is plan:
+            return self._prepared[id(plan)][1]
+        M, in_order = self.num_microbatches, self.in_order
+        out = []
+        for groups in plan.issue:
+            out.append([])
+            for g in groups:
+                peer = self._peer(g.peer)
+                group = self.group if self.pair_groups is None else self.pair_groups[peer]
+                posted_on = None if self.nccl else (group if group is not None else dist.group.WORLD)
+                # In order, every message of a pair has one tag: gloo then matches them by position, as NCCL does.
+                tags = [0 if in_order else m.tag(M) for m in g.sends + g.recvs]
+                out[-1].append(_Prepared(
+                    g, group, peer, posted_on, dist.get_group_rank(posted_on, peer) if posted_on is not None else -1,
+                    tuple(tags[:len(g.sends)]),
+                    tuple((m, tag, self.consumer_stage(m)) for m, tag in zip(g.recvs, tags[len(g.sends):]))))
+        if len(self._prepared) >= 4:  # the executor's two plans; a caller passing new ones each step
+            self._prepared.pop(next(iter(self._prepared)))
+        self._prepared[id(plan)] = (plan, out)
+        return out
+
     def _post(self, posted: _Posted) -> None:
-        g, peer = posted.group, self._peer(posted.group.peer)
-        group = self.group if self.pair_groups is None else self.pair_groups[peer]
+        p = posted.prepared
         if self.nccl:  # on a pair group: that pair's own communicator and stream
-            ops = [dist.P2POp(dist.isend, t, peer, group) for t in posted.send_bufs]
-            ops += [dist.P2POp(dist.irecv, b, peer, group) for b in posted.recv_bufs.values()]
+            ops = [dist.P2POp(dist.isend, t, p.peer, p.process_group) for t in posted.send_bufs]
+            ops += [dist.P2POp(dist.irecv, b, p.peer, p.process_group) for b in posted.recv_bufs.values()]
             posted.send_works = dist.batch_isend_irecv(ops)
             # One NCCL group completes as a whole: a receive waits for the group's works.
             posted.recv_works = {m: posted.send_works for m in posted.recv_bufs}
             return
-        # In order, every message of a pair has one tag: gloo then matches them by position, as NCCL does.
-        M, in_order = self.num_microbatches, self.in_order
-        posted.send_works = [dist.isend(t, dst=peer, group=group, tag=0 if in_order else m.tag(M))
-                             for m, t in zip(g.sends, posted.send_bufs)]
-        posted.recv_works = {m: [dist.irecv(b, src=peer, group=group, tag=0 if in_order else m.tag(M))]
-                             for m, b in posted.recv_bufs.items()}
+        pg, peer = p.posted_on, p.peer_in_group
+        assert pg is not None
+        posted.send_works = [pg.send([t], peer, tag) for t, tag in zip(posted.send_bufs, p.send_tags)]
+        posted.recv_works = {m: [pg.recv([posted.recv_bufs[m]], peer, tag)] for m, tag, _ in p.recvs}
 
     def _wait_group(self, posted: _Posted, what: Callable[[], str], peer: int) -> None:
         """In order mode: wait until the peer's stream has run this group."""

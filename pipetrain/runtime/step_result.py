@@ -14,6 +14,9 @@ from pipetrain.metrics.records import ActionTiming, CommEvent
 
 @dataclass
 class StepResult:
+    """A measured step fills every field (runtime/recorder.py); an unmeasured one
+    (`Executor.measure = False`) only `loss` and `peak_recv_buffer_bytes`."""
+
     loss: Optional[float]  # mean loss over the step's microbatches (None without a process group and no last stage)
     timings: list[ActionTiming] = field(default_factory=list)  # one per step of the rank's list, with receive waits
     comm: list[CommEvent] = field(default_factory=list)  # every cross-rank send and receive of the step
@@ -40,16 +43,19 @@ class SavedBytes:
         self._seen: set[int] = set()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
         # A saved weight (a LayerNorm's, a Linear's transposed view of its own) is the parameter's
         # storage, held by the model whatever is in flight: counting it made every microbatch in
         # flight carry a copy of the stage's weights (GPT-2 tiny's tied 512 x 128 head: 2 KB per
         # token at 2 x 64 tokens). A weight cast under autocast is a new tensor and counts.
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        # (Parameter's isinstance is a Python-level check: asked of a view's base only.)
+        base = t._base
+        if isinstance(t, nn.Parameter) or (base is not None and isinstance(base, nn.Parameter)):
             return t.detach()
+        storage = t.untyped_storage()
+        key = id(t) if t.is_meta else storage.data_ptr()
         if key not in self._seen:
             self._seen.add(key)
-            self.bytes += t.untyped_storage().nbytes()
+            self.bytes += storage.nbytes()
         # A detached alias (same storage and version counter): returning t itself ties a node
         # that saves its own output (attention, layer norm, log-softmax) to itself through C++,
         # a cycle Python's GC cannot see; the split backward's retained graphs then leaked

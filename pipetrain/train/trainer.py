@@ -187,6 +187,7 @@ class Trainer:
         first_compiled = cfg.trainer.compile and comm is not None and not self._stepped
         if first_compiled:  # peers compile their layers inside this step: slow, not stuck
             comm.set_timeout(max(cfg.trainer.compile_timeout_s, cfg.pipeline.p2p_timeout_s))
+        self.pipe.executor.measure = measure  # unlogged steps record nothing but the loss (runtime/recorder.py)
         result = self.pipe.train_step(self.microbatches(step))
         if first_compiled:
             comm.set_timeout(cfg.pipeline.p2p_timeout_s)
