@@ -160,44 +160,47 @@ def test_eval_on_two_pipeline_ranks_equals_hf_loss(case, layout, folders, tmp_pa
     assert abs(result["loss"] - want) < 1e-5
 
 
-def export_folder(cfg, model, out: Path) -> Path:
-    """What mode=export writes for an MoE model once train/export.py maps each weight through
-    HFNames.to_hf (per-expert keys): config.json (hf_config) and model.safetensors."""
-    from pipetrain.models.hf import hf_config, names_of
+def cli(args: list[str], tmp_path: Path, name: str) -> Path:
+    from conftest import run_cli
 
-    config_json = hf_config(cfg, dtype="fp32")
-    names = names_of(cfg.knobs(), model_type=config_json["model_type"])
-    tensors: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        tensors.update(names.to_hf(name, p.detach()))
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(config_json))
-    safetensors_torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    return out
+    res = run_cli([*args, "trainer.device=cpu", f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return tmp_path / name
 
 
-@pytest.mark.pure
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", list(CASES))
-def test_export_per_expert_loads_back_in_transformers(case, folders, compose, tmp_path):
-    """HF fused folder -> pipetrain -> per-expert export -> from_pretrained: the same logits."""
+def test_export_per_expert_loads_back_in_transformers(case, folders, tmp_path):
+    """HF fused folder -> `pipetrain mode=export model.pretrained=DIR` (per-expert keys) -> from_pretrained:
+    the same logits."""
     hf, folder = folders(case, "fused")
-    cfg = compose(["model=moe-tiny", f"model.pretrained={folder}", "mode=simulate"]).model
-    (model,) = split_model(build_model(cfg, device="meta"), [range(0, 5)], seed=0,
-                           rule=PretrainedWeights(cfg.pretrained, cfg.knobs()))
-    out = export_folder(cfg, model, tmp_path / "out")
-    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    cli(["mode=export", "model=moe-tiny", f"model.pretrained={folder}", f"export.dir={tmp_path / 'out'}"],
+        tmp_path, "export")
+    keys = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any("gate_up_proj" in k for k in keys) and any(".experts.0." in k for k in keys)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     idx = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(again(idx).logits, hf(idx).logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.pure
-def test_moe_tiny_exports_as_mixtral(compose, tmp_path):
-    cfg = compose(["model=moe-tiny", "mode=simulate"]).model
-    model = build_model(cfg, device="cpu")
-    out = export_folder(cfg, model, tmp_path / "out")
-    assert json.loads((out / "config.json").read_text())["model_type"] == "mixtral"
-    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_moe_tiny_trained_with_ep_exports_as_mixtral(compose, tmp_path):
+    """moe-tiny trained 2 steps at pp=2 x dp_shard=2 x ep=2 -> mode=export -> MixtralForCausalLM: logits
+    equal pipetrain's model loaded from the same checkpoint (experts saved whole by their global index)."""
+    import torch.distributed.checkpoint as dcp
+
+    common = ["model=moe-tiny", "pipeline.degree=2", "parallel.dp_shard=2", "parallel.ep=2", "data.batch_size=8",
+              "data.seq_len=16", "pipeline.microbatches=2", "logger=[]"]
+    train = cli(["mode=train", *common, "trainer.max_steps=2", "trainer.eval_every=0"], tmp_path, "train")
+    ckpt = sorted((train / "checkpoints").glob("step_*"))[-1]
+    cli(["mode=export", *common, f"trainer.resume={ckpt}", f"export.dir={tmp_path / 'out'}"], tmp_path, "export")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "mixtral"
+    model = build_model(compose(["model=moe-tiny", "mode=simulate"]).model, device="cpu").eval()
+    with torch.no_grad():  # a tied head is saved under the embedding's name: one key per Parameter
+        dcp.load({f"model.{n}": p for n, p in model.named_parameters()}, checkpoint_id=ckpt, no_dist=True)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     idx = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(again(idx).logits, model(idx), atol=1e-5, rtol=0)

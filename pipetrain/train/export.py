@@ -127,18 +127,25 @@ def _write(config: Config, tmp: Path, shards: list[list[str]], params: dict, siz
     """The folder's files into tmp; returns the tokenizer files copied and their source."""
     from safetensors.torch import save_file
 
-    cfg, hf = config.model, names_of(config.model.knobs())
+    cfg = config.model
+    config_json = hf_config(cfg, dtype=config.export.dtype)
+    # an MoE weight is one stacked tensor here and one per expert in the folder (models/hf_moe.py)
+    hf = names_of(cfg.knobs(), model_type=config_json["model_type"])
     weight_map: dict[str, str] = {}
+    total = 0
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {name: torch.empty(params[name].shape, dtype=torch.float32) for name in names}
         fill(tensors)
-        save_file({hf.key(k): hf.layout(hf.key(k), t).to(dtype).contiguous() for k, t in tensors.items()},
-                  str(tmp / file), metadata={"format": "pt"})
-        weight_map.update({hf.key(k): file for k in names})
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
+        out: dict[str, torch.Tensor] = {}
+        for k, t in tensors.items():
+            out.update(hf.to_hf(k, t))
+        save_file({k: t.to(dtype).contiguous() for k, t in out.items()}, str(tmp / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in out})
+        total += sum(t.numel() for t in out.values()) * dtype.itemsize  # what the folder holds
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    (tmp / CONFIG).write_text(json.dumps(hf_config(cfg, dtype=config.export.dtype), indent=2) + "\n")
+    (tmp / CONFIG).write_text(json.dumps(config_json, indent=2) + "\n")
     tok = tokenizer_source(config)
     copied = [f for f in TOKENIZER_FILES if tok is not None and (tok / f).is_file()]
     for f in copied:
