@@ -50,6 +50,8 @@ def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> 
         reserved = (f", reserved {human_bytes(r[names.PEAK_RESERVED_GB] * 1e9)}"  # on GPU
                     if r.get(names.PEAK_RESERVED_GB) is not None else "")
         parts.append(f"| mem {human_bytes(r[names.PEAK_GB] * 1e9)} (act {human_bytes(act * 1e9)}{reserved})")
+    if r.get(names.MOE_IMBALANCE) is not None:  # max / mean tokens per expert, mean over MoE blocks
+        parts.append(f"| moe imbalance {r[names.MOE_IMBALANCE]:.2f}")
     if eta_s is not None:
         parts.append(f"| eta {eta_s:.0f}s")
     return " ".join(parts)

@@ -168,6 +168,7 @@ class StepMeasurement:
             **names.per_stage({op: [rounded(x) for x in v] for op, v in (("f_ms", costs.f), ("b_ms", costs.b),
                                                                         ("w_ms", costs.w))}),
         }
+        out.update(names.moe_metrics([s.moe for s in self.samples]))
         reserved = [s.cuda_reserved_bytes for s in self.samples]
         if all(b is not None for b in reserved):  # on GPU
             out.update({names.PEAK_RESERVED_GB: max(names.gb(b) for b in reserved),

@@ -14,6 +14,12 @@ wandb and TensorBoard.
              reserved peak: allocated + cached blocks, so fragmentation too; peak_gb is the
              allocated peak); GB = 10^9 bytes
 
+  moe/       MoE models, per block `moe/layers.<i>/{imbalance,aux_loss,dropped,bias_abs_max}`
+             (imbalance: max / mean tokens per expert over the step, 1 = even; aux_loss and dropped
+             per forward; the aux_free bias's largest magnitude) and their mean over blocks
+             `moe/imbalance`; the measured pipeline's tokens (a block held twice, DualPipe's
+             mirror: the mean of its copies)
+
 A per-rank or per-stage value is its own scalar (`memory/peak_gb/rank0`), so every logger takes
 the same flat {name: number} dict. Pure Python.
 """
@@ -26,6 +32,7 @@ LOSS, VAL_LOSS, LR, GRAD_NORM, SKIPPED = "train/loss", "train/val_loss", "train/
 FIRST_LOSS, SKIPPED_STEPS, TOKENS = "train/first_loss", "train/skipped_steps", "train/tokens"
 FIRST_LOSS_STEP, RESUMED_AT = "train/first_loss_step", "train/resumed_at"
 TOKENS_PER_S, STEP_TIME, MFU = "perf/tokens_per_s", "perf/step_time_s", "perf/mfu"
+MOE_IMBALANCE = "moe/imbalance"
 BUBBLE, BUBBLE_SIM = "pipeline/bubble_measured", "pipeline/bubble_simulated"
 MAKESPAN, MAKESPAN_SIM = "pipeline/makespan_ms", "pipeline/makespan_simulated_ms"
 REDUCE, REDUCE_SIM = "pipeline/reduce_exposed_ms", "pipeline/reduce_exposed_simulated_ms"
@@ -62,3 +69,17 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
     """The numbers of a flat metrics dict (what wandb and TensorBoard plot): no step, no None."""
     return {k: float(v) for k, v in metrics.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+
+
+def moe_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The `moe/` metrics of one step from every measured rank's blocks: a block's value, or the mean
+    of its copies where two ranks hold it; `moe/imbalance` the mean over blocks."""
+    values: dict[str, list[float]] = {}
+    for stats in per_rank:
+        for key, v in stats.items():
+            values.setdefault(key, []).append(v)
+    out = {k: sum(v) / len(v) for k, v in sorted(values.items())}
+    blocks = [v for k, v in out.items() if k.endswith("/imbalance")]
+    if blocks:
+        out[MOE_IMBALANCE] = sum(blocks) / len(blocks)
+    return out

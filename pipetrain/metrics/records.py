@@ -67,6 +67,7 @@ class RankSample:
     # stage -> when the executor saw it done: an upper bound of the reduction's end (runtime/executor.py)
     reduce_done_ms: dict[int, float] = field(default_factory=dict)
     sync_ms: Optional[float] = None  # the end of the step's loss all-reduce (None: one process, no collective)
+    moe: dict[str, float] = field(default_factory=dict)  # MoE blocks of this rank (models/moe_block.py: moe_step_stats)
 
     @property
     def static_bytes(self) -> int:

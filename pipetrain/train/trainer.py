@@ -144,6 +144,14 @@ class Trainer:
 
         self.optimizer.register_step_pre_hook(moe_pre_step)
 
+    def _moe_stats(self) -> Optional[dict[str, float]]:
+        """The step's MoE block metrics on this rank (before the optimizer's pre-step hook resets them)."""
+        if getattr(self.config.model, "moe", None) is None:
+            return None
+        from pipetrain.models.moe_block import moe_step_stats
+
+        return moe_step_stats(list(self.pipe.stages.values()))
+
     def resume(self, note: Note = silent) -> Optional[Restart]:
         """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh
         start; after a restart (launch.max_restarts) the run directory's newest good checkpoint.
@@ -195,8 +203,8 @@ class Trainer:
             bound_waits([*self.groups.step_groups(), *self.pipe.sync.groups()], cfg.pipeline.p2p_timeout_s)
         self._stepped = True
         # Before the grad-norm all-reduce, which absorbs rank 0's time spent on the measurement.
-        measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer)
-                       if measure else None)
+        measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer,
+                                           moe=self._moe_stats()) if measure else None)
         loss = result.loss if result.loss is not None else float("nan")
         # Each weight counted once: the pipeline's owner of each copy, one replica (dp_replicate
         # index 0; the shards of FSDP2 stages are distinct parts and all count), tp slices on
