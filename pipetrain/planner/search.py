@@ -131,16 +131,14 @@ class Row:
         peak = self.peak
         return {
             "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "tp": c.tp, "sequence_parallel": c.sequence_parallel,
-            "v": c.v, "microbatches": c.microbatches,
-            "microbatch_size": c.microbatch_size, "recompute": c.recompute, "recompute_ranks": c.recompute_ranks,
+            "v": c.v, "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
+            "recompute": c.recompute, "recompute_ranks": c.recompute_ranks, "dp_shard": c.dp_shard,
             "recompute_stages": sorted(c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v))),
-            "dp_shard": c.dp_shard,
             "partition": c.partition, "layout": c.layout, "feasible": self.feasible, "reason": self.reason,
             "pred_step_ms": self.pred_step_ms, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
             "pred_peak_gb": self.pred_peak_gb, "peak_rank": peak.rank if peak else None,
             "exposed_comm_ms": self.exposed_comm_ms, "memory_budget": self.memory_budget,
-            "memory_per_rank": [m.to_json() for m in self.memory],
-        }
+            "memory_per_rank": [m.to_json() for m in self.memory]}
 
 
 @dataclass(frozen=True)
