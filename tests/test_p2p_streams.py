@@ -52,7 +52,8 @@ def test_no_built_in_schedule_deadlocks_with_a_stream_per_pair(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", registry.names())
 def test_no_built_in_schedule_deadlocks_with_a_stream_per_pair_every_m(name):
-    assert deadlocks(name, range(1, 33), "pair") == []
+    # the M of FAST_M were checked by the test above
+    assert deadlocks(name, [m for m in range(1, 33) if m not in FAST_M], "pair") == []
 
 
 @pure
