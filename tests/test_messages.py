@@ -13,6 +13,13 @@ import time
 
 import pytest
 
+def log_tail(run) -> str:
+    """The end of the run's pipetrain.log: what the launcher printed, for a failure's message (a
+    full-suite run once saw this test's launcher exit 143 with nothing on stderr)."""
+    log = run / "pipetrain.log"
+    return log.read_text()[-2000:] if log.exists() else "(no pipetrain.log)"
+
+
 ARGS = ["mode=train", "model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32", "pipeline.microbatches=4",
         "trainer.eval_every=0", "trainer.log_every=1", "trainer.device=cpu", "trainer.max_steps=200",
         "logger=[console,jsonl]"]
@@ -36,7 +43,7 @@ def test_sigterm_to_the_process_group_names_the_step_and_checkpoint_saved(tmp_pa
     ckpt = run / "checkpoints" / f"step_{step:06d}"
     assert (ckpt / "meta.json").is_file()
     assert err.strip().splitlines() == [f"pipetrain: stopped by SIGTERM after step {step}: checkpoint {ckpt}; "
-                                        f"resume with trainer.resume={ckpt}"], err[-3000:]
+                                        f"resume with trainer.resume={ckpt}"], (err[-3000:], log_tail(run))
     assert not (run / ".ranks").exists()  # rank 0 removes its stop-wait file
 
 
