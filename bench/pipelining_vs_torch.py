@@ -114,6 +114,42 @@ def pipetrain_schedule(name: str, args: argparse.Namespace) -> Schedule:
     return registry.build(name, args.degree, args.microbatches, fixed or args.virtual_stages)
 
 
+def planner_choice(args: argparse.Namespace) -> dict[str, Any]:
+    """What pipetrain picks for the bench's model when it chooses (issue #31): `schedule=auto
+    partition=profile` at pipeline.degree=P on P CPU ranks, the bench's global batch and sequence.
+    The planner times the layers here (partition=profile), trains its two short calibration runs
+    (plan.calibrate, on by default for local CPU ranks) and ranks every schedule, M and microbatch
+    size; its first row is what `pipetrain schedule=auto` would train. Returns the row (schedule,
+    v, M, microbatch size, cut, predicted tokens/s)."""
+    from rich.console import Console
+
+    from pipetrain.compose import compose_config
+    from pipetrain.planner.cmd import plan_rows
+
+    config = compose_config([
+        "model=gpt2-tiny", f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}",
+        f"model.n_head={args.n_head}", f"model.vocab_size={args.vocab}", f"model.block_size={args.block_size}",
+        f"data.batch_size={args.batch}", f"data.seq_len={args.seq}", f"pipeline.degree={args.degree}",
+        "schedule=auto", "partition=profile", f"plan.world_size={args.degree}", f"plan.pp=[{args.degree}]",
+        "plan.partitions=[profile]", "trainer.device=cpu", f"trainer.seed={args.seed}"])
+    with tempfile.TemporaryDirectory(prefix="pipetrain-bench-plan-") as run_dir:
+        config, rows, meta = plan_rows(config, Path(run_dir), Console(quiet=True))
+    if not rows or not rows[0].feasible:
+        raise SystemExit(f"the planner found no feasible row ({rows[0].reason if rows else 'no candidates'})")
+    row, c = rows[0], rows[0].candidate
+    if c.recompute or c.tp != 1 or c.dp != 1:
+        raise SystemExit(f"the planner picked {c.layout} recompute={c.recompute}: the bench runs pipelines only")
+    return {"schedule": c.schedule, "v": c.v, "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
+            "cut": [list(r) for r in row.cut], "pred_step_ms": row.pred_step_ms,
+            "pred_tokens_per_s": row.tokens_per_s, "calibration": meta.get("calibration"),
+            "candidates": meta["candidates"]}
+
+
+def planner_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The bench's arguments at the planner's microbatching (its M of the same global batch)."""
+    return argparse.Namespace(**{**vars(args), "microbatches": args.planner_row["microbatches"]})
+
+
 # ---- the two sides ------------------------------------------------------------------------
 
 
@@ -313,14 +349,17 @@ def verify(pt: PipetrainSide, th: TorchSide, name: str, args) -> dict:
 
 # baseline runs: (threads, microbatches); 1 = the whole global batch at once
 BASELINES = {"1": (1, False), "2": (2, False), "1_microbatched": (1, True)}
+PLANNER_BASELINE = "1_planner_microbatched"  # the ceiling at the planner's microbatch size, when it picks another M
 
 
 def run_baseline(key: str, args: argparse.Namespace) -> dict:
-    """The whole model in a fresh process (rank 0 calls this), as BASELINES[key] says."""
-    threads, micro = BASELINES[key]
+    """The whole model in a fresh process (rank 0 calls this), as BASELINES[key] says
+    (PLANNER_BASELINE: 1 thread in the planner's M microbatches)."""
+    threads, micro = BASELINES.get(key, (1, True))
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in drop} | CPU_MALLOC_ENV
-    cmd = [sys.executable, os.path.abspath(__file__), *args.argv, "--baseline-child", "--threads", str(threads),
+    m = ["--microbatches", str(args.planner_row["microbatches"])] if key == PLANNER_BASELINE else []
+    cmd = [sys.executable, os.path.abspath(__file__), *args.argv, *m, "--baseline-child", "--threads", str(threads),
            *(["--accumulate"] if micro else [])]
     res = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -347,20 +386,32 @@ def rank_main(rank: int, world: int, out: Path, args: argparse.Namespace) -> Non
             print(f"[verify] {name:>16}: loss {check['loss_pipetrain']:.6f} vs {check['loss_torch']:.6f} "
                   f"(diff {check['loss_abs_diff']:.1e}), max |grad diff| {check['grad_max_abs_diff']:.1e}",
                   flush=True)
+    if args.planner_row is not None:  # pipetrain's own choice, and torch on the same cut where it has the schedule
+        pr, pa = args.planner_row, planner_args(args)
+        sched = registry.build(pr["schedule"], args.degree, pr["microbatches"], pr["v"])
+        bounds = [range(a, b) for a, b in pr["cut"]]
+        sides: dict[str, Any] = {"pipetrain": PipetrainSide(model, bounds, sched, rank, batch, pa)}
+        if pr["schedule"] in TORCH_SCHEDULES:
+            sides["torch"] = TorchSide(model, bounds, sched, pr["schedule"], rank, batch, pa)
+            raw["planner_check"] = verify(sides["pipetrain"], sides["torch"], "planner", pa)
+        pipes["planner"] = sides
+        raw["planner"] = {s: {"step_s": [], "cpu_s": [[] for _ in range(world)]} for s in sides}
     for rnd in range(args.rounds):
         if rank == 0:  # the baseline, between rounds; the other ranks wait in the barrier
-            order = list(BASELINES) if rnd % 2 == 0 else list(reversed(BASELINES))
-            for key in order:
-                raw["baseline"][key].append(run_baseline(key, args))
+            keys = list(BASELINES)
+            if args.planner_row is not None and args.planner_row["microbatches"] != args.microbatches:
+                keys.append(PLANNER_BASELINE)
+            for key in keys if rnd % 2 == 0 else reversed(keys):
+                raw["baseline"].setdefault(key, []).append(run_baseline(key, args))
         dist.barrier()
-        for name in names:
+        for name in pipes:
             measured = run_pairs(pipes[name], args.steps, first=rnd)
             for side_name, (walls, cpus) in measured.items():
-                rec = raw["schedules"][name][side_name]
+                rec = (raw["planner"] if name == "planner" else raw["schedules"][name])[side_name]
                 rec["step_s"].append(walls)
                 for r, c in enumerate(gather_floats(cpus, world)):
                     rec["cpu_s"][r].extend(c)
-            if rank == 0:
+            if rank == 0 and name != "planner":
                 rs = raw["schedules"][name]
                 pt_s, th_s = (statistics.median(rs[s]["step_s"][-1]) for s in SIDES)
                 print(f"[round {rnd}] {name:>16}: pipetrain {tokens / pt_s:8.0f} tok/s  torch "
@@ -454,6 +505,23 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
         "ceiling_over_baseline_2t": ceiling / base2,
         "best_pipetrain_over_ceiling": rows[best]["pipetrain"]["tokens_per_s"] / ceiling,
     }
+    if raw.get("planner"):
+        pr = dict(args.planner_row)
+        for side, rec in raw["planner"].items():
+            rounds = [tokens / statistics.median(w) for w in rec["step_s"]]
+            pr[side] = {"tokens_per_s": statistics.median(rounds), "tokens_per_s_rounds": rounds,
+                        "cpu_s_per_step_per_rank": [statistics.median(c) for c in rec["cpu_s"]]}
+        pr["pipetrain_over_ceiling"] = pr["pipetrain"]["tokens_per_s"] / ceiling
+        if raw["baseline"].get(PLANNER_BASELINE):  # P one-thread ranks at the planner's microbatch shapes
+            own = args.degree * statistics.median(r["tokens_per_s"] for r in raw["baseline"][PLANNER_BASELINE])
+            pr["ceiling_at_its_microbatches_tokens_per_s"] = own
+            pr["pipetrain_over_ceiling_at_its_microbatches"] = pr["pipetrain"]["tokens_per_s"] / own
+        if "torch" in pr:
+            pr["ratio_median"] = statistics.median(a / b for a, b in zip(pr["pipetrain"]["tokens_per_s_rounds"],
+                                                                          pr["torch"]["tokens_per_s_rounds"]))
+            pr["check"] = raw.get("planner_check")
+        summary["planner_row"] = pr
+        summary["planner_over_ceiling"] = pr["pipetrain_over_ceiling"]
     lo, hi = (str(m) for m in (min(args.recv_scaling_m), max(args.recv_scaling_m)))
     scaling = {}
     for name, per_m in raw["recv_scaling"].items():
@@ -492,6 +560,14 @@ def print_table(res: dict, args: argparse.Namespace) -> None:
           f"{s['best_pipetrain_over_baseline_2t']:.3f}; ceiling ({args.degree} x the 1-thread microbatched "
           f"baseline) / 2-thread baseline {s['ceiling_over_baseline_2t']:.3f}, best / ceiling "
           f"{s['best_pipetrain_over_ceiling']:.3f}")
+    if "planner_row" in s:
+        pr = s["planner_row"]
+        vs = f", torch on the same cut {pr['torch']['tokens_per_s']:.0f} (ratio {pr['ratio_median']:.3f})" if "torch" in pr else ""
+        print(f"planner's pick (schedule=auto partition=profile, P={args.degree}): {pr['schedule']} v={pr['v']} "
+              f"M={pr['microbatches']} cut {pr['cut']}: {pr['pipetrain']['tokens_per_s']:.0f} tok/s{vs}; "
+              f"/ ceiling {pr['pipetrain_over_ceiling']:.3f}" + (
+                  f" (/ the ceiling at its own M {pr['pipetrain_over_ceiling_at_its_microbatches']:.3f})"
+                  if "pipetrain_over_ceiling_at_its_microbatches" in pr else ""))
     print("(ratio = pipetrain tok/s / torch tok/s, median over rounds; cpu = CPU s per step per rank)")
 
 
@@ -552,6 +628,8 @@ def main() -> None:
     ap.add_argument("--grad-tol", type=float, default=1e-5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipelining_vs_torch.json"))
     ap.add_argument("--note", default="", help="free text stored in the JSON (e.g. which pipetrain was measured)")
+    ap.add_argument("--no-planner", dest="planner", action="store_false",
+                    help="skip the row pipetrain picks itself (schedule=auto partition=profile at --degree)")
     ap.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--accumulate", action="store_true", help=argparse.SUPPRESS)
@@ -568,12 +646,16 @@ def main() -> None:
         ap.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}")
     for s in args.schedule_list:  # fail here, not inside the ranks
         pipetrain_schedule(s, args)
+    args.planner_row = planner_choice(args) if args.planner else None
+    if args.planner_row is not None:
+        print(f"[planner] picks {args.planner_row['schedule']} v={args.planner_row['v']} "
+              f"M={args.planner_row['microbatches']} cut {args.planner_row['cut']}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="pipetrain-bench-"))
     spawn_local(rank_main, args.degree, work, args)
     raw = json.loads((work / "raw.json").read_text())
     res = summarize(raw, args)
     config = {k: v for k, v in vars(args).items()
-              if k not in ("argv", "baseline_child", "threads", "accumulate", "out", "note")}
+              if k not in ("argv", "baseline_child", "threads", "accumulate", "out", "note", "planner_row")}
     config["microbatch"] = args.batch // args.microbatches
     config["tokens_per_step"] = args.batch * args.seq
     config["threads_per_rank"] = 1
