@@ -5,7 +5,8 @@ share a 2-core machine without competing for compute: what is measured is the sc
 plus the executor's own overhead (Python, autograd bookkeeping, gloo messages). For each
 (P, M) and schedule we run a few steps after a barrier, take the slowest rank's step time
 (median over steps), and divide by the simulated makespan for the same per-stage costs
-(comm_ms = 0). Target (issue 4): at most 1.10 everywhere.
+(comm_ms = 0), the median of --runs spawns. Targets: at most 1.10 everywhere (issue 4), 1.05 at
+P=4, M=16 (issue #31).
 
 Usage: python bench/executor_efficiency.py [--layer-ms 4] [--steps 3] [--out FILE]
 """
@@ -82,29 +83,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lookahead", type=int, default=1, help="pipeline.p2p_lookahead: receives posted this many actions early")
     ap.add_argument("--cases", default=",".join(f"{P}x{M}" for P, M in CASES), help="PxM pairs, comma separated")
+    ap.add_argument("--runs", type=int, default=3, help="spawns of every case, one after another; a row's ratio is "
+                                                           "the median of the runs' (issue #31: median of 3)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "executor_efficiency.json"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pipetrain-bench-"))
-    results = []
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    for P, M in cases:
-        spawn_local(rank_main, P, work, M, args.layer_ms, args.steps, args.lookahead)
-        measured = json.loads((work / f"measured_P{P}_M{M}.json").read_text())
-        for name in SCHEDULES:
-            med = statistics.median(measured[name])
-            sim = simulated_ms(name, P, M, args.layer_ms)
-            results.append({"schedule": name, "degree": P, "microbatches": M, "measured_ms": round(med, 2),
-                            "measured_all_ms": [round(t, 2) for t in measured[name]],
-                            "simulated_ms": round(sim, 2), "ratio": round(med / sim, 4)})
-            r = results[-1]
-            print(f"P={P:<2} M={M:<3} {name:>10}: measured {r['measured_ms']:8.1f} ms  simulated "
-                  f"{r['simulated_ms']:8.1f} ms  ratio {r['ratio']:.3f}", flush=True)
+    per_run: dict[tuple[int, int, str], list[list[float]]] = {}
+    for run in range(args.runs):  # every case once per run, so a slow moment lands on one run of each
+        for P, M in cases:
+            spawn_local(rank_main, P, work, M, args.layer_ms, args.steps, args.lookahead)
+            measured = json.loads((work / f"measured_P{P}_M{M}.json").read_text())
+            for name in SCHEDULES:
+                per_run.setdefault((P, M, name), []).append(measured[name])
+    results = []
+    for (P, M, name), runs in per_run.items():
+        sim = simulated_ms(name, P, M, args.layer_ms)
+        meds = [statistics.median(times) for times in runs]
+        med = statistics.median(meds)
+        results.append({"schedule": name, "degree": P, "microbatches": M, "measured_ms": round(med, 2),
+                        "measured_runs_ms": [round(m, 2) for m in meds],
+                        "measured_all_ms": [[round(t, 2) for t in times] for times in runs],
+                        "simulated_ms": round(sim, 2), "ratio": round(med / sim, 4),
+                        "ratio_runs": [round(m / sim, 4) for m in meds]})
+        r = results[-1]
+        print(f"P={P:<2} M={M:<3} {name:>10}: measured {r['measured_ms']:8.1f} ms  simulated "
+              f"{r['simulated_ms']:8.1f} ms  ratio {r['ratio']:.3f} (runs {', '.join(f'{x:.3f}' for x in r['ratio_runs'])})",
+              flush=True)
     worst = max(r["ratio"] for r in results)
+    p4 = [r["ratio"] for r in results if (r["degree"], r["microbatches"]) == (4, 16)]
     out = Path(args.out)
-    out.write_text(json.dumps({"layer_ms": args.layer_ms, "p2p_lookahead": args.lookahead, "python": platform.python_version(),
-                               "torch": torch.__version__, "cpus": __import__("os").cpu_count(),
-                               "worst_ratio": worst, "target": 1.10, "results": results}, indent=2) + "\n")
-    print(f"worst ratio {worst:.3f} (target <= 1.10); wrote {out}")
+    out.write_text(json.dumps({"layer_ms": args.layer_ms, "p2p_lookahead": args.lookahead, "runs": args.runs,
+                               "python": platform.python_version(), "torch": torch.__version__,
+                               "cpus": __import__("os").cpu_count(), "worst_ratio": worst, "target": 1.10,
+                               "worst_ratio_P4_M16": max(p4, default=None), "target_P4_M16": 1.05,
+                               "results": results}, indent=2) + "\n")
+    print(f"worst ratio {worst:.3f} (target <= 1.10)" + (f"; P=4 M=16 worst {max(p4):.3f} (target <= 1.05)" if p4 else "")
+          + f"; wrote {out}")
 
 
 if __name__ == "__main__":
