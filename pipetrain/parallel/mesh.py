@@ -34,7 +34,9 @@ class RankGroups:
     edp_group: Optional[dist.ProcessGroup] = None  # ranks holding this rank's experts (None when only it does)
     experts_mesh: Optional[DeviceMesh] = None  # what FSDP2 shards experts over: ("dp_replicate",) "edp_shard"
     cp_group: Optional[dist.ProcessGroup] = None  # ranks splitting this rank's sequences (None when cp = 1)
-    shard_mesh: Optional[DeviceMesh] = None  # what FSDP2 shards a stage over (fsdp_mesh), built with the groups
+    # The mesh FSDP2 shards a stage over: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP; under
+    # context parallel dp_shard x cp flattened in place of dp_shard (torchtitan's "dp_shard_cp").
+    fsdp_mesh: Optional[DeviceMesh] = None
 
     @property
     def pp_rank(self) -> int:
@@ -67,12 +69,6 @@ class RankGroups:
     def cp_index(self) -> int:
         return self.layout.cp_index(self.rank)
 
-    @property
-    def fsdp_mesh(self) -> Optional[DeviceMesh]:
-        """The mesh FSDP2 shards over: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP; under
-        context parallel dp_shard x cp flattened in place of dp_shard (torchtitan's "dp_shard_cp")."""
-        return self.shard_mesh
-
 
 def build_groups(layout: Layout, device_type: str) -> RankGroups:
     """Collective over the world (when a process group exists): the mesh and this rank's groups."""
@@ -97,7 +93,7 @@ def build_groups(layout: Layout, device_type: str) -> RankGroups:
         dp_group = flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp").get_group()
     tp_group = mesh["tp"].get_group() if layout.tp > 1 else None
     cp_group = mesh["cp"].get_group() if layout.cp > 1 else None
-    shard_mesh = _shard_mesh(mesh, layout)
+    fsdp_mesh = _fsdp_mesh(mesh, layout)
     ep_group = edp_group = experts_mesh = None
     if layout.ep > 1:  # the expert view of the same ranks: dp_shard = (edp_shard, ep), row-major
         experts = unflatten_mesh(mesh, "dp_shard", (layout.dp_shard // layout.ep, layout.ep), ("edp_shard", "ep"))
@@ -110,10 +106,10 @@ def build_groups(layout: Layout, device_type: str) -> RankGroups:
         elif edp:
             edp_group = flatten_mesh(experts, edp, "edp").get_group()
     return RankGroups(layout, rank, mesh, pp_group, layout.pipeline_ranks(rank), dp_group, tp_group,
-                      ep_group, edp_group, experts_mesh, cp_group, shard_mesh)
+                      ep_group, edp_group, experts_mesh, cp_group, fsdp_mesh)
 
 
-def _shard_mesh(mesh: DeviceMesh, layout: Layout) -> Optional[DeviceMesh]:
+def _fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> Optional[DeviceMesh]:
     """FSDP2's mesh: the shard dims (dp_shard, cp; flattened when both split) after dp_replicate (HSDP)."""
     shard = [d for d in ("dp_shard", "cp") if getattr(layout, d) > 1]
     if not shard:
