@@ -115,19 +115,29 @@ def _broken(folder: Path, tmp_path: Path, edit) -> Path:
     return out
 
 
+def _drop_expert(state: dict, prefix: str) -> None:
+    for key in [k for k in state if k.startswith(prefix)]:
+        del state[key]
+
+
 @pytest.mark.pure
-@pytest.mark.parametrize("layout, edit, message", [
-    ("per_expert", lambda s: s.pop("model.layers.0.mlp.experts.3.up_proj.weight"),
+@pytest.mark.parametrize("case, layout, edit, message", [
+    ("qwen3_moe", "per_expert", lambda s: s.pop("model.layers.0.mlp.experts.3.up_proj.weight"),
      "lacks model.layers.0.mlp.experts.3.up_proj.weight (1 key(s) missing)"),
-    ("per_expert", lambda s: s.update({"model.layers.2.mlp.experts.1.down_proj.weight": torch.zeros(32, 20)}),
+    ("mixtral", "per_expert", lambda s: _drop_expert(s, "model.layers.1.block_sparse_moe.experts.3."),
+     "lacks model.layers.1.block_sparse_moe.experts.3.w1.weight (3 key(s) missing)"),
+    ("qwen3_moe", "per_expert",
+     lambda s: s.update({"model.layers.2.mlp.experts.1.down_proj.weight": torch.zeros(32, 20)}),
      "model.layers.2.mlp.experts.1.down_proj.weight in model.safetensors has shape [32, 20] but config.json's "
      "model needs [32, 24]"),
-    ("fused", lambda s: s.update({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(3, 48, 32)}),
+    ("qwen3_moe", "fused", lambda s: s.update({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(3, 48, 32)}),
      "model.layers.0.mlp.experts.gate_up_proj in model.safetensors has shape [3, 48, 32] but config.json's "
      "model needs [4, 48, 32]"),
+    ("mixtral", "fused", lambda s: s.pop("model.layers.2.mlp.experts.down_proj"),
+     "lacks model.layers.2.mlp.experts.down_proj (1 key(s) missing)"),
 ])
-def test_missing_or_misshaped_expert_fails_in_one_line(layout, edit, message, folders, compose, tmp_path):
-    _, folder = folders("qwen3_moe", layout)
+def test_missing_or_misshaped_expert_fails_in_one_line(case, layout, edit, message, folders, compose, tmp_path):
+    _, folder = folders(case, layout)
     config = compose(["model=moe-tiny", f"model.pretrained={_broken(folder, tmp_path, edit)}", "mode=simulate"])
     with pytest.raises(ValueError) as err:
         check_pretrained(config.model)

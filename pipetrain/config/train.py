@@ -100,6 +100,7 @@ class OptimConfig:
 
 
 EXPORT_DTYPES = ("fp32", "bf16")
+MOE_LAYOUTS = ("per_expert", "fused")  # export.moe_layout
 
 
 @dataclass
@@ -110,6 +111,9 @@ class ExportConfig:
     dir: Optional[str] = None  # the folder to write; null = <run directory>/hf
     max_shard_gb: float = 5.0  # largest safetensors file, in GB (10^9 bytes), as save_pretrained's max_shard_size
     dtype: str = "fp32"  # fp32 | bf16: the dtype of the written tensors (and config.json's torch_dtype)
+    # MoE experts: per_expert (one 2-D tensor per expert, the hub's layout, which every transformers
+    # version reads) | fused (transformers 5's experts.gate_up_proj / down_proj, 3-D)
+    moe_layout: str = "per_expert"
     # true: replace a non-empty export.dir (refused otherwise: its files are the user's); never
     # a folder the export reads from (model.pretrained, the checkpoint) or the run directory
     overwrite: bool = False
@@ -119,3 +123,5 @@ class ExportConfig:
             raise ValueError(f"export.max_shard_gb must be > 0 (got {self.max_shard_gb})")
         if self.dtype not in EXPORT_DTYPES:
             raise ValueError(f"export.dtype must be {' or '.join(EXPORT_DTYPES)} (got {self.dtype!r})")
+        if self.moe_layout not in MOE_LAYOUTS:
+            raise ValueError(f"export.moe_layout must be {' or '.join(MOE_LAYOUTS)} (got {self.moe_layout!r})")

@@ -7,7 +7,9 @@ fails in one line naming it, and so does a file that is not what it claims (a gi
 pointer, a shard shorter than its header says, an index that is not JSON), naming the file. Each rank then materializes its stages from `PretrainedWeights`,
 an init rule (models/init.py) that reads one tensor at a time with safetensors' `safe_open`,
 opening a file only when one of the rank's own keys lives in it (the index's weight_map says
-which): a rank holding blocks 0-3 of a 16-shard checkpoint opens the shards holding those.
+which): a rank holding blocks 0-3 of a 16-shard checkpoint opens the shards holding those. Under
+expert parallel a rank reads only its own experts (`init_block`: materialize asks for the rows it
+keeps), and `read` counts the bytes this process read, per HF key.
 
 A tied head (tie_word_embeddings) is the embedding: a folder has no lm_head.weight then (as
 save_pretrained writes it); one that has it anyway has it ignored. Out (`mode=export`):
@@ -131,19 +133,27 @@ class HFNames:
             return None
         return self.moe.pieces(self.key(name).partition(".mlp.")[0], name.partition(".mlp.")[2], shape)
 
-    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Export: HF key -> tensor of pipetrain's weight `name` (an MoE weight: one per expert)."""
-        pieces = self.pieces(name, tuple(tensor.shape))
-        if pieces is None:
-            return {self.key(name): self.layout(self.key(name), tensor)}
-        return to_hf(pieces, tensor, name=name)
+    def to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Export: HF key -> tensor of pipetrain's weights (an MoE weight: one per expert, or fused, its
+        w1 and w3 then in one gate_up_proj: `tensors` must hold both)."""
+        out: dict[str, torch.Tensor] = {}
+        moe: dict[str, tuple[list[Piece], torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            pieces = self.pieces(name, tuple(tensor.shape))
+            if pieces is None:
+                out[self.key(name)] = self.layout(self.key(name), tensor)
+            else:
+                moe[name] = (pieces, tensor)
+        return {**out, **to_hf(moe)}
 
 
-def names_of(knobs: dict[str, Any], keys: Iterable[str] = (), model_type: Optional[str] = None) -> HFNames:
+def names_of(knobs: dict[str, Any], keys: Iterable[str] = (), model_type: Optional[str] = None, *,
+             fused: bool = False) -> HFNames:
     """The HFNames of a model from its constructor arguments (a model's `config`, or a model
     config's `knobs()`); `keys` are the folder's, whose prefix GPT-2's names follow (none given:
     GPT2LMHeadModel's "transformer.", what an export writes) and whose MoE layout is read; an
-    export passes its config.json's `model_type` instead (Mixtral's per-expert names differ)."""
+    export passes its config.json's `model_type` instead (Mixtral's per-expert names differ) and
+    `fused` (export.moe_layout=fused: transformers 5's gate_up_proj / down_proj)."""
     if "n_layer" in knobs:  # GPT-2
         keys = list(keys)
         prefix = hf_gpt2.prefix_of(keys) if keys else hf_gpt2.PREFIX
@@ -152,7 +162,7 @@ def names_of(knobs: dict[str, Any], keys: Iterable[str] = (), model_type: Option
     if "num_hidden_layers" in knobs:  # the Llama family
         return HFNames(partial(hf_name, num_hidden_layers=knobs["num_hidden_layers"]),
                        tied=knobs["tie_word_embeddings"],
-                       moe=(MoEKeys.of(keys) if keys else MoEKeys(mixtral=model_type == "mixtral"))
+                       moe=(MoEKeys.of(keys) if keys else MoEKeys(fused=fused, mixtral=model_type == "mixtral"))
                        if knobs.get("moe") else None)
     raise ValueError(f"a model with knobs {sorted(knobs)} has no Hugging Face form: use a GPT-2 or Llama-family model")
 
@@ -207,32 +217,55 @@ class PretrainedWeights:
     """An init rule (models/init.py) giving each parameter its value from the folder's
     safetensors (`knobs`: the model's constructor arguments, see names_of). Opens a file the
     first time one of the asked keys lives in it; `opened` lists the files this process opened,
-    in order."""
+    in order, `read` the bytes it read per HF key (a test counts an EP rank's expert bytes)."""
 
     def __init__(self, pretrained: str, knobs: dict[str, Any]) -> None:
         self.folder = folder_of(pretrained)
         self.files = weight_map(self.folder)
         self.names = names_of(knobs, self.files)
         self.opened: list[str] = []
+        self.read: dict[str, int] = {}
         self._handles: dict[str, Any] = {}
 
     def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
+        self._fill(name, tuple(value.shape), None, value)
+
+    def init_block(self, name: str, shape: torch.Size, block: tuple[int, int, int], value: torch.Tensor,
+                   generator: torch.Generator) -> None:
+        """Fill `value` with rows [start, stop) of dimension `dim` (`block`) of the weight `name` of unsplit
+        `shape` (models/init.py: materialize asks for an EP rank's experts): stacked experts read only
+        those experts' bytes; any other weight is read whole and cut."""
+        dim, start, stop = block
+        if dim == 0 and self.names.pieces(name, tuple(shape)):
+            self._fill(name, tuple(shape), (start, stop), value)
+            return
+        whole = torch.empty(shape, dtype=value.dtype)
+        self._fill(name, tuple(shape), None, whole)
+        value.copy_(whole.narrow(dim, start, stop - start))
+
+    def _fill(self, name: str, shape: tuple[int, ...], experts: Optional[tuple[int, int]],
+              value: torch.Tensor) -> None:
+        """`value` := the weight `name` (unsplit `shape`), or only experts [start, stop) of it."""
         key = self.names.key(name)
-        pieces = self.names.pieces(name, tuple(value.shape))
+        pieces = self.names.pieces(name, shape)
         if pieces == []:  # the aux_free bias of a family that stores none: unbiased routing
             value.zero_()
             return
         read = partial(self._read, name=name)
-        tensor = self.names.layout(key, read(key)) if pieces is None else assemble(pieces, read)
+        tensor = self.names.layout(key, read(key, None)) if pieces is None else assemble(pieces, read, experts)
         if tuple(tensor.shape) != tuple(value.shape):
             raise ValueError(f"model.pretrained={self.folder}: {key} has shape {list(tensor.shape)} but the model "
                              f"needs {list(value.shape)}")
         value.copy_(tensor)  # cast to the fp32 the rule fills
 
-    def _read(self, key: str, *, name: str) -> torch.Tensor:
+    def _read(self, key: str, index: Optional[tuple[slice, ...]], *, name: str) -> torch.Tensor:
+        """The tensor `key`, or its part `index` (safetensors' get_slice reads only those bytes)."""
         if key not in self.files:
             raise ValueError(f"model.pretrained={self.folder} lacks {key} (pipetrain's {name})")
-        return self._open(self.files[key]).get_tensor(key)
+        handle = self._open(self.files[key])
+        tensor = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+        self.read[key] = self.read.get(key, 0) + tensor.numel() * tensor.element_size()
+        return tensor
 
     def _open(self, file: str) -> Any:
         if file not in self._handles:

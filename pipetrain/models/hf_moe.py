@@ -9,7 +9,9 @@ so one of its weights is several HF tensors, or a part of one:
   fused       transformers 5's in-memory layout, which some re-saved checkpoints keep:
               `mlp.experts.gate_up_proj` (E, 2I, H) = cat([w1, w3], 1) and `mlp.experts.down_proj` = w2.
 
-The layout (and Mixtral's `block_sparse_moe.` prefix) is read off the folder's keys. The router is
+The layout (and Mixtral's `block_sparse_moe.` prefix) is read off the folder's keys; mode=export
+writes either (export.moe_layout). Under expert parallel a rank reads only its experts' bytes
+(`assemble` with `experts`): their per-expert keys, or a dim-0 slice of the fused tensors. The router is
 `mlp.gate.weight` (Mixtral per-expert: `block_sparse_moe.gate.weight`); Qwen2-MoE's shared expert
 `mlp.shared_expert.*` with `mlp.shared_expert_gate.weight`. The aux_free `router.expert_bias` has
 no key in these families: it starts at 0 (`pieces` gives no key for it).
@@ -37,11 +39,13 @@ SHARED = {"shared_experts.gate_proj.weight": "shared_expert.gate_proj.weight",
 @dataclass(frozen=True)
 class Piece:
     """One HF tensor (its key and on-disk shape) and the part of it a pipetrain weight takes:
-    rows [start, stop) of dim 1 (`part`: a fused gate_up_proj's half), or all of it."""
+    expert `expert`'s 2-D tensor (the per-expert layout), rows [start, stop) of dim 1 (`part`: a
+    fused gate_up_proj's half), or all of it."""
 
     key: str
     shape: tuple[int, ...]
     part: Optional[tuple[int, int]] = None
+    expert: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -76,33 +80,45 @@ class MoEKeys:
             part = (0, rows) if which == "w1" else (rows, 2 * rows)
             return [Piece(f"{mlp}{FUSED_SUFFIX}", (e, 2 * rows, cols), part)]
         name = PER_EXPERT[self.mixtral][which]
-        return [Piece(f"{mlp}.experts.{j}.{name}.weight", (rows, cols)) for j in range(e)]
+        return [Piece(f"{mlp}.experts.{j}.{name}.weight", (rows, cols), expert=j) for j in range(e)]
 
 
-def assemble(pieces: list[Piece], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """The pipetrain weight from its pieces: one tensor (or its dim-1 part), or per-expert ones stacked."""
-    if len(pieces) == 1:
-        t = read(pieces[0].key)
-        part = pieces[0].part
-        return t if part is None else t[:, part[0]:part[1]]
-    return torch.stack([read(p.key) for p in pieces])
+Read = Callable[[str, Optional[tuple[slice, ...]]], torch.Tensor]  # (HF key, index or None: all) -> tensor
 
 
-def to_hf(pieces: list[Piece], tensor: torch.Tensor, *, name: str) -> dict[str, torch.Tensor]:
-    """Export: pipetrain's stacked weight as its HF tensors (per expert: one per row; whole: itself).
-    The fused layout is read only. A nonzero aux_free bias has no HF key and would change the
-    routing: refused in one line."""
-    if not pieces:
-        if bool(tensor.abs().sum() > 0):
-            raise ValueError(f"mode=export: {name} is nonzero (balance=aux_free moved it) but the Hugging Face class "
-                             f"has no such weight, so its routing would differ: export a model trained with "
+def assemble(pieces: list[Piece], read: Read, experts: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """The pipetrain weight from its pieces: one tensor (or its dim-1 part), or per-expert ones stacked.
+    `experts` = (start, stop): only those rows of dim 0 (an EP rank's experts), reading nothing else:
+    per expert only their keys, fused a slice (safetensors reads just its bytes)."""
+    first = slice(None) if experts is None else slice(*experts)
+    if pieces and pieces[0].expert is not None:
+        return torch.stack([read(p.key, None) for p in pieces[first]])
+    (piece,) = pieces
+    if piece.part is None and experts is None:
+        return read(piece.key, None)
+    return read(piece.key, (first, slice(None) if piece.part is None else slice(*piece.part)))
+
+
+def to_hf(tensors: dict[str, tuple[list[Piece], torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Export: pipetrain's weights (name -> its pieces and value) as HF tensors: per expert one per row,
+    whole ones as they are, a fused gate_up_proj from its two halves (w1 and w3, which must be given
+    together). A nonzero aux_free bias has no HF key and would change the routing: refused in one line."""
+    out: dict[str, torch.Tensor] = {}
+    halves: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, (pieces, tensor) in tensors.items():
+        if not pieces and bool(tensor.abs().sum() > 0):
+            raise ValueError(f"mode=export: {name} is nonzero (balance=aux_free moved it) but the Hugging Face "
+                             f"class has no such weight, so its routing would differ: export a model trained with "
                              f"model.moe.balance=aux_loss|seq_aux_loss|none")
-        return {}
-    if len(pieces) == 1 and pieces[0].part is None:
-        return {pieces[0].key: tensor}
-    if any(p.part is not None for p in pieces):
-        raise ValueError("mode=export writes MoE experts per expert (the hub's layout), not fused")
-    return {p.key: tensor[j] for j, p in enumerate(pieces)}
+        for j, p in enumerate(pieces):
+            if p.part is not None:
+                halves.setdefault(p.key, []).append((p.part[0], tensor))
+            else:
+                out[p.key] = tensor if p.expert is None else tensor[j]
+    for key, parts in halves.items():  # gate_up_proj (E, 2I, H) = cat([w1, w3], 1)
+        assert len(parts) == 2, f"{key}: export got {len(parts)} of its 2 halves (w1, w3) in one shard"
+        out[key] = torch.cat([t for _, t in sorted(parts, key=lambda part: part[0])], 1)
+    return out
 
 
 def hf_moe_config(moe: MoEConfig, *, intermediate: int, layers: int, qk_norm: bool, qk_norm_per_head: bool,

@@ -17,13 +17,16 @@ so they do not depend on the device or dtype either), keeping ties inside the mo
 `materialize` does the same for a stage already split over tensor-parallel ranks and sharded by
 FSDP2 on meta: it allocates only this rank's slices and shards, drawing one whole parameter at a
 time and keeping its part (so no rank ever holds its whole stage, only its largest weight once).
+A rule that can fill a block of a parameter (`BlockRule`: model.pretrained's files) is asked for just
+the contiguous block a rank keeps where there is one (an expert-parallel rank's experts), so it reads
+only those bytes; the seeded rule draws the whole parameter (its values are one stream).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -37,12 +40,29 @@ class Held(Protocol):
 
     def keep_local(self, name: str, full: torch.Tensor, into: torch.Tensor) -> None: ...
 
+    def block(self, name: str) -> Optional[tuple[int, int, int]]:
+        """(dim, start, stop): the one contiguous block of the unsplit value this rank keeps (before its
+        dp shard), or None: kept whole, or a split not worth reading apart."""
+        ...
+
+    def keep_shard(self, name: str, mine: torch.Tensor, into: torch.Tensor) -> None:
+        """Like keep_local, with `mine` already this rank's `block`."""
+        ...
+
 
 class InitRule(Protocol):
     """What a model provides: fill `value` (fp32, CPU) with the initial value of the parameter
     named `name` in the unsplit model, drawing only from `generator`."""
 
     def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None: ...
+
+
+class BlockRule(InitRule, Protocol):
+    """A rule that can also fill just `block` = (dim, start, stop) of the parameter of unsplit `shape`
+    (`value` has the block's shape) without producing the rest: models/hf.py's PretrainedWeights."""
+
+    def init_block(self, name: str, shape: torch.Size, block: tuple[int, int, int], value: torch.Tensor,
+                   generator: torch.Generator) -> None: ...
 
 
 def param_generator(seed: int, name: str) -> torch.Generator:
@@ -100,7 +120,7 @@ def materialize(module: nn.Module, rule: InitRule, held: Held, *, seed: int, dev
     """Allocate a meta-device `module`'s parameters on `device` as this rank holds them (its tp
     slices, its FSDP2 shards: `held`) and fill each with its part of (seed, canonical name)'s value.
     One whole parameter is drawn at a time on the CPU, in fp32, as `init_parameters` draws it, so
-    the values equal the unsplit model's bit for bit."""
+    the values equal the unsplit model's bit for bit; a BlockRule fills only the block `held` keeps."""
     _no_meta_buffers(module)  # before to_empty, which would leave them uninitialized
     module.to_empty(device=device)  # the local shapes parallelizing left (a DTensor: its local shard)
     done: set[int] = set()
@@ -109,6 +129,14 @@ def materialize(module: nn.Module, rule: InitRule, held: Held, *, seed: int, dev
             continue
         done.add(id(p))
         key = canonical.get(name, name)
-        value = torch.empty(held.full_shape(key, p), dtype=torch.float32, device="cpu")
-        rule.init_parameter(key, value, param_generator(seed, key))
-        held.keep_local(key, value, p)
+        shape = held.full_shape(key, p)
+        block = held.block(key) if hasattr(rule, "init_block") else None
+        if block is None:
+            value = torch.empty(shape, dtype=torch.float32, device="cpu")
+            rule.init_parameter(key, value, param_generator(seed, key))
+            held.keep_local(key, value, p)
+        else:
+            dim, start, stop = block
+            value = torch.empty((*shape[:dim], stop - start, *shape[dim + 1:]), dtype=torch.float32, device="cpu")
+            rule.init_block(key, shape, block, value, param_generator(seed, key))  # type: ignore[attr-defined]
+            held.keep_shard(key, value, p)

@@ -82,6 +82,16 @@ class SplitWeights:
             shape[split.dim] = split.size
         return torch.Size(shape)
 
+    def block(self, name: str) -> Optional[tuple[int, int, int]]:
+        """(0, start, stop): the experts this EP rank keeps of a stacked expert weight (one contiguous
+        block of dim 0), so materializing can read just them; None for anything else (a tp slice is
+        read whole: where its rows lie on disk depends on each family's layout, e.g. GPT-2's transposes)."""
+        split = self.ep_shards.get(name)
+        if split is None or self.ep is None or split.blocks != 1:
+            return None
+        index = split.index(self.ep.size, self.ep.rank)
+        return split.dim, int(index[0]), int(index[-1]) + 1
+
     def keep_local(self, name: str, full: torch.Tensor, into: torch.Tensor) -> None:
         """Copy this rank's part of the unsplit `full` into `into` (a plain tensor or an FSDP2 DTensor):
         its tp slice if `name` is split, then its dp shard; the index is made on `full`'s device
@@ -90,6 +100,10 @@ class SplitWeights:
         if split is not None:
             assert group is not None, f"{name} is split but no group was given"
             mine = full.index_select(split.dim, split.index(group.size, group.rank, device=full.device))
+        self.keep_shard(name, mine, into)
+
+    def keep_shard(self, name: str, mine: torch.Tensor, into: torch.Tensor) -> None:
+        """Copy `mine` (this rank's tp slice or experts of `name`) into `into`: under FSDP2 its dp shard."""
         dtensor = _dtensor_type()
         with torch.no_grad():
             if dtensor is not None and isinstance(into, dtensor):

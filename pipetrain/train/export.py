@@ -8,7 +8,8 @@ the shards are planned from the shapes of the model built on meta, then filled o
 (a DCP load of just that shard's keys), so at most one shard is in memory.
 
 What is written (as save_pretrained does): config.json (models/hf.hf_config), the tensors under
-HF's names in model-0000i-of-0000n.safetensors of at most export.max_shard_gb each, their
+HF's names (MoE experts per expert, or fused with export.moe_layout=fused: models/hf_moe.py) in
+model-0000i-of-0000n.safetensors of at most export.max_shard_gb each, their
 model.safetensors.index.json (always, one shard too), and the tokenizer files of
 data.tokenizer_dir or model.pretrained when they hold any. Atomic: everything goes into a
 hidden sibling directory first, which is renamed to export.dir when complete.
@@ -27,14 +28,14 @@ import shutil
 import uuid
 import warnings
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 
 from pipetrain.config import Config
 from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig
 from pipetrain.files import replace_dir
-from pipetrain.models.hf import CONFIG, INDEX, TOKENIZER_FILES, folder_of, hf_config, names_of, pretrained_rule
+from pipetrain.models.hf import CONFIG, INDEX, TOKENIZER_FILES, HFNames, folder_of, hf_config, names_of, pretrained_rule
 from pipetrain.models.init import param_generator
 from pipetrain.plan import build_model
 from pipetrain.train.checkpoint import preflight
@@ -43,9 +44,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 Fill = Callable[[dict[str, torch.Tensor]], None]  # fills fp32 tensors keyed by unsplit names
 
 
-def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+def plan_shards(sizes: dict[Hashable, int], max_bytes: int) -> list[list[Hashable]]:
     """Names in order, cut into consecutive shards of at most max_bytes (a larger tensor alone)."""
-    shards: list[list[str]] = [[]]
+    shards: list[list[Hashable]] = [[]]
     used = 0
     for name, size in sizes.items():
         if shards[-1] and used + size > max_bytes:
@@ -54,6 +55,17 @@ def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
         shards[-1].append(name)
         used += size
     return shards
+
+
+def units(params: dict[str, torch.Tensor], hf: HFNames) -> list[tuple[str, ...]]:
+    """The names in order, grouped into what is written together: a fused gate_up_proj is made of two
+    weights (w1, w3), which must land in one shard; every other weight is a unit of its own."""
+    grouped: dict[str, list[str]] = {}
+    for name, p in params.items():
+        pieces = hf.pieces(name, tuple(p.shape))
+        fused = pieces is not None and len(pieces) == 1 and pieces[0].part is not None
+        grouped.setdefault(pieces[0].key if fused else name, []).append(name)
+    return [tuple(names) for names in grouped.values()]
 
 
 def checkpoint_fill(path: Path) -> Fill:
@@ -96,14 +108,18 @@ def run_export(config: Config, run_dir: Path, *, note: Callable[[str], None] = p
     if not isinstance(cfg, (LlamaModelConfig, GPT2ModelConfig)):
         raise ValueError(f"mode=export writes Llama-family and GPT-2 models (model=llama-tiny, llama3.2-1b, gpt2, "
                          f"...); model={cfg.name} has no Hugging Face form here")
-    hf_config(cfg, dtype=config.export.dtype)  # a model HF cannot express fails before any weight is read
+    model_type = hf_config(cfg, dtype=config.export.dtype)["model_type"]  # a model HF cannot express fails here
     ckpt = preflight(config, run_dir)  # a checkpoint named explicitly is hashed: once
     out = check_out(config, run_dir, ckpt)
     dtype = DTYPES[config.export.dtype]
     model = build_model(cfg, device="meta")  # shapes only
     params = dict(model.named_parameters())  # distinct: a tied head is the embedding's entry
     sizes = {name: p.numel() * dtype.itemsize for name, p in params.items()}
-    shards = plan_shards(sizes, int(config.export.max_shard_gb * 1e9))
+    # an MoE weight is one stacked tensor here and one per expert (or a fused one) in the folder
+    hf = names_of(cfg.knobs(), model_type=model_type, fused=config.export.moe_layout == "fused")
+    max_bytes = int(config.export.max_shard_gb * 1e9)
+    grouped = plan_shards({unit: sum(sizes[n] for n in unit) for unit in units(params, hf)}, max_bytes)
+    shards = [[name for unit in shard for name in unit] for shard in grouped]
     fill, what = source(config, ckpt, model)
     out.parent.mkdir(parents=True, exist_ok=True)
     # a fresh name, made exclusively: an older ".hf.tmp" beside it may be anyone's, so it is never
@@ -111,7 +127,7 @@ def run_export(config: Config, run_dir: Path, *, note: Callable[[str], None] = p
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.mkdir()
     try:
-        copied, tok = _write(config, tmp, shards, params, sizes, fill, dtype)
+        copied, tok = _write(config, tmp, shards, params, hf, fill, dtype)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: nothing of a failed export is left
@@ -122,24 +138,20 @@ def run_export(config: Config, run_dir: Path, *, note: Callable[[str], None] = p
     return out
 
 
-def _write(config: Config, tmp: Path, shards: list[list[str]], params: dict, sizes: dict[str, int],
+def _write(config: Config, tmp: Path, shards: list[list[str]], params: dict, hf: HFNames,
            fill: Fill, dtype: torch.dtype) -> tuple[list[str], Optional[Path]]:
     """The folder's files into tmp; returns the tokenizer files copied and their source."""
     from safetensors.torch import save_file
 
     cfg = config.model
     config_json = hf_config(cfg, dtype=config.export.dtype)
-    # an MoE weight is one stacked tensor here and one per expert in the folder (models/hf_moe.py)
-    hf = names_of(cfg.knobs(), model_type=config_json["model_type"])
     weight_map: dict[str, str] = {}
     total = 0
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {name: torch.empty(params[name].shape, dtype=torch.float32) for name in names}
         fill(tensors)
-        out: dict[str, torch.Tensor] = {}
-        for k, t in tensors.items():
-            out.update(hf.to_hf(k, t))
+        out = hf.to_hf(tensors)
         save_file({k: t.to(dtype).contiguous() for k, t in out.items()}, str(tmp / file), metadata={"format": "pt"})
         weight_map.update({k: file for k in out})
         total += sum(t.numel() for t in out.values()) * dtype.itemsize  # what the folder holds
