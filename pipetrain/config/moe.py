@@ -48,7 +48,9 @@ class MoEConfig:
     topk_group: int = 1  # groups a token may use (DeepSeek-V3: 4)
     balance: str = "aux_free"  # aux_free | aux_loss | seq_aux_loss | none
     aux_loss_coef: float = 1e-3  # weight of the aux_loss / seq_aux_loss term (DeepSeek-V3's seq: 1e-4)
-    bias_update_rate: float = 1e-3  # aux_free step of the bias per optimizer step (DeepSeek-V3's gamma)
+    # aux_free step of the bias per optimizer step (DeepSeek-V3's gamma). moe-tiny balances best at 1e-3
+    # too: 1e-2 and 5e-2 overshoot (bench/moe_balance.py); what helps there is a lower optim.lr
+    bias_update_rate: float = 1e-3
     num_shared_experts: int = 0  # experts every token goes through (DeepSeek-V3: 1; Qwen2-MoE: 1, 4x wide)
     shared_gate: bool = False  # scale the shared experts by sigmoid(linear(x)) (Qwen2-MoE)
     capacity_factor: Optional[float] = None  # None: dropless; c: each expert takes <= ceil(c T K / E)
