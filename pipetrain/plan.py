@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 from pipetrain.config import Config, ModelConfig, SleepModelConfig
-from pipetrain.partition.costs import LayerCost, chunk_costs, fuse_weight_grads
+from pipetrain.partition.costs import LayerCost, chunk_costs, cp_layer_costs, ep_layer_costs, fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.partition.partition import Partition, require_chunks
 from pipetrain.partition.strategies import partition
@@ -103,6 +103,9 @@ class LayoutInputs:
     compiled_stages: frozenset[int] = frozenset()  # their B and W run as one BW (schedules/lower.py)
     comm_ms: float = 0.0  # per cross-rank transfer
     fb_overlap: float = 0.0  # sim.fb_overlap
+    # pipeline.fb_overlap on or auto: an F&B pair of stages with all-to-alls costs per layer max(compute,
+    # all-to-all) (StageCosts.layers) instead of the scalar above
+    overlap_layers: bool = False
     action_overhead_ms: float = 0.0  # the executor's own time per F, B, W or BW (plan.action_overhead_ms)
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (zb_auto's memory model)
     memory_budget: Sequence[float] | None = None  # zb_auto: activations per rank, in microbatches (None: 2P-1)
@@ -170,7 +173,8 @@ def layout_stage_costs(inputs: LayoutInputs, pl: Placement, split: Collection[in
     chunks = chunk_costs(part.layers, part.bounds)
     fused = chunk_costs(fuse_weight_grads(part.layers), part.bounds) if compiled else chunks
     per_stage = [(fused if s in compiled else chunks)[pl.chunk_of(s)] for s in range(pl.num_stages)]
-    costs = StageCosts(*(tuple(c[i] for c in per_stage) for i in range(3)))
+    costs = StageCosts(*(tuple(c[i] for c in per_stage) for i in range(3)),
+                       layers=overlap_layers(inputs, pl) if inputs.overlap_layers else ())
     if inputs.recompute_stages:
         costs = costs.with_recompute(split, inputs.recompute_stages)
     extra = inputs.action_overhead_ms
@@ -179,7 +183,20 @@ def layout_stage_costs(inputs: LayoutInputs, pl: Placement, split: Collection[in
     n = pl.num_stages
     return StageCosts(tuple(f + extra for f in costs.f), tuple(b + extra for b in costs.b),
                       tuple(w + (extra if s in split else 0.0) for s, w in enumerate(costs.w)),
-                      tuple(costs.fused(s) + extra for s in range(n)))  # a BW is one action
+                      tuple(costs.fused(s) + extra for s in range(n)), costs.layers)  # a BW is one action
+
+
+def overlap_layers(inputs: LayoutInputs, pl: Placement) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """Per stage id, per layer (Fc, Fa, Bc, Ba, Wc): the F&B overlap model's input (StageCosts.layers);
+    () when no layer has an all-to-all (dense models keep the scalar sim.fb_overlap)."""
+    part = inputs.partition
+    if not any(l.comm_f_ms or l.comm_b_ms for l in part.layers):
+        return ()
+    fused = inputs.compiled_stages  # a compiled stage's B is b + w (its BW), W nothing
+    per_layer = [(l.f_ms - l.comm_f_ms, l.comm_f_ms, l.b_ms - l.comm_b_ms, l.comm_b_ms, l.w_ms) for l in part.layers]
+    return tuple(tuple((fc, fa, bc + (wc if s in fused else 0.0), ba, 0.0 if s in fused else wc)
+                       for fc, fa, bc, ba, wc in (per_layer[i] for i in part.bounds[pl.chunk_of(s)]))
+                 for s in range(pl.num_stages))
 
 
 def lower(schedule: Schedule, compiled: Collection[int], grad_reduce: GradReduce | None) -> Schedule:
@@ -266,14 +283,20 @@ def cost_source(config: Config) -> str:
 
 def layer_costs(config: Config) -> list[LayerCost]:
     """Per-layer costs of one microbatch (config.microbatch_size x data.seq_len) on one rank
-    of this run: under parallel.tp, its 1/tp of the compute plus the layer's TP collectives."""
-    costs = whole_layer_costs(config)
-    par, m = config.parallel, config.model
+    of this run: under parallel.tp, its 1/tp of the compute plus the layer's TP collectives; under
+    parallel.cp, its 1/cp of the sequence plus the K/V exchanges; under parallel.ep, the MoE layers'
+    all-to-alls added and 1/ep of their experts stored (partition/costs.py)."""
+    par, m, cl = config.parallel, config.model, config.cluster
+    seq = config.data.seq_len if m.has_seq else 1
+    bytes_per_value = 2 if config.trainer.precision == "bf16" else 4
+    tokens = config.microbatch_size * seq
+    costs = cp_layer_costs(whole_layer_costs(config), cp=par.cp, tokens=tokens, bytes_per_value=bytes_per_value,
+                           bandwidth_gbs=cl.cp_bandwidth_gbs, rotate=par.cp_rotate)
+    costs = ep_layer_costs(costs, ep=par.ep, tokens=tokens, bytes_per_value=bytes_per_value,
+                           bandwidth_gbs=cl.ep_bandwidth_gbs)
     if par.tp == 1:
         return costs
-    seq = config.data.seq_len if m.has_seq else 1
     hidden = getattr(m, "hidden", None) or getattr(m, "n_embd", None) or m.hidden_size  # sleep / gpt2 / llama
-    bytes_per_value = 2 if config.trainer.precision == "bf16" else 4
     return tp_layer_costs(costs, tp=par.tp, tokens=config.microbatch_size * seq, hidden=hidden,
                           vocab=getattr(m, "vocab_size", 0), bytes_per_value=bytes_per_value,
                           bandwidth_gbs=config.cluster.tp_bandwidth_gbs, sequence_parallel=par.sequence_parallel)
@@ -331,7 +354,25 @@ def layout_inputs(config: Config, part: Partition, stages: int) -> LayoutInputs:
                         recompute_stages=recompute_stages(config, stages),
                         compiled_stages=compiled_stages(config, stages),
                         comm_ms=config.sim.comm_ms, fb_overlap=config.sim.fb_overlap, w_keep=s.w_keep,
-                        memory_budget=budget, grad_reduce=grad_reduce(config))
+                        memory_budget=budget, grad_reduce=grad_reduce(config),
+                        overlap_layers=overlap_on(config))
+
+
+def overlap_on(config: Config) -> bool:
+    """Whether the run's F&B pairs hide one microbatch's all-to-alls under the other's compute (`overlaps`)."""
+    mode = config.pipeline.fb_overlap
+    return overlaps(mode, recompute=config.trainer.activation_checkpointing, fsdp=config.layout.dp_mode in ("shard", "hsdp"),
+                    cpu=mode == "auto" and run_device(config) == "cpu")
+
+
+def overlaps(mode: str, *, recompute: bool, fsdp: bool, cpu: bool) -> bool:
+    """pipeline.fb_overlap as runtime/overlap.py applies it: on, or auto on CPU ranks whose stages run node by
+    node (no FSDP2, whose hooks nodes bypass); never under activation recompute. Only stages whose layers have
+    all-to-alls (parallel.ep > 1) are then priced per layer (overlap_layers); `on` is priced as asked even where
+    the run refuses it (a what-if)."""
+    if mode == "off" or recompute:
+        return False
+    return mode == "on" or (cpu and not fsdp)
 
 
 def grad_reduce(config: Config) -> GradReduce | None:

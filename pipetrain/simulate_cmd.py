@@ -81,14 +81,36 @@ def _reduce_note(config: Config, plan: Plan, result: SimResult) -> str:
 def _cost_note(config: Config, plan: Plan) -> str:
     mb, seq = config.microbatch_size, config.data.seq_len
     shape = f"{mb} x {seq} tokens" if config.model.has_seq else f"{mb} samples"
-    tp = config.parallel.tp
-    per_rank = (f"; per tp rank: 1/{tp} of it plus each layer's TP collectives at "
-                f"cluster.tp_bandwidth_gbs={config.cluster.tp_bandwidth_gbs:g}") if tp > 1 else ""
+    par, cl = config.parallel, config.cluster
+    per_rank = (f"; per tp rank: 1/{par.tp} of it plus each layer's TP collectives at "
+                f"cluster.tp_bandwidth_gbs={cl.tp_bandwidth_gbs:g}") if par.tp > 1 else ""
+    if par.cp > 1:
+        per_rank += (f"; per cp rank: 1/{par.cp} of the sequence plus each block's K/V {par.cp_rotate} at "
+                     f"cluster.cp_bandwidth_gbs={cl.cp_bandwidth_gbs:g}")
+    if par.ep > 1:
+        per_rank += (f"; per ep rank: 1/{par.ep} of the experts, each MoE layer's all-to-alls at "
+                     f"cluster.ep_bandwidth_gbs={cl.ep_bandwidth_gbs:g}"
+                     + (" (hidden per layer in F&B pairs: pipeline.fb_overlap)" if plan.stage_costs.layers else ""))
     if plan.cost_source == "sleep":
         return "est. ms: the sleep model's configured times per layer" + per_rank
     if plan.cost_source == "analytic":
         return f"est. ms: one microbatch of {shape}, analytic FLOPs at sim.tflops={config.sim.tflops:g}" + per_rank
     return f"est. ms: one microbatch of {shape}, measured on {plan.cost_source.split(':', 1)[1]}" + per_rank
+
+
+def sequence_and_expert_records(config: Config, plan: Plan) -> dict:
+    """simulate.json's "context_parallel" and "expert_parallel" objects, where those are on: the degree, the
+    link, and per microbatch the K/V exchange or all-to-all ms the stage costs above include."""
+    par, cl, out = config.parallel, config.cluster, {}
+    if par.cp > 1:
+        out["context_parallel"] = {"cp": par.cp, "cp_rotate": par.cp_rotate,
+                                   "cp_bandwidth_gbs": rounded(cl.cp_bandwidth_gbs)}
+    if par.ep > 1:
+        a2a = [(l.comm_f_ms, l.comm_b_ms) for l in plan.layer_costs]
+        out["expert_parallel"] = {"ep": par.ep, "ep_bandwidth_gbs": rounded(cl.ep_bandwidth_gbs),
+                                  "a2a_f_ms": rounded(sum(f for f, _ in a2a)), "a2a_b_ms": rounded(sum(b for _, b in a2a)),
+                                  "fb_overlap_per_layer": bool(plan.stage_costs.layers)}
+    return out
 
 
 PROFILE_DIR = "profile"  # train/profiling.py's (which imports torch): profile/rank<r>.json in the run directory
@@ -132,6 +154,7 @@ def plan_and_simulate(
     if config.parallel.tp > 1:  # the stage costs above are one tp rank's (schedules/tp_cost.py)
         record["tensor_parallel"] = {"tp": config.parallel.tp, "sequence_parallel": config.parallel.sequence_parallel,
                                      "tp_bandwidth_gbs": rounded(config.cluster.tp_bandwidth_gbs)}
+    record.update(sequence_and_expert_records(config, plan))
     part = plan.partition
     title = f"model={config.model.name} partition={part.strategy}: {part.num_layers} layers in {part.num_chunks} stages"
     if part.num_chunks <= MAX_TABLE_ROWS:

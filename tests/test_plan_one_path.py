@@ -33,7 +33,30 @@ SLEEP = ["mode=plan", "model=sleep", "model.layers=8", "model.params_per_layer=1
     ["trainer.compile=true", "plan.recompute=[true]", "plan.dp_shard=true"],
 ], ids=["compiled", "recompute", "compiled+recompute+fsdp"])
 def test_a_planner_row_is_make_plans_simulation_of_its_config(extra):
-    cfg = compose_config([*SLEEP, *extra])
+    checked = rows_equal_make_plan(compose_config([*SLEEP, *extra]))
+    assert {c.schedule for c in checked} == {"1f1b", "zbh1", "zbv", "zb_auto", "dualpipev"}, checked
+
+
+# expert parallel (moe-tiny: all-to-alls in F and B, experts / ep) and context parallel (llama-tiny: 1/cp of
+# the sequence, the K/V exchanges): rows that carry ep and cp are make_plan's simulation of their configs too
+MOE = ["mode=plan", "model=moe-tiny", "data.seq_len=64", "data.batch_size=8", "plan.world_size=4", "plan.p2p_gbs=1e9",
+       "plan.prune=false", "plan.memory_gb=1", "sim.comm_ms=0.5", "plan.schedules=[1f1b,dualpipev]",
+       "plan.microbatch_sizes=[1]", "plan.pp=[2]", "cluster.ep_bandwidth_gbs=0.5"]
+CP = ["mode=plan", "model=llama-tiny", "data.seq_len=64", "data.batch_size=8", "plan.world_size=4",
+      "plan.p2p_gbs=1e9", "plan.prune=false", "plan.memory_gb=1", "sim.comm_ms=0.5", "plan.schedules=[1f1b,zbv]",
+      "plan.microbatch_sizes=[1]", "plan.pp=[2]", "plan.cp=[1,2]", "cluster.cp_bandwidth_gbs=1"]
+
+
+@pytest.mark.parametrize("overrides, knob", [(MOE, "ep"), ([*MOE, "pipeline.fb_overlap=on"], "ep"), (CP, "cp"),
+                                              ([*CP, "parallel.cp_rotate=ring"], "cp")],
+                         ids=["ep", "ep-fb-overlap", "cp", "cp-ring"])
+def test_rows_with_ep_or_cp_are_make_plans_simulation_of_their_configs(overrides, knob):
+    checked = rows_equal_make_plan(compose_config(overrides))
+    assert {getattr(c, knob) for c in checked} == {1, 2}, checked
+
+
+def rows_equal_make_plan(cfg):
+    """Every feasible row with pp > 1 against make_plan of the config apply_row makes of it; the rows checked."""
     rows, _ = make_rows(cfg)
     ev = _Evaluator(workload(cfg), device(cfg))
     checked = set()
@@ -59,8 +82,8 @@ def test_a_planner_row_is_make_plans_simulation_of_its_config(extra):
         keep = dict(enumerate(laid.w_keep))
         for r, rank in enumerate(row.memory):
             assert rank.activations == peak_activation_bytes(sim.timeline[r], mem.stage_bytes, keep), (c, r)
-        checked.add(c.schedule)
-    assert checked == {"1f1b", "zbh1", "zbv", "zb_auto", "dualpipev"}, checked
+        checked.add(c)
+    return checked
 
 
 def test_a_plan_carries_its_simulation_and_ships_without_it():

@@ -66,6 +66,14 @@ class ClusterConfig:
     # the simulator adds each layer's TP all-reduces / all-gathers at this rate. 150: the bus
     # bandwidth NCCL's all-reduce reaches over NVLink on A100-class nodes.
     tp_bandwidth_gbs: float = 150.0
+    # GB/s one rank reaches in an expert-parallel all-to-all (dispatch and combine of every MoE layer):
+    # the simulator adds each MoE layer's all-to-all bytes at this rate (partition/costs.py a2a_bytes). 50: about
+    # a 400 Gb/s InfiniBand NIC per GPU, DeepSeek-V3's cross-node EP link (arXiv 2412.19437 sec. 3.2.2:
+    # IB 50 GB/s, NVLink 160 GB/s); an EP group inside one NVLink node reaches about 3x more.
+    ep_bandwidth_gbs: float = 50.0
+    # GB/s one rank reaches in a context-parallel K/V all-gather or ring step: the cp group sits next to
+    # tp on the mesh (parallel/layout.py), inside a node while cp x tp <= its GPUs, so tp's 150 (NVLink).
+    cp_bandwidth_gbs: float = 150.0
 
     def __post_init__(self) -> None:
         if self.name not in CLUSTERS:
@@ -78,12 +86,12 @@ class ClusterConfig:
                 raise ValueError(f"cluster.{knob} must be >= 1 (got {value})")
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
             raise ValueError(f"cluster.gpus_per_node must be >= 0 (got {self.gpus_per_node})")
-        if not self.dp_bandwidth_gbs > 0:
-            raise ValueError(f"cluster.dp_bandwidth_gbs must be > 0 GB/s (got {self.dp_bandwidth_gbs}): "
-                             f"the bandwidth one rank reaches in data-parallel collectives")
-        if not self.tp_bandwidth_gbs > 0:
-            raise ValueError(f"cluster.tp_bandwidth_gbs must be > 0 GB/s (got {self.tp_bandwidth_gbs}): "
-                             f"the bandwidth one rank reaches in tensor-parallel collectives")
+        for knob, what in (("dp", "data-parallel collectives"), ("tp", "tensor-parallel collectives"),
+                           ("ep", "expert-parallel all-to-alls"), ("cp", "context-parallel K/V exchanges")):
+            value = getattr(self, f"{knob}_bandwidth_gbs")
+            if not value > 0:
+                raise ValueError(f"cluster.{knob}_bandwidth_gbs must be > 0 GB/s (got {value}): "
+                                 f"the bandwidth one rank reaches in {what}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ValueError(f"cluster.master_port must be a port in 1..65535 (got {self.master_port})")
         self._check_knobs_are_read()

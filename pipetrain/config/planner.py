@@ -1,6 +1,6 @@
 """Schema of the `plan` config group: what `mode=plan` and `schedule=auto` search over (pure: no torch).
 
-The planner (pipetrain/planner/) scores every (pp x dp x tp layout, schedule, v, M, microbatch size,
+The planner (pipetrain/planner/) scores every (pp x dp x cp x tp layout (ep within dp), schedule, v, M, microbatch size,
 recompute) of this space by simulation against a per-device memory budget, and ranks them.
 """
 
@@ -41,6 +41,12 @@ class PlannerConfig:
     pp: Optional[list[int]] = None  # pipeline degrees to try; null = every divisor of the world
     tp: list[int] = field(default_factory=lambda: [1])  # tensor-parallel degrees to try (world = pp x dp x tp)
     sequence_parallel: bool = False  # rows with tp > 1 also split activations on the sequence (parallel.sequence_parallel)
+    # expert-parallel degrees to try (ep borrows dp's ranks, its rows FSDP2-sharded); null = for an MoE model
+    # every divisor of model.moe.num_experts, for a dense one [1]
+    ep: Optional[list[int]] = None
+    # context-parallel degrees to try (world = pp x dp x cp x tp; Llama family, data.seq_len a multiple of
+    # 2 cp); [1]: context parallel pays at long sequences, so it is searched where listed
+    cp: list[int] = field(default_factory=lambda: [1])
     virtual_stages: list[int] = field(default_factory=lambda: [2])  # v for interleaved_1f1b / looped_bfs
     microbatch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # sequences per microbatch
     recompute: list[bool] = field(default_factory=lambda: [False])  # trainer.activation_checkpointing values to try
@@ -87,8 +93,10 @@ class PlannerConfig:
             raise ValueError(f"plan.objective={self.objective!r} is unknown: choose one of {', '.join(OBJECTIVES)}")
         if not self.microbatch_sizes or min(self.microbatch_sizes) < 1:
             raise ValueError("plan.microbatch_sizes must list sizes >= 1")
-        if not self.tp or min(self.tp) < 1:
-            raise ValueError(f"plan.tp must list tensor-parallel degrees >= 1 (got {self.tp})")
+        for knob, what in (("tp", "tensor"), ("ep", "expert"), ("cp", "context")):
+            degrees = getattr(self, knob)
+            if degrees is not None and (not degrees or min(degrees) < 1):
+                raise ValueError(f"plan.{knob} must list {what}-parallel degrees >= 1 (got {degrees})")
         if not self.virtual_stages or min(self.virtual_stages) < 2:
             raise ValueError("plan.virtual_stages must list v >= 2 (for interleaved_1f1b / looped_bfs)")
         if not self.recompute:

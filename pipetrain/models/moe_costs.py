@@ -54,3 +54,15 @@ def idle_params(cfg: dict[str, Any]) -> int:
     """Parameters a token does not touch: the experts it is not routed to, summed over the blocks
     (a model's active parameters are its total less these)."""
     return sum(stored - active for stored, active in mlp_params(cfg))
+
+
+def experts_and_a2a(cfg: dict[str, Any]) -> list[tuple[int, int]]:
+    """Per decoder block, (its routed experts' parameters, the values per token its all-to-alls carry in one
+    pass): an MoE block's E x 3 C I_e and 2 K C (dispatch sends each token's K copies of its C values,
+    combine brings them back; the router and shared experts stay on the rank); a dense block's (0, 0)."""
+    c, n = cfg["hidden_size"], cfg["num_hidden_layers"]
+    m = moe_config(cfg)
+    if m is None:
+        return [(0, 0)] * n
+    experts = m.num_experts * 3 * c * m.expert_width(cfg["intermediate_size"])
+    return [(experts, 2 * m.top_k * c) if m.is_moe(b) else (0, 0) for b in range(n)]

@@ -23,11 +23,12 @@ from pipetrain.partition.costs import fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Device, Row, Workload, search
+from pipetrain.planner.degrees import check_tp, cp_degrees, ep_degrees, world_size
 from pipetrain.planner.space import Candidate, candidates, why_empty
 from pipetrain.schedules import registry
 
 PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
-CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "v", "microbatches", "microbatch_size", "recompute",
+CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "ep", "cp", "v", "microbatches", "microbatch_size", "recompute",
                "recompute_ranks", "partition", "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
                "exposed_comm_ms", "memory_budget", "reason")
 HIDDEN_KNOBS = ("n_embd", "hidden_size", "hidden", "d_hidden")  # the width crossing a stage boundary
@@ -154,15 +155,6 @@ def calibrating(config: Config) -> bool:
     return run_device(config) == "cpu"
 
 
-def world_size(config: Config) -> int:
-    p = config.plan
-    if p.world_size is not None:
-        return p.world_size
-    if p.devices_per_node is not None:
-        return p.nodes * p.devices_per_node
-    return config.layout.world
-
-
 GPU_OVERHEAD_GB = 1.5  # CUDA context (~0.5 GB) + NCCL buffers of a few communicators: plan.gpu_overhead_gb's null on CUDA
 
 
@@ -184,11 +176,24 @@ def device(config: Config) -> Device:
     p = config.plan
     return Device(p.memory_gb, gpu_overhead_gb=gpu_overhead_gb(config), p2p_gbs=p.p2p_gbs,
                   p2p_latency_ms=config.sim.comm_ms if p.p2p_latency_ms is None else p.p2p_latency_ms,
-                  dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, tp_gbs=config.cluster.tp_bandwidth_gbs, optim_gbs=p.optim_gbs, margin=p.margin,
+                  dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, tp_gbs=config.cluster.tp_bandwidth_gbs,
+                  ep_gbs=config.cluster.ep_bandwidth_gbs, cp_gbs=config.cluster.cp_bandwidth_gbs,
+                  cp_rotate=config.parallel.cp_rotate, fb_overlap=fb_overlap(config), optim_gbs=p.optim_gbs, margin=p.margin,
                   action_overhead_ms=p.action_overhead_ms, layer_overhead_ms=p.layer_overhead_ms, reduce_latency_ms=p.reduce_latency_ms,
                   step_overhead_ms=p.step_overhead_ms, tp_latency_ms=p.tp_latency_ms,
                   lookahead=config.pipeline.p2p_lookahead, reduce_dtype=config.parallel.reduce_dtype,
                   p2p_transport=config.pipeline.p2p_transport)
+
+
+def fb_overlap(config: Config) -> str:
+    """pipeline.fb_overlap for the planner's rows: auto resolved to off where the ranks train on CUDA (the
+    run's interleaver is CPU-only so far: runtime/overlap.py)."""
+    mode = config.pipeline.fb_overlap
+    if mode != "auto":
+        return mode
+    from pipetrain.plan import run_device
+
+    return mode if run_device(config) == "cpu" else "off"
 
 
 def assumptions(config: Config) -> str:
@@ -207,7 +212,14 @@ def assumptions(config: Config) -> str:
     fixed = f" (of which {d.gpu_overhead_gb:g} GB fixed per GPU, plan.gpu_overhead_gb)" if d.gpu_overhead_gb else ""
     return (f"plan: {m.name}, {world_size(config)} devices x {p.memory_gb:g} GB{fixed}, batch "
             f"{p.global_batch or config.data.batch_size}{seq}; layer times: {times}; links: p2p {d.p2p_gbs:g} GB/s "
-            f"+ {d.p2p_latency_ms:g} ms, dp {d.dp_gbs:g} GB/s, tp {d.tp_gbs:g} GB/s{cpu_activations(config)}")
+            f"+ {d.p2p_latency_ms:g} ms, dp {d.dp_gbs:g} GB/s, tp {d.tp_gbs:g} GB/s{moe_and_cp_links(config, d)}"
+            f"{cpu_activations(config)}")
+
+
+def moe_and_cp_links(config: Config, d: Device) -> str:
+    """The expert-parallel and context-parallel links, where the plan searches those degrees."""
+    ep = f", ep {d.ep_gbs:g} GB/s" if getattr(config.model, "moe", None) is not None else ""
+    return ep + (f", cp {d.cp_gbs:g} GB/s ({d.cp_rotate})" if max(config.plan.cp) > 1 else "")
 
 
 def cpu_activations(config: Config) -> str:
@@ -234,7 +246,8 @@ def plan_candidates(config: Config) -> list[Candidate]:
                  num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
                  virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches, tp_degrees=p.tp)
     cands = candidates(**space, recompute=p.recompute, recompute_partial=p.recompute_partial, dp_shard=p.dp_shard,
-                       partitions=part, sequence_parallel=p.sequence_parallel)
+                       partitions=part, sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config),
+                       cp_degrees=cp_degrees(config))
     if not cands:
         raise ValueError(f"the plan space is empty for world {space['world']} and global batch "
                          f"{space['global_batch']}: {why_empty(**space)}")
@@ -250,28 +263,6 @@ def plan_partitions(config: Config) -> list[str]:
         raise ValueError("plan.partitions lists profile (cut by measured time) but the plan costs layers by "
                          "FLOPs: set partition=profile so it measures them, or drop profile from plan.partitions")
     return [PARTITIONS[n] for n in names]
-
-
-def check_tp(config: Config) -> None:
-    """plan.tp against the world and the model, one line each, before anything is simulated."""
-    p, m, world = config.plan, config.model, world_size(config)
-    for tp in p.tp:
-        if world % tp:
-            raise ValueError(f"plan.tp lists {tp}, which does not divide the world of {world} ranks: drop it from plan.tp")
-        if tp == 1:
-            continue
-        divides = m.tp_divides()
-        if divides is None:
-            if m.family == "sleep" and not (config.schedule.name == AUTO or p.run):
-                continue  # mode=plan prices the sleep model's tp as mode=simulate does; it cannot train it
-            raise ValueError(f"plan.tp lists {tp} but model={m.name} has no tensor-parallel plan (GPT-2 and the Llama "
-                             f"family have one): set plan.tp=[1]")
-        for knob, value in divides.items():
-            if value % tp:
-                raise ValueError(f"plan.tp lists {tp}, which does not divide model.{knob}={value}: drop it from plan.tp")
-        if p.sequence_parallel and m.has_seq and config.data.seq_len % tp:
-            raise ValueError(f"plan.sequence_parallel splits data.seq_len={config.data.seq_len} across plan.tp {tp}: "
-                             f"set data.seq_len to a multiple of {tp} or drop {tp} from plan.tp")
 
 
 def plan_rows(config: Config, run_dir: Path, console: Console) -> tuple[Config, list[Row], dict[str, Any]]:
@@ -375,7 +366,7 @@ def apply_row(config: Config, row: Row) -> Config:
         config, schedule=schedule,
         pipeline=dataclasses.replace(config.pipeline, degree=c.pp, microbatches=c.microbatches),
         parallel=dataclasses.replace(config.parallel, dp_replicate=dp_rep, dp_shard=dp_shard, tp=c.tp,
-                                     sequence_parallel=c.sequence_parallel),
+                                     sequence_parallel=c.sequence_parallel, ep=c.ep, cp=c.cp),
         data=dataclasses.replace(config.data, batch_size=c.dp * c.microbatches * c.microbatch_size),
         trainer=dataclasses.replace(config.trainer, activation_checkpointing=c.recompute,
                                     recompute_stages=None if c.recompute_ranks is None else sorted(

@@ -175,13 +175,15 @@ def loss_rank_bytes(per_token: float, *, tokens: int, tp: int) -> float:
 
 def rank_memory(
     rank: int, *, params: float, state: StateBytes, shard: int, activations: float, boundary_bytes: float,
-    stages: int, lookahead: int, margin: float,
+    stages: int, lookahead: int, margin: float, expert_params: float = 0.0, expert_shard: int = 1,
 ) -> RankMemory:
     """Peak bytes of one rank: `params` stored on it (all its stages), `activations` from
-    `peak_activation_bytes`, `boundary_bytes` one microbatch's stage input."""
-    if shard < 1:
-        raise ValueError(f"shard degree must be >= 1 (got {shard})")
-    states = params * state.total / shard
+    `peak_activation_bytes`, `boundary_bytes` one microbatch's stage input. Of `params`, `expert_params`
+    (expert parallel: the rank's 1/ep of the experts) are sharded over `expert_shard` ranks (the
+    expert-data-parallel group, dp / ep), the rest over `shard`."""
+    if shard < 1 or expert_shard < 1:
+        raise ValueError(f"shard degrees must be >= 1 (got {shard}, {expert_shard})")
+    states = (params - expert_params) * state.total / shard + expert_params * state.total / expert_shard
     receive = 2 * (lookahead + 1) * stages * boundary_bytes
     return RankMemory(rank, states, activations, receive, margin * (states + activations + receive))
 

@@ -32,7 +32,7 @@ def candidate(config: Config) -> Candidate:
     return Candidate(s.name, p.degree, lay.dp, v, p.microbatches, config.microbatch_size,
                      recompute=config.trainer.activation_checkpointing, dp_shard=lay.dp_shard > 1,
                      partition=PARTITIONS.get(config.partition.name, "balanced"), tp=par.tp,
-                     sequence_parallel=par.sequence_parallel and par.tp > 1)
+                     sequence_parallel=par.sequence_parallel and par.tp > 1, ep=par.ep, cp=par.cp)
 
 
 def predict(config: Config) -> dict[str, Any]:

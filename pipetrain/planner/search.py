@@ -8,7 +8,9 @@ the data-parallel reduce lane (schedules/reduce_cost.py) and what it leaves expo
 optimizer step (state bytes over memory bandwidth) and the calibrated overheads a run adds (per
 action, per layer, per reduction, per step: planner/calibrate.py).
 Under tensor parallel each layer is one tp rank's (schedules/tp_cost.py `tp_rank_layers`:
-compute / tp and TP collectives, parameters / tp, activations per Korthikanti et al. 2022).
+compute / tp and TP collectives, parameters / tp, activations per Korthikanti et al. 2022); under context
+parallel 1/cp of every sequence plus the K/V exchanges, and under expert parallel the MoE layers' all-to-alls
+and 1/ep of their experts (partition/costs.py `cp_layer_costs`, `ep_layer_costs`: plan.layer_costs' path).
 Memory: planner/memory.py, with the activation peak taken from the same simulated timeline.
 `zb_auto` gets the largest activation budget the memory cap leaves (at most 2P, ZB-2p's).
 
@@ -24,13 +26,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
-from pipetrain.partition.costs import LayerCost
+from pipetrain.partition.costs import LayerCost, cp_layer_costs, ep_layer_costs
 from pipetrain.partition.partition import Partition
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import (GB, RankMemory, StateBytes, gb_text, loss_rank_bytes, peak_activation_bytes,
                                       rank_memory, sync_copy_bytes)
 from pipetrain.planner.space import Candidate
-from pipetrain.plan import GradReduce, LayoutInputs, SimulatedPlan, simulate_layout
+from pipetrain.plan import GradReduce, LayoutInputs, SimulatedPlan, overlaps, simulate_layout
 from pipetrain.schedules import registry
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce_cost import DTYPE_BYTES
@@ -91,6 +93,10 @@ class Device:
     p2p_latency_ms: float = 0.0  # per transfer
     dp_gbs: float = 25.0  # per-rank bandwidth of the gradient reduction
     tp_gbs: float = 150.0  # bandwidth of the tensor-parallel collectives
+    ep_gbs: float = 50.0  # bandwidth of the expert-parallel all-to-alls (cluster.ep_bandwidth_gbs)
+    cp_gbs: float = 150.0  # bandwidth of the context-parallel K/V exchanges (cluster.cp_bandwidth_gbs)
+    cp_rotate: str = "allgather"  # parallel.cp_rotate: how cp rows' attention reaches the other K/V
+    fb_overlap: str = "off"  # pipeline.fb_overlap (auto: on CPU ranks; plan.overlaps decides per row)
     optim_gbs: float = 0.0  # memory bandwidth of the optimizer step (0: not timed)
     margin: float = 0.05  # fraction added for fragmentation and workspaces
     action_overhead_ms: float = 0.0  # added to every F, B, W and BW action (the executor's own time per action)
@@ -131,6 +137,7 @@ class Row:
         peak = self.peak
         return {
             "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "tp": c.tp, "sequence_parallel": c.sequence_parallel,
+            "ep": c.ep, "cp": c.cp,
             "v": c.v, "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
             "recompute": c.recompute, "recompute_ranks": c.recompute_ranks, "dp_shard": c.dp_shard,
             "recompute_stages": sorted(c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v))),
@@ -158,7 +165,7 @@ class _Evaluator:
     def __init__(self, work: Workload, device: Device) -> None:
         self.work, self.device = work, device
         self._whole: dict[int, tuple[LayerCost, ...]] = {}
-        self._layers: dict[tuple[int, int, bool], tuple[LayerCost, ...]] = {}
+        self._layers: dict[tuple[int, int, bool, int, int], tuple[LayerCost, ...]] = {}
         self._ratio: dict[int, tuple[float, ...]] = {}
         self._cuts: dict[tuple, Partition] = {}
 
@@ -169,14 +176,19 @@ class _Evaluator:
             self._ratio[mbs] = tuple(self.work.first_stage_activation_ratio(mbs))
         return self._ratio[mbs]
 
-    def layers(self, mbs: int, tp: int = 1, sp: bool = False) -> tuple[LayerCost, ...]:
-        """One tp rank's per-layer costs of one microbatch, calibrated overhead included."""
+    def layers(self, mbs: int, tp: int = 1, sp: bool = False, ep: int = 1, cp: int = 1) -> tuple[LayerCost, ...]:
+        """One tp / cp / ep rank's per-layer costs of one microbatch (plan.layer_costs' order: cp, ep, then
+        tp), calibrated overhead included."""
         if mbs not in self._whole:
             self._whole[mbs] = tuple(self.work.layers(mbs))
-        key = (mbs, tp, sp)
+        key = (mbs, tp, sp, ep, cp)
         if key not in self._layers:
-            w, o = self.work, self.device.layer_overhead_ms
-            split = tp_rank_layers(self._whole[mbs], tp=tp, sequence_parallel=sp, tokens=mbs * w.seq, hidden=w.hidden,
+            w, o, dev = self.work, self.device.layer_overhead_ms, self.device
+            tokens, value = mbs * w.seq, w.value_bytes
+            whole = cp_layer_costs(self._whole[mbs], cp=cp, tokens=tokens, bytes_per_value=value,
+                                   bandwidth_gbs=dev.cp_gbs, rotate=dev.cp_rotate)
+            whole = ep_layer_costs(whole, ep=ep, tokens=tokens, bytes_per_value=value, bandwidth_gbs=dev.ep_gbs)
+            split = tp_rank_layers(whole, tp=tp, sequence_parallel=sp, tokens=tokens, hidden=w.hidden,
                                    vocab=w.vocab, value_bytes=w.value_bytes, bandwidth_gbs=self.device.tp_gbs,
                                    replicated_bytes_per_token=w.tp_replicated_bytes_per_token,
                                    latency_ms=self.device.tp_latency_ms)
@@ -188,28 +200,37 @@ class _Evaluator:
         """The candidate's partition of its layers into its placement's chunks (one per layer costs,
         chunk count and strategy: the merge of alike strategies and the evaluation share it)."""
         chunks = registry.placement_for(c.schedule, c.pp, c.v).num_chunks
-        key = (c.microbatch_size, c.tp, c.sequence_parallel, chunks, c.partition)
+        key = (c.microbatch_size, c.tp, c.sequence_parallel, c.ep, c.cp, chunks, c.partition)
         if key not in self._cuts:
-            self._cuts[key] = partition(self.layers(c.microbatch_size, c.tp, c.sequence_parallel), chunks, c.partition)
+            self._cuts[key] = partition(self.rank_layers(c), chunks, c.partition)
         return self._cuts[key]
 
-    def boundary_bytes(self, cand: Candidate) -> float:  # one microbatch across a stage boundary (1/tp of it under sp)
+    def rank_layers(self, c: Candidate) -> tuple[LayerCost, ...]:
+        return self.layers(c.microbatch_size, c.tp, c.sequence_parallel, c.ep, c.cp)
+
+    @staticmethod
+    def seq_split(cand: Candidate) -> int:
+        """How many ranks split one microbatch's tokens: cp, times tp under sequence parallel."""
+        return (cand.tp if cand.sequence_parallel else 1) * cand.cp
+
+    def boundary_bytes(self, cand: Candidate) -> float:  # one microbatch across a stage boundary (1/tp under sp, 1/cp)
         tokens = cand.microbatch_size * self.work.seq
-        return self.work.boundary_bytes_per_token * tokens / (cand.tp if cand.sequence_parallel else 1)
+        return self.work.boundary_bytes_per_token * tokens / self.seq_split(cand)
 
     def memory_model(self, cand: Candidate, placement: Placement, part: Partition,
                      recompute: frozenset[int]) -> _MemoryModel:
         """What the candidate keeps per microbatch and per rank before its schedule is known. Recompute keeps each
         layer's input, and while a backward recomputes a layer, its activations (`transient`, on the peak)."""
         work, dev = self.work, self.device
-        layers = self.layers(cand.microbatch_size, cand.tp, cand.sequence_parallel)
+        layers = self.rank_layers(cand)
         tokens = cand.microbatch_size * work.seq
-        seq_split = cand.tp if cand.sequence_parallel else 1
+        seq_split = self.seq_split(cand)
         boundary = self.boundary_bytes(cand)
-        model_input = boundary if work.input_bytes_per_token is None else work.input_bytes_per_token * tokens
+        model_input = boundary if work.input_bytes_per_token is None else work.input_bytes_per_token * tokens / cand.cp
         first_stage_input = boundary if work.first_stage_bytes_per_token is None else \
             work.first_stage_bytes_per_token * tokens / seq_split
-        on_tp = functools.partial(loss_rank_bytes, tokens=tokens, tp=cand.tp)  # the vocab-parallel loss: 1/tp per rank
+        # the vocab-parallel loss: 1/tp per rank, of the rank's 1/cp of the tokens
+        on_tp = functools.partial(loss_rank_bytes, tokens=tokens // cand.cp, tp=cand.tp)
         loss = [on_tp(work.loss_bytes_per_token) if rng.stop == len(layers) else 0.0 for rng in part.bounds]
         inputs_kept = [(model_input + first_stage_input * (len(rng) - 1) if rng.start == 0 else boundary * len(rng))
                        + chunk_loss for rng, chunk_loss in zip(part.bounds, loss)]
@@ -222,10 +243,13 @@ class _Evaluator:
         stage_bytes = {s: (inputs_kept if s in recompute else all_saved)[placement.chunk_of(s)]
                        for s in range(placement.num_stages)}
         stage_params = [float(part.chunk_params()[placement.chunk_of(s)]) for s in range(placement.num_stages)]
-        shard = cand.dp if cand.dp_shard else 1
+        experts = [math.fsum(part.layers[i].experts_params for i in rng) for rng in part.bounds]
+        stage_experts = [experts[placement.chunk_of(s)] for s in range(placement.num_stages)]
         static = [rank_memory(r, params=math.fsum(stage_params[s] for s in placement.stages_of(r)), state=work.state,
-                              shard=shard, activations=0.0, boundary_bytes=boundary, stages=placement.stages_per_rank,
-                              lookahead=dev.lookahead, margin=0.0) for r in range(cand.pp)]
+                              shard=self.param_shard(cand), activations=0.0, boundary_bytes=boundary,
+                              stages=placement.stages_per_rank, lookahead=dev.lookahead, margin=0.0,
+                              expert_params=math.fsum(stage_experts[s] for s in placement.stages_of(r)),
+                              expert_shard=self.param_shard(cand) // cand.ep) for r in range(cand.pp)]
         largest_layer = [max(x) for x in saved]
         last_ranks = {placement.rank_of(s) for s in range(placement.num_stages)
                       if part.bounds[placement.chunk_of(s)].stop == len(layers)}
@@ -254,10 +278,9 @@ class _Evaluator:
         its own buffers), and per rank, what GradSync.sync allocates for the weights held on several
         ranks: each chunk held by more than one rank (DualPipe's mirror) and each tied weight whose
         copies land on different ranks, their fp32 gradients (a shard's under FSDP2)."""
-        replicas = c.dp > 1 and not c.dp_shard
+        replicas = c.dp > 1 and not c.dp_shard and c.cp == 1  # cp ranks shard the parameters (plan.grad_reduce)
         held = {s: p * DTYPE_BYTES[self.device.reduce_dtype] for s, p in enumerate(stage_params)} if replicas else {}
-        shard = c.dp if c.dp_shard else 1
-        grad = self.work.state.grad / shard
+        grad = self.work.state.grad / self.param_shard(c)
         chunk_stages = [[s for s in range(pl.num_stages) if pl.chunk_of(s) == k] for k in range(pl.num_chunks)]
         weights: dict[str, tuple[list[int], float]] = {
             f"chunk{k}": ([pl.rank_of(s) for s in stages], p * grad)
@@ -318,13 +341,20 @@ class _Evaluator:
         dev, work = self.device, self.work
         comm_ms = dev.p2p_latency_ms + self.boundary_bytes(cand) / (dev.p2p_gbs * GB) * 1e3 if cand.pp > 1 else 0.0
         stages = registry.placement_for(cand.schedule, cand.pp, cand.v).num_stages
-        grad_reduce = None if cand.dp == 1 else GradReduce(
-            1 if cand.dp_shard else cand.dp, cand.dp if cand.dp_shard else 1, dev.dp_gbs, dev.reduce_dtype,
+        grad_reduce = None if cand.dp * cand.cp == 1 else GradReduce(  # as plan.grad_reduce: cp shards with dp_shard
+            1 if cand.dp_shard else cand.dp, self.param_shard(cand), dev.dp_gbs, dev.reduce_dtype,
             latency_ms=dev.reduce_latency_ms)
         return LayoutInputs(cand.schedule, cand.pp, cand.microbatches, cand.v, part, recompute_stages=recompute,
                             compiled_stages=frozenset(range(stages)) if work.fused_backward else frozenset(),
                             comm_ms=comm_ms, action_overhead_ms=dev.action_overhead_ms, w_keep=work.w_keep,
-                            memory_budget=budgets, grad_reduce=grad_reduce)
+                            memory_budget=budgets, grad_reduce=grad_reduce,
+                            overlap_layers=overlaps(dev.fb_overlap, recompute=cand.recompute, cpu=True,
+                                                    fsdp=cand.dp_shard and cand.dp > 1 or cand.cp > 1))
+
+    @staticmethod
+    def param_shard(cand: Candidate) -> int:
+        """The ranks FSDP2 shards a dense parameter over: dp (where sharded) times cp; an expert's over 1/ep of them."""
+        return (cand.dp if cand.dp_shard else 1) * cand.cp
 
     def rank_memories(self, cand: Candidate, placement: Placement, part: Partition, mem: _MemoryModel,
                       laid: SimulatedPlan) -> list[RankMemory]:
@@ -350,7 +380,7 @@ def lower_bound_ms(ev: _Evaluator, c: Candidate) -> float:
     """No schedule beats every rank busy from start to end with its share of the work."""
     every = c.recompute and c.recompute_ranks is None  # recomputing on some ranks only: bound without it
     total = math.fsum(l.total_ms + (l.f_ms if every else 0.0)
-                      for l in ev.layers(c.microbatch_size, c.tp, c.sequence_parallel))
+                      for l in ev.rank_layers(c))
     return c.microbatches * total / c.pp
 
 

@@ -1,5 +1,5 @@
-"""The planner's search space: one `Candidate` per (pp x dp x tp layout, schedule, v, M, microbatch
-size, recompute, partition strategy) that the `plan` group allows; planner/search.py scores them.
+"""The planner's search space: one `Candidate` per (pp x dp x cp x tp layout, ep within dp, schedule, v,
+M, microbatch size, recompute, partition strategy) that the `plan` group allows; planner/search.py scores them.
 
 Pure Python, no torch.
 """
@@ -27,6 +27,8 @@ class Candidate:
     tp: int = 1  # tensor-parallel degree inside every stage (world = pp x dp x tp)
     sequence_parallel: bool = False  # tp > 1: activations and stage tensors split on the sequence
     recompute_ranks: Optional[int] = None  # with recompute: only the stages of pipeline ranks below this (None: all)
+    ep: int = 1  # expert parallel: MoE experts split over ep of the dp ranks (FSDP2-sharded dp: dp_shard)
+    cp: int = 1  # context parallel: every sequence split over cp ranks (world = pp x dp x cp x tp)
 
     def recompute_stages(self, pl: Placement) -> frozenset[int]:
         """The stage ids that recompute."""
@@ -46,7 +48,9 @@ class Candidate:
     @property
     def layout(self) -> str:
         tp = f" x tp{self.tp}" + (" (sp)" if self.sequence_parallel else "") if self.tp > 1 else ""
-        return f"pp{self.pp} x dp{self.dp}{tp}" + (" (fsdp)" if self.dp_shard and self.dp > 1 else "")
+        cp = f" x cp{self.cp}" if self.cp > 1 else ""
+        ep = f" (ep{self.ep})" if self.ep > 1 else ""
+        return f"pp{self.pp} x dp{self.dp}{ep}{cp}{tp}" + (" (fsdp)" if self.dp_shard and self.dp > 1 else "")
 
 
 
@@ -55,32 +59,47 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                recompute_partial: bool = False,
                pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False,
                partitions: Sequence[str] = ("balanced",), max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,),
-               sequence_parallel: bool = False) -> list[Candidate]:
-    """Every valid combination: pp x dp x tp = world, M = global_batch / (dp x microbatch size), each
-    partition strategy. `recompute_partial`: where recompute is tried, also on the first k pipeline
-    ranks only (1 <= k < pp)."""
+               sequence_parallel: bool = False, ep_degrees: Sequence[int] = (1,),
+               cp_degrees: Sequence[int] = (1,)) -> list[Candidate]:
+    """Every valid combination: pp x dp x cp x tp = world, M = global_batch / (dp x microbatch size), each
+    partition strategy; each ep dividing dp (its rows FSDP2-sharded: expert parallel borrows dp_shard's
+    ranks). `recompute_partial`: where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp)."""
     out = []
-    for tp, pp in [(t, p) for t in tp_degrees if world % t == 0
-                   for p in (pp_degrees or [q for q in range(1, world // t + 1) if world // t % q == 0])]:
-        if world % (pp * tp):
+    for cp, tp, pp in [(c, t, p) for c in cp_degrees for t in tp_degrees if world % (c * t) == 0
+                       for p in (pp_degrees or [q for q in range(1, world // (c * t) + 1) if world // (c * t) % q == 0])]:
+        if world % (pp * tp * cp):
             continue
-        dp, sp = world // (pp * tp), sequence_parallel and tp > 1
-        for name in (one_stage_schedules(schedules) if pp == 1 else schedules):
-            spec = registry.get(name)
-            for v in ([spec.fixed_stages_per_rank] if spec.fixed_stages_per_rank else virtual_stages):
-                if pp * v > num_layers:
+        dp, sp = world // (pp * tp * cp), sequence_parallel and tp > 1
+        for ep in [e for e in ep_degrees if dp % e == 0 and (e == 1 or tp == cp == 1)]:  # as parallel.ep refuses
+            out += _layout_rows(pp, dp, tp, sp, ep, cp, dp_shard or ep > 1, num_layers=num_layers, schedules=schedules,
+                                global_batch=global_batch, microbatch_sizes=microbatch_sizes,
+                                virtual_stages=virtual_stages, recompute=recompute, recompute_partial=recompute_partial,
+                                partitions=partitions, max_microbatches=max_microbatches)
+    return out
+
+
+def _layout_rows(pp: int, dp: int, tp: int, sp: bool, ep: int, cp: int, dp_shard: bool, *, num_layers: int,
+                 schedules: Sequence[str], global_batch: int, microbatch_sizes: Sequence[int],
+                 virtual_stages: Sequence[int], recompute: Sequence[bool], recompute_partial: bool,
+                 partitions: Sequence[str], max_microbatches: int) -> list[Candidate]:
+    """One parallel layout's rows: each schedule, v, microbatch size, recompute and partition it allows."""
+    out = []
+    for name in (one_stage_schedules(schedules) if pp == 1 else schedules):
+        spec = registry.get(name)
+        for v in ([spec.fixed_stages_per_rank] if spec.fixed_stages_per_rank else virtual_stages):
+            if pp * v > num_layers:
+                continue
+            for mbs in microbatch_sizes:
+                if global_batch % (dp * mbs):
                     continue
-                for mbs in microbatch_sizes:
-                    if global_batch % (dp * mbs):
-                        continue
-                    M = global_batch // (dp * mbs)
-                    if M > max_microbatches or not spec.is_valid(pp, M, v):
-                        continue
-                    for rc, part in [(rc, part) for rc in recompute for part in partitions]:
-                        out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, part, tp, sp))
-                        if rc and recompute_partial:
-                            out.extend(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, part, tp, sp, k)
-                                       for k in range(1, pp))
+                M = global_batch // (dp * mbs)
+                if M > max_microbatches or not spec.is_valid(pp, M, v):
+                    continue
+                for rc, part in [(rc, part) for rc in recompute for part in partitions]:
+                    out.append(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, part, tp, sp, None, ep, cp))
+                    if rc and recompute_partial:
+                        out.extend(Candidate(name, pp, dp, v, M, mbs, rc, dp_shard, part, tp, sp, k, ep, cp)
+                                   for k in range(1, pp))
     return out
 
 

@@ -2,7 +2,11 @@
 
 Every step starts when its rank is free and its inputs exist (`deps.walk`), a
 cross-rank input arriving `comm_ms` after it was produced. An `F&B` pair costs
-(F + its backward) * (1 - fb_overlap). An activation set (stage, microbatch)
+(F + its backward) * (1 - fb_overlap), or, where the costs carry per-layer compute and
+all-to-all times (`StageCosts.layers`: MoE stages under pipeline.fb_overlap, design note C4.8),
+the sum over paired layers (forward layer i ascending with backward layer j descending) of
+max(Fc_i + Bc_j, Fa_i + Ba_j), plus the unpaired layers serially: one microbatch's compute
+runs while the other's all-to-alls are in flight. An activation set (stage, microbatch)
 is live from the start of its F to the end of its W or BW; at equal times frees
 come first.
 
@@ -35,10 +39,14 @@ class StageCosts:
     # a fused BW per stage where it is not b + w (a recomputing stage that also runs W apart pays
     # the recompute once in a BW, in both its B and its W); empty: b + w
     bw: tuple[float, ...] = ()
+    # per stage id, per layer in forward order (Fc, Fa, Bc, Ba, Wc): compute (c) and all-to-all (a) ms of
+    # its F, B and W, for the F&B overlap model (`pair`); empty: F&B pairs use the scalar fb_overlap
+    layers: tuple[tuple[tuple[float, float, float, float, float], ...], ...] = ()
 
     def __post_init__(self) -> None:
-        if not len(self.f) == len(self.b) == len(self.w) or self.bw and len(self.bw) != len(self.f):
-            raise ValueError("StageCosts needs one f, b and w (and bw, where given) per stage")
+        if not len(self.f) == len(self.b) == len(self.w) or self.bw and len(self.bw) != len(self.f) \
+                or self.layers and len(self.layers) != len(self.f):
+            raise ValueError("StageCosts needs one f, b and w (and bw and layers, where given) per stage")
         if min(self.f + self.b + self.w + self.bw, default=0.0) < 0:
             raise ValueError("stage costs must be >= 0 ms")
 
@@ -72,7 +80,7 @@ class StageCosts:
         extra = [self.f[s] if s in on else 0.0 for s in range(n)]
         return StageCosts(self.f, tuple(b + x for b, x in zip(self.b, extra)),
                           tuple(w + (x if s in again else 0.0) for s, (w, x) in enumerate(zip(self.w, extra))),
-                          tuple(self.fused(s) + extra[s] for s in range(n)))
+                          tuple(self.fused(s) + extra[s] for s in range(n)), self.layers)
 
     def action(self, a: Action) -> float:
         s = a.stage
@@ -80,8 +88,20 @@ class StageCosts:
 
     def step(self, step: Step, fb_overlap: float = 0.0) -> float:
         if isinstance(step, Overlap):
-            return (self.action(step.forward) + self.action(step.backward)) * (1.0 - fb_overlap)
+            serial = self.action(step.forward) + self.action(step.backward)
+            if self.layers:
+                return serial - self.hidden(step.forward, step.backward)
+            return serial * (1.0 - fb_overlap)
         return self.action(step)
+
+    def hidden(self, forward: Action, backward: Action) -> float:
+        """What an F&B pair saves over running its halves serially: per paired layer (forward i
+        ascending, backward j descending, as the executor interleaves them), (Fc + Bc) + (Fa + Ba) less
+        their max, i.e. the smaller of the two. Recompute and per-action overheads stay serial."""
+        with_w = backward.op is Op.BW
+        fwd, bwd = self.layers[forward.stage], self.layers[backward.stage][::-1]
+        return sum(min(fc + bc + (wc if with_w else 0.0), fa + ba)
+                   for (fc, fa, _, _, _), (_, _, bc, ba, wc) in zip(fwd, bwd))
 
 
 def split_stages(schedule: Schedule) -> set[int]:
