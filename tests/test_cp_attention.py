@@ -1,6 +1,8 @@
 """Context-parallel attention (parallel/cp.py) on real gloo ranks: at cp=2 and cp=4, with
 grouped-query attention, both ways of reaching the other shards' K and V (allgather, ring) give
-each rank the output, dQ, dK and dV full-sequence causal attention gives at its positions."""
+each rank the output, dQ, dK and dV full-sequence causal attention gives at its positions; the K/V
+each holds at once (CPStats.peak_kv_bytes) is its own block and the gathered whole under allgather,
+and under the ring its own block, the one in use and the one in flight (two blocks at cp=2)."""
 
 from __future__ import annotations
 
@@ -26,16 +28,17 @@ def full_inputs():
 def cp_rank(rank: int, world: int, out, how: str) -> None:
     import torch.distributed as dist
 
-    from pipetrain.parallel.cp import CPGroup, allgather_attention, ring_attention
+    from pipetrain.parallel.cp import CPGroup, CPStats, allgather_attention, ring_attention
 
-    g = CPGroup(dist.group.WORLD, world, rank)
+    g, stats = CPGroup(dist.group.WORLD, world, rank), CPStats()
     q, k, v, w = full_inputs()
     mine = positions(T, world, rank)
     q, k, v = (t[:, :, mine].clone().requires_grad_(True) for t in (q, k, v))
     attend = allgather_attention if how == "allgather" else ring_attention
-    y = attend(q, k, v, g, T)
+    y = attend(q, k, v, g, T, stats=stats)
     (y * w[:, :, mine]).sum().backward()
-    torch.save({"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, out / f"rank{rank}.pt")
+    torch.save({"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "stats": stats.take()},
+               out / f"rank{rank}.pt")
 
 
 def test_positions_balance_the_causal_work_and_tile_the_sequence():
@@ -59,3 +62,8 @@ def test_cp_attention_equals_full_sequence_attention(tmp_path, cp, how):
         got, mine = torch.load(tmp_path / f"rank{rank}.pt"), positions(T, cp, rank)
         for name, ref in (("y", y.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
             torch.testing.assert_close(got[name], ref[:, :, mine], rtol=1e-5, atol=1e-5, msg=f"{name} rank {rank}")
+        # K/V held at once, in blocks of one rank's K and V: allgather its own and the gathered whole;
+        # the ring its own, the one in use and the one in flight (at cp=2 the one in use is its own)
+        block = 2 * B * KV * (T // cp) * D * 4
+        blocks = 1 + cp if how == "allgather" else min(cp, 3)
+        assert got["stats"]["peak_kv_bytes"] == blocks * block, (got["stats"], blocks)

@@ -24,7 +24,10 @@ DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp") with pp outermost and 
                 ranks, load-balanced for causal attention (rank r: chunks r and 2cp-1-r of 2cp);
                 attention reaches the others' keys and values by `cp_rotate`: allgather (K/V
                 gathered) or ring (K/V blocks passed around, none held whole). Parameters are
-                FSDP2-sharded over dp_shard x cp. Llama family; not with tp or ep yet.
+                FSDP2-sharded over dp_shard x cp. With tp each tp rank's cp group passes its own
+                heads' K/V (sequence parallel then splits a cp rank's positions: data.seq_len a
+                multiple of cp x lcm(2, tp)). Llama family, full causal attention; not with MoE
+                models or ep yet (the balance counts would need summing over the cp group).
   sequence_parallel  (Korthikanti et al. 2022) between the tensor-parallel regions, activations,
                 norms and dropout are split on the sequence: (batch, seq / tp, hidden) per tp rank,
                 also what crosses between stages. Needs tp > 1 and data.seq_len divisible by tp.

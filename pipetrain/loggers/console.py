@@ -5,7 +5,10 @@
     `step 10/200 loss 2.3456 ... | bubble 21.3% (sim 19.8%) | mem 12.3MB (act 4.5MB) | eta 12s`,
     on GPU `mem 12.3GB (act 4.5GB, reserved 14.1GB)` (allocated peak; reserved, with the cache),
     with `| reduce 18ms (sim 16ms)` after the bubble under data parallel (the most exposed reduce
-    time of any rank, measured and simulated),
+    time of any rank, measured and simulated); mem and act are per rank (the most of any rank:
+    under context parallel a rank's share of the sequence), and under context parallel
+    `| cp kv 16.8MB 99ms (gathered 8.4MB)` after them (cp/: the most K/V traffic and blocked time
+    of any rank, and the gathered K/V kept for backward, a part of act),
   - at the end, a per-rank table of the last step (measured vs simulated bubble, peak memory
     and its activation share, ms in F/B/W/BW and blocked in receives) and the measured
     timeline of one step (logging.trace_step), drawn by the simulator's own renderer.
@@ -50,6 +53,10 @@ def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> 
         reserved = (f", reserved {human_bytes(r[names.PEAK_RESERVED_GB] * 1e9)}"  # on GPU
                     if r.get(names.PEAK_RESERVED_GB) is not None else "")
         parts.append(f"| mem {human_bytes(r[names.PEAK_GB] * 1e9)} (act {human_bytes(act * 1e9)}{reserved})")
+    if r.get(names.CP_KV_BYTES) is not None:
+        gathered = r[names.CP_GATHERED_GB]
+        parts.append(f"| cp kv {human_bytes(r[names.CP_KV_BYTES])} {r[names.CP_COMM_MS]:.0f}ms"
+                     + (f" (gathered {human_bytes(gathered * 1e9)})" if gathered else ""))
     if r.get(names.MOE_IMBALANCE) is not None:  # max / mean tokens per expert, mean over MoE blocks
         parts.append(f"| moe imbalance {r[names.MOE_IMBALANCE]:.2f}")
     if eta_s is not None:

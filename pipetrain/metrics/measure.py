@@ -169,6 +169,7 @@ class StepMeasurement:
                                                                         ("w_ms", costs.w))}),
         }
         out.update(names.moe_metrics([s.moe for s in self.samples]))
+        out.update(names.cp_metrics([s.cp for s in self.samples]))
         reserved = [s.cuda_reserved_bytes for s in self.samples]
         if all(b is not None for b in reserved):  # on GPU
             out.update({names.PEAK_RESERVED_GB: max(names.gb(b) for b in reserved),

@@ -14,6 +14,12 @@ wandb and TensorBoard.
              reserved peak: allocated + cached blocks, so fragmentation too; peak_gb is the
              allocated peak); GB = 10^9 bytes
 
+  cp/        context parallel, per rank (`cp/<name>/rank<r>`) and the most of any rank: kv_bytes (K/V and
+             their gradients that arrived from the cp group in the step), comm_ms (host ms blocked in
+             the cp collectives: gloo's transfers, the ring's exposed waits; on GPU the launches only),
+             gathered_kv_gb (allgather: the gathered K/V the step's forwards kept for backward, the part
+             of memory/activations_gb that is not this rank's own), peak_kv_gb (the most K/V held at once
+             inside one attention: own block + gathered whole, or own + in use + in flight)
   moe/       MoE models, per block `moe/layers.<i>/{imbalance,aux_loss,dropped,bias_abs_max}`
              (imbalance: max / mean tokens per expert over the step, 1 = even; aux_loss and dropped
              per forward; the aux_free bias's largest magnitude) and their mean over blocks
@@ -40,6 +46,8 @@ MAKESPAN_REDUCE, MAKESPAN_REDUCE_SIM = "pipeline/makespan_with_reduce_ms", "pipe
 PEAK_GB, ACTIVATIONS_GB, STATIC_GB = "memory/peak_gb", "memory/activations_gb", "memory/static_gb"
 PEAK_RESERVED_GB = "memory/peak_reserved_gb"
 ACTIVATION_SETS = "memory/activation_sets"
+CP_KV_BYTES, CP_COMM_MS = "cp/kv_bytes", "cp/comm_ms"
+CP_GATHERED_GB, CP_PEAK_KV_GB = "cp/gathered_kv_gb", "cp/peak_kv_gb"
 
 
 def gb(n_bytes: int) -> float:
@@ -82,4 +90,19 @@ def moe_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     blocks = [v for k, v in out.items() if k.endswith("/imbalance")]
     if blocks:
         out[MOE_IMBALANCE] = sum(blocks) / len(blocks)
+    return out
+
+
+def cp_metrics(stats: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """The `cp/` metrics of one step from every measured rank's CPStats.take() ({} without context
+    parallel): each per rank, and the most of any rank."""
+    if not any(stats):
+        return {}
+    columns = ((CP_KV_BYTES, "kv_bytes", 1), (CP_COMM_MS, "comm_ms", 1),
+               (CP_GATHERED_GB, "gathered_kv_bytes", 1e-9), (CP_PEAK_KV_GB, "peak_kv_bytes", 1e-9))
+    out: dict[str, Any] = {}
+    for name, key, unit in columns:
+        values = [round(s.get(key, 0) * unit, 12) for s in stats]  # 12 places: a GB to the byte, without float noise
+        out[name] = max(values)
+        out.update(per_rank(name, values))
     return out

@@ -68,6 +68,7 @@ class RankSample:
     reduce_done_ms: dict[int, float] = field(default_factory=dict)
     sync_ms: Optional[float] = None  # the end of the step's loss all-reduce (None: one process, no collective)
     moe: dict[str, float] = field(default_factory=dict)  # MoE blocks of this rank (models/moe_block.py: moe_step_stats)
+    cp: dict[str, float] = field(default_factory=dict)  # context parallel traffic (parallel/cp.py: CPStats.take)
 
     @property
     def static_bytes(self) -> int:

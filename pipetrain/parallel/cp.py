@@ -12,16 +12,23 @@ Two ways to reach the other ranks' keys and values (`parallel.cp_rotate`):
              attend with a causal mask built from the positions; backward reduce-scatters dK, dV.
   ring       K, V blocks travel around the ring (each rank sends its block on while it attends to
              the one it holds), partial results merged with the online softmax (log-sum-exp), so
-             no rank holds more than its own block and one in flight; the backward sends dK, dV
-             around with them and they arrive home summed (Liu et al. 2023, Ring Attention).
+             a rank holds its own block (kept for backward), the one in use and the one in flight:
+             at cp=2 1/cp of the sequence plus one block, at cp > 2 plus two; the backward sends
+             dK, dV around with them and they arrive home summed (Liu et al. 2023, Ring Attention).
 
 Both equal full-sequence attention at a rank's positions (tests/test_cp_attention.py).
+
+What the cp traffic costs is counted per rank in a `CPStats` (ContextAttention.stats, read and reset
+by `take()` at a logged step): K/V bytes that arrived from the group (gradients included), host ms
+blocked in the cp collectives, gathered K/V the forwards keep for backward, and the most K/V bytes
+(this rank's own block, blocks gathered or in the ring) held at once (tests/test_cp_memory.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, fields
 from typing import Optional, Protocol, runtime_checkable
 
 import torch
@@ -39,6 +46,39 @@ class CPGroup:
     ranks: tuple[int, ...] = ()  # global ranks by cp index (the ring's neighbours); () : the default group's
 
 
+@dataclass
+class CPStats:
+    """One rank's context-parallel traffic since the last `take()` (every field summed, the peak a max)."""
+
+    kv_bytes: int = 0  # K/V and their gradients that arrived from the cp group, forward and backward
+    comm_ms: float = 0.0  # host ms blocked in the cp collectives (gloo: the transfer; the ring: its exposed wait)
+    gathered_kv_bytes: int = 0  # allgather: the gathered K/V tensors the forwards keep for backward
+    peak_kv_bytes: int = 0  # the most K/V bytes held at once inside attention: own block + gathered / in the ring
+
+    def held(self, *blocks: torch.Tensor) -> None:
+        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(b.nbytes for b in blocks))
+
+    def take(self) -> dict[str, float]:
+        """The counts as numbers, and a fresh start."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+        return out
+
+
+class _Blocked:
+    """`with _Blocked(stats):` adds the host time inside to stats.comm_ms."""
+
+    def __init__(self, stats: CPStats) -> None:
+        self.stats = stats
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stats.comm_ms += (time.perf_counter() - self.t0) * 1e3
+
+
 def positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """The (seq_len / cp,) positions cp rank `rank` holds: chunks rank and 2cp-1-rank of 2cp."""
     if seq_len % (2 * cp):
@@ -54,28 +94,46 @@ class _GatherSeq(torch.autograd.Function):
     gradient's sum over the group, this rank's part (reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x, g):  # type: ignore[override]
-        ctx.g = g
+    def forward(ctx, x, g, stats):  # type: ignore[override]
+        ctx.g, ctx.stats = g, stats
         parts = x.new_empty((g.size, *x.shape))
-        dist.all_gather_into_tensor(parts.view(g.size * x.shape[0], *x.shape[1:]), x.contiguous(), group=g.group)
-        return torch.cat(list(parts), dim=SEQ)
+        with _Blocked(stats):
+            dist.all_gather_into_tensor(parts.view(g.size * x.shape[0], *x.shape[1:]), x.contiguous(), group=g.group)
+        stats.kv_bytes += (g.size - 1) * x.nbytes
+        out = torch.cat(list(parts), dim=SEQ)
+        stats.gathered_kv_bytes += out.nbytes  # attention saves it for backward
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         g = ctx.g
         chunks = torch.stack(grad.chunk(g.size, dim=SEQ)).contiguous()  # (cp, B, KV, T/cp, hd)
         out = grad.new_empty(chunks.shape[1:])
-        dist.reduce_scatter_tensor(out, chunks.view(-1, *chunks.shape[2:]), group=g.group)
-        return out, None
+        with _Blocked(ctx.stats):
+            dist.reduce_scatter_tensor(out, chunks.view(-1, *chunks.shape[2:]), group=g.group)
+        ctx.stats.kv_bytes += (g.size - 1) * out.nbytes
+        return out, None, None
+
+
+def causal_mask(seq_len: int, g: CPGroup, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(T/cp, T) additive mask over the gathered keys (in cp order): 0 where the key's true position
+    is at most the query's, -inf elsewhere. Additive in the query's dtype because attention converts
+    a boolean mask to that per call and saves the copy: one mask shared by every layer instead."""
+    mine = positions(seq_len, g.size, g.rank).to(device)
+    every = torch.cat([positions(seq_len, g.size, r) for r in range(g.size)]).to(device)
+    mask = torch.zeros((len(mine), seq_len), device=device, dtype=dtype)
+    return mask.masked_fill_(every[None, :] > mine[:, None], float("-inf"))
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: CPGroup, seq_len: int,
-                        scale: Optional[float] = None) -> torch.Tensor:
-    """q (B, H, T/cp, hd), k, v (B, KV, T/cp, hd) at this rank's positions -> (B, H, T/cp, hd)."""
-    mine = positions(seq_len, g.size, g.rank).to(q.device)
-    every = torch.cat([positions(seq_len, g.size, r) for r in range(g.size)]).to(q.device)
-    mask = every[None, :] <= mine[:, None]  # (T/cp, T): causal by true position
-    k_all, v_all = _GatherSeq.apply(k, g), _GatherSeq.apply(v, g)
+                        scale: Optional[float] = None, stats: Optional[CPStats] = None,
+                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q (B, H, T/cp, hd), k, v (B, KV, T/cp, hd) at this rank's positions -> (B, H, T/cp, hd);
+    `mask`: causal_mask's, where the caller keeps one; `stats`: where the traffic is counted."""
+    stats = CPStats() if stats is None else stats
+    mask = causal_mask(seq_len, g, q.device, q.dtype) if mask is None else mask
+    k_all, v_all = _GatherSeq.apply(k, g, stats), _GatherSeq.apply(v, g, stats)
+    stats.held(k, v, k_all, v_all)
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
@@ -94,8 +152,8 @@ def _fold(dx: torch.Tensor, kv: int) -> torch.Tensor:
 class _Ring:
     """One ring pass: this rank's tensors go to rank+1, rank-1's arrive (batched isend / irecv)."""
 
-    def __init__(self, g: CPGroup) -> None:
-        self.g = g
+    def __init__(self, g: CPGroup, stats: CPStats) -> None:
+        self.g, self.stats = g, stats
         ranks = g.ranks or tuple(range(g.size))
         self.next, self.prev = ranks[(g.rank + 1) % g.size], ranks[(g.rank - 1) % g.size]
 
@@ -103,7 +161,18 @@ class _Ring:
         incoming = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # dense, as P2P needs
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, group=self.g.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.prev, group=self.g.group) for t in incoming]
+        self.stats.kv_bytes += sum(t.nbytes for t in incoming)
         return incoming, dist.batch_isend_irecv(ops)
+
+    def wait(self, works: list) -> None:
+        with _Blocked(self.stats):
+            for w in works:
+                w.wait()
+
+    def held(self, own: tuple[torch.Tensor, ...], now: tuple[torch.Tensor, ...], coming: tuple[torch.Tensor, ...]
+             ) -> None:
+        """K/V alive at once: the own block (kept for backward), the one in use, the one arriving."""
+        self.stats.held(*own, *(now if now[0] is not own[0] else ()), *coming)
 
 
 def _block(q, k, v, qpos, kpos, scale):
@@ -114,17 +183,19 @@ def _block(q, k, v, qpos, kpos, scale):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, seq_len, scale):  # type: ignore[override]
-        heads, ring = q.shape[1], _Ring(g)
+    def forward(ctx, q, k, v, g, seq_len, scale, stats):  # type: ignore[override]
+        heads, ring = q.shape[1], _Ring(g, stats)
         qpos = positions(seq_len, g.size, g.rank).to(q.device)
         acc = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, Tq)
         kb, vb = k, v
         for i in range(g.size):
             src = (g.rank - i) % g.size  # whose block this rank holds now
-            works = None
+            works, coming = None, ()
             if i + 1 < g.size:
                 (kn, vn), works = ring.start([kb, vb])  # the next block travels while this one is used
+                coming = (kn, vn)
+            ring.held((k, v), (kb, vb), coming)
             s = _block(q.float(), _expand(kb, heads).float(), None, qpos,
                        positions(seq_len, g.size, src).to(q.device), scale)
             block_lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq); -inf where no key is visible
@@ -134,19 +205,18 @@ class _RingAttention(torch.autograd.Function):
                 torch.matmul(p, _expand(vb, heads).float())
             lse = new
             if works is not None:
-                for w in works:
-                    w.wait()
+                ring.wait(works)
                 kb, vb = kn, vn
         out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.g, ctx.seq_len, ctx.scale = g, seq_len, scale
+        ctx.g, ctx.seq_len, ctx.scale, ctx.stats = g, seq_len, scale, stats
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         g, seq_len, scale = ctx.g, ctx.seq_len, ctx.scale
-        heads, kv, ring = q.shape[1], k.shape[1], _Ring(g)
+        heads, kv, ring = q.shape[1], k.shape[1], _Ring(g, ctx.stats)
         qpos = positions(seq_len, g.size, g.rank).to(q.device)
         qf, dof = q.float(), dout.float()
         delta = (dof * out.float()).sum(-1, keepdim=True)  # (B, H, Tq, 1)
@@ -163,17 +233,26 @@ class _RingAttention(torch.autograd.Function):
             dq += torch.matmul(ds, kf)
             dkb = dkb + _fold(torch.matmul(ds.transpose(-2, -1), qf), kv)
             dvb = dvb + _fold(torch.matmul(p.transpose(-2, -1), dof), kv)
-            if g.size > 1:  # the block and its gradient so far move on together; after cp moves they are home
-                (kb, vb, dkb, dvb), works = ring.start([kb, vb, dkb, dvb])
-                for w in works:
-                    w.wait()
-        return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None, None, None
+            if g.size == 1:
+                continue
+            # the block and its gradient so far move on together; the last move takes the gradients
+            # home alone (the block itself is home already: it is k, v)
+            if i + 1 < g.size:
+                arrived, works = ring.start([kb, vb, dkb, dvb])
+                ring.held((k, v), (kb, vb), tuple(arrived[:2]))
+                ring.wait(works)
+                kb, vb, dkb, dvb = arrived
+            else:
+                (dkb, dvb), works = ring.start([dkb, dvb])
+                ring.wait(works)
+        return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: CPGroup, seq_len: int,
-                   scale: Optional[float] = None) -> torch.Tensor:
+                   scale: Optional[float] = None, stats: Optional[CPStats] = None) -> torch.Tensor:
     """As allgather_attention, with K/V blocks passed around the ring (no rank holds them all)."""
-    return _RingAttention.apply(q, k, v, g, seq_len, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, g, seq_len, scale, CPStats() if stats is None else stats)
 
 
 class ContextAttention:
@@ -182,8 +261,10 @@ class ContextAttention:
 
     def __init__(self, g: CPGroup, seq_len: int, rotate: str) -> None:
         self.g, self.seq_len = g, seq_len
-        self.attend_fn = {"allgather": allgather_attention, "ring": ring_attention}[rotate]
+        self.stats = CPStats()  # this rank's cp traffic, taken at logged steps
+        self.rotate = rotate
         self.positions = positions(seq_len, g.size, g.rank)
+        self._masks: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # allgather: one per (device, dtype)
 
     def tables(self, rotary, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rotary.tables(self.seq_len, device, dtype)  # (T, hd) of the whole sequence, cached
@@ -191,7 +272,12 @@ class ContextAttention:
         return cos[pos], sin[pos]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.attend_fn(q, k, v, self.g, self.seq_len)
+        if self.rotate == "ring":
+            return ring_attention(q, k, v, self.g, self.seq_len, stats=self.stats)
+        key = (str(q.device), q.dtype)
+        if key not in self._masks:
+            self._masks[key] = causal_mask(self.seq_len, self.g, q.device, q.dtype)
+        return allgather_attention(q, k, v, self.g, self.seq_len, stats=self.stats, mask=self._masks[key])
 
     def boundary_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """A (B, T, C) tensor crossing between stages, as this cp rank holds it: (B, T/cp, C)."""

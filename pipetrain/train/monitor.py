@@ -92,7 +92,7 @@ class Monitor:
 
     # ---- every rank -----------------------------------------------------------------------
     def sample(self, result: StepResult, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-               moe: Optional[dict[str, float]] = None) -> RankSample:
+               moe: Optional[dict[str, float]] = None, cp: Optional[dict[str, float]] = None) -> RankSample:
         grad_bytes = _nbytes(p for p in params if p.requires_grad)
         return RankSample(
             rank=self.rank, step_ms=result.step_ms, timings=result.timings, comm=result.comm,
@@ -101,13 +101,15 @@ class Monitor:
             param_bytes=_nbytes(params), grad_bytes=grad_bytes,
             optimizer_bytes=optimizer_state_bytes(optimizer, grad_bytes), reduce_exposed_ms=result.reduce_exposed_ms,
             reduce_issued_ms=result.reduce_issued_ms, reduce_done_ms=result.reduce_done_ms, sync_ms=result.sync_ms,
-            moe=moe or {},
+            moe=moe or {}, cp=cp or {},
         )
 
     def gather(self, step: int, result: StepResult, *, params: list[torch.nn.Parameter],
-               optimizer: torch.optim.Optimizer, moe: Optional[dict[str, float]] = None) -> Optional[StepMeasurement]:
-        """Collective (every rank, at logged steps only): rank 0 gets the step's measurement."""
-        sample = self.sample(result, params, optimizer, moe)
+               optimizer: torch.optim.Optimizer, moe: Optional[dict[str, float]] = None,
+               cp: Optional[dict[str, float]] = None) -> Optional[StepMeasurement]:
+        """Collective (every rank, at logged steps only): rank 0 gets the step's measurement; `moe`
+        and `cp` are this rank's MoE block and context-parallel counts of the step."""
+        sample = self.sample(result, params, optimizer, moe, cp)
         samples: list[Any] = [sample]
         if self.world > 1:
             samples = [None] * self.world if self.rank == 0 else []
