@@ -46,6 +46,9 @@ class Mode(str, enum.Enum):
     plan = "plan"  # rank layouts, schedules and microbatching by simulation (planner/cmd.py)
 
 
+FB_OVERLAP = ("off", "auto", "on")  # pipeline.fb_overlap
+
+
 @dataclass
 class PipelineConfig:
     degree: int = 2  # P: pipeline ranks
@@ -63,8 +66,15 @@ class PipelineConfig:
     # rank for one_group), messages matched by position (tests use it to catch what would deadlock or
     # mismatch on GPUs). Slower.
     p2p_in_order: bool = False
+    # DualPipe's F&B overlap (runtime/overlap.py): off = each F&B pair runs its forward, then its
+    # backward; auto = MoE stages under expert parallel run node by node with the pair's nodes
+    # interleaved (all-to-alls hidden under the other microbatch's compute; CPU/gloo only so far);
+    # on = the same, refused in one line where it cannot (FSDP2, recompute, no MoE, CUDA).
+    fb_overlap: str = "off"
 
     def __post_init__(self) -> None:
+        if self.fb_overlap not in FB_OVERLAP:
+            raise ValueError(f"pipeline.fb_overlap must be {' or '.join(FB_OVERLAP)} (got {self.fb_overlap!r})")
         if self.degree < 1:
             raise ValueError(f"pipeline.degree must be >= 1 (got {self.degree})")
         if self.microbatches < 1:
@@ -251,6 +261,8 @@ class Config:
                 )
         if par.tp > 1:
             self._check_tp()
+        if self.pipeline.fb_overlap == "on" and self.mode is Mode.train:  # simulate and plan price it as a what-if
+            self._check_fb_overlap()
         if par.ep > 1:
             self._check_ep()
         if par.cp > 1:
@@ -262,16 +274,28 @@ class Config:
         if m.family != "llama":
             raise ValueError(f"parallel.cp={cp} splits sequences inside Llama-family attention but model={m.name} is "
                              f"{m.family}: set parallel.cp=1 or choose a Llama-family model")
-        for knob, other in (("tp", par.tp), ("ep", par.ep)):
-            if other > 1:
-                raise ValueError(f"parallel.cp={cp} with parallel.{knob}={other} is not supported yet: "
-                                 f"set one of them to 1")
+        if par.ep > 1:  # ep borrows dp_shard's ranks, which FSDP2 flattens with cp's
+            raise ValueError(f"parallel.cp={cp} with parallel.ep={par.ep} is not supported yet: set one of them to 1")
         if getattr(m, "moe", None) is not None:  # the balance counts would need summing over cp too
             raise ValueError(f"parallel.cp={cp} with an MoE model (model={m.name}) is not supported yet: "
                              f"set parallel.cp=1")
         if self.data.seq_len % (2 * cp):
             raise ValueError(f"parallel.cp={cp} cuts data.seq_len={self.data.seq_len} into {2 * cp} equal chunks (load "
                              f"balance): set data.seq_len to a multiple of {2 * cp}")
+        if par.sequence_parallel and (self.data.seq_len // cp) % par.tp:  # SP splits a cp rank's positions
+            raise ValueError(f"parallel.sequence_parallel splits each cp rank's {self.data.seq_len // cp} positions "
+                             f"across parallel.tp={par.tp} ranks: set data.seq_len to a multiple of "
+                             f"{cp * (2 * par.tp if par.tp % 2 else par.tp)}")
+
+    def _check_fb_overlap(self) -> None:
+        """F&B overlap runs stages node by node (runtime/nodes.py), which does not drive FSDP2's per-layer
+        hooks nor activation recompute yet; expert parallel borrows dp_shard's ranks, so FSDP2 comes with it."""
+        par = self.parallel
+        if par.ep == 1 or par.dp_shard > 1 or self.trainer.activation_checkpointing:
+            raise ValueError(f"pipeline.fb_overlap=on overlaps expert-parallel all-to-alls in stages run node by node, "
+                             f"which needs parallel.ep > 1 without FSDP2 (parallel.dp_shard={par.dp_shard}) and without "
+                             f"trainer.activation_checkpointing: not possible yet (ep borrows dp_shard's ranks), "
+                             f"set pipeline.fb_overlap=auto or off")
 
     def _check_ep(self) -> None:
         """Expert parallel borrows dp_shard's ranks and splits every MoE layer's experts evenly."""

@@ -26,6 +26,7 @@ named as HF's config.json (pipetrain.config.LlamaModelConfig checks them).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -37,10 +38,12 @@ from pipetrain.config.models import LlamaModelConfig
 from pipetrain.config.moe import MoEConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
 from pipetrain.models.moe_block import MoEBlock
-from pipetrain.models.moe_costs import mlp_params, mlp_values
+from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values
+from pipetrain.models.moe_nodes import block_nodes
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
 from pipetrain.parallel.tp_spec import Column, CrossEntropy, TPLayerPlan
+from pipetrain.runtime.stage_protocol import Node
 
 INIT_STD = 0.02  # HF's initializer_range for every Llama-family config
 
@@ -164,6 +167,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def nodes(self, key: str) -> list[Node]:
+        """This block's forward as nodes for node-level execution (models/moe_nodes.py)."""
+        return block_nodes(self, key)
 
     def cp_plan(self) -> tuple[str, ...]:
         """The attention modules context parallel gives the cp group's K/V (parallel/cp.py)."""
@@ -340,7 +347,10 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
         return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops)
 
     out = [cost("embed", params[0], 0, 0, 8)]
-    out += [cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q, block_values[i] * bytes_per_value)
+    moe = experts_and_a2a(cfg)  # what expert parallel splits and sends; cp gathers each block's K and V
+    out += [dataclasses.replace(cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q,
+                                     block_values[i] * bytes_per_value), experts_params=moe[i][0],
+                                a2a_values_per_token=moe[i][1], kv_values_per_token=2 * kv)
             for i in range(cfg["num_hidden_layers"])]
     out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
     return out

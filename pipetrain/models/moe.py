@@ -55,6 +55,15 @@ def dispatch(ids: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int) 
     return Dispatch(slots // k, slots, counts)
 
 
+class Assignment(NamedTuple):
+    """A layer's routing of its tokens (MoE.assign): scores and choices, demand, dropped share, order."""
+
+    routing: Routing
+    counts: torch.Tensor  # (E,) int64 assignments per expert before any drop
+    dropped: torch.Tensor  # () share of assignments over capacity
+    d: Dispatch
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as stacked weights; `forward` runs them over expert-major sorted tokens."""
 
@@ -132,25 +141,37 @@ class MoE(nn.Module):
             self.shared_experts = SharedExperts(hidden=hidden, intermediate=width, gated=config.shared_gate)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
-        c = self.config
         flat = x.reshape(-1, x.shape[-1])  # (T, H), T = B x seq
+        a = self.assign(flat)
+        y = self.experts(flat[a.d.tokens], a.d.counts)  # (N, H) expert-major
+        out = self.gather(y, a, a.routing.gates, flat, x)
+        return MoEOutput(out, self.aux_loss(a.routing, x), a.counts, a.dropped)
+
+    def assign(self, flat: torch.Tensor) -> "Assignment":
+        """Route the (T, H) tokens: top-k, capacity, the expert-major order (the first half of forward;
+        node-level execution runs the halves as separate nodes around the experts)."""
+        c = self.config
         routing = self.router(flat)
         counts = tokens_per_expert(routing.ids, c.num_experts)  # (E,) demand, before any drop
         cap = capacity(c, flat.shape[0])
         keep = None if cap is None else within_capacity(routing.ids, routing.gates, num_experts=c.num_experts,
                                                          cap=cap)
-        dropped = torch.zeros((), device=x.device) if keep is None else 1.0 - keep.float().mean()
-        d = dispatch(routing.ids, keep, c.num_experts)
-        y = self.experts(flat[d.tokens], d.counts)  # (N, H) expert-major
-        y = y.to(routing.gates.dtype) * routing.gates.reshape(-1)[d.slots].unsqueeze(-1)  # gates in fp32+
+        dropped = torch.zeros((), device=flat.device) if keep is None else 1.0 - keep.float().mean()
+        return Assignment(routing, counts, dropped, dispatch(routing.ids, keep, c.num_experts))
+
+    def gather(self, y: torch.Tensor, a: "Assignment", gates: torch.Tensor, flat: torch.Tensor,
+               x: torch.Tensor) -> torch.Tensor:
+        """The experts' rows y (N, H) expert-major -> the layer output, x's shape and dtype: gated, summed
+        over k, plus the shared experts of `flat` (the second half of forward)."""
+        y = y.to(gates.dtype) * gates.reshape(-1)[a.d.slots].unsqueeze(-1)  # gates in fp32+
         # Back to (token, k) order, then a sum over k: no atomics, the same bits on CPU and CUDA.
-        full = y.new_zeros(routing.ids.numel(), y.shape[1]).index_copy(0, d.slots, y)  # (T K, H), dropped: 0
-        out = full.view(*routing.ids.shape, -1).sum(1)  # (T, H)
+        full = y.new_zeros(gates.numel(), y.shape[1]).index_copy(0, a.d.slots, y)  # (T K, H), dropped: 0
+        out = full.view(*gates.shape, -1).sum(1)  # (T, H)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        return MoEOutput(out.to(x.dtype).view(x.shape), self._aux_loss(routing, x), counts, dropped)
+        return out.to(x.dtype).view(x.shape)
 
-    def _aux_loss(self, routing: Routing, x: torch.Tensor) -> torch.Tensor:
+    def aux_loss(self, routing: Routing, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.balance not in ("aux_loss", "seq_aux_loss"):
             return torch.zeros((), device=x.device)

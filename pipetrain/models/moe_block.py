@@ -74,18 +74,26 @@ class MoEBlock(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         res = super().forward(x)
+        self.count(res.tokens_per_expert, res.aux_loss, res.dropped_fraction)
+        return self.attach(res.out, res.aux_loss)
+
+    def count(self, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor) -> None:
+        """Add one forward's statistics (node-level execution calls it from its routing node)."""
         # Training forwards only: not evaluation (no grad), nor a forward recompute re-runs in backward.
         if torch.is_grad_enabled() and not in_backward():
             with torch.no_grad():
-                counts, aux, dropped = res.tokens_per_expert, res.aux_loss.detach(), res.dropped_fraction
+                aux = aux.detach()
                 first = self.tokens_per_expert is None
                 self.tokens_per_expert = counts.clone() if first else self.tokens_per_expert + counts
                 self.aux_loss_sum = aux.clone() if first else self.aux_loss_sum + aux
                 self.dropped_sum = dropped.clone() if first else self.dropped_sum + dropped
                 self.forwards += 1
+
+    def attach(self, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """The layer output with its balance loss's gradient attached (AttachAuxLoss) where it has one."""
         if self.config.balance in ("aux_loss", "seq_aux_loss") and torch.is_grad_enabled():
-            return AttachAuxLoss.apply(res.out, res.aux_loss)
-        return res.out
+            return AttachAuxLoss.apply(out, aux)
+        return out
 
 
 def moe_blocks(module: nn.Module) -> Iterator[tuple[str, MoEBlock]]:

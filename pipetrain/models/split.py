@@ -26,10 +26,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from pipetrain.models.base import LayeredModel, LossFn
 from pipetrain.models.init import InitRule, init_parameters
+from pipetrain.models.moe_nodes import single_node
+from pipetrain.runtime.stage_protocol import Node
 
 
 class StageModule(nn.Module):
@@ -65,6 +68,20 @@ class StageModule(nn.Module):
             # unpacks what it saved.
             x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
         return x
+
+    def fb_plan(self) -> Optional[list[list[Node]]]:
+        """The forward as nodes per layer (runtime/stage_protocol.py OverlapStage): a layer's own
+        `nodes(key)` (models/moe_nodes.py) or the layer as one node. None under activation recompute
+        or FSDP2 (its hooks run on the layers' forward, which nodes bypass): such stages run whole."""
+        if self.checkpoint_layers or any(isinstance(m, FSDPModule) for m in self.modules()):
+            return None
+        plan = []
+        for key, layer in self.layers.items():
+            nodes = getattr(layer, "nodes", None)
+            end = self.is_last and int(key) == self.layer_range.stop - 1
+            name = "embed" if int(key) == 0 else "head" if end else "layer"
+            plan.append(nodes(key) if nodes is not None else single_node(layer, key, name))
+        return plan
 
     @property
     def loss_fn(self) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:

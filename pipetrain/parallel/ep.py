@@ -46,6 +46,11 @@ class ExpertParallel(nn.Module):
         rows, local_counts, routed = dispatch(x, counts, self.ep_group)
         return combine(super().forward(rows, local_counts), routed, self.ep_group)
 
+    def local_forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts alone on rows (M, H) by local expert, counts (E/ep,) (node-level execution:
+        the all-to-alls around them are nodes of their own, runtime/nodes.py)."""
+        return super().forward(rows, counts)
+
 
 def shard_experts(experts: nn.Module, g: EPGroup) -> Split:
     """Keep rows [i E/ep, (i+1) E/ep) of every stacked weight of `experts` (on meta: shapes only)

@@ -14,11 +14,16 @@ Both all-to-alls are autograd functions whose backward is the reverse all-to-all
 gradient (B) carries them back; the counts need no gradient. Every rank of an EP group runs the
 same schedule on the same stage, so their all-to-alls come in the same order (what NCCL needs:
 one communicator's collectives run in issue order). gloo implements the uneven all-to-all on the CPU.
+
+Node-level execution (runtime/nodes.py) drives the pieces itself: `exchange` (counts, blocking),
+`start` -> `Started.wait()` (the all-to-all without autograd, async_op=True: gloo runs it on its
+worker threads while this thread computes), `expert_major` / `source_major` (the permutations).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NamedTuple, Optional
 
 import torch
@@ -47,9 +52,35 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGroup) -> torch.Tensor:
+    return start(x, out_splits, in_splits, g).wait()
+
+
+class Started:
+    """An all-to-all in flight (gloo runs it on the group's worker threads): `wait()` -> its output."""
+
+    __slots__ = ("out", "work", "span")
+
+    def __init__(self, out: torch.Tensor, work: Optional[dist.Work]) -> None:
+        self.out, self.work = out, work
+        self.span: Optional[list] = None  # the caller's timing record (runtime/nodes.py A2ALog)
+
+    def wait(self, timeout_s: Optional[float] = None) -> torch.Tensor:
+        """The output once arrived; past `timeout_s` (None: the group's timeout) the backend raises."""
+        if self.work is not None:
+            if timeout_s is None:
+                self.work.wait()
+            else:
+                self.work.wait(timedelta(seconds=timeout_s))
+            self.work = None
+        return self.out
+
+
+def start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGroup) -> Started:
+    """Start sending rows `in_splits[r]` of x to rank r, receiving `out_splits[r]` rows from each; no
+    autograd (node-level execution issues the reverse itself, runtime/nodes.py)."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=g.group)
-    return out
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=g.group, async_op=True)
+    return Started(out, work)
 
 
 class Routed(NamedTuple):
@@ -60,25 +91,43 @@ class Routed(NamedTuple):
     recv: list[int]  # rows it received from each rank
 
 
-def dispatch(x: torch.Tensor, counts: torch.Tensor, g: EPGroup) -> tuple[torch.Tensor, torch.Tensor, Routed]:
-    """x (N, H) sorted by global expert id, counts (E,) per expert -> (this rank's rows (M, H) in
-    local-expert-major order, their counts per local expert (E/ep,), what combine needs)."""
+def exchange(counts: torch.Tensor, g: EPGroup, device: torch.device) -> tuple[torch.Tensor, Routed]:
+    """The counts exchange of a dispatch (blocking: the splits are host values): counts (E,) per global
+    expert of this rank's rows -> (counts per local expert (E/ep,) of the rows it receives, the splits
+    and expert-major order dispatch and combine use; a backward reuses them: no exchange there)."""
     local = counts.numel() // g.size
     mine = torch.empty_like(counts)  # from rank r: its counts for my experts, E/ep of them
     dist.all_to_all_single(mine, counts.contiguous(), group=g.group)
     mine = mine.view(g.size, local)  # (ep sources, E/ep local experts)
     send = counts.view(g.size, local).sum(1).tolist()  # host values: the splits (one sync, as torchtitan)
     recv = mine.sum(1).tolist()
-    rows = _AllToAll.apply(x, recv, send, g)  # (M, H): by source rank, then by local expert
     # expert-major: local expert j's rows from source 0, then source 1, ..., each in its source's order
     key = torch.arange(local, device=mine.device).repeat(g.size) * g.size + \
         torch.arange(g.size, device=mine.device).repeat_interleave(local)  # (source, expert) -> j ep + s
-    order = torch.argsort(torch.repeat_interleave(key, mine.reshape(-1)), stable=True).to(x.device)
-    return rows.index_select(0, order), mine.sum(0), Routed(order, send, recv)
+    order = torch.argsort(torch.repeat_interleave(key, mine.reshape(-1)), stable=True).to(device)
+    return mine.sum(0), Routed(order, send, recv)
+
+
+def expert_major(rows: torch.Tensor, routed: Routed) -> torch.Tensor:
+    """Received rows (M, H) by source rank -> by local expert (what the local experts read)."""
+    return rows.index_select(0, routed.order)
+
+
+def source_major(y: torch.Tensor, routed: Routed) -> torch.Tensor:
+    """The inverse of expert_major: the experts' rows back in received order, to be sent home."""
+    back = torch.empty_like(routed.order)
+    back[routed.order] = torch.arange(routed.order.numel(), device=routed.order.device)
+    return y.index_select(0, back)
+
+
+def dispatch(x: torch.Tensor, counts: torch.Tensor, g: EPGroup) -> tuple[torch.Tensor, torch.Tensor, Routed]:
+    """x (N, H) sorted by global expert id, counts (E,) per expert -> (this rank's rows (M, H) in
+    local-expert-major order, their counts per local expert (E/ep,), what combine needs)."""
+    local_counts, routed = exchange(counts, g, x.device)
+    rows = _AllToAll.apply(x, routed.recv, routed.send, g)  # (M, H): by source rank, then by local expert
+    return expert_major(rows, routed), local_counts, routed
 
 
 def combine(y: torch.Tensor, routed: Routed, g: EPGroup) -> torch.Tensor:
     """The experts' rows (M, H) in dispatch's local order -> (N, H) back in x's order on its rank."""
-    back = torch.empty_like(routed.order)
-    back[routed.order] = torch.arange(routed.order.numel(), device=routed.order.device)
-    return _AllToAll.apply(y.index_select(0, back), routed.send, routed.recv, g)
+    return _AllToAll.apply(source_major(y, routed), routed.send, routed.recv, g)

@@ -11,8 +11,9 @@ comes from the schedule's placement. Per action:
   B(s, m)    input gradient only (runtime/backward.py); keep what W needs; send it back.
   W(s, m)    weight gradients from what B kept.
   BW(s, m)   both at once.
-  F&B        its forward, then its backward (on one CPU stream they cannot overlap; the
-             simulator's sim.fb_overlap models the overlap DualPipe gets on GPUs).
+  F&B        its forward, then its backward; under pipeline.fb_overlap (runtime/overlap.py) the
+             stages run node by node (runtime/nodes.py) and the pair's nodes interleave, so one
+             microbatch's expert-parallel all-to-alls run under the other's compute.
 
 Under data parallel the schedule carries `{stage}REDUCE_GRAD` marks (schedules/reduce.py):
 there the stage's gradient reduction is started (runtime/grad_reduce.py), and after the
@@ -53,6 +54,8 @@ from pipetrain.runtime.batch import counted_targets, to_device
 from pipetrain.runtime.clock import StepClock
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.grad_reduce import GradReducer
+from pipetrain.runtime.nodes import NodeBackward, NodeForward
+from pipetrain.runtime.overlap import node_execution
 from pipetrain.runtime.recorder import Recorder, StepRecorder
 from pipetrain.runtime.stage_protocol import Stage
 from pipetrain.runtime.step_result import StepResult
@@ -80,6 +83,8 @@ class Executor:
         lookahead: int = 1,
         reducer: Optional[GradReducer] = None,
         compute_dtype: Optional[torch.dtype] = None,
+        fb_overlap: str = "off",
+        a2a_timeout_s: Optional[float] = None,
     ) -> None:
         pl = schedule.placement
         want = set(pl.stages_of(rank))
@@ -119,6 +124,12 @@ class Executor:
         self._unmeasured = Recorder()
         self._rec: Recorder = self.recorder
         self.measure = True  # False: a step records nothing but its loss (the trainer's unlogged steps)
+        self.nodes = node_execution(stages, fb_overlap, self.device, timeout_s=a2a_timeout_s)  # None: run whole
+        # F&B steps that interleave: the backward's gradient must be at hand (local, or its receive
+        # posted before the pair: p2p_lookahead >= 1) as its first node runs before the forward ends.
+        self._paired = set() if self.nodes is None or not self.nodes.interleave else {
+            i for i, parts in enumerate(self._program)
+            if len(parts) == 2 and parts[0][0].op is Op.F and (parts[1][1] is None or lookahead >= 1)}
 
     @property
     def clock(self) -> StepClock:
@@ -148,6 +159,8 @@ class Executor:
         """Run every action of this rank once; `microbatches[m]` is (input, target) of microbatch m."""
         rec = self._rec = self.recorder if self.measure else self._unmeasured
         self._reset(microbatches)
+        if self.nodes is not None:
+            self.nodes.log.begin_step()
         if self.comm is not None:
             self.comm.begin(self._plan, self.recv_buffer)
         if self.reducer is not None:
@@ -156,13 +169,22 @@ class Executor:
         boundary = 0  # index of the next atomic action: where the plan issues communication
         for index, parts in enumerate(self._program):
             rec.begin(index)
+            if index in self._paired:
+                self._issue(boundary)
+                with rec.range(parts[0][3]):
+                    self._pair(parts, boundary)
+                rec.part_done()  # the pair is one span: its forward and backward run interleaved
+                rec.part_done()
+                boundary += 2
+                continue
             for a, need, send, where in parts:
                 self._issue(boundary)
                 with rec.range(a):
                     if a.op is Op.F:
                         self._forward(a, need, send, where)
                     elif a.op is Op.W:
-                        backward_weight(self._wstore.pop((a.stage, a.microbatch)))
+                        for work in self._wstore.pop((a.stage, a.microbatch)):
+                            backward_weight(work)
                         rec.freed(a.stage, a.microbatch)
                     else:
                         self._backward(a, need, send, where)
@@ -189,36 +211,92 @@ class Executor:
                 self.reducer.reduce(s)  # type: ignore[union-attr]
 
     def _forward(self, a: Action, need: Optional[Message], send: Optional[Message], where: str) -> None:
-        pl, s, m = self.schedule.placement, a.stage, a.microbatch
-        prev, last = pl.prev_stage(s), pl.next_stage(s) is None
-        x = self._inputs[m] if prev is None else self._take("act", prev, m, need, where)
+        x = self._input(a, need, where)
+        if self.nodes is not None and not self._forward_only:
+            run = self.nodes.forward(a.stage, a.microbatch, x, lambda: self._node_ctx(a.stage, a.microbatch))
+            self.nodes.run(run.layers())
+            self._forward_done(a, x, run, send)
+            return
+        with self._rec.saving(a.stage, a.microbatch), self._autocast():
+            out = self.stages[a.stage](x)
+            if self.schedule.placement.next_stage(a.stage) is None:
+                out = self._loss(a.stage, a.microbatch, out)
+        self._forward_out(a, x, out, send)
+
+    def _input(self, a: Action, need: Optional[Message], where: str) -> torch.Tensor:
+        prev = self.schedule.placement.prev_stage(a.stage)
+        x = self._inputs[a.microbatch] if prev is None else self._take("act", prev, a.microbatch, need, where)
         if x.is_floating_point() and not self._forward_only:
             # The first stage also asks for its input grad (and drops it) so that B does B's
             # share of the work, as the schedule and the simulator assume.
             x = x.detach().requires_grad_(True)
+        return x
+
+    @contextlib.contextmanager
+    def _node_ctx(self, s: int, m: int):
         with self._rec.saving(s, m), self._autocast():
-            out = self.stages[s](x)
-            if last:
-                out = self._loss(s, m, out)
-        if not last:
+            yield
+
+    def _forward_done(self, a: Action, x: torch.Tensor, run: NodeForward, send: Optional[Message]) -> None:
+        """The last node ran: the loss on the chain's last stage, then as a whole forward ends."""
+        out = run.output()
+        if self.schedule.placement.next_stage(a.stage) is None:
+            with self._node_ctx(a.stage, a.microbatch):
+                out = self._loss(a.stage, a.microbatch, out)
+        self._forward_out(a, x, out, send, run)
+
+    def _forward_out(self, a: Action, x: torch.Tensor, out: torch.Tensor, send: Optional[Message],
+                     run: Optional[NodeForward] = None) -> None:
+        s, m = a.stage, a.microbatch
+        if self.schedule.placement.next_stage(s) is not None:
             out = self._to_boundary(out)
             self._give("act", s, m, out.detach(), send)
         if not self._forward_only:
-            self._ctx[(s, m)] = (x, out)
+            self._ctx[(s, m)] = (x, out, run)
 
     def _backward(self, a: Action, need: Optional[Message], send: Optional[Message], where: str) -> None:
-        pl, s, m = self.schedule.placement, a.stage, a.microbatch
-        x, out = self._ctx.pop((s, m))
-        nxt = pl.next_stage(s)
-        grad = None if nxt is None else self._take("grad", nxt, m, need, where)
-        assert grad is None or grad.dtype == out.dtype, f"{where}: gradient {grad.dtype} for output {out.dtype}"
-        if a.op is Op.B:
-            grads, self._wstore[(s, m)] = backward_input([out], [grad], [x], self._weights(s))
+        x, out, grad, bwd = self._backward_start(a, need, where)
+        if bwd is not None:
+            self.nodes.run(bwd.layers())  # type: ignore[union-attr]
+            self._backward_done(a, bwd.input_grad(), bwd.works, send)
+        elif a.op is Op.B:
+            grads, work = backward_input([out], [grad], [x], self._weights(a.stage))
+            self._backward_done(a, grads[0], [work], send)
         else:
-            grads = backward_full([out], [grad], [x], self._weights(s))
-            self._rec.freed(s, m)
-        if pl.prev_stage(s) is not None:
-            self._give("grad", s, m, grads[0], send)
+            self._backward_done(a, backward_full([out], [grad], [x], self._weights(a.stage))[0], [], send)
+
+    def _backward_start(self, a: Action, need: Optional[Message], where: str):
+        x, out, run = self._ctx.pop((a.stage, a.microbatch))
+        nxt = self.schedule.placement.next_stage(a.stage)
+        grad = None if nxt is None else self._take("grad", nxt, a.microbatch, need, where)
+        assert grad is None or grad.dtype == out.dtype, f"{where}: gradient {grad.dtype} for output {out.dtype}"
+        bwd = None if run is None else NodeBackward(run, out, grad, split=a.op is Op.B)
+        return x, out, grad, bwd
+
+    def _backward_done(self, a: Action, grad: Optional[torch.Tensor], works: list, send: Optional[Message]) -> None:
+        if a.op is Op.B:
+            self._wstore[(a.stage, a.microbatch)] = works  # what W needs (backward.WeightGradWork per node)
+        else:
+            self._rec.freed(a.stage, a.microbatch)
+        if self.schedule.placement.prev_stage(a.stage) is not None:
+            self._give("grad", a.stage, a.microbatch, grad, send)
+
+    def _pair(self, parts: tuple[Part, ...], boundary: int) -> None:
+        """An F&B step, its nodes interleaved (runtime/overlap.py); the plan's communication before the
+        backward part is issued as soon as the forward's output exists."""
+        (fa, fneed, fsend, fwhere), (ba, bneed, bsend, bwhere) = parts
+        x = self._input(fa, fneed, fwhere)
+        run = self.nodes.forward(fa.stage, fa.microbatch, x,  # type: ignore[union-attr]
+                                 lambda: self._node_ctx(fa.stage, fa.microbatch))
+        bwd = self._backward_start(ba, bneed, bwhere)[3]
+        assert bwd is not None, "node mode runs every forward by nodes"
+
+        def forward_done() -> None:
+            self._forward_done(fa, x, run, fsend)
+            self._issue(boundary + 1)
+
+        self.nodes.pair(run, bwd, forward_done)  # type: ignore[union-attr]
+        self._backward_done(ba, bwd.input_grad(), bwd.works, bsend)
 
     # ---- data movement: local hand-off or point-to-point ------------------------------
     def _give(self, kind: str, s: int, m: int, tensor: torch.Tensor, send: Optional[Message]) -> None:
@@ -276,8 +354,9 @@ class Executor:
         self._targets = {m: to_device(microbatches[m][1], self.device) for m in sorted(targets)}
         # Per step: an FSDP2 stage's parameters are the unsharded tensors only after its first forward.
         self._params: dict[int, list[torch.nn.Parameter]] = {}
-        self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._wstore: dict = {}  # (stage, microbatch) -> what its B kept for its W (backward.WeightGradWork)
+        # (stage, microbatch) -> its input, output and, in node mode, its node forward
+        self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Optional[NodeForward]]] = {}
+        self._wstore: dict = {}  # (stage, microbatch) -> what its B kept for its W (backward.WeightGradWork per node)
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         # Summed on the device, reduced once per step: no host sync per microbatch.
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -11,7 +11,8 @@ and runtime/ imports nothing of models/ (train/pipeline.py assembles a rank's st
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -39,4 +40,33 @@ class Stage(Protocol):
         ...
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
+        ...
+
+
+@dataclass(frozen=True)
+class Node:
+    """One step of a stage's forward, for node-level execution (runtime/nodes.py, issue #29).
+
+    Values flow by name through one environment per microbatch: the stage input and every layer's
+    output is "x"; a node reads `reads` and writes `writes` (later nodes may overwrite a name).
+    A compute node runs `fn(*reads) -> writes` (a tuple) on detached leaves of its floating inputs, its
+    weight gradients those of `params`. A comm node moves its one read to its one write by an
+    expert-parallel all-to-all: `comm(env) -> (out_splits, in_splits, EPGroup)`, the reverse in backward.
+    """
+
+    name: str  # attn | dispatch | experts | combine | post | layer | embed | head
+    layer: str  # the global layer index
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    fn: Optional[Callable[..., tuple]] = None
+    params: tuple[torch.nn.Parameter, ...] = ()
+    comm: Optional[Callable[[Mapping[str, Any]], tuple[list[int], list[int], Any]]] = None
+
+
+@runtime_checkable
+class OverlapStage(Protocol):
+    """A stage that can run node by node: its forward as per-layer lists of nodes, in layer order."""
+
+    def fb_plan(self) -> Optional[list[list[Node]]]:
+        """None when this stage cannot (activation recompute, FSDP2, a layer without nodes)."""
         ...

@@ -115,7 +115,8 @@ class Transport:
 def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: Schedule, rank: int, *,
                         microbatch_size: int, seq_len: int = 1, device: torch.device | str = "cpu",
                         precision: str = "fp32", seed: Optional[int] = None, init_rule: Optional[InitRule] = None,
-                        parallelize: Parallelize = Parallelize(), transport: Transport = Transport()) -> RankPipeline:
+                        parallelize: Parallelize = Parallelize(), transport: Transport = Transport(),
+                        fb_overlap: str = "off") -> RankPipeline:
     """Collective when the schedule has several ranks: every rank must call it.
 
     `rank` is the pipeline rank. Each local stage is cut from `model` (on the meta device: shapes
@@ -124,7 +125,8 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
     compiled stage's backward as BW: schedules/lower.py fuse_backward, which plan.build_schedule
     applies), then materialized: only this rank's slices and shards, from (seed, name) or `init_rule`
     (model.pretrained: models/hf.PretrainedWeights reads them from the folder's files). A model built
-    for real is copied instead. `precision` is trainer.precision (fp32 | bf16)."""
+    for real is copied instead. `precision` is trainer.precision (fp32 | bf16); `fb_overlap`
+    pipeline.fb_overlap (runtime/overlap.py)."""
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision must be {' or '.join(COMPUTE_DTYPES)} (got {precision!r})")
     compute_dtype = COMPUTE_DTYPES[precision]
@@ -164,7 +166,8 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
     dp = parallelize.dp
     executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
                         loss_group=t.group if t.pipelines is None else None, lookahead=t.lookahead,
-                        reducer=dp.reducer(stages) if dp is not None else None, compute_dtype=compute_dtype)
+                        reducer=dp.reducer(stages) if dp is not None else None, compute_dtype=compute_dtype,
+                        fb_overlap=fb_overlap, a2a_timeout_s=t.timeout_s)
     sync = GradSync(stages, group=t.group, pipelines=t.pipelines)
     return RankPipeline(rank, schedule, stages, executor, sync, parallelize.tp)
 

@@ -98,7 +98,8 @@ class Trainer:
         self.pipe: RankPipeline = build_rank_pipeline(
             model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank, microbatch_size=config.microbatch_size,
             seq_len=config.data.seq_len, device=self.device, precision=config.trainer.precision,
-            seed=config.trainer.seed, init_rule=weights, parallelize=parallelize, transport=transport)
+            seed=config.trainer.seed, init_rule=weights, parallelize=parallelize, transport=transport,
+            fb_overlap=config.pipeline.fb_overlap)
         if self.pipe.executor.comm is not None:  # its errors name global ranks and their pp / dp / tp coordinates
             self.pipe.executor.comm.name_ranks(config.layout)
         self.pretrained_files = [] if weights is None else weights.opened  # the files this rank read
@@ -196,6 +197,8 @@ class Trainer:
         if first_compiled:  # peers compile their layers inside this step: slow, not stuck
             comm.set_timeout(max(cfg.trainer.compile_timeout_s, cfg.pipeline.p2p_timeout_s))
         self.pipe.executor.measure = measure  # unlogged steps record nothing but the loss (runtime/recorder.py)
+        if self.context is not None:
+            self.context.stats.take()  # the cp counts of this step only (an eval's forwards count too)
         result = self.pipe.train_step(self.microbatches(step))
         if first_compiled:
             comm.set_timeout(cfg.pipeline.p2p_timeout_s)
@@ -204,7 +207,8 @@ class Trainer:
         self._stepped = True
         # Before the grad-norm all-reduce, which absorbs rank 0's time spent on the measurement.
         measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer,
-                                           moe=self._moe_stats()) if measure else None)
+                                           moe=self._moe_stats(),
+                                           cp=self.context.stats.take() if self.context else None) if measure else None)
         loss = result.loss if result.loss is not None else float("nan")
         # Each weight counted once: the pipeline's owner of each copy, one replica (dp_replicate
         # index 0; the shards of FSDP2 stages are distinct parts and all count), tp slices on
