@@ -20,7 +20,7 @@ from pipetrain.schedules.p2p import PlanError, exchange_pairs
 from pipetrain.schedules.p2p_check import check_plan
 from pipetrain.schedules.validate import ScheduleError, check_deadlock_free, validate
 
-FAST_M = (1, 2, 3, 4, 5, 8, 16, 32)  # the full sweep (M in 1..32) is the slow test below
+FAST_M = (1, 2, 3, 4, 5, 8, 16, 32)  # the rest of M in 1..24 is the slow test below
 pure = pytest.mark.pure  # every test here but the last, the CLI's (e2e)
 
 
@@ -52,8 +52,8 @@ def test_no_built_in_schedule_deadlocks_with_a_stream_per_pair(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", registry.names())
 def test_no_built_in_schedule_deadlocks_with_a_stream_per_pair_every_m(name):
-    # the M of FAST_M were checked by the test above
-    assert deadlocks(name, [m for m in range(1, 33) if m not in FAST_M], "pair") == []
+    # the M of FAST_M (32 among them) were checked by the test above
+    assert deadlocks(name, [m for m in range(1, 25) if m not in FAST_M], "pair") == []
 
 
 @pure

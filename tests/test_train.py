@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
@@ -120,9 +121,10 @@ def test_a_resume_with_more_steps_keeps_the_cosine_it_was_started_with(tmp_path)
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}
 
-    run = tmp_path / "run"
+    run, stretched = tmp_path / "run", tmp_path / "stretched"
     first = run_cli([*base, "trainer.max_steps=4", f"hydra.run.dir={run}"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(run, stretched)  # the same 4-step run, resumed below with optim.decay_steps=8
     more = run_cli([*base, "trainer.max_steps=8", "trainer.resume=auto", f"hydra.run.dir={run}"], cwd=tmp_path)
     assert more.returncode == 0, more.stderr[-3000:]
     assert ("lr: the cosine keeps the length the run was started with, 4 steps (trainer.max_steps is now 8): "
@@ -132,8 +134,6 @@ def test_a_resume_with_more_steps_keeps_the_cosine_it_was_started_with(tmp_path)
     began = re.search(r"^done: 4 steps, loss (\d+\.\d+) -> ", first.stdout, re.M)
     again = re.search(r"^done: 8 steps \(resumed at step 4\), loss (\d+\.\d+) -> ", more.stdout, re.M)
     assert began and again and began.group(1) == again.group(1), (first.stdout[-500:], more.stdout[-500:])
-    stretched = tmp_path / "stretched"
-    run_cli([*base, "trainer.max_steps=4", f"hydra.run.dir={stretched}"], cwd=tmp_path)
     res = run_cli([*base, "trainer.max_steps=8", "optim.decay_steps=8", "trainer.resume=auto",
                    f"hydra.run.dir={stretched}"], cwd=tmp_path)
     assert res.returncode == 0 and "the cosine keeps" not in res.stdout, res.stderr[-3000:]
