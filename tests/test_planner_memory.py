@@ -10,7 +10,8 @@ from pipetrain.partition.costs import LayerCost
 from pipetrain.planner.auto import measurable_peak_gb
 from pipetrain.planner.cmd import assumptions, device, workload
 from pipetrain.planner.memory import GB
-from pipetrain.planner.search import Device, Workload, _Evaluator
+from pipetrain.planner.search import _Evaluator
+from pipetrain.planner.workload import Device, Workload
 from pipetrain.planner.space import Candidate
 
 pytestmark = pytest.mark.pure

@@ -19,7 +19,8 @@ import pytest
 
 from pipetrain.partition.costs import LayerCost
 from pipetrain.planner.memory import StateBytes
-from pipetrain.planner.search import Device, Workload, search
+from pipetrain.planner.search import search
+from pipetrain.planner.workload import Device, Workload
 from pipetrain.planner.space import Candidate
 
 pytestmark = pytest.mark.pure

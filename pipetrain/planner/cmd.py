@@ -22,7 +22,8 @@ from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
 from pipetrain.partition.costs import fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.planner.memory import StateBytes
-from pipetrain.planner.search import Device, Row, Workload, search
+from pipetrain.planner.search import Row, search
+from pipetrain.planner.workload import Device, Workload
 from pipetrain.planner.degrees import check_tp, cp_degrees, ep_degrees, world_size
 from pipetrain.planner.space import Candidate, candidates, why_empty
 from pipetrain.schedules import registry
