@@ -62,6 +62,27 @@ def fsdp_param_groups(module: torch.nn.Module) -> list:
     return [g for state in fully_shard.state(module)._state_ctx.all_states for g in fsdp_state_param_groups(state)]
 
 
+def fsdp_lazy_init(module: torch.nn.Module) -> None:
+    """FSDP2's root initialisation (`FSDPState._lazy_init`), which the root module's first forward runs:
+    node-level execution never calls a stage's own forward, so the stage claims the root role first."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard.state(module)._lazy_init()
+
+
+def fsdp_accumulate_in_reduce_dtype(group: object) -> None:
+    """Every parameter of an FSDP2 group folds each gradient autograd accumulates into its reduce-dtype
+    (fp32) sum at once, as FSDP2's own post-backward hook does after each backward while gradient sync
+    is off (`FSDPParam.accumulate_unsharded_grad_if_needed` / `to_accumulated_grad_if_needed`). Node-level
+    execution bypasses that hook; without this, bf16 gradients would be summed over microbatches in bf16.
+    Registered once: a group keeps its unsharded parameters across steps."""
+    for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
+        def fold(_: torch.Tensor, fp: object = fsdp_param) -> None:
+            fp.accumulate_unsharded_grad_if_needed()  # type: ignore[attr-defined]
+            fp.to_accumulated_grad_if_needed()  # type: ignore[attr-defined]
+        fsdp_param.unsharded_param.register_post_accumulate_grad_hook(fold)
+
+
 def fsdp_finish_backward(module: torch.nn.Module) -> None:
     """FSDP2's end-of-backward callback (`_root_post_backward_final_callback`), which autograd
     would queue itself: the executor runs backward in pieces (F, B, W), so it calls it once."""

@@ -361,18 +361,17 @@ def layout_inputs(config: Config, part: Partition, stages: int) -> LayoutInputs:
 def overlap_on(config: Config) -> bool:
     """Whether the run's F&B pairs hide one microbatch's all-to-alls under the other's compute (`overlaps`)."""
     mode = config.pipeline.fb_overlap
-    return overlaps(mode, recompute=config.trainer.activation_checkpointing, fsdp=config.layout.dp_mode in ("shard", "hsdp"),
-                    cpu=mode == "auto" and run_device(config) == "cpu")
+    return overlaps(mode, recompute=config.trainer.activation_checkpointing, cpu=run_device(config) == "cpu")
 
 
-def overlaps(mode: str, *, recompute: bool, fsdp: bool, cpu: bool) -> bool:
-    """pipeline.fb_overlap as runtime/overlap.py applies it: on, or auto on CPU ranks whose stages run node by
-    node (no FSDP2, whose hooks nodes bypass); never under activation recompute. Only stages whose layers have
+def overlaps(mode: str, *, recompute: bool, cpu: bool) -> bool:
+    """pipeline.fb_overlap as runtime/overlap.py applies it: on, or auto on CPU ranks (stages run node by node;
+    the CUDA comm stream is not built); never under activation recompute. Only stages whose layers have
     all-to-alls (parallel.ep > 1) are then priced per layer (overlap_layers); `on` is priced as asked even where
     the run refuses it (a what-if)."""
     if mode == "off" or recompute:
         return False
-    return mode == "on" or (cpu and not fsdp)
+    return mode == "on" or cpu
 
 
 def grad_reduce(config: Config) -> GradReduce | None:

@@ -79,6 +79,12 @@ def test_wrong_type_names_the_key(compose):
         # issue 25: a world the nodes do not have was planned for
         (["plan.world_size=8", "plan.nodes=2", "plan.devices_per_node=3"], "plan.devices_per_node"),
         (["plan.world_size=8", "plan.nodes=3"], "plan.nodes"),
+        # issue 29: F&B overlap hides all-to-alls, in stages run node by node on CPU
+        (["model=moe-tiny", "pipeline.fb_overlap=on"], "parallel.ep"),
+        (["model=moe-tiny", "parallel.dp_shard=2", "parallel.ep=2", "pipeline.fb_overlap=on",
+          "trainer.activation_checkpointing=true"], "trainer.activation_checkpointing"),
+        (["model=moe-tiny", "parallel.dp_shard=2", "parallel.ep=2", "pipeline.fb_overlap=on",
+          "trainer.device=cuda"], "pipeline.fb_overlap=off"),
     ],
 )
 def test_cross_field_rules_name_the_knob(compose, overrides, knob):

@@ -288,14 +288,17 @@ class Config:
                              f"{cp * (2 * par.tp if par.tp % 2 else par.tp)}")
 
     def _check_fb_overlap(self) -> None:
-        """F&B overlap runs stages node by node (runtime/nodes.py), which does not drive FSDP2's per-layer
-        hooks nor activation recompute yet; expert parallel borrows dp_shard's ranks, so FSDP2 comes with it."""
-        par = self.parallel
-        if par.ep == 1 or par.dp_shard > 1 or self.trainer.activation_checkpointing:
-            raise ValueError(f"pipeline.fb_overlap=on overlaps expert-parallel all-to-alls in stages run node by node, "
-                             f"which needs parallel.ep > 1 without FSDP2 (parallel.dp_shard={par.dp_shard}) and without "
-                             f"trainer.activation_checkpointing: not possible yet (ep borrows dp_shard's ranks), "
-                             f"set pipeline.fb_overlap=auto or off")
+        """F&B overlap hides expert-parallel all-to-alls in stages run node by node (runtime/nodes.py), which
+        activation recompute (it re-runs whole layers in the backward) does not allow yet."""
+        if self.parallel.ep == 1:
+            raise ValueError("pipeline.fb_overlap=on hides expert-parallel all-to-alls, which this run has none of "
+                             "(parallel.ep=1): set pipeline.fb_overlap=auto or off, or parallel.ep > 1")
+        if self.trainer.activation_checkpointing:
+            raise ValueError("pipeline.fb_overlap=on runs stages node by node, which activation recompute does not "
+                             "allow yet: set trainer.activation_checkpointing=false or pipeline.fb_overlap=auto")
+        if self.trainer.device == "cuda":  # trainer.device=auto on a GPU host is refused as the ranks start
+            raise ValueError("pipeline.fb_overlap=on runs on CPU (gloo) only: the CUDA comm stream is not built yet: "
+                             "set pipeline.fb_overlap=off")
 
     def _check_ep(self) -> None:
         """Expert parallel borrows dp_shard's ranks and splits every MoE layer's experts evenly."""

@@ -27,13 +27,9 @@ from pipetrain.runtime.ep_comm import exchange, expert_major, source_major
 from pipetrain.runtime.stage_protocol import Node
 
 
-def _params(*modules: nn.Module) -> tuple[nn.Parameter, ...]:
-    return tuple(p for m in modules for p in m.parameters() if p.requires_grad)
-
-
 def single_node(layer: nn.Module, key: str, name: str = "layer") -> list[Node]:
     """A layer run whole: one compute node from x to x."""
-    return [Node(name, key, ("x",), ("x",), fn=lambda x: (layer(x),), params=_params(layer))]
+    return [Node(name, key, ("x",), ("x",), fn=lambda x: (layer(x),), modules=(layer,))]
 
 
 def block_nodes(block: nn.Module, key: str) -> list[Node]:
@@ -74,14 +70,13 @@ def block_nodes(block: nn.Module, key: str) -> list[Node]:
         return of
 
     nodes = [Node("attn", key, ("x",), ("x1", "xs", "gates", "flat", "aux", "moe"), fn=attn,
-                  params=_params(block.input_layernorm, block.self_attn, block.post_attention_layernorm,
-                                 mlp.router))]
+                  modules=(block.input_layernorm, block.self_attn, block.post_attention_layernorm, mlp.router))]
     if g is not None:
         nodes.append(Node("dispatch", key, ("xs",), ("xs",), comm=splits(True)))
-    nodes.append(Node("experts", key, ("xs", "moe"), ("ys",), fn=experts, params=_params(ex)))
+    nodes.append(Node("experts", key, ("xs", "moe"), ("ys",), fn=experts, modules=(ex,)))
     if g is not None:
         nodes.append(Node("combine", key, ("ys",), ("ys",), comm=splits(False)))
     shared = () if mlp.shared_experts is None else (mlp.shared_experts,)
     nodes.append(Node("post", key, ("ys", "gates", "flat", "x1", "aux", "moe"), ("x",), fn=post,
-                      params=_params(*shared)))
+                      modules=shared))
     return nodes

@@ -26,7 +26,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from pipetrain.models.base import LayeredModel, LossFn
@@ -72,8 +71,9 @@ class StageModule(nn.Module):
     def fb_plan(self) -> Optional[list[list[Node]]]:
         """The forward as nodes per layer (runtime/stage_protocol.py OverlapStage): a layer's own
         `nodes(key)` (models/moe_nodes.py) or the layer as one node. None under activation recompute
-        or FSDP2 (its hooks run on the layers' forward, which nodes bypass): such stages run whole."""
-        if self.checkpoint_layers or any(isinstance(m, FSDPModule) for m in self.modules()):
+        (it re-runs a whole layer's forward in its backward): such stages run whole. Under FSDP2 the nodes
+        bypass the layers' forward hooks: the executor's reducer gathers the parameters (`gather`)."""
+        if self.checkpoint_layers:
             return None
         plan = []
         for key, layer in self.layers.items():

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from pipetrain.compat import fsdp_finish_backward, fsdp_param_groups
+from pipetrain.compat import fsdp_accumulate_in_reduce_dtype, fsdp_finish_backward, fsdp_lazy_init, fsdp_param_groups
 
 
 def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, param_dtype: Optional[torch.dtype],
@@ -69,12 +69,31 @@ class FsdpReduce:
         self.stages = stages
         self.counts: Counter = Counter()
         self._reduced: list[int] = []
+        self._folding = False  # node-level execution: gradients fold into fp32 as they accumulate (gather)
 
     def begin(self) -> None:
         for mod in self.stages.values():
             mod.set_requires_gradient_sync(False)
             mod.set_reshard_after_backward(False)
             mod.set_is_last_backward(False)
+
+    def gather(self) -> None:
+        """Node-level execution calls the stages' submodules, not the stages: FSDP2's pre-forward hooks,
+        which would initialise the root and all-gather each group, do not run. So, before the step's
+        first forward: the stage claims the root role (else the first hooked layer a node calls would),
+        then every group of it unshards (the same all-gathers, up front; they stay whole until reduce).
+        At the first gather each group's gradients start folding into fp32 as they accumulate (FSDP2's
+        post-backward hook, which would, is bypassed too: compat.fsdp_accumulate_in_reduce_dtype)."""
+        for mod in self.stages.values():
+            fsdp_lazy_init(mod)
+            for sub in mod.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.unshard()
+        if not self._folding:
+            for mod in self.stages.values():
+                for group in fsdp_param_groups(mod):
+                    fsdp_accumulate_in_reduce_dtype(group)
+            self._folding = True
 
     def reduce(self, stage: int) -> None:
         self.counts[stage] += 1

@@ -124,6 +124,8 @@ class Executor:
         self._unmeasured = Recorder()
         self._rec: Recorder = self.recorder
         self.measure = True  # False: a step records nothing but its loss (the trainer's unlogged steps)
+        if fb_overlap == "auto" and not any(len(parts) == 2 for parts in self._program):
+            fb_overlap = "off"  # no F&B pair to overlap in (1F1B, ZB): whole stages, no node overhead
         self.nodes = node_execution(stages, fb_overlap, self.device, timeout_s=a2a_timeout_s)  # None: run whole
         # F&B steps that interleave: the backward's gradient must be at hand (local, or its receive
         # posted before the pair: p2p_lookahead >= 1) as its first node runs before the forward ends.
@@ -165,6 +167,8 @@ class Executor:
             self.comm.begin(self._plan, self.recv_buffer)
         if self.reducer is not None:
             self.reducer.begin()
+            if self.nodes is not None:
+                self.reducer.gather()
         rec.begin_step()
         boundary = 0  # index of the next atomic action: where the plan issues communication
         for index, parts in enumerate(self._program):

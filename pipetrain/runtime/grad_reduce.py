@@ -29,6 +29,11 @@ class GradReducer(Protocol):
         """Start of a step, before its first forward."""
         ...
 
+    def gather(self) -> None:
+        """Node-level execution (runtime/nodes.py) is about to run the step's forwards: make every stage's
+        parameters whole now (a sharding reducer's forward hooks, which would, are bypassed by nodes)."""
+        ...
+
     def reduce(self, stage: int) -> None:
         """Start reducing `stage`'s gradients (asynchronous); called once per stage per step."""
         ...
@@ -74,6 +79,9 @@ class BucketAllReduce:
 
     def begin(self) -> None:
         pass
+
+    def gather(self) -> None:
+        pass  # replicated parameters are whole
 
     def reduce(self, stage: int) -> None:
         self.counts[stage] += 1

@@ -167,10 +167,10 @@ class NodeBackward:
         ys, gys = [o for o, _ in pairs], [gr for _, gr in pairs]
         ins = [v for v in leaves if isinstance(v, torch.Tensor) and v.requires_grad]
         if self.split:
-            gxs, work = backward_input(ys, gys, ins, node.params)
+            gxs, work = backward_input(ys, gys, ins, node.params())
             self.works.append(work)
         else:
-            gxs = backward_full(ys, gys, ins, node.params)
+            gxs = backward_full(ys, gys, ins, node.params())
         it = iter(gxs)
         for name, v in zip(node.reads, leaves):
             gx = next(it) if isinstance(v, torch.Tensor) and v.requires_grad else None

@@ -52,6 +52,8 @@ class Node:
     A compute node runs `fn(*reads) -> writes` (a tuple) on detached leaves of its floating inputs, its
     weight gradients those of `params`. A comm node moves its one read to its one write by an
     expert-parallel all-to-all: `comm(env) -> (out_splits, in_splits, EPGroup)`, the reverse in backward.
+    `modules` are read for their parameters when the backward runs, not when the plan is made: under FSDP2
+    a module's parameters are other tensors once gathered (parallel/fsdp.py), and the graph uses those.
     """
 
     name: str  # attn | dispatch | experts | combine | post | layer | embed | head
@@ -59,8 +61,12 @@ class Node:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     fn: Optional[Callable[..., tuple]] = None
-    params: tuple[torch.nn.Parameter, ...] = ()
+    modules: tuple[torch.nn.Module, ...] = ()
     comm: Optional[Callable[[Mapping[str, Any]], tuple[list[int], list[int], Any]]] = None
+
+    def params(self) -> tuple[torch.nn.Parameter, ...]:
+        """The parameters this node's weight gradients go to, as the modules hold them now."""
+        return tuple(p for m in self.modules for p in m.parameters() if p.requires_grad)
 
 
 @runtime_checkable
@@ -68,5 +74,5 @@ class OverlapStage(Protocol):
     """A stage that can run node by node: its forward as per-layer lists of nodes, in layer order."""
 
     def fb_plan(self) -> Optional[list[list[Node]]]:
-        """None when this stage cannot (activation recompute, FSDP2, a layer without nodes)."""
+        """None when this stage cannot (activation recompute)."""
         ...
