@@ -34,7 +34,7 @@ from pipetrain.partition.strategies import partition
 from pipetrain.schedules import registry
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.placement import Placement
-from pipetrain.schedules.lower import fuse_backward
+from pipetrain.schedules.lower import fuse_backward, pair_fb
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import SimResult, StageCosts, simulate, split_stages
@@ -150,7 +150,8 @@ def simulate_layout(inputs: LayoutInputs, *, built: Schedule | None = None) -> S
         built = Schedule.build(inputs.schedule, pl, inputs.microbatches, steps)
     elif built is None:
         built = registry.build(inputs.schedule, inputs.degree, inputs.microbatches, inputs.virtual_stages)
-    schedule = lower(built, compiled, inputs.grad_reduce)
+    schedule = lower(built, compiled, inputs.grad_reduce,
+                     pair=inputs.overlap_layers and any(l.comm_f_ms or l.comm_b_ms for l in inputs.partition.layers))
     # which stages run W apart from B decides what recompute and the per-action overhead add to W
     split = split_stages(schedule) if inputs.recompute_stages or inputs.action_overhead_ms else set()
     costs = layout_stage_costs(inputs, pl, split)
@@ -199,11 +200,16 @@ def overlap_layers(inputs: LayoutInputs, pl: Placement) -> tuple[tuple[tuple[flo
                  for s in range(pl.num_stages))
 
 
-def lower(schedule: Schedule, compiled: Collection[int], grad_reduce: GradReduce | None) -> Schedule:
+def lower(schedule: Schedule, compiled: Collection[int], grad_reduce: GradReduce | None, *,
+          pair: bool = False) -> Schedule:
     """Every run-time change to a schedule, in order: a compiled stage's B becomes BW and its W goes
-    (schedules/lower.py), then under data parallel each stage's gradient reduction is placed after
-    its last W or BW (or at the end). Lowered twice is lowered once."""
+    (schedules/lower.py), with `pair` (F&B overlap of all-to-alls: `pairs_fb`) a forward followed by
+    another microbatch's backward becomes an F&B pair (Megatron's combined 1F1B), then under data
+    parallel each stage's gradient reduction is placed after its last W or BW (or at the end).
+    Lowered twice is lowered once."""
     schedule = fuse_backward(schedule, compiled)
+    if pair:
+        schedule = pair_fb(schedule)
     if grad_reduce is not None:
         schedule = add_reduces(schedule, at_end=grad_reduce.at_end)
     return schedule
@@ -221,7 +227,8 @@ def build_schedule(config: Config) -> Schedule:
         )
     else:
         schedule = registry.build(s.name, p.degree, p.microbatches, s.virtual_stages)
-    schedule = lower(schedule, compiled_stages(config, schedule.placement.num_stages), grad_reduce(config))
+    schedule = lower(schedule, compiled_stages(config, schedule.placement.num_stages), grad_reduce(config),
+                     pair=pairs_fb(config))
     validate(schedule, p2p_lookahead=p.p2p_lookahead, p2p_transport=p.p2p_transport)
     return schedule
 
@@ -362,6 +369,12 @@ def overlap_on(config: Config) -> bool:
     """Whether the run's F&B pairs hide one microbatch's all-to-alls under the other's compute (`overlaps`)."""
     mode = config.pipeline.fb_overlap
     return overlaps(mode, recompute=config.trainer.activation_checkpointing, cpu=run_device(config) == "cpu")
+
+
+def pairs_fb(config: Config) -> bool:
+    """Whether the run's forwards pair with the next backward of another microbatch (schedules/lower.py
+    pair_fb): where F&B pairs hide expert-parallel all-to-alls (`overlap_on` with parallel.ep > 1)."""
+    return config.parallel.ep > 1 and overlap_on(config)
 
 
 def overlaps(mode: str, *, recompute: bool, cpu: bool) -> bool:

@@ -5,7 +5,8 @@ moe-tiny (8 experts, top-2, the auxiliary balance loss) at pp=2 x dp_shard=2 x e
 FSDP2-sharded over their own (here one-rank) mesh with the whole dp as divide factor. Under 1f1b,
 zbv (split backward: the all-to-all's backward runs inside B) and dualpipev (DualPipe's mirror; whole
 stages, and node by node with every F&B pair's forward and backward interleaved, pipeline.fb_overlap=on:
-FSDP2's parameters gathered by the reducer, issue #29) the losses of steps 1-3 and the parameters after 3 clipped AdamW steps equal a single process training
+FSDP2's parameters gathered by the reducer, issue #29), and interleaved 1F1B paired for the same overlap
+(Megatron's combined 1F1B) the losses of steps 1-3 and the parameters after 3 clipped AdamW steps equal a single process training
 on the same microbatches (test_tensor_parallel.py's bounds), and ep=1 at the same layout too: no
 "gradients doubled with EP=2". Under balance=aux_free ep=2 against ep=1 directly (issue #28): the
 losses of 3 steps within 1e-6 relative, every reduced gradient of every step within 1e-5 relative
@@ -30,6 +31,8 @@ LAYOUT = ["model=moe-tiny", "pipeline.degree=2", "parallel.dp_shard=2"]
 CASES = {"ep2-1f1b": ["parallel.ep=2", "schedule=1f1b"], "ep2-zbv": ["parallel.ep=2", "schedule=zbv"],
          "ep2-dualpipev": ["parallel.ep=2", "schedule=dualpipev", "pipeline.fb_overlap=off"],
          "ep2-dualpipev-overlap": ["parallel.ep=2", "schedule=dualpipev", "pipeline.fb_overlap=on"],
+         # combined 1F1B: schedules/lower.py pair_fb pairs interleaved 1F1B's steady state (plan.pairs_fb)
+         "ep2-interleaved-overlap": ["parallel.ep=2", "schedule=interleaved_1f1b", "pipeline.fb_overlap=on"],
          "ep1-1f1b": ["schedule=1f1b"]}
 # bias steps of +-0.01: every bias ends nonzero, and equal bits need equal sign(mean - count) per expert and step
 AUX_FREE = ["schedule=1f1b", "model.moe.balance=aux_free", "model.moe.bias_update_rate=0.01"]
