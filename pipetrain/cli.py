@@ -65,7 +65,7 @@ def run(config: Config, run_dir: Path) -> Any:
     if config.mode is not Mode.export:
         prestart(config)  # the ranks' start-up (torch's import) runs beside the checks, before ours
     from pipetrain.models.hf import check_pretrained
-    from pipetrain.plan import run_device
+    from pipetrain.execution import run_device
     from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
 
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank

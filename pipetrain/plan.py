@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 from pipetrain.config import Config, ModelConfig, SleepModelConfig
+from pipetrain.execution import (compiled_stages, cost_source, measures_here, overlap_on, pairs_fb, profile_device,
+                                 recompute_stages)
 from pipetrain.partition.costs import LayerCost, chunk_costs, cp_layer_costs, ep_layer_costs, fuse_weight_grads
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.partition.partition import Partition, require_chunks
@@ -253,41 +255,6 @@ def build_model(model: ModelConfig, *, device: Any = None) -> LayeredModel:
         return build(model.family, **model.knobs())
 
 
-def profile_device(config: Config) -> str:
-    """Where partition=profile measures: where the ranks compute (trainer.device), on CUDA the current
-    device ("cuda:0" in the launcher and in rank 0 before set_device; never every rank's GPU 0)."""
-    import torch
-
-    if run_device(config) == "cpu":
-        return "cpu"
-    return f"cuda:{torch.cuda.current_device()}"
-
-
-def run_device(config: Config) -> str:
-    """Where this run's ranks compute: trainer.device, its auto resolved as the ranks resolve it."""
-    if config.trainer.device != "auto":
-        return config.trainer.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def measures_here(config: Config) -> bool:
-    """Whether this process times the layers of partition=profile: yes, unless it is a rank other than
-    0 of a launch whose every rank plans (torchrun, slurm, submitit): 8 processes of a node building
-    layers on one GPU at once would contend (and once ran out of memory); rank 0's plan is the one
-    the ranks run (launch/rank.py broadcasts it)."""
-    from pipetrain.launch.resolvers import process_rank
-
-    return process_rank(config.cluster.name) == 0
-
-
-def cost_source(config: Config) -> str:
-    if config.partition.name == "profile" and measures_here(config):
-        return f"measured:{profile_device(config)}"
-    return "sleep" if isinstance(config.model, SleepModelConfig) else "analytic"
-
-
 def layer_costs(config: Config) -> list[LayerCost]:
     """Per-layer costs of one microbatch (config.microbatch_size x data.seq_len) on one rank
     of this run: under parallel.tp, its 1/tp of the compute plus the layer's TP collectives; under
@@ -365,28 +332,6 @@ def layout_inputs(config: Config, part: Partition, stages: int) -> LayoutInputs:
                         overlap_layers=overlap_on(config))
 
 
-def overlap_on(config: Config) -> bool:
-    """Whether the run's F&B pairs hide one microbatch's all-to-alls under the other's compute (`overlaps`)."""
-    mode = config.pipeline.fb_overlap
-    return overlaps(mode, recompute=config.trainer.activation_checkpointing, cpu=run_device(config) == "cpu")
-
-
-def pairs_fb(config: Config) -> bool:
-    """Whether the run's forwards pair with the next backward of another microbatch (schedules/lower.py
-    pair_fb): where F&B pairs hide expert-parallel all-to-alls (`overlap_on` with parallel.ep > 1)."""
-    return config.parallel.ep > 1 and overlap_on(config)
-
-
-def overlaps(mode: str, *, recompute: bool, cpu: bool) -> bool:
-    """pipeline.fb_overlap as runtime/overlap.py applies it: on, or auto on CPU ranks (stages run node by node;
-    the CUDA comm stream is not built); never under activation recompute. Only stages whose layers have
-    all-to-alls (parallel.ep > 1) are then priced per layer (overlap_layers); `on` is priced as asked even where
-    the run refuses it (a what-if)."""
-    if mode == "off" or recompute:
-        return False
-    return mode == "on" or cpu
-
-
 def grad_reduce(config: Config) -> GradReduce | None:
     """The data-parallel gradient reductions a config runs (None when dp = cp = 1; context parallel's
     ranks shard the parameters with dp_shard's)."""
@@ -397,21 +342,3 @@ def grad_reduce(config: Config) -> GradReduce | None:
                       config.parallel.reduce_dtype, at_end=not config.parallel.overlap_reduce)
 
 
-def compiled_stages(config: Config, num_stages: int) -> frozenset[int]:
-    """The stage ids whose layers are compiled: every stage under trainer.compile, else none."""
-    return frozenset(range(num_stages)) if config.trainer.compile else frozenset()
-
-
-def recompute_stages(config: Config, num_stages: int) -> frozenset[int]:
-    """The stage ids that recompute: none without trainer.activation_checkpointing, else
-    trainer.recompute_stages (every stage when null), each checked against the schedule's stages."""
-    t = config.trainer
-    if not t.activation_checkpointing:
-        return frozenset()
-    if t.recompute_stages is None:
-        return frozenset(range(num_stages))
-    bad = [s for s in t.recompute_stages if s >= num_stages]
-    if bad:
-        raise ValueError(f"trainer.recompute_stages={list(t.recompute_stages)}: stage {bad[0]} does not exist, the "
-                         f"schedule has stages 0..{num_stages - 1}: list stage ids below {num_stages}")
-    return frozenset(t.recompute_stages)

@@ -12,7 +12,8 @@ from rich.console import Console
 
 from pipetrain.compose import compose_config
 from pipetrain.partition.costs import LayerCost, ep_layer_costs
-from pipetrain.plan import layer_costs, layout_inputs, make_partition, make_plan, overlaps, simulate_layout
+from pipetrain.execution import overlaps
+from pipetrain.plan import layer_costs, layout_inputs, make_partition, make_plan, simulate_layout
 from pipetrain.planner.cmd import PLAN_FILE, make_rows, run_plan
 from pipetrain.schedules.ir import Action, Op, Overlap
 from pipetrain.schedules.simulate import StageCosts

@@ -31,7 +31,7 @@ LAYOUT = ["model=moe-tiny", "pipeline.degree=2", "parallel.dp_shard=2"]
 CASES = {"ep2-1f1b": ["parallel.ep=2", "schedule=1f1b"], "ep2-zbv": ["parallel.ep=2", "schedule=zbv"],
          "ep2-dualpipev": ["parallel.ep=2", "schedule=dualpipev", "pipeline.fb_overlap=off"],
          "ep2-dualpipev-overlap": ["parallel.ep=2", "schedule=dualpipev", "pipeline.fb_overlap=on"],
-         # combined 1F1B: schedules/lower.py pair_fb pairs interleaved 1F1B's steady state (plan.pairs_fb)
+         # combined 1F1B: schedules/lower.py pair_fb pairs interleaved 1F1B's steady state (execution.pairs_fb)
          "ep2-interleaved-overlap": ["parallel.ep=2", "schedule=interleaved_1f1b", "pipeline.fb_overlap=on"],
          "ep1-1f1b": ["schedule=1f1b"]}
 # bias steps of +-0.01: every bias ends nonzero, and equal bits need equal sign(mean - count) per expert and step

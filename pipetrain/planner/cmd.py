@@ -54,7 +54,8 @@ def workload(config: Config) -> Workload:
             return costs  # the sleep model's times are per microbatch, whatever its size
     elif measuring(config):  # F, B, W and saved bytes measured here, one layer at a time
         from pipetrain.models.profile import profile_layers, saved_bytes_per_token
-        from pipetrain.plan import build_model, profile_device
+        from pipetrain.execution import profile_device
+        from pipetrain.plan import build_model
 
         dev = profile_device(config)
         model = build_model(m, device="meta")  # shapes only: models/profile.py materialises a layer at a time
@@ -134,10 +135,10 @@ def tied_weights(model: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
 
 def measuring(config: Config) -> bool:
     """Whether this process times the layers (partition=profile or plan.calibrate) instead of costing
-    them by FLOPs: under torchrun / slurm only rank 0 does (plan.measures_here)."""
+    them by FLOPs: under torchrun / slurm only rank 0 does (execution.measures_here)."""
     if not (config.partition.name == "profile" or calibrating(config)):
         return False
-    from pipetrain.plan import measures_here
+    from pipetrain.execution import measures_here
 
     return measures_here(config)
 
@@ -151,7 +152,7 @@ def calibrating(config: Config) -> bool:
         return p.calibrate
     if not (config.schedule.name == AUTO or p.run) or config.mode is not Mode.train or config.cluster.name != "local":
         return False
-    from pipetrain.plan import run_device
+    from pipetrain.execution import run_device
 
     return run_device(config) == "cpu"
 
@@ -168,7 +169,7 @@ def gpu_overhead_gb(config: Config) -> float:
         return p.gpu_overhead_gb
     if t.device == "auto" and isinstance(config.model, SleepModelConfig):
         return 0.0
-    from pipetrain.plan import run_device
+    from pipetrain.execution import run_device
 
     return GPU_OVERHEAD_GB if run_device(config) == "cuda" else 0.0
 
@@ -192,7 +193,7 @@ def fb_overlap(config: Config) -> str:
     mode = config.pipeline.fb_overlap
     if mode != "auto":
         return mode
-    from pipetrain.plan import run_device
+    from pipetrain.execution import run_device
 
     return mode if run_device(config) == "cpu" else "off"
 
@@ -229,7 +230,7 @@ def cpu_activations(config: Config) -> str:
     LayerNorm model's later stages save more on the GPU than these numbers say."""
     if config.trainer.precision != "bf16" or not measuring(config) or gpu_overhead_gb(config) == 0:
         return ""
-    from pipetrain.plan import profile_device
+    from pipetrain.execution import profile_device
 
     if profile_device(config) != "cpu":
         return ""

@@ -33,7 +33,8 @@ from pipetrain.planner.memory import (GB, RankMemory, gb_text, loss_rank_bytes, 
                                       rank_memory, sync_copy_bytes)
 from pipetrain.planner.space import Candidate
 from pipetrain.planner.workload import Device, Workload
-from pipetrain.plan import GradReduce, LayoutInputs, SimulatedPlan, overlaps, simulate_layout
+from pipetrain.execution import overlaps
+from pipetrain.plan import GradReduce, LayoutInputs, SimulatedPlan, simulate_layout
 from pipetrain.schedules import registry
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.reduce_cost import DTYPE_BYTES

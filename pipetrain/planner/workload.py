@@ -67,7 +67,7 @@ class Device:
     ep_gbs: float = 50.0  # bandwidth of the expert-parallel all-to-alls (cluster.ep_bandwidth_gbs)
     cp_gbs: float = 150.0  # bandwidth of the context-parallel K/V exchanges (cluster.cp_bandwidth_gbs)
     cp_rotate: str = "allgather"  # parallel.cp_rotate: how cp rows' attention reaches the other K/V
-    fb_overlap: str = "off"  # pipeline.fb_overlap (auto: on CPU ranks; plan.overlaps decides per row)
+    fb_overlap: str = "off"  # pipeline.fb_overlap (auto: on CPU ranks; execution.overlaps decides per row)
     optim_gbs: float = 0.0  # memory bandwidth of the optimizer step (0: not timed)
     margin: float = 0.05  # fraction added for fragmentation and workspaces
     action_overhead_ms: float = 0.0  # added to every F, B, W and BW action (the executor's own time per action)
