@@ -9,6 +9,8 @@ The ring holds K/V blocks, never the gathered whole: its peak is this rank's blo
 flight at cp=2. Measured: allgather 0.510x (0.555x with the gathered K/V), ring 0.510x (at
 data.seq_len=2048: 0.533x, 0.578x and 0.510x; allgather's (T/cp, T) causal mask, one for every
 layer, is the part that grows with the sequence).
+The ring's logged step shows its K/V passes (runtime/collectives.py) in the timeline and in the Chrome
+trace inside the actions that ran them, their exposed time the cp/comm_ms the metrics report.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from _dist import spawn
+from test_moe_metrics import assert_inside_actions
 from pipetrain.plan import make_plan
 
 pytestmark = pytest.mark.dist
@@ -49,7 +52,13 @@ def cp_ranks(rank: int, world: int, out: Path, configs: dict) -> None:
         trainer = trainer_of(config, out / f"{how}{rank}")
         got[how] = one_step(trainer)
     record = trainer.train_step(measure=True)  # a logged step: its cp/ metrics reach rank 0's record
-    got["metrics"] = record.measurement.record() if record.measurement is not None else None
+    m = record.measurement
+    got["metrics"] = m.record() if m is not None else None
+    if m is not None:
+        from pipetrain.loggers.trace import measured_trace
+
+        got["trace"], got["timeline"] = measured_trace(m), m.timeline_rows()
+        got["cp_ms"] = [m.collective_ms(r, "cp") for r in range(len(m.samples))]
     torch.save(got, out / f"rank{rank}.pt")
 
 
@@ -75,3 +84,8 @@ def test_cp2_activations_per_rank_are_at_most_055x_of_cp1(compose, tmp_path):
     metrics = torch.load(tmp_path / "rank0.pt")["metrics"]  # the ring's logged step, as loggers get it
     assert metrics["cp/peak_kv_gb"] == metrics["cp/peak_kv_gb/rank0"] == pytest.approx(2 * block * 1e-9), metrics
     assert metrics["cp/kv_bytes"] > 0 and metrics["cp/comm_ms"] > 0 and metrics["cp/gathered_kv_gb"] == 0
+    got = torch.load(tmp_path / "rank0.pt")
+    assert assert_inside_actions(got["trace"], "cp") == {"cp:ring", "cp:ring B"}
+    assert {row["step"] for row in got["timeline"] if row["op"] == "cp"} == {"cp:ring", "cp:ring B"}
+    (total, exposed), = got["cp_ms"]  # one pipeline rank; its blocked time is what cp/comm_ms counted
+    assert 0 < exposed <= total and exposed == pytest.approx(metrics["cp/comm_ms/rank0"], rel=0.05, abs=0.2)

@@ -5,7 +5,9 @@ one, a shared expert, the aux balance loss) with half of every MoE layer's exper
 microbatches. Every F&B pair runs interleaved (pipeline.fb_overlap=on: all-to-alls started async and
 waited where their result is read) and serially by nodes ("serial"): the losses and every gradient
 are bitwise equal, both ranks started the same all-to-alls in the same order, and the interleaved run
-equals one process training on both ranks' microbatches with all the experts within 1e-5.
+equals one process training on both ranks' microbatches with all the experts within 1e-5. The
+measured steps carry every all-to-all inside the action that ran it (runtime/collectives.py): whole
+stages ("off") block in each, the interleaved pairs hide part of theirs, as the metrics and trace show.
 """
 
 from __future__ import annotations
@@ -46,12 +48,16 @@ def ep_rank(rank: int, world: int, out) -> None:
 
     set_aux_loss_scale(1.0 / M)  # each rank's objective: the mean over its M microbatches
     got = {}
-    for mode in ("serial", "on"):
+    for mode in ("off", "serial", "on"):
         stages = stages_of(rank)
         ex = Executor(registry.build("dualpipev", 1, M, 2), 0, stages, comm=None, fb_overlap=mode)
+        result = ex.step(rank_batches(rank))  # measured (Executor.measure): timings with their collectives
+        if mode == "off":
+            got[mode] = {"timings": result.timings, "step_ms": result.step_ms}
+            continue
         assert ex.nodes is not None and ex.nodes.interleave == (mode == "on")
-        loss = ex.step(rank_batches(rank)).loss
-        got[mode] = {"loss": loss, "log": list(ex.nodes.log.started), "a2a": ex.nodes.log.summary(),
+        got[mode] = {"loss": result.loss, "log": list(ex.nodes.log.started), "a2a": ex.nodes.log.summary(),
+                     "timings": result.timings, "step_ms": result.step_ms,
                      "spans": [span[0] for span in ex.nodes.log.spans],
                      "grads": {n: p.grad for st in stages.values() for n, p in st.named_parameters()}}
     torch.save(got, out / f"rank{rank}.pt")
@@ -72,9 +78,15 @@ def reference():
     return total / (EP * M), {n: p.grad for n, p in model.named_parameters()}
 
 
-def test_interleaved_fb_equals_serial_bitwise_and_one_process(tmp_path):
-    spawn(ep_rank, EP, tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(EP)]
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fb")
+    spawn(ep_rank, EP, out)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(EP)]
+
+
+def test_interleaved_fb_equals_serial_bitwise_and_one_process(ep_runs):
+    ranks = ep_runs
     ref_loss, ref_grads = reference()
     for r, got in enumerate(ranks):
         on, serial = got["on"], got["serial"]
@@ -105,6 +117,39 @@ def test_interleaved_fb_equals_serial_bitwise_and_one_process(tmp_path):
             if ".experts." in n:
                 e = g.shape[0]
                 torch.testing.assert_close(g / EP, ref_grads[n][r * e:(r + 1) * e], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_the_all_to_alls_reach_the_timeline_trace_and_metrics(ep_runs):
+    """Each rank's step as the trainer measures it (one pipeline rank per EP rank): every all-to-all
+    inside its action, moe/a2a_* from them, whole stages all exposed, the interleaved pairs' labels
+    those of the node log (and the counts exchanges beside them)."""
+    from pipetrain.loggers.trace import measured_trace
+    from pipetrain.metrics import names
+    from pipetrain.metrics.measure import measure_step
+    from pipetrain.metrics.records import RankSample
+    from pipetrain.schedules import registry
+    from test_moe_metrics import assert_inside_actions
+
+    sched = registry.build("dualpipev", 1, M, 2)
+    for got in ep_runs:
+        m = {mode: measure_step(1, sched, [RankSample(0, run["step_ms"], run["timings"])])
+             for mode, run in got.items()}
+        rec = {mode: mm.record() for mode, mm in m.items()}
+        off, on = rec["off"], rec["on"]
+        assert off[names.MOE_A2A_EXPOSED_MS] == off[names.MOE_A2A_MS] > 0 and off[names.MOE_A2A_OVERLAP] == 0
+        assert 0 < on[names.MOE_A2A_EXPOSED_MS] < on[names.MOE_A2A_MS] and 0 < on[names.MOE_A2A_OVERLAP] < 1
+        labels = assert_inside_actions(measured_trace(m["off"]), "ep")
+        assert labels == {"a2a:counts", "a2a:dispatch", "a2a:combine", "a2a:dispatch B", "a2a:combine B"}
+        events = [c for t in got["on"]["timings"] for c in t.collectives if c.group == "ep"]
+        assert sorted(c.label for c in events if c.label != "a2a:counts") == sorted(got["on"]["spans"])
+        # every node of every interleaved pair is on the trace's nodes row, inside its action
+        nodes = {c.label for t in got["on"]["timings"] for c in t.collectives if c.group == "node"}
+        assert {"attn L1 mb0 F", "experts L1 mb0 F", "post L1 mb0 B"} <= nodes
+        assert assert_inside_actions(measured_trace(m["on"]), "node") == nodes
+        assert all(c.start_ms <= c.wait_from_ms <= c.end_ms for c in events)
+        assert assert_inside_actions(measured_trace(m["on"]), "ep") >= set(got["on"]["spans"])
+        rows = m["on"].timeline_rows()
+        assert {r["step"] for r in rows if r["op"] == "ep"} == {c.label for c in events}
 
 
 TIMEOUT_S = 3.0

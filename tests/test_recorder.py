@@ -92,6 +92,54 @@ def test_an_unmeasured_step_records_nothing_but_the_loss():
         (2.0, [], [], 0.0, None, 0)
 
 
+@pytest.mark.pure
+def test_collectives_reach_the_action_running_only_while_a_step_is_measured():
+    """runtime/collectives.py: from begin_step to end_step the recorder is the sink; an all-to-all
+    blocking from its start, one started early and waited later (node mode), and a node's span go to
+    the step that ran them; the trace draws the two overlapping all-to-alls on two rows, the node on its own."""
+    from pipetrain.loggers.trace import measured_trace
+    from pipetrain.metrics.measure import measure_step
+    from pipetrain.metrics.records import RankSample
+    from pipetrain.runtime import collectives
+
+    rec = StepRecorder(torch.device("cpu"), ["0F0", "0B0"], reducer=None)
+    rec.clock = counting_clock()
+    Recorder().begin_step()  # an unmeasured step: nothing to report to
+    assert collectives.sink() is None
+    rec.begin_step()  # mark 0
+    tap = collectives.sink()
+    assert tap is rec
+    rec.begin(0)  # 1
+    t0 = tap.mark()  # 2
+    tap.collective("ep", "a2a:dispatch", 64, t0, t0)  # arrived at 3: blocking, all exposed
+    rec.part_done()  # 4
+    rec.begin(1)  # 5
+    early = tap.mark()  # 6
+
+    def attn() -> None:  # a node, from mark 7 to 13
+        t1 = tap.mark()  # 8
+        tap.collective("ep", "a2a:combine B", 32, t1, tap.mark())  # waited from 9, arrived at 10
+        tap.collective("ep", "a2a:dispatch B", 16, early, tap.mark())  # issued at 6, waited from 11, arrived at 12
+
+    collectives.run_node(attn, "attn", "0", 0, "B")
+    rec.part_done()  # 14
+    rec.end_compute()
+    rec.end_step()
+    assert collectives.sink() is None  # past the step: unmeasured again
+    ran: list[int] = []
+    collectives.run_node(lambda: ran.append(1), "attn", "0", 1, "F")  # runs, and reports nothing
+    assert ran == [1] and len(rec._colls) == 4
+    fwd, bwd = rec.result(None, {}).timings
+    (a,) = fwd.collectives
+    assert (a.group, a.label, a.nbytes, a.start_ms, a.total_ms, a.exposed_ms) == ("ep", "a2a:dispatch", 64, 2, 1, 1)
+    assert [(c.label, c.start_ms, c.wait_from_ms, c.end_ms) for c in bwd.collectives] == [
+        ("a2a:dispatch B", 6, 11, 12), ("attn L0 mb0 B", 7, 13, 13), ("a2a:combine B", 8, 9, 10)]  # by issue
+    m = measure_step(1, registry.build("1f1b", 1, 1), [RankSample(0, 15.0, [fwd, bwd])])
+    rows = {e["tid"]: e["args"]["name"] for e in measured_trace(m)["traceEvents"] if e["name"] == "thread_name"}
+    assert sorted(rows.values()) == ["rank 0 (stage 0)", "rank 0 all-to-all / cp", "rank 0 all-to-all / cp 2",
+                                     "rank 0 nodes"]
+
+
 def grads_of(rp) -> dict[str, torch.Tensor]:
     return {f"{s}.{n}": p.grad.clone() for s, n, p in rp.named_parameters()}
 

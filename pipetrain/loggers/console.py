@@ -8,7 +8,8 @@
     time of any rank, measured and simulated); mem and act are per rank (the most of any rank:
     under context parallel a rank's share of the sequence), and under context parallel
     `| cp kv 16.8MB 99ms (gathered 8.4MB)` after them (cp/: the most K/V traffic and blocked time
-    of any rank, and the gathered K/V kept for backward, a part of act),
+    of any rank, and the gathered K/V kept for backward, a part of act), and under expert parallel
+    `| a2a 40ms (exposed 12ms)` (moe/: the step's all-to-all time per rank, and of it blocked in waits),
   - at the end, a per-rank table of the last step (measured vs simulated bubble, peak memory
     and its activation share, ms in F/B/W/BW and blocked in receives) and the measured
     timeline of one step (logging.trace_step), drawn by the simulator's own renderer.
@@ -59,6 +60,8 @@ def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> 
                      + (f" (gathered {human_bytes(gathered * 1e9)})" if gathered else ""))
     if r.get(names.MOE_IMBALANCE) is not None:  # max / mean tokens per expert, mean over MoE blocks
         parts.append(f"| moe imbalance {r[names.MOE_IMBALANCE]:.2f}")
+    if r.get(names.MOE_A2A_MS) is not None:  # expert parallel: all-to-all ms per rank, and of it blocked
+        parts.append(f"| a2a {r[names.MOE_A2A_MS]:.0f}ms (exposed {r[names.MOE_A2A_EXPOSED_MS]:.0f}ms)")
     if eta_s is not None:
         parts.append(f"| eta {eta_s:.0f}s")
     return " ".join(parts)

@@ -9,7 +9,12 @@ receive; each send is an instant event with a flow arrow to the receive that too
 A counter per rank shows the live activation sets, as schedule_trace.json does for the
 simulated schedule. Under data parallel each rank's gradient reductions get a row under the
 rank, each drawn from its issue to when the executor saw it done (between actions, or in
-the step's final wait).
+the step's final wait). The collectives inside the actions (runtime/collectives.py) get rows of their
+own under the rank, "rank r all-to-all / cp": each expert-parallel all-to-all ("a2a:dispatch",
+"a2a:combine B", node mode's "a2a:dispatch L3 mb5 F") and each cp transfer ("cp:allgather",
+"cp:ring") from its issue to its arrival, with its bytes and exposed ms, and a "blocked" slice
+inside it where the rank waited for part of it only (all-to-alls in flight at once take a row
+each); a stage run node by node shows its nodes on a row "rank r nodes".
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ from typing import Any, Optional
 from pipetrain.loggers.base import Logger
 from pipetrain.metrics import names
 from pipetrain.metrics.measure import StepMeasurement
-from pipetrain.metrics.records import CommEvent
+from pipetrain.metrics.records import CollectiveEvent, CommEvent
 from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.schedules.export import ChromeTrace, rounded
 from pipetrain.schedules.render import op_name
 from pipetrain.schedules.simulate import live_activations
 
-CNAME = {"F": "rail_response", "B": "rail_load", "W": "rail_idle", "BW": "good", "F&B": "rail_animation"}
+CNAME = {"F": "rail_response", "B": "rail_load", "W": "rail_idle", "BW": "good", "F&B": "rail_animation",
+         "ep": "thread_state_iowait", "cp": "olive", "node": "thread_state_running"}
 WHAT = {"act": "activation", "grad": "input gradient"}
 
 
@@ -80,6 +86,33 @@ def _rank_events(trace: ChromeTrace, m: StepMeasurement, r: int) -> None:
                      "compute_ms": rounded(t.compute_ms, 4), "wait_ms": rounded(t.wait_ms, 4)}, cname=CNAME[op])
 
 
+def _lanes(events: list[CollectiveEvent]) -> list[list[CollectiveEvent]]:
+    """Events in rows where none overlaps another (a viewer nests the slices of one row)."""
+    lanes: list[list[CollectiveEvent]] = []
+    for e in sorted(events, key=lambda c: c.start_ms):
+        lane = next((lane for lane in lanes if lane[-1].end_ms <= e.start_ms), None)
+        if lane is None:
+            lanes.append(lane := [])
+        lane.append(e)
+    return lanes
+
+
+def _collectives(trace: ChromeTrace, m: StepMeasurement, r: int, tid: int) -> int:
+    """Rank r's collectives and nodes on rows from `tid` on, right under the rank's; the next free tid."""
+    events = [c for t in m.samples[r].timings for c in t.collectives]
+    off = m.offsets_ms[r]
+    for kind, name in (("comm", "all-to-all / cp"), ("node", "nodes")):
+        for i, lane in enumerate(_lanes([c for c in events if (c.group == "node") == (kind == "node")])):
+            trace.thread(tid, f"rank {r} {name}" + (f" {i + 1}" if i else ""), sort_index=2 * r + 1)
+            for c in lane:
+                trace.slice(tid, c.label, c.group, off + c.start_ms, c.total_ms,
+                            {"bytes": c.nbytes, "exposed_ms": rounded(c.exposed_ms, 4)}, cname=CNAME[c.group])
+                if 0 < c.exposed_ms < c.total_ms:
+                    trace.slice(tid, "blocked", "blocked", off + c.wait_from_ms, c.exposed_ms, {}, cname="grey")
+            tid += 1
+    return tid
+
+
 def measured_trace(m: StepMeasurement) -> dict[str, Any]:
     """Chrome trace event format of one measured step (see the module docstring)."""
     sched = m.schedule
@@ -92,5 +125,8 @@ def measured_trace(m: StepMeasurement) -> dict[str, Any]:
         trace.counter(f"live activations rank {r}", live_activations(m.measured.timeline[r]))
     for r, lane in enumerate(m.measured.reductions):
         trace.reductions(r, P, [(sp.stage, sp.start, sp.end) for sp in lane], cname="generic_work")
+    tid = 2 * P  # after the ranks' rows and their reductions' (ChromeTrace.reductions: P + r)
+    for r in range(P):
+        tid = _collectives(trace, m, r, tid)
     return trace.to_json({"step": m.step, "schedule": sched.name, names.BUBBLE: m.bubble_mean,
                           names.BUBBLE_SIM: m.simulated.bubble_fraction_mean})

@@ -17,6 +17,10 @@
     gradient reductions after its last action) beside the simulator's, whose communication
     lane takes each stage's reduction as bytes over `cluster.dp_bandwidth_gbs` (plan.reduce_ms),
     and the step time with it (`makespan_with_reduce`) measured and simulated.
+  - The collectives inside each action (expert parallel's all-to-alls, context parallel's K/V
+    traffic: runtime/collectives.py) in the timeline, beside their action, and the step's
+    all-to-all time, total and exposed, as `moe/a2a_*`. A collective's exposed time stays inside
+    its action's compute time (the bubble counts point-to-point waits only, as the simulator does).
 
 Pure Python, no torch: rank 0 runs this on gathered `RankSample`s.
 """
@@ -106,6 +110,11 @@ class StepMeasurement:
     def wait_ms(self, rank: int) -> float:
         return sum(t.wait_ms for t in self.samples[rank].timings)
 
+    def collective_ms(self, rank: int, group: str) -> tuple[float, float]:
+        """(total, exposed) ms of a rank's collectives of `group` ("ep", "cp") in this step."""
+        events = [c for t in self.samples[rank].timings for c in t.collectives if c.group == group]
+        return sum(c.total_ms for c in events), sum(c.exposed_ms for c in events)
+
     @property
     def data_parallel(self) -> bool:
         """Whether the step reduced gradients over data parallel (the schedule has REDUCE_GRAD marks)."""
@@ -135,18 +144,23 @@ class StepMeasurement:
         return rows
 
     def timeline_rows(self) -> list[dict[str, Any]]:
-        """Every measured step on the common axis (ms from the earliest rank's start)."""
+        """Every measured step on the common axis (ms from the earliest rank's start), each followed by
+        the collectives inside it: op their group ("ep", "cp", "node"), step their label, wait_ms the
+        time the rank sat blocked in them, compute_ms 0."""
         rows = []
         for r, s in enumerate(self.samples):
             steps, off = self.schedule.steps[r], self.offsets_ms[r]
             for t in s.timings:
                 parts = steps[t.index].parts()
+                where = {"stage": parts[0].stage, "microbatch": parts[0].microbatch}
                 rows.append({
-                    "rank": r, "step": t.step, "op": "F&B" if len(parts) > 1 else parts[0].op.value,
-                    "stage": parts[0].stage, "microbatch": parts[0].microbatch,
+                    "rank": r, "step": t.step, "op": "F&B" if len(parts) > 1 else parts[0].op.value, **where,
                     "start_ms": rounded(off + t.start_ms), "end_ms": rounded(off + t.end_ms),
                     "compute_ms": rounded(t.compute_ms), "wait_ms": rounded(t.wait_ms),
                 })
+                rows += [{"rank": r, "step": c.label, "op": c.group, **where, "start_ms": rounded(off + c.start_ms),
+                          "end_ms": rounded(off + c.end_ms), "compute_ms": 0.0, "wait_ms": rounded(c.exposed_ms)}
+                         for c in t.collectives]
         return rows
 
     def record(self) -> dict[str, Any]:
@@ -169,6 +183,7 @@ class StepMeasurement:
                                                                         ("w_ms", costs.w))}),
         }
         out.update(names.moe_metrics([s.moe for s in self.samples]))
+        out.update(names.a2a_metrics([self.collective_ms(r, "ep") for r in range(len(self.samples))]))
         out.update(names.cp_metrics([s.cp for s in self.samples]))
         reserved = [s.cuda_reserved_bytes for s in self.samples]
         if all(b is not None for b in reserved):  # on GPU

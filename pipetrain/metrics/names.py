@@ -24,7 +24,11 @@ wandb and TensorBoard.
              (imbalance: max / mean tokens per expert over the step, 1 = even; aux_loss and dropped
              per forward; the aux_free bias's largest magnitude) and their mean over blocks
              `moe/imbalance`; the measured pipeline's tokens (a block held twice, DualPipe's
-             mirror: the mean of its copies)
+             mirror: the mean of its copies); under expert parallel a2a_ms (the step's all-to-alls, the
+             counts exchanges included, from issue to arrival), a2a_exposed_ms (of it, the time the rank
+             sat blocked waiting: all of it when whole stages run, each all-to-all blocking), per rank under
+             /rank<r> and their mean, and a2a_overlap = 1 - a2a_exposed_ms / a2a_ms (the share hidden under
+             compute: 0 for whole stages, up to 1 with pipeline.fb_overlap's interleaved F&B pairs)
 
 A per-rank or per-stage value is its own scalar (`memory/peak_gb/rank0`), so every logger takes
 the same flat {name: number} dict. Pure Python.
@@ -39,6 +43,7 @@ FIRST_LOSS, SKIPPED_STEPS, TOKENS = "train/first_loss", "train/skipped_steps", "
 FIRST_LOSS_STEP, RESUMED_AT = "train/first_loss_step", "train/resumed_at"
 TOKENS_PER_S, STEP_TIME, MFU = "perf/tokens_per_s", "perf/step_time_s", "perf/mfu"
 MOE_IMBALANCE = "moe/imbalance"
+MOE_A2A_MS, MOE_A2A_EXPOSED_MS, MOE_A2A_OVERLAP = "moe/a2a_ms", "moe/a2a_exposed_ms", "moe/a2a_overlap"
 BUBBLE, BUBBLE_SIM = "pipeline/bubble_measured", "pipeline/bubble_simulated"
 MAKESPAN, MAKESPAN_SIM = "pipeline/makespan_ms", "pipeline/makespan_simulated_ms"
 REDUCE, REDUCE_SIM = "pipeline/reduce_exposed_ms", "pipeline/reduce_exposed_simulated_ms"
@@ -91,6 +96,19 @@ def moe_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     if blocks:
         out[MOE_IMBALANCE] = sum(blocks) / len(blocks)
     return out
+
+
+def a2a_metrics(per_rank_ms: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """The step's expert-parallel all-to-all time from each measured rank's (total ms, exposed ms): each
+    per rank and their mean, and the share of the mean hidden under compute ({} without all-to-alls)."""
+    if not any(total for total, _ in per_rank_ms):
+        return {}
+    total = sum(t for t, _ in per_rank_ms) / len(per_rank_ms)
+    exposed = sum(e for _, e in per_rank_ms) / len(per_rank_ms)
+    return {MOE_A2A_MS: round(total, 6), MOE_A2A_EXPOSED_MS: round(exposed, 6),
+            MOE_A2A_OVERLAP: round(1.0 - exposed / total, 6),
+            **per_rank(MOE_A2A_MS, [round(t, 6) for t, _ in per_rank_ms]),
+            **per_rank(MOE_A2A_EXPOSED_MS, [round(e, 6) for _, e in per_rank_ms])}
 
 
 def cp_metrics(stats: Sequence[dict[str, float]]) -> dict[str, Any]:

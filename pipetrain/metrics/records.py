@@ -1,6 +1,7 @@
 """What one rank measured in one step, as plain picklable values (no torch).
 
-The executor fills `ActionTiming` and `CommEvent` (runtime/executor.py); the trainer wraps
+The executor fills `ActionTiming` (with the collectives inside each action: `CollectiveEvent`)
+and `CommEvent` (runtime/executor.py, runtime/recorder.py); the trainer wraps
 them with the rank's memory into a `RankSample`, and at a logged step every rank's sample
 travels to rank 0 in one `gather_object` (train/monitor.py), where metrics/measure.py turns
 them into measured bubbles, the simulator's prediction and a timeline.
@@ -18,6 +19,28 @@ from typing import Optional
 
 
 @dataclass(frozen=True)
+class CollectiveEvent:
+    """One collective inside an action (runtime/collectives.py): an expert-parallel all-to-all, context
+    parallel's K/V traffic, or (group "node") a node of a node-by-node stage, which has no bytes or wait."""
+
+    group: str  # "ep", "cp" or "node"
+    label: str  # "a2a:dispatch", "a2a:combine B" (its backward), "a2a:dispatch L3 mb5 F" (node mode), "cp:ring"
+    nbytes: int  # ep: the all-to-all's output (own rows included); cp: what arrived from the other ranks
+    start_ms: float  # issued
+    wait_from_ms: float  # this rank began to wait for it (= start_ms: a blocking collective; = end_ms: a node)
+    end_ms: float  # its wait returned (gloo says no earlier: an upper bound of the transfer's end)
+
+    @property
+    def total_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    @property
+    def exposed_ms(self) -> float:
+        """Time this rank sat blocked waiting for it (what compute did not hide)."""
+        return self.end_ms - self.wait_from_ms
+
+
+@dataclass(frozen=True)
 class ActionTiming:
     index: int  # position in the rank's step list
     step: str  # text form, e.g. "0F3" or "0F6&7BW2"
@@ -25,6 +48,7 @@ class ActionTiming:
     end_ms: float
     wait_ms: float = 0.0  # of [start_ms, end_ms], time blocked in point-to-point receives
     part_ms: tuple[float, ...] = ()  # compute time of each part (an F&B pair: forward's, backward's)
+    collectives: tuple[CollectiveEvent, ...] = ()  # all-to-alls and cp traffic inside it, in issue order
 
     @property
     def compute_ms(self) -> float:

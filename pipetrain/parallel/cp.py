@@ -22,6 +22,8 @@ What the cp traffic costs is counted per rank in a `CPStats` (ContextAttention.s
 by `take()` at a logged step): K/V bytes that arrived from the group (gradients included), host ms
 blocked in the cp collectives, gathered K/V the forwards keep for backward, and the most K/V bytes
 (this rank's own block, blocks gathered or in the ring) held at once (tests/test_cp_memory.py).
+In a measured step each collective also reaches the step's record, inside the action that ran it
+(runtime/collectives.py: the Chrome trace's cp row), its exposed time the same wait comm_ms counts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from pipetrain.runtime import collectives
 
 SEQ = 2  # (B, heads, T, head_dim): the sequence dimension attention's inputs carry
 
@@ -67,16 +71,23 @@ class CPStats:
 
 
 class _Blocked:
-    """`with _Blocked(stats):` adds the host time inside to stats.comm_ms."""
+    """`with _Blocked(stats, label, nbytes):` adds the host time inside to stats.comm_ms, and a measured
+    step gets the collective (runtime/collectives.py) as issued at mark `started` (None: on entry,
+    a blocking one) and waited for inside: its exposed time is what comm_ms counts."""
 
-    def __init__(self, stats: CPStats) -> None:
-        self.stats = stats
+    def __init__(self, stats: CPStats, label: str, nbytes: int, started: Optional[int] = None) -> None:
+        self.stats, self.label, self.nbytes, self.started = stats, label, nbytes, started
 
     def __enter__(self) -> None:
+        self.tap = collectives.sink()
+        self.waited = self.tap.mark() if self.tap is not None else 0
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
         self.stats.comm_ms += (time.perf_counter() - self.t0) * 1e3
+        if self.tap is not None:
+            started = self.waited if self.started is None else self.started
+            self.tap.collective("cp", self.label, self.nbytes, started, self.waited)
 
 
 def positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -97,7 +108,7 @@ class _GatherSeq(torch.autograd.Function):
     def forward(ctx, x, g, stats):  # type: ignore[override]
         ctx.g, ctx.stats = g, stats
         parts = x.new_empty((g.size, *x.shape))
-        with _Blocked(stats):
+        with _Blocked(stats, "cp:allgather", (g.size - 1) * x.nbytes):
             dist.all_gather_into_tensor(parts.view(g.size * x.shape[0], *x.shape[1:]), x.contiguous(), group=g.group)
         stats.kv_bytes += (g.size - 1) * x.nbytes
         out = torch.cat(list(parts), dim=SEQ)
@@ -109,7 +120,7 @@ class _GatherSeq(torch.autograd.Function):
         g = ctx.g
         chunks = torch.stack(grad.chunk(g.size, dim=SEQ)).contiguous()  # (cp, B, KV, T/cp, hd)
         out = grad.new_empty(chunks.shape[1:])
-        with _Blocked(ctx.stats):
+        with _Blocked(ctx.stats, "cp:reduce_scatter", (g.size - 1) * out.nbytes):
             dist.reduce_scatter_tensor(out, chunks.view(-1, *chunks.shape[2:]), group=g.group)
         ctx.stats.kv_bytes += (g.size - 1) * out.nbytes
         return out, None, None
@@ -152,8 +163,9 @@ def _fold(dx: torch.Tensor, kv: int) -> torch.Tensor:
 class _Ring:
     """One ring pass: this rank's tensors go to rank+1, rank-1's arrive (batched isend / irecv)."""
 
-    def __init__(self, g: CPGroup, stats: CPStats) -> None:
-        self.g, self.stats = g, stats
+    def __init__(self, g: CPGroup, stats: CPStats, label: str) -> None:
+        self.g, self.stats, self.label = g, stats, label
+        self.started, self.nbytes = None, 0  # the pass in flight: its start mark (measured steps), bytes
         ranks = g.ranks or tuple(range(g.size))
         self.next, self.prev = ranks[(g.rank + 1) % g.size], ranks[(g.rank - 1) % g.size]
 
@@ -161,11 +173,14 @@ class _Ring:
         incoming = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # dense, as P2P needs
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, group=self.g.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.prev, group=self.g.group) for t in incoming]
-        self.stats.kv_bytes += sum(t.nbytes for t in incoming)
+        self.nbytes = sum(t.nbytes for t in incoming)
+        self.stats.kv_bytes += self.nbytes
+        tap = collectives.sink()
+        self.started = tap.mark() if tap is not None else None
         return incoming, dist.batch_isend_irecv(ops)
 
     def wait(self, works: list) -> None:
-        with _Blocked(self.stats):
+        with _Blocked(self.stats, self.label, self.nbytes, self.started):
             for w in works:
                 w.wait()
 
@@ -184,7 +199,7 @@ def _block(q, k, v, qpos, kpos, scale):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, seq_len, scale, stats):  # type: ignore[override]
-        heads, ring = q.shape[1], _Ring(g, stats)
+        heads, ring = q.shape[1], _Ring(g, stats, "cp:ring")
         qpos = positions(seq_len, g.size, g.rank).to(q.device)
         acc = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, Tq)
@@ -216,7 +231,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         g, seq_len, scale = ctx.g, ctx.seq_len, ctx.scale
-        heads, kv, ring = q.shape[1], k.shape[1], _Ring(g, ctx.stats)
+        heads, kv, ring = q.shape[1], k.shape[1], _Ring(g, ctx.stats, "cp:ring B")
         qpos = positions(seq_len, g.size, g.rank).to(q.device)
         qf, dof = q.float(), dout.float()
         delta = (dof * out.float()).sum(-1, keepdim=True)  # (B, H, Tq, 1)

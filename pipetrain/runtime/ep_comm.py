@@ -14,6 +14,8 @@ Both all-to-alls are autograd functions whose backward is the reverse all-to-all
 gradient (B) carries them back; the counts need no gradient. Every rank of an EP group runs the
 same schedule on the same stage, so their all-to-alls come in the same order (what NCCL needs:
 one communicator's collectives run in issue order). gloo implements the uneven all-to-all on the CPU.
+In a measured step each all-to-all here (the counts exchange too) reaches the step's record inside
+the action that ran it (runtime/collectives.py): the Chrome trace and moe/a2a_ms.
 
 Node-level execution (runtime/nodes.py) drives the pieces itself: `exchange` (counts, blocking),
 `start` -> `Started.wait()` (the all-to-all without autograd, async_op=True: gloo runs it on its
@@ -22,6 +24,7 @@ worker threads while this thread computes), `expert_major` / `source_major` (the
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple, Optional
@@ -29,39 +32,53 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from pipetrain.runtime import collectives
+
 
 @dataclass(frozen=True)
 class EPGroup:
     group: Optional[dist.ProcessGroup]
     size: int
     rank: int  # this rank's ep index: it holds experts [rank E/ep, (rank + 1) E/ep)
+    # An emulated network latency per token all-to-all (bench/moe_fb_overlap.py's deterministic
+    # variant): its output is ready no sooner than delay_s after its start. A sleep in `wait`, so it
+    # costs no CPU: a blocking all-to-all pays it whole, an overlapped one hides it under compute.
+    delay_s: float = 0.0
 
 
 class _AllToAll(torch.autograd.Function):
     """Rows `in_splits[r]` of x to rank r, `out_splits[r]` rows from rank r; backward the reverse."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, g):  # type: ignore[override]
-        ctx.splits, ctx.g = (out_splits, in_splits), g
-        return _all_to_all(x, out_splits, in_splits, g)
+    def forward(ctx, x, out_splits, in_splits, g, what):  # type: ignore[override]
+        ctx.splits, ctx.g, ctx.what = (out_splits, in_splits), g, what
+        return _all_to_all(x, out_splits, in_splits, g, f"a2a:{what}")
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits, ctx.g), None, None, None
+        return _all_to_all(grad, in_splits, out_splits, ctx.g, f"a2a:{ctx.what} B"), None, None, None, None
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGroup) -> torch.Tensor:
-    return start(x, out_splits, in_splits, g).wait()
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGroup, label: str) -> torch.Tensor:
+    """Blocking (whole-stage execution): the time from its start to its end is all exposed; a measured
+    step's record gets it (runtime/collectives.py)."""
+    tap = collectives.sink()
+    t0 = tap.mark() if tap is not None else 0
+    out = start(x, out_splits, in_splits, g).wait()
+    if tap is not None:
+        tap.collective("ep", label, out.nbytes, t0, t0)  # bytes: its output, this rank's own rows included
+    return out
 
 
 class Started:
     """An all-to-all in flight (gloo runs it on the group's worker threads): `wait()` -> its output."""
 
-    __slots__ = ("out", "work", "span")
+    __slots__ = ("out", "work", "span", "ready_at")
 
-    def __init__(self, out: torch.Tensor, work: Optional[dist.Work]) -> None:
+    def __init__(self, out: torch.Tensor, work: Optional[dist.Work], ready_at: float = 0.0) -> None:
         self.out, self.work = out, work
+        self.ready_at = ready_at  # perf_counter time before which wait() does not return (EPGroup.delay_s)
         self.span: Optional[list] = None  # the caller's timing record (runtime/nodes.py A2ALog)
 
     def wait(self, timeout_s: Optional[float] = None) -> torch.Tensor:
@@ -72,6 +89,9 @@ class Started:
             else:
                 self.work.wait(timedelta(seconds=timeout_s))
             self.work = None
+        if self.ready_at:
+            time.sleep(max(0.0, self.ready_at - time.perf_counter()))
+            self.ready_at = 0.0
         return self.out
 
 
@@ -80,7 +100,7 @@ def start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGro
     autograd (node-level execution issues the reverse itself, runtime/nodes.py)."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=g.group, async_op=True)
-    return Started(out, work)
+    return Started(out, work, time.perf_counter() + g.delay_s if g.delay_s else 0.0)
 
 
 class Routed(NamedTuple):
@@ -97,7 +117,11 @@ def exchange(counts: torch.Tensor, g: EPGroup, device: torch.device) -> tuple[to
     and expert-major order dispatch and combine use; a backward reuses them: no exchange there)."""
     local = counts.numel() // g.size
     mine = torch.empty_like(counts)  # from rank r: its counts for my experts, E/ep of them
+    tap = collectives.sink()
+    t0 = tap.mark() if tap is not None else 0
     dist.all_to_all_single(mine, counts.contiguous(), group=g.group)
+    if tap is not None:
+        tap.collective("ep", "a2a:counts", mine.nbytes, t0, t0)
     mine = mine.view(g.size, local)  # (ep sources, E/ep local experts)
     send = counts.view(g.size, local).sum(1).tolist()  # host values: the splits (one sync, as torchtitan)
     recv = mine.sum(1).tolist()
@@ -124,10 +148,10 @@ def dispatch(x: torch.Tensor, counts: torch.Tensor, g: EPGroup) -> tuple[torch.T
     """x (N, H) sorted by global expert id, counts (E,) per expert -> (this rank's rows (M, H) in
     local-expert-major order, their counts per local expert (E/ep,), what combine needs)."""
     local_counts, routed = exchange(counts, g, x.device)
-    rows = _AllToAll.apply(x, routed.recv, routed.send, g)  # (M, H): by source rank, then by local expert
+    rows = _AllToAll.apply(x, routed.recv, routed.send, g, "dispatch")  # (M, H): by source rank, then by local expert
     return expert_major(rows, routed), local_counts, routed
 
 
 def combine(y: torch.Tensor, routed: Routed, g: EPGroup) -> torch.Tensor:
     """The experts' rows (M, H) in dispatch's local order -> (N, H) back in x's order on its rank."""
-    return _AllToAll.apply(source_major(y, routed), routed.send, routed.recv, g)
+    return _AllToAll.apply(source_major(y, routed), routed.send, routed.recv, g, "combine")

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from pipetrain.runtime import collectives
 from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input
 from pipetrain.runtime.ep_comm import Started, start
 from pipetrain.runtime.stage_protocol import Node
@@ -33,7 +34,8 @@ class A2ALog:
     """Every all-to-all a rank starts in a step, in order, and when: per all-to-all a span
     [label, started, waited from, arrived] (perf_counter seconds; label as "a2a:dispatch L3 mb5 F").
     `arrived` is when the wait returned: gloo reports completion only through wait, so `total` is an
-    upper bound of the transfer and `exposed` (the time blocked in waits) is exact."""
+    upper bound of the transfer and `exposed` (the time blocked in waits) is exact. In a measured step
+    each also reaches the step's record on its clock (runtime/collectives.py: the trace, moe/a2a_*)."""
 
     def __init__(self, timeout_s: Optional[float] = None) -> None:
         self.timeout_s = timeout_s  # the longest wait for an all-to-all (None: the EP group's timeout)
@@ -42,12 +44,16 @@ class A2ALog:
     def begin_step(self) -> None:
         self.started: list[tuple[str, int, int, str, str]] = []  # (F|B, stage, microbatch, layer, node)
         self.spans: list[list] = []
+        self._marks: dict[int, int] = {}  # id(Started) in flight -> its start mark on the measured step's clock
 
     def start(self, side: str, stage: int, microbatch: int, node: Node, started: Started) -> Started:
         self.started.append((side, stage, microbatch, node.layer, node.name))
         now = time.perf_counter()
         started.span = [f"a2a:{node.name} L{node.layer} mb{microbatch} {side}", now, now, now]
         self.spans.append(started.span)
+        tap = collectives.sink()
+        if tap is not None:
+            self._marks[id(started)] = tap.mark()
         return started
 
     def ready(self, value: Any) -> Any:
@@ -55,9 +61,13 @@ class A2ALog:
         if not isinstance(value, Started):
             return value
         t0 = time.perf_counter()
+        tap = collectives.sink()
+        waited = tap.mark() if tap is not None else 0
         out = value.wait(self.timeout_s)
         if value.span is not None:
             value.span[2:] = [t0, time.perf_counter()]
+            if tap is not None and id(value) in self._marks:
+                tap.collective("ep", value.span[0], out.nbytes, self._marks.pop(id(value)), waited)
             value.span = None
         return out
 
@@ -107,7 +117,7 @@ class NodeForward:
 
     def run(self, node: Node) -> None:
         with _named("F", self.stage, self.microbatch, node):
-            self._run(node)
+            collectives.run_node(lambda: self._run(node), node.name, node.layer, self.microbatch, "F")
 
     def _run(self, node: Node) -> None:
         env = self.env
@@ -149,7 +159,7 @@ class NodeBackward:
 
     def run(self, rec: tuple[Node, Any, Any]) -> None:
         with _named("B", self.fwd.stage, self.fwd.microbatch, rec[0]):
-            self._run(rec)
+            collectives.run_node(lambda: self._run(rec), rec[0].name, rec[0].layer, self.fwd.microbatch, "B")
 
     def _run(self, rec: tuple[Node, Any, Any]) -> None:
         node, leaves, outs = rec

@@ -16,12 +16,16 @@ tells its recorder what happened, and the recorder turns that into the StepResul
   reduce_issued(s) / reduce_done(s)  a stage's gradient reduction started / was seen complete
   end_compute() / end_step()    after the last action and its sends / after every reduction
   synced()                      the step's closing loss all-reduce ended (every rank alike)
+  collective(...) / node(...)   (not called by the executor) an all-to-all or cp transfer, a node
+                                of a node-by-node stage, reported through runtime/collectives.py,
+                                where a measured step installs its recorder from begin_step to end_step
   result(loss, peak_recv)       the StepResult
 
 `Recorder` records nothing but the profiler ranges: an unmeasured step (the trainer measures
 its logged steps only, `Executor.measure`) pays a method call at each point and returns the loss
-alone. `StepRecorder` measures: times come from runtime/clock.py (perf_counter on CPU, CUDA
-events on GPU, read once after the step), each action's start and end, each part of an F&B
+alone (and uninstalls any collectives sink). `StepRecorder` measures: times come from
+runtime/clock.py (perf_counter on CPU, CUDA events on GPU, read once after the step), each
+action's start and end, the collectives inside it, each part of an F&B
 pair, and the time each receive kept the action waiting; a reduction's "seen done" is an upper
 bound of its end: the first part boundary after it completed, or the final wait.
 """
@@ -34,7 +38,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from pipetrain.metrics.records import ActionTiming, CommEvent
+from pipetrain.metrics.records import ActionTiming, CollectiveEvent, CommEvent
+from pipetrain.runtime import collectives
 from pipetrain.runtime.clock import StepClock
 from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.step_result import SavedBytes, StepResult
@@ -56,8 +61,11 @@ class Recorder:
     def _nothing(self, *args: object) -> None:
         """What an unmeasured step does at each point (the module docstring lists them)."""
 
-    begin_step = begin = part_done = sent = received = freed = _nothing
+    begin = part_done = sent = received = freed = _nothing
     reduce_issued = reduce_done = end_compute = end_step = synced = _nothing
+
+    def begin_step(self) -> None:
+        collectives.install(None)  # a measured step that raised may have left its recorder there
 
     def mark(self) -> int:
         return 0
@@ -107,9 +115,12 @@ class StepRecorder(Recorder):
         self._live = self._peak_bytes = self._peak_sets = 0
         self._compute_end = self._end = 0
         self._sync: Optional[int] = None
+        # (group, label, bytes, step, mark issued, mark waited from, mark arrived): runtime/collectives.py
+        self._colls: list[tuple[str, str, int, int, int, int, int]] = []
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.clock.start()
+        collectives.install(self)
 
     def begin(self, index: int) -> None:
         self._index, self._part = index, 0
@@ -131,6 +142,13 @@ class StepRecorder(Recorder):
 
     def received(self, msg: Message, since: int) -> None:
         self._comm.append(("recv", msg, self._index, self._part, since, self.clock.mark()))
+
+    def collective(self, group: str, label: str, nbytes: int, started: int, waited: int) -> None:
+        self._colls.append((group, label, nbytes, self._index, started, waited, self.clock.mark()))
+
+    def node(self, label: str, started: int) -> None:
+        end = self.clock.mark()
+        self._colls.append(("node", label, 0, self._index, started, end, end))
 
     def saving(self, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
         return _Saving(self, (stage, microbatch))
@@ -156,6 +174,7 @@ class StepRecorder(Recorder):
 
     def end_step(self) -> None:
         self._end = self.clock.mark()
+        collectives.install(None)
 
     def synced(self) -> None:
         self._sync = self.clock.mark()
@@ -190,10 +209,13 @@ class StepRecorder(Recorder):
                 waits[(index, part)] += t1 - t0
             peer = msg.src if direction == "recv" else msg.dst
             comm.append(CommEvent(direction, msg.kind, msg.stage, msg.microbatch, peer, index, t0, t1))
+        inside: dict[int, list[CollectiveEvent]] = defaultdict(list)  # step index -> its collectives
+        for group, label, nbytes, index, m0, m1, m2 in sorted(self._colls, key=lambda c: c[4]):  # by issue
+            inside[index].append(CollectiveEvent(group, label, nbytes, times[m0], times[m1], times[m2]))
         timings = []
         for index, (text, marks) in enumerate(zip(self._texts, self._spans)):
             t = [times[i] for i in marks]
             part_wait = [waits[(index, p)] for p in range(len(t) - 1)]
             part_ms = tuple(t[p + 1] - t[p] - part_wait[p] for p in range(len(t) - 1))
-            timings.append(ActionTiming(index, text, t[0], t[-1], sum(part_wait), part_ms))
+            timings.append(ActionTiming(index, text, t[0], t[-1], sum(part_wait), part_ms, tuple(inside[index])))
         return timings, comm

@@ -18,7 +18,8 @@ class StepResult:
     (`Executor.measure = False`) only `loss` and `peak_recv_buffer_bytes`."""
 
     loss: Optional[float]  # mean loss over the step's microbatches (None without a process group and no last stage)
-    timings: list[ActionTiming] = field(default_factory=list)  # one per step of the rank's list, with receive waits
+    # one per step of the rank's list, with receive waits and the collectives inside (runtime/collectives.py)
+    timings: list[ActionTiming] = field(default_factory=list)
     comm: list[CommEvent] = field(default_factory=list)  # every cross-rank send and receive of the step
     step_ms: float = 0.0
     # ms from the step's start to the end of its closing loss all-reduce, which every rank leaves
