@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -14,17 +16,24 @@ pytestmark = pytest.mark.e2e
 
 
 def test_quickstart_trains_with_a_falling_loss(tmp_path):
-    """`pipetrain` with no arguments: GPT-2 tiny, built-in corpus, 2 ranks, 1F1B, CPU."""
-    res = run_cli([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    """`pipetrain` with no arguments: GPT-2 tiny, built-in corpus, 2 ranks, 1F1B, CPU. .ci/run has just
+    run exactly that, as the README says, and names its run dir and output: then this checks that run
+    (the suite does not train the same 200 steps twice); anywhere else it runs it here."""
+    ran, printed = os.environ.get("PIPETRAIN_QUICKSTART_RUN"), os.environ.get("PIPETRAIN_QUICKSTART_OUT")
+    if ran and printed:
+        run, stdout = Path(ran), Path(printed).read_text()
+    else:
+        res = run_cli([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        run, stdout = tmp_path / "run", res.stdout
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 200
     assert summary["train/loss"] <= 0.8 * summary["train/first_loss"], summary
     assert summary["train/val_loss"] is not None and summary["train/val_loss"] < 0.8 * summary["train/first_loss"]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 1 and rows[-1]["step"] == 200 and len(rows) >= 20
-    assert "step 100/200" in res.stdout  # progress printed as it goes
-    assert (tmp_path / "run" / "simulate.json").exists()  # simulated before it launched
+    assert "step 100/200" in stdout  # progress printed as it goes
+    assert (run / "simulate.json").exists()  # simulated before it launched
 
 
 @pytest.mark.slow
