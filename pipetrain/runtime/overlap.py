@@ -2,11 +2,10 @@
 
 For an F&B pair F(s_f, m_f) & B|BW(s_b, m_b) whose stages run node by node (runtime/nodes.py), the
 forward's layers (ascending) are paired with the backward's (descending). An MoE pair under expert
-parallel runs in the order of the design note (C4.3, Megatron's with its combine split in post and
+parallel runs in schedules/fb_pairs.py's PAIR_ORDER (Megatron's, with its combine split in post and
 combine; `↑` an all-to-all started, waited by the first node that reads its result):
 
-  F.attn_i  B.post_j  B.combine_j↑  F.dispatch_i↑  B.experts_j  B.dispatch_j↑  F.experts_i  F.combine_i↑
-  B.attn_j  F.post_i
+  B.post  B.combine↑  F.attn  F.dispatch↑  B.experts  B.dispatch↑  F.experts  F.combine↑  B.attn  F.post
 
 so each all-to-all has the other microbatch's compute to hide behind. Any other pair of layers (dense,
 embedding, head) runs the forward layer then the backward one; unequal layer counts leave the rest of
@@ -29,19 +28,18 @@ import torch
 
 from pipetrain.runtime.nodes import A2ALog, NodeBackward, NodeForward, Step
 from pipetrain.runtime.stage_protocol import Node, OverlapStage
+from pipetrain.schedules.fb_pairs import MOE_NODES, PAIR_ORDER
 
 FB_OVERLAP = ("off", "auto", "on")
-_MOE = ("attn", "dispatch", "experts", "combine", "post")
-_PATTERN = "FBBFBBFFBF"  # C4.3 over (F: attn dispatch experts combine post, B: the reverse)
 
 
 def fb_order(forward: list[list[Step]], backward: list[list[Step]]) -> list[Step]:
     """The interleaved issue order of one F&B pair (module docstring)."""
     order: list[Step] = []
     for f, b in zip(forward, backward):
-        if tuple(n.name for n, _ in f) == _MOE and tuple(n.name for n, _ in b) == _MOE[::-1]:
-            fi, bi = iter(f), iter(b)
-            order += [next(fi) if side == "F" else next(bi) for side in _PATTERN]
+        if tuple(n.name for n, _ in f) == MOE_NODES and tuple(n.name for n, _ in b) == MOE_NODES[::-1]:
+            fi, bi = iter(f), iter(b)  # PAIR_ORDER takes each side's nodes in that side's run order
+            order += [next(fi) if side == "F" else next(bi) for side, _ in PAIR_ORDER]
         else:
             order += f + b
     k = min(len(forward), len(backward))

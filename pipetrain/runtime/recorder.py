@@ -154,7 +154,8 @@ class StepRecorder(Recorder):
         return _Saving(self, (stage, microbatch))
 
     def kept(self, key: tuple[int, int], nbytes: int) -> None:
-        self._act_bytes[key] = nbytes
+        # summed: node-level execution saves a forward's tensors node by node (one `saving` per node)
+        self._act_bytes[key] = self._act_bytes.get(key, 0) + nbytes
         self._live += nbytes
         self._peak_sets = max(self._peak_sets, len(self._act_bytes))
         self._peak_bytes = max(self._peak_bytes, self._live)
