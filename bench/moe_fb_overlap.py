@@ -20,13 +20,12 @@ issue -> arrival, and the time blocked waiting; whole stages wait at once, so al
 also over the F&B pairs alone (what the overlap can hide: lone F, B and W actions wait for their
 all-to-alls in both modes); peak activation bytes as autograd saved them.
 
-The simulator's check: the serial row's measured per-action times (F, B, W, BW per stage) and, per
-layer, its compute and its all-to-all times (each node timed; an all-to-all from its start to its
-arrival, the wait subtracted from the node that waited) go into StageCosts(layers=...), whose F&B
-pairs cost per layer max(compute, all-to-all) (schedules/simulate.py); simulated F&B ms and step ms are
-compared with the overlap row's measured ones (`sim_*_over_measured`). Beside it the same simulator with
-each MoE layer pair priced as the executor runs it (`chain_*`: bench/moe_fb_overlap_sim.py ChainCosts,
-the pair's nodes in runtime/overlap.py's order on one thread, all-to-alls in flight side by side).
+The simulator's check: the serial row's measured per-action times (F, B, W, BW per stage) and, per MoE
+layer, its nodes' times (each node timed; an all-to-all from its start to its arrival, the wait
+subtracted from the node that waited) go into StageCosts(layers=...), whose F&B pairs price each MoE
+layer pair as the executor runs it (schedules/fb_pairs.py chain_ms: the pair's nodes in PAIR_ORDER on
+one thread, all-to-alls in flight side by side; bench/moe_fb_overlap_sim.py); simulated F&B ms and step
+ms are compared with the overlap row's measured ones (`sim_*_over_measured`).
 
 --deterministic: the experts cost a fixed time (a sleep in forward and in backward on top of a tiny
 SwiGLU) and every token all-to-all an emulated network delay (runtime/ep_comm.py EPGroup.delay_s: a
@@ -284,8 +283,6 @@ def checks(rows: dict, sim: Optional[dict]) -> dict:
     if sim and on:
         c["sim_fb_over_measured"] = ratio(sim["fb_ms_on"], on["fb_ms"])
         c["sim_step_over_measured"] = ratio(sim["step_ms_on"], on["step_ms"])
-        c["chain_fb_over_measured"] = ratio(sim["fb_ms_chain"], on["fb_ms"])  # moe_fb_overlap_sim.ChainCosts
-        c["chain_step_over_measured"] = ratio(sim["step_ms_chain"], on["step_ms"])
         if serial:
             c["sim_serial_step_over_measured"] = ratio(sim["step_ms_serial"], serial["step_ms"])
     return c

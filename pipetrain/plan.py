@@ -34,6 +34,7 @@ from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.partition.partition import Partition, require_chunks
 from pipetrain.partition.strategies import partition
 from pipetrain.schedules import registry
+from pipetrain.schedules.fb_pairs import LayerNodes
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.lower import fuse_backward, pair_fb
@@ -105,8 +106,8 @@ class LayoutInputs:
     compiled_stages: frozenset[int] = frozenset()  # their B and W run as one BW (schedules/lower.py)
     comm_ms: float = 0.0  # per cross-rank transfer
     fb_overlap: float = 0.0  # sim.fb_overlap
-    # pipeline.fb_overlap on or auto: an F&B pair of stages with all-to-alls costs per layer max(compute,
-    # all-to-all) (StageCosts.layers) instead of the scalar above
+    # pipeline.fb_overlap on or auto: an F&B pair of stages with all-to-alls costs its layers' nodes as the
+    # executor interleaves them (StageCosts.layers, schedules/fb_pairs.py) instead of the scalar above
     overlap_layers: bool = False
     action_overhead_ms: float = 0.0  # the executor's own time per F, B, W or BW (plan.action_overhead_ms)
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (zb_auto's memory model)
@@ -177,29 +178,29 @@ def layout_stage_costs(inputs: LayoutInputs, pl: Placement, split: Collection[in
     fused = chunk_costs(fuse_weight_grads(part.layers), part.bounds) if compiled else chunks
     per_stage = [(fused if s in compiled else chunks)[pl.chunk_of(s)] for s in range(pl.num_stages)]
     costs = StageCosts(*(tuple(c[i] for c in per_stage) for i in range(3)),
-                       layers=overlap_layers(inputs, pl) if inputs.overlap_layers else ())
+                       layers=overlap_layers(inputs, pl) if inputs.overlap_layers else (), one_link=True)
     if inputs.recompute_stages:
         costs = costs.with_recompute(split, inputs.recompute_stages)
     extra = inputs.action_overhead_ms
     if not extra:
         return costs
     n = pl.num_stages
-    return StageCosts(tuple(f + extra for f in costs.f), tuple(b + extra for b in costs.b),
-                      tuple(w + (extra if s in split else 0.0) for s, w in enumerate(costs.w)),
-                      tuple(costs.fused(s) + extra for s in range(n)), costs.layers)  # a BW is one action
+    return dataclasses.replace(costs, f=tuple(f + extra for f in costs.f), b=tuple(b + extra for b in costs.b),
+                               w=tuple(w + (extra if s in split else 0.0) for s, w in enumerate(costs.w)),
+                               bw=tuple(costs.fused(s) + extra for s in range(n)))  # a BW is one action
 
 
-def overlap_layers(inputs: LayoutInputs, pl: Placement) -> tuple[tuple[tuple[float, ...], ...], ...]:
-    """Per stage id, per layer (Fc, Fa, Bc, Ba, Wc): the F&B overlap model's input (StageCosts.layers);
-    () when no layer has an all-to-all (dense models keep the scalar sim.fb_overlap)."""
+def overlap_layers(inputs: LayoutInputs, pl: Placement) -> tuple[tuple[LayerNodes, ...], ...]:
+    """Per stage id, per layer, its node times (schedules/fb_pairs.py LayerNodes.split of the layer's f, b,
+    w, all-to-all and experts share): the F&B overlap model's input (StageCosts.layers); () when no layer
+    has an all-to-all (dense models keep the scalar sim.fb_overlap). A compiled stage runs BW, which
+    carries each layer's w in its nodes (LayerNodes.backward)."""
     part = inputs.partition
     if not any(l.comm_f_ms or l.comm_b_ms for l in part.layers):
         return ()
-    fused = inputs.compiled_stages  # a compiled stage's B is b + w (its BW), W nothing
-    per_layer = [(l.f_ms - l.comm_f_ms, l.comm_f_ms, l.b_ms - l.comm_b_ms, l.comm_b_ms, l.w_ms) for l in part.layers]
-    return tuple(tuple((fc, fa, bc + (wc if s in fused else 0.0), ba, 0.0 if s in fused else wc)
-                       for fc, fa, bc, ba, wc in (per_layer[i] for i in part.bounds[pl.chunk_of(s)]))
-                 for s in range(pl.num_stages))
+    nodes = [LayerNodes.split(f_ms=l.f_ms, b_ms=l.b_ms, w_ms=l.w_ms, comm_f_ms=l.comm_f_ms, comm_b_ms=l.comm_b_ms,
+                              experts_share=l.experts_flops_share) for l in part.layers]
+    return tuple(tuple(nodes[i] for i in part.bounds[pl.chunk_of(s)]) for s in range(pl.num_stages))
 
 
 def lower(schedule: Schedule, compiled: Collection[int], grad_reduce: GradReduce | None, *,

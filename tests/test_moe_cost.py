@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from pipetrain.partition.costs import LayerCost, ep_layer_costs
 from pipetrain.execution import overlaps
 from pipetrain.plan import layer_costs, layout_inputs, make_partition, make_plan, simulate_layout
 from pipetrain.planner.cmd import PLAN_FILE, make_rows, run_plan
+from pipetrain.schedules.fb_pairs import LayerNodes, PassNodes, pair_saving
 from pipetrain.schedules.ir import Action, Op, Overlap
 from pipetrain.schedules.simulate import StageCosts
 from pipetrain.simulate_cmd import plan_and_simulate
@@ -39,6 +41,9 @@ def test_all_to_all_bytes_and_experts_per_rank_match_a_hand_count():
         assert one.experts_params == 8 * 3 * 128 * 128 and two.experts_params == 4 * 3 * 128 * 128
         assert one.params - two.params == 4 * 3 * 128 * 128
         assert two.flops_per_token == one.flops_per_token, "MFU counts the same active FLOPs at any ep"
+        # the experts node's share: top-2 routed experts, 2 FLOPs per weight, of the block's forward FLOPs
+        share = 2 * 2 * 3 * 128 * 128 / one.flops_per_token
+        assert two.experts_flops_share == one.experts_flops_share == pytest.approx(share)
     assert ep1[0] == ep2[0] and ep1[-1] == ep2[-1], "embedding and head have no all-to-all"
 
 
@@ -77,21 +82,28 @@ def test_bad_plan_ep_fails_in_one_line(extra, message):
     assert "\n" not in str(err.value)
 
 
-def test_fb_pair_costs_the_larger_of_compute_and_all_to_all_per_layer():
-    """Per layer (Fc, Fa, Bc, Ba, Wc). Forward layers 0, 1 pair with backward layers 1, 0: a BW pair costs
-    max(3 + (5+1), 2 + 2) + max(1 + (2+1), 4 + 1) = 9 + 5 = 14 against 22 serial; a B pair leaves W out:
-    max(3 + 5, 4) + max(1 + 2, 5) = 13."""
-    layers = ((3.0, 2.0, 2.0, 1.0, 1.0), (1.0, 4.0, 5.0, 2.0, 1.0))
-    costs = StageCosts((10.0,), (10.0,), (2.0,), layers=(layers,))
-    bw, bonly = (Overlap(Action(Op.F, 0, 1), Action(op, 0, 0)) for op in (Op.BW, Op.B))
-    assert costs.action(bw.forward) + costs.action(bw.backward) == 22.0
-    assert costs.step(bw) == pytest.approx(14.0) and costs.step(bonly) == pytest.approx(13.0)
-    assert costs.step(bw, fb_overlap=0.5) == pytest.approx(14.0), "the per-layer model replaces the scalar"
-    assert StageCosts((10.0,), (10.0,), (2.0,)).step(bw, fb_overlap=0.5) == pytest.approx(11.0), "no layers: the scalar"
-    # unequal layer counts: stage 0's two forward layers against stage 1's one backward layer; the second runs
-    # alone: max(3 + (0.5+0.5), 2 + 2) + (1 + 4) = 9 against 10 + 3 serial
-    two = StageCosts((10.0, 2.0), (10.0, 2.5), (2.0, 0.5), layers=(layers, ((1.0, 1.0, 0.5, 2.0, 0.5),)))
-    assert two.step(Overlap(Action(Op.F, 0, 1), Action(Op.BW, 1, 0))) == pytest.approx(9.0)
+def test_fb_pair_hides_part_of_its_all_to_all_and_never_more():
+    """Per MoE layer pair (fb_pairs.pair_saving, the executor's node chain): what the pair saves over its serial
+    time is >= 0 and at most the four all-to-all times (on one link: at most the smaller of compute and
+    all-to-all), over a grid of compute and all-to-all times; a stage with two forward layers against one
+    backward layer saves one layer pair's worth (the second runs alone); costs without layers keep the
+    scalar sim.fb_overlap."""
+    for a2a, attn, experts, w in itertools.product((0.5, 2.0, 5.0, 20.0), (0.5, 4.0), (0.5, 3.0), (0.0, 6.0)):
+        one = PassNodes(attn, a2a, experts, a2a, 0.1)
+        layer = LayerNodes(one, one, w)
+        saved = [pair_saving(layer, layer, with_w=with_w) for with_w in (False, True)]
+        assert all(0.0 <= x <= 4 * a2a + 1e-12 for x in saved), (a2a, attn, experts, w, saved)
+        assert w or saved[0] == saved[1], "with no W, BW and B pairs cost the same"
+        # on one link the all-to-alls queue: the pair costs at least max(compute, all-to-all) (issue #29's bound)
+        linked = pair_saving(layer, layer, with_w=False, one_link=True)
+        assert 0.0 <= linked <= min(2 * (attn + experts + 0.1), 4 * a2a) + 1e-12 and linked <= saved[0] + 1e-12
+    layer = LayerNodes(PassNodes(2.0, 1.0, 1.0, 1.0, 0.0), PassNodes(2.0, 1.0, 1.0, 1.0, 0.0), 1.0)
+    two = StageCosts((10.0, 5.0), (10.0, 5.0), (2.0, 1.0), layers=((layer, layer), (layer,)))
+    pair = Overlap(Action(Op.F, 0, 1), Action(Op.BW, 1, 0))
+    saved = pair_saving(layer, layer, with_w=True)
+    assert saved > 0 and two.step(pair) == pytest.approx(10.0 + (5.0 + 1.0) - saved)
+    assert StageCosts((10.0,), (10.0,), (2.0,)).step(Overlap(Action(Op.F, 0, 1), Action(Op.BW, 0, 0)),
+                                                     fb_overlap=0.5) == pytest.approx(11.0), "no layers: the scalar"
 
 
 def test_fb_overlap_hides_all_to_all_in_the_simulated_dualpipev_step():
@@ -102,6 +114,7 @@ def test_fb_overlap_hides_all_to_all_in_the_simulated_dualpipev_step():
     base = layout_inputs(cfg, part, 4)
     serial, overlapped = (simulate_layout(dataclasses.replace(base, overlap_layers=on)) for on in (False, True))
     assert not serial.stage_costs.layers and len(overlapped.stage_costs.layers) == 4
+    assert overlapped.stage_costs.one_link, "analytic all-to-all times are bytes over one link's bandwidth"
     a2a = sum(l.comm_f_ms + l.comm_b_ms for l in part.layers) * cfg.pipeline.microbatches
     assert serial.result.makespan - a2a < overlapped.result.makespan < serial.result.makespan
     # pipeline.fb_overlap as the run applies it: on prices the overlap, auto too on CPU ranks (FSDP2 stages

@@ -4,7 +4,7 @@ An F&B pair run with its nodes interleaved (pipeline.fb_overlap=on) takes at mos
 the same nodes run serially: one microbatch's all-to-alls wait under the other's expert time, and
 two are in flight at once (per MoE layer pair about 2 delays + 2 expert times instead of 4 delays +
 2 expert times: 0.56x at 20 ms delays and 5 ms experts). A ratio of sleeps: load does not move it.
-And the bench's model of an interleaved MoE layer pair (the simulator check's `chain_ms`).
+(The model of an interleaved MoE layer pair the simulator check uses: tests/test_fb_pairs.py.)
 """
 
 from __future__ import annotations
@@ -32,20 +32,3 @@ def test_deterministic_fb_overlap_at_most_065_of_serial():
     assert c["peak_activation_on_over_off"] <= 1.10, c  # node by node keeps what whole stages keep
     assert on["step_ms"] < serial["step_ms"]
 
-
-@pytest.mark.pure
-def test_chain_model_of_an_moe_layer_pair():
-    """One thread runs the pair's nodes in order; a compute node waits for its side's last all-to-all;
-    two all-to-alls fly at once. Hand-timed: attn 4, experts 3, post 1 ms, every all-to-all 2 ms."""
-    from moe_fb_overlap_sim import chain_ms
-
-    ms = {f"{side}.{n}": t for side in "FB" for n, t in
-          (("attn", 4), ("experts", 3), ("post", 1), ("dispatch", 2), ("combine", 2))}
-    pairs = lambda order: [(o[0], o[2:]) for o in order.split()]  # noqa: E731
-    # B.combine waits 2 ms with nothing to hide it: 18 of 24 serial ms
-    assert chain_ms(pairs("F.attn B.post B.combine F.dispatch B.experts B.dispatch F.experts F.combine B.attn "
-                          "F.post"), ms) == 18
-    # Megatron's order (B.combine under F.attn) hides every all-to-all: the 16 ms of compute
-    assert chain_ms(pairs("B.post B.combine F.attn F.dispatch B.experts B.dispatch F.experts F.combine B.attn "
-                          "F.post"), ms) == 16
-    assert chain_ms(pairs("F.attn F.dispatch F.experts F.combine F.post"), ms) == 4 + 2 + 3 + 2 + 1

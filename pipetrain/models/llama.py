@@ -38,7 +38,7 @@ from pipetrain.config.models import LlamaModelConfig
 from pipetrain.config.moe import MoEConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
 from pipetrain.models.moe_block import MoEBlock
-from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values
+from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values, routed_active
 from pipetrain.models.moe_nodes import block_nodes
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
@@ -348,9 +348,12 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
 
     out = [cost("embed", params[0], 0, 0, 8)]
     moe = experts_and_a2a(cfg)  # what expert parallel splits and sends; cp gathers each block's K and V
-    out += [dataclasses.replace(cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q,
-                                     block_values[i] * bytes_per_value), experts_params=moe[i][0],
-                                a2a_values_per_token=moe[i][1], kv_values_per_token=2 * kv)
-            for i in range(cfg["num_hidden_layers"])]
+    blocks = [cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q, block_values[i] * bytes_per_value)
+              for i in range(cfg["num_hidden_layers"])]
+    # 2 forward FLOPs per routed expert parameter a token meets, of the block's forward FLOPs
+    out += [dataclasses.replace(b, experts_params=moe[i][0], a2a_values_per_token=moe[i][1],
+                                kv_values_per_token=2 * kv,
+                                experts_flops_share=2 * routed / b.flops_per_token if b.flops_per_token else 0.0)
+            for i, (b, routed) in enumerate(zip(blocks, routed_active(cfg)))]
     out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
     return out

@@ -66,3 +66,13 @@ def experts_and_a2a(cfg: dict[str, Any]) -> list[tuple[int, int]]:
         return [(0, 0)] * n
     experts = m.num_experts * 3 * c * m.expert_width(cfg["intermediate_size"])
     return [(experts, 2 * m.top_k * c) if m.is_moe(b) else (0, 0) for b in range(n)]
+
+
+def routed_active(cfg: dict[str, Any]) -> list[int]:
+    """Per decoder block, the routed experts' parameters that multiply each token (K x 3 C I_e: what the
+    experts node of node execution computes, models/moe_nodes.py); a dense block's 0."""
+    m = moe_config(cfg)
+    if m is None:
+        return [0] * cfg["num_hidden_layers"]
+    routed = m.top_k * 3 * cfg["hidden_size"] * m.expert_width(cfg["intermediate_size"])
+    return [routed if m.is_moe(b) else 0 for b in range(cfg["num_hidden_layers"])]

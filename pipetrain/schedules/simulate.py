@@ -2,13 +2,16 @@
 
 Every step starts when its rank is free and its inputs exist (`deps.walk`), a
 cross-rank input arriving `comm_ms` after it was produced. An `F&B` pair costs
-(F + its backward) * (1 - fb_overlap), or, where the costs carry per-layer compute and
-all-to-all times (`StageCosts.layers`: MoE stages under pipeline.fb_overlap, design note C4.8),
-the sum over paired layers (forward layer i ascending with backward layer j descending) of
-max(Fc_i + Bc_j, Fa_i + Ba_j), plus the unpaired layers serially: one microbatch's compute
-runs while the other's all-to-alls are in flight. An activation set (stage, microbatch)
-is live from the start of its F to the end of its W or BW; at equal times frees
-come first.
+(F + its backward) * (1 - fb_overlap), or, where the costs carry per-layer node times
+(`StageCosts.layers`, one schedules/fb_pairs.py LayerNodes per layer: MoE stages under
+pipeline.fb_overlap, issue #29), its serial time less what each paired layer (forward layer i
+ascending with backward layer j descending, as runtime/overlap.py interleaves them) saves: for two
+layers with all-to-alls, their serial time less `chain_ms`, the executor's node order on one thread
+with the all-to-alls in flight beside it (fb_pairs.pair_saving; `StageCosts.one_link`: queued on one
+link, as the analytic costs' bytes over cluster.ep_bandwidth_gbs are); any other pair, and the unpaired
+layers, run serially. A BW backward spreads its W over its compute nodes (LayerNodes.backward).
+An activation set (stage, microbatch) is live from the start of its F to the end of its W or BW;
+at equal times frees come first.
 
 Under data parallel (a schedule with `REDUCE_GRAD` marks, schedules/reduce.py) each rank also
 has one serial communication lane: a stage's reduction starts when the step before its mark
@@ -20,10 +23,12 @@ the step time with it, `makespan_with_reduce`. Pure Python, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Collection, Iterator, NamedTuple, Optional, Sequence
 
 from pipetrain.schedules.deps import walk
+from pipetrain.schedules.fb_pairs import LayerNodes, pair_saving
 from pipetrain.schedules.gc_pause import without_gc
 from pipetrain.schedules.ir import Action, Op, Overlap, Schedule, Step
 from pipetrain.schedules.validate import validate
@@ -39,9 +44,14 @@ class StageCosts:
     # a fused BW per stage where it is not b + w (a recomputing stage that also runs W apart pays
     # the recompute once in a BW, in both its B and its W); empty: b + w
     bw: tuple[float, ...] = ()
-    # per stage id, per layer in forward order (Fc, Fa, Bc, Ba, Wc): compute (c) and all-to-all (a) ms of
-    # its F, B and W, for the F&B overlap model (`pair`); empty: F&B pairs use the scalar fb_overlap
-    layers: tuple[tuple[tuple[float, float, float, float, float], ...], ...] = ()
+    # per stage id, per layer in forward order, its node times (fb_pairs.LayerNodes) for the F&B
+    # overlap model (`hidden`); empty: F&B pairs use the scalar fb_overlap
+    layers: tuple[tuple[LayerNodes, ...], ...] = ()
+    # the layers' all-to-alls share one link (fb_pairs.chain_ms one_link: times from bytes over a bandwidth,
+    # the analytic path); False: each runs from its issue beside any other (measured times, a latency)
+    one_link: bool = False
+    # (forward stage, backward stage, BW?) -> what the pair saves: the chain is priced once per pair of stages
+    _saved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not len(self.f) == len(self.b) == len(self.w) or self.bw and len(self.bw) != len(self.f) \
@@ -49,6 +59,8 @@ class StageCosts:
             raise ValueError("StageCosts needs one f, b and w (and bw and layers, where given) per stage")
         if min(self.f + self.b + self.w + self.bw, default=0.0) < 0:
             raise ValueError("stage costs must be >= 0 ms")
+        if not all(isinstance(l, LayerNodes) for stage in self.layers for l in stage):
+            raise TypeError("StageCosts.layers holds one schedules/fb_pairs.py LayerNodes per layer")
 
     def fused(self, s: int) -> float:
         """One microbatch's BW on stage `s`."""
@@ -78,9 +90,10 @@ class StageCosts:
         on = range(n) if stages is None else stages
         again = range(n) if split is None else split
         extra = [self.f[s] if s in on else 0.0 for s in range(n)]
-        return StageCosts(self.f, tuple(b + x for b, x in zip(self.b, extra)),
-                          tuple(w + (x if s in again else 0.0) for s, (w, x) in enumerate(zip(self.w, extra))),
-                          tuple(self.fused(s) + extra[s] for s in range(n)), self.layers)
+        return dataclasses.replace(
+            self, b=tuple(b + x for b, x in zip(self.b, extra)),
+            w=tuple(w + (x if s in again else 0.0) for s, (w, x) in enumerate(zip(self.w, extra))),
+            bw=tuple(self.fused(s) + extra[s] for s in range(n)))
 
     def action(self, a: Action) -> float:
         s = a.stage
@@ -96,12 +109,13 @@ class StageCosts:
 
     def hidden(self, forward: Action, backward: Action) -> float:
         """What an F&B pair saves over running its halves serially: per paired layer (forward i
-        ascending, backward j descending, as the executor interleaves them), (Fc + Bc) + (Fa + Ba) less
-        their max, i.e. the smaller of the two. Recompute and per-action overheads stay serial."""
-        with_w = backward.op is Op.BW
-        fwd, bwd = self.layers[forward.stage], self.layers[backward.stage][::-1]
-        return sum(min(fc + bc + (wc if with_w else 0.0), fa + ba)
-                   for (fc, fa, _, _, _), (_, _, bc, ba, wc) in zip(fwd, bwd))
+        ascending, backward j descending, as the executor interleaves them) fb_pairs.pair_saving, a BW
+        with its W in its nodes. Recompute and per-action overheads stay serial."""
+        key = (forward.stage, backward.stage, backward.op is Op.BW)
+        if key not in self._saved:
+            fwd, bwd = self.layers[forward.stage], self.layers[backward.stage][::-1]
+            self._saved[key] = sum(pair_saving(f, b, with_w=key[2], one_link=self.one_link) for f, b in zip(fwd, bwd))
+        return self._saved[key]
 
 
 def split_stages(schedule: Schedule) -> set[int]:
