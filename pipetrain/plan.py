@@ -177,8 +177,9 @@ def layout_stage_costs(inputs: LayoutInputs, pl: Placement, split: Collection[in
     chunks = chunk_costs(part.layers, part.bounds)
     fused = chunk_costs(fuse_weight_grads(part.layers), part.bounds) if compiled else chunks
     per_stage = [(fused if s in compiled else chunks)[pl.chunk_of(s)] for s in range(pl.num_stages)]
-    costs = StageCosts(*(tuple(c[i] for c in per_stage) for i in range(3)),
-                       layers=overlap_layers(inputs, pl) if inputs.overlap_layers else (), one_link=True)
+    layers = overlap_layers(inputs, pl) if inputs.overlap_layers else ()
+    # all-to-alls priced as bytes over one link's bandwidth queue on it (meaningful only with layers)
+    costs = StageCosts(*(tuple(c[i] for c in per_stage) for i in range(3)), layers=layers, one_link=bool(layers))
     if inputs.recompute_stages:
         costs = costs.with_recompute(split, inputs.recompute_stages)
     extra = inputs.action_overhead_ms
