@@ -351,6 +351,10 @@ def test_one_group_transport_refuses_rows_that_would_hang_on_nccl():
      "every layout cuts the model into more stages than its 8 layers (the fewest: 16)"),
     (["plan.global_batch=3", "plan.microbatch_sizes=[2]"], "make plan.global_batch a multiple of dp x a microbatch"),
     (["plan.max_microbatches=2", "plan.microbatch_sizes=[1]"], "every row needs more than plan.max_microbatches=2 microbatches"),
+    # context parallel is a factor of the world too
+    (["model=llama-tiny", "plan.cp=[8]"], "no cp x tp of plan.cp=[8] and plan.tp=[1] divides the world of 4 ranks"),
+    (["model=llama-tiny", "plan.cp=[2]", "plan.pp=[4]"], "no pipeline degree in plan.pp=[4] divides the world of 4 "
+                                                         "ranks (pp x dp x cp in plan.cp=[2] = world): list some of 1, 2"),
 ])
 def test_an_empty_plan_space_says_why_first(overrides, why):
     from pipetrain.planner.cmd import plan_candidates

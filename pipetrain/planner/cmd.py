@@ -246,10 +246,10 @@ def plan_candidates(config: Config) -> list[Candidate]:
     part = plan_partitions(config)
     space = dict(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
                  num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
-                 virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches, tp_degrees=p.tp)
+                 virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches, tp_degrees=p.tp,
+                 cp_degrees=cp_degrees(config))
     cands = candidates(**space, recompute=p.recompute, recompute_partial=p.recompute_partial, dp_shard=p.dp_shard,
-                       partitions=part, sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config),
-                       cp_degrees=cp_degrees(config))
+                       partitions=part, sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config))
     if not cands:
         raise ValueError(f"the plan space is empty for world {space['world']} and global batch "
                          f"{space['global_batch']}: {why_empty(**space)}")

@@ -105,26 +105,31 @@ def _layout_rows(pp: int, dp: int, tp: int, sp: bool, ep: int, cp: int, dp_shard
 
 def why_empty(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
               microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], pp_degrees: Optional[Sequence[int]] = None,
-              max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,)) -> str:
+              max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,), cp_degrees: Sequence[int] = (1,)) -> str:
     """Why `candidates` found nothing, the first of its filters that left no row, with the knob to change."""
-    layouts = [(tp, pp) for tp in tp_degrees if world % tp == 0
-               for pp in (pp_degrees or [q for q in range(1, world // tp + 1) if world // tp % q == 0])
-               if world % (pp * tp) == 0]
+    inner = [c * t for c in cp_degrees for t in tp_degrees if world % (c * t) == 0]  # cp x tp inside every pp x dp
+    layouts = [(k, pp) for k in inner
+               for pp in (pp_degrees or [q for q in range(1, world // k + 1) if world // k % q == 0])
+               if world % (pp * k) == 0]
+    if not inner:
+        return (f"no cp x tp of plan.cp={list(cp_degrees)} and plan.tp={list(tp_degrees)} divides the world of {world} "
+                f"ranks: list smaller degrees there, or make plan.world_size a multiple of one")
     if not layouts:
-        fits = sorted({q for tp in tp_degrees if world % tp == 0 for q in range(1, world // tp + 1) if world // tp % q == 0})
+        fits = sorted({q for k in inner for q in range(1, world // k + 1) if world // k % q == 0})
         tp = f" x tp in plan.tp={list(tp_degrees)}" if list(tp_degrees) != [1] else ""
+        cp = f" x cp in plan.cp={list(cp_degrees)}" if list(cp_degrees) != [1] else ""
         return (f"no pipeline degree in plan.pp={list(pp_degrees or [])} divides the world of {world} ranks (pp x dp"
-                f"{tp} = world): list some of {', '.join(map(str, fits))} in plan.pp, or make plan.world_size a "
+                f"{cp}{tp} = world): list some of {', '.join(map(str, fits))} in plan.pp, or make plan.world_size a "
                 f"multiple of a degree it lists")
     vs = [v for name in schedules for v in ([registry.get(name).fixed_stages_per_rank]
                                              if registry.get(name).fixed_stages_per_rank else virtual_stages)]
-    staged = [(tp, pp, v) for tp, pp in layouts for v in set(vs) if pp * v <= num_layers]
+    staged = [(k, pp, v) for k, pp in layouts for v in set(vs) if pp * v <= num_layers]
     if not staged:
         fewest = min(pp * v for _, pp in layouts for v in vs)
         return (f"every layout cuts the model into more stages than its {num_layers} layers (the fewest: {fewest}): "
                 f"lower plan.pp or plan.virtual_stages, or use a model with more layers")
-    batches = [global_batch // (world // (pp * tp) * mbs) for tp, pp, _ in staged for mbs in microbatch_sizes
-               if global_batch % (world // (pp * tp) * mbs) == 0]
+    batches = [global_batch // (world // (pp * k) * mbs) for k, pp, _ in staged for mbs in microbatch_sizes
+               if global_batch % (world // (pp * k) * mbs) == 0]
     if not batches:
         return ("make plan.global_batch a multiple of dp x a microbatch size in plan.microbatch_sizes, "
                 "or widen plan.pp / plan.schedules")
