@@ -276,7 +276,7 @@ class Config:
                              f"{m.family}: set parallel.cp=1 or choose a Llama-family model")
         if par.ep > 1:  # ep borrows dp_shard's ranks, which FSDP2 flattens with cp's
             raise ValueError(f"parallel.cp={cp} with parallel.ep={par.ep} is not supported yet: set one of them to 1")
-        if getattr(m, "moe", None) is not None:  # the balance counts would need summing over cp too
+        if m.moe_config is not None:  # the balance counts would need summing over cp too
             raise ValueError(f"parallel.cp={cp} with an MoE model (model={m.name}) is not supported yet: "
                              f"set parallel.cp=1")
         if self.data.seq_len % (2 * cp):
@@ -303,7 +303,7 @@ class Config:
     def _check_ep(self) -> None:
         """Expert parallel borrows dp_shard's ranks and splits every MoE layer's experts evenly."""
         ep, par, m = self.parallel.ep, self.parallel, self.model
-        moe = getattr(m, "moe", None)  # the MoE knobs of a model family that has them
+        moe = m.moe_config  # the MoE knobs of a model family that has them
         if moe is None:
             raise ValueError(f"parallel.ep={ep} splits MoE experts but model={m.name} has none: set parallel.ep=1 "
                              f"or choose an MoE model (model=moe-tiny)")

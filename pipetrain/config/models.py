@@ -43,6 +43,11 @@ class ModelConfig:
     def num_layers(self) -> int:
         raise NotImplementedError
 
+    @property
+    def moe_config(self) -> Optional[MoEConfig]:
+        """The Mixture-of-Experts knobs (config/moe.py) of a model with MoE blocks; None: every MLP dense."""
+        return None
+
     def tp_divides(self) -> Optional[dict[str, int]]:
         """Knob -> value that parallel.tp must divide (the dimensions tensor parallel splits);
         None: the model has no tensor-parallel plan (models/tp_plan.py)."""
@@ -313,6 +318,10 @@ class LlamaModelConfig(CausalLMConfig):
     @property
     def head_size(self) -> int:
         return self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def moe_config(self) -> Optional[MoEConfig]:
+        return self.moe
 
     @property
     def num_layers(self) -> int:

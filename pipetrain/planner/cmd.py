@@ -220,7 +220,7 @@ def assumptions(config: Config) -> str:
 
 def moe_and_cp_links(config: Config, d: Device) -> str:
     """The expert-parallel and context-parallel links, where the plan searches those degrees."""
-    ep = f", ep {d.ep_gbs:g} GB/s" if getattr(config.model, "moe", None) is not None else ""
+    ep = f", ep {d.ep_gbs:g} GB/s" if config.model.moe_config is not None else ""
     return ep + (f", cp {d.cp_gbs:g} GB/s ({d.cp_rotate})" if max(config.plan.cp) > 1 else "")
 
 

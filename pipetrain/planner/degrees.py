@@ -42,7 +42,7 @@ def check_tp(config: Config) -> None:
 def ep_degrees(config: Config) -> list[int]:
     """plan.ep, its null resolved (every divisor of an MoE model's expert count; [1] for a dense model),
     each checked against the model in one line."""
-    moe, listed = getattr(config.model, "moe", None), config.plan.ep
+    moe, listed = config.model.moe_config, config.plan.ep
     if moe is None:
         if listed and max(listed) > 1:
             raise ValueError(f"plan.ep lists {max(listed)} but model={config.model.name} has no MoE experts to split: "
@@ -61,7 +61,7 @@ def cp_degrees(config: Config) -> list[int]:
     """plan.cp, each checked against the model and data.seq_len in one line (as parallel.cp is)."""
     m, seq = config.model, config.data.seq_len
     for cp in [c for c in config.plan.cp if c > 1]:
-        if m.family != "llama" or getattr(m, "moe", None) is not None:
+        if m.family != "llama" or m.moe_config is not None:
             raise ValueError(f"plan.cp lists {cp} but model={m.name} is not a dense Llama-family model (context "
                              f"parallel splits Llama attention; MoE is not supported yet): set plan.cp=[1]")
         if seq % (2 * cp):

@@ -109,7 +109,7 @@ class Trainer:
                                vocab_size=getattr(config.model, "vocab_size", 0), model=model) if train_data else None
         del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
-        if getattr(config.model, "moe", None) is not None:
+        if config.model.moe_config is not None:
             self._moe_hooks(config)
         self.state = TrainState(decay_steps=config.optim.decay_steps or config.trainer.max_steps)
         splits = None
@@ -147,7 +147,7 @@ class Trainer:
 
     def _moe_stats(self) -> Optional[dict[str, float]]:
         """The step's MoE block metrics on this rank (before the optimizer's pre-step hook resets them)."""
-        if getattr(self.config.model, "moe", None) is None:
+        if self.config.model.moe_config is None:
             return None
         from pipetrain.models.moe_block import moe_step_stats
 
