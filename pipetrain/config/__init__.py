@@ -26,7 +26,8 @@ from omegaconf import MISSING
 from pipetrain.config.cluster import ClusterConfig
 from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
-from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
+from pipetrain.config.llama import LlamaModelConfig
+from pipetrain.config.models import GPT2ModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.profile import ProfileConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
 from pipetrain.config.run import CheckpointConfig, LaunchConfig, RunConfig

@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig, read_pretrained_config
+from pipetrain.config.llama import LlamaModelConfig
+from pipetrain.config.models import GPT2ModelConfig, read_pretrained_config
 from pipetrain.models import hf_gpt2
 from pipetrain.models.base import LayeredModel
 from pipetrain.models.gpt2 import GPT2

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipetrain.config.models import LlamaModelConfig
+from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.moe import MoEConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
 from pipetrain.models.moe_block import MoEBlock

@@ -33,7 +33,8 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from pipetrain.config import Config
-from pipetrain.config.models import GPT2ModelConfig, LlamaModelConfig
+from pipetrain.config.llama import LlamaModelConfig
+from pipetrain.config.models import GPT2ModelConfig
 from pipetrain.files import replace_dir
 from pipetrain.models.hf import CONFIG, INDEX, TOKENIZER_FILES, HFNames, folder_of, hf_config, names_of, pretrained_rule
 from pipetrain.models.init import param_generator
