@@ -58,6 +58,7 @@ from pipetrain.runtime.nodes import NodeBackward, NodeForward
 from pipetrain.runtime.overlap import node_execution
 from pipetrain.runtime.recorder import Recorder, StepRecorder
 from pipetrain.runtime.stage_protocol import Stage
+from pipetrain.runtime.step_loss import StepLoss
 from pipetrain.runtime.step_result import StepResult
 from pipetrain.schedules.ir import Action, Op, Schedule
 from pipetrain.schedules.p2p import Message, build_plan, crossings, forward_plan
@@ -95,6 +96,7 @@ class Executor:
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.comm, self.recv_buffer, self.device = comm, recv_buffer, torch.device(device)
         self.loss_group = loss_group
+        self._step_loss = StepLoss(self.device, loss_group)
         self.compute_dtype = compute_dtype  # None: the parameters' dtype throughout; else autocast to it
         # The point-to-point plans (pure; validated before any process started): training, and
         # the forward-only pass of evaluate().
@@ -202,7 +204,7 @@ class Executor:
             self.reducer.finish(rec.reduce_done)
         rec.end_step()
         assert not self._ctx and not self._wstore, "validated schedule left work behind"
-        loss = self._mean_loss(synced=rec.synced)
+        loss = self._step_loss.mean(synced=rec.synced)
         return rec.result(loss, dict(self.comm.peak_recv_bytes) if self.comm is not None else {})
 
     def _issue(self, boundary: int) -> None:
@@ -346,7 +348,7 @@ class Executor:
         finally:
             self._forward_only = False
         self._ctx.clear()
-        return self._mean_loss()
+        return self._step_loss.mean()
 
     def _reset(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         M = self.schedule.num_microbatches
@@ -362,21 +364,14 @@ class Executor:
         self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Optional[NodeForward]]] = {}
         self._wstore: dict = {}  # (stage, microbatch) -> what its B kept for its W (backward.WeightGradWork per node)
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
-        # Summed on the device, reduced once per step: no host sync per microbatch.
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._losses = 0
+        self._step_loss.reset()
 
     def _loss(self, s: int, m: int, out: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of microbatch m, summed for the step's mean; what B starts from
         is loss / M, so that gradients are the mean over microbatches."""
         loss = self.stages[s].loss(out, self._targets[m])
-        if self._forward_only:  # evaluate(): weighted by its targets, so the mean is per token
-            n = counted_targets(self._batch[m][1])
-            self._loss_sum += loss.detach().double() * n if n else 0.0
-            self._losses += n
-        else:
-            self._loss_sum += loss.detach()  # added in fp64 (the sum's dtype), as .double() would
-            self._losses += 1
+        # evaluate(): weighted by its targets, so the mean is per token
+        self._step_loss.add(loss, counted_targets(self._batch[m][1]) if self._forward_only else None)
         return loss / self.schedule.num_microbatches
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -399,16 +394,3 @@ class Executor:
         if s not in self._params:
             self._params[s] = [p for p in self.stages[s].parameters() if p.requires_grad]
         return self._params[s]
-
-    def _mean_loss(self, synced: Optional[Callable[[], None]] = None) -> Optional[float]:
-        """The step's mean loss over every rank holding a last stage; `synced` is called as the
-        all-reduce ends (on GPU stream-ordered after it). No process group: this rank's mean."""
-        if self.loss_group is None and not dist.is_initialized():
-            return float(self._loss_sum / self._losses) if self._losses else None
-        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-        buf = torch.stack([self._loss_sum.to(dev), torch.tensor(float(self._losses), dtype=torch.float64, device=dev)])
-        dist.all_reduce(buf, group=self.loss_group)
-        if synced is not None:
-            synced()
-        total, count = buf.tolist()
-        return total / count if count else None
