@@ -305,6 +305,24 @@ def test_grouped_experts_equal_the_loop_on_cpu():
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.pure
+def test_grouped_experts_under_bf16_autocast_with_fp32_weights():
+    """trainer.precision=bf16 keeps fp32 weights and autocasts, which leaves grouped_mm alone (its CUDA kernel
+    takes bf16 only; on bf16 rows and fp32 weights even the CPU fallback raises): the experts cast both to
+    autocast's dtype, as autocast does for the loop's matmuls. Same result as the loop; fp32 gradients."""
+    loop, grouped = make_moe(14).experts, make_moe(14, experts_impl="grouped").experts
+    counts = torch.zeros(loop.w1.shape[0], dtype=torch.long)
+    counts[:4] = torch.tensor([3, 0, 5, 1])  # rows of 3 experts, one with none, the rest empty
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(15))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for rows in (x, x.bfloat16()):  # fp32 rows, and bf16 rows as an autocast op upstream leaves them
+            a, b = loop(rows, counts), grouped(rows, counts)
+            assert b.dtype == torch.bfloat16
+            torch.testing.assert_close(b, a.to(b.dtype), rtol=2e-2, atol=2e-2)
+    b.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in grouped.parameters())
+
+
 @pytest.mark.gpu
 def test_grouped_experts_on_cuda():
     """Not run in the CPU suite: the grouped-GEMM path on a CUDA GPU against the loop, in bf16."""

@@ -98,11 +98,16 @@ class Experts(nn.Module):
         """The hook for the grouped-GEMM CUDA path: three `F.grouped_mm` calls with int32 end offsets,
         no host sync. Checked equal to the loop on CPU (ATen's fallback, which needs H and I rows
         aligned to 16 bytes) in tests/test_moe_layer.py; its CUDA speed and numerics are checked only in
-        the gpu tier (test_grouped_experts_on_cuda), not in this CPU-only suite."""
+        the gpu tier (test_grouped_experts_on_cuda), not in this CPU-only suite. autocast does not cast
+        grouped_mm's operands (CUDA's kernel takes bf16 only): under trainer.precision=bf16 the rows and
+        the fp32 weights go to autocast's dtype here, as autocast does for a matmul; else to the rows'."""
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x.to(dtype)
+        w1, w2, w3 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
         offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,) end row of each expert
-        gate = F.grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)  # (N, I)
-        up = F.grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)  # (N, I)
-        return F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)  # (N, H)
+        gate = F.grouped_mm(x, w1, offs=offs)  # (N, I)
+        up = F.grouped_mm(x, w3, offs=offs)  # (N, I)
+        return F.grouped_mm(F.silu(gate) * up, w2, offs=offs)  # (N, H)
 
 
 class SharedExperts(nn.Module):
