@@ -12,6 +12,11 @@ Run through bench/gpu_check.sh (which installs what is missing first). On one GP
    (`python -m pipetrain.planner.predict ... partition=profile`: the layers' saved bytes measured on
    this GPU; without plan.gpu_overhead_gb, which the allocator does not see), with their ratio.
    Targets (issue 24): MFU >= 0.40 on an H100/H200 in bf16; allocator peak within 10% of the prediction.
+4. issue #29's interleaver on one GPU: `python bench/moe_fb_overlap.py --single` (DualPipe-V F&B pairs of
+   MoE stages node by node, each all-to-all a one-rank NCCL all-to-all of the same bytes on the
+   communication stream plus an emulated network time): the share of the pairs' all-to-all time hidden
+   under compute (target >= 0.8) and the host syncs inside the pairs besides the planned one per dispatch
+   (target 0), with losses of the interleaved and serial rows side by side (`fb_overlap`).
 
 `--cpu` is the dry run of all of it on this machine: the gpu tier with PIPETRAIN_GPU_DRYRUN=1 (its
 tests run on the CPU where that means anything) and the same runs with model=llama-tiny, short
@@ -195,6 +200,24 @@ def probes(work: Path) -> dict:
     return out
 
 
+def fb_overlap(work: Path) -> dict:
+    """Issue #29's one-GPU check: bench/moe_fb_overlap.py --single (the F&B interleaver, its all-to-alls NCCL
+    copies of the same bytes on the communication stream plus an emulated network time; the overlap ratio
+    from CUDA events and the host syncs inside the pairs). On the CPU dry run the same code on gloo."""
+    out = work / "moe_fb_overlap_single.json"
+    cmd = [sys.executable, "bench/moe_fb_overlap.py", "--single", "--out", str(out)]
+    t0 = time.perf_counter()
+    proc = sh(cmd, timeout=900)
+    res: dict = {"command": "python bench/moe_fb_overlap.py --single", "returncode": proc.returncode,
+                 "seconds": round(time.perf_counter() - t0, 1), "tail": proc.stdout[-1500:] + proc.stderr[-1500:]}
+    if out.exists():
+        doc = json.loads(out.read_text())
+        lay = doc["layouts"]["pp1"]
+        res.update(device=lay["device"], config=doc["config"], checks=lay["checks"],
+                   rows={k: {f: v for f, v in r.items() if f != "step_ms_rounds"} for k, r in lay["rows"].items()})
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU (llama-tiny, the gpu tier dry-run)")
@@ -210,10 +233,16 @@ def main() -> None:
     def write() -> None:  # after every part: a run stopped at a time limit keeps what it measured
         done = [r for r in result["runs"].values() if r.get("mfu") is not None]
         best = max(done, key=lambda r: r["mfu"], default=None)
+        checks = result.get("fb_overlap", {}).get("checks", {})
         result["targets"] = {
             "mfu_at_least_0.40": None if best is None else best["mfu"] >= 0.40,
             "peak_within_10pct_of_prediction": None if best is None or "peak_over_predicted" not in best
             else abs(best["peak_over_predicted"]) <= 0.10,
+            # issue #29: the interleaver on one GPU (CUDA only: the dry run's gloo waits block the host)
+            "fb_overlap_ratio_at_least_0.8": None if args.cpu or "a2a_overlap_on" not in checks
+            else checks["a2a_overlap_on"] >= 0.8,
+            "fb_overlap_no_unplanned_host_sync": None if "unplanned_host_syncs" not in checks
+            else checks["unplanned_host_syncs"] == 0,
         }
         out.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -222,6 +251,10 @@ def main() -> None:
         raise SystemExit("no CUDA device is visible: run bench/gpu_check.sh --cpu for the dry run")
     run = CPU_RUN if args.cpu else GPU_RUN
     result["runs"]["eager"] = train(run, "eager", work)
+    write()
+    result["fb_overlap"] = fb_overlap(work)
+    print(f"fb_overlap: rc {result['fb_overlap']['returncode']}, checks {json.dumps(result['fb_overlap'].get('checks'))}",
+          flush=True)
     write()
     if args.compile:
         result["runs"]["compiled"] = train(run + ["trainer.compile=true"], "compiled", work)
@@ -233,7 +266,7 @@ def main() -> None:
         result["probes"] = probes(work)
         write()
     print(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}", flush=True)
-    failed = [r for r in result["runs"].values() if r["returncode"]]
+    failed = [r for r in [*result["runs"].values(), result["fb_overlap"]] if r["returncode"]]
     if failed or (not args.skip_tests and result["gpu_tier"]["returncode"]):
         raise SystemExit(1)
 

@@ -7,6 +7,7 @@ plan.py makes the plan from these.
 from __future__ import annotations
 
 from pipetrain.config import Config, SleepModelConfig
+from pipetrain.config.cluster import one_hw_queue
 
 
 def profile_device(config: Config) -> str:
@@ -49,7 +50,7 @@ def overlap_on(config: Config) -> bool:
     mode = config.pipeline.fb_overlap
     # only auto asks where the ranks compute (which may import torch: a sleep model's plan does not)
     return overlaps(mode, recompute=config.trainer.activation_checkpointing,
-                    cpu=mode == "auto" and run_device(config) == "cpu")
+                    one_queue=mode == "auto" and one_hw_queue(run_device(config)))
 
 
 def pairs_fb(config: Config) -> bool:
@@ -58,14 +59,14 @@ def pairs_fb(config: Config) -> bool:
     return config.parallel.ep > 1 and overlap_on(config)
 
 
-def overlaps(mode: str, *, recompute: bool, cpu: bool) -> bool:
-    """pipeline.fb_overlap as runtime/overlap.py applies it: on, or auto on CPU ranks (stages run node by node;
-    the CUDA comm stream is not built); never under activation recompute. Only stages whose layers have
-    all-to-alls (parallel.ep > 1) are then priced per layer (overlap_layers); `on` is priced as asked even where
-    the run refuses it (a what-if)."""
+def overlaps(mode: str, *, recompute: bool, one_queue: bool = False) -> bool:
+    """pipeline.fb_overlap as runtime/overlap.py applies it: on, or auto (stages run node by node) unless the GPUs'
+    streams share one hardware queue (config/cluster.py one_hw_queue); never under activation recompute. Only
+    stages whose layers have all-to-alls (parallel.ep > 1) are then priced per layer (overlap_layers); `on` is
+    priced as asked even where the run refuses it (a what-if)."""
     if mode == "off" or recompute:
         return False
-    return mode == "on" or cpu
+    return mode == "on" or not one_queue
 
 
 def compiled_stages(config: Config, num_stages: int) -> frozenset[int]:

@@ -83,11 +83,13 @@ def test_wrong_type_names_the_key(compose):
         (["model=moe-tiny", "pipeline.fb_overlap=on"], "parallel.ep"),
         (["model=moe-tiny", "parallel.dp_shard=2", "parallel.ep=2", "pipeline.fb_overlap=on",
           "trainer.activation_checkpointing=true"], "trainer.activation_checkpointing"),
-        (["model=moe-tiny", "parallel.dp_shard=2", "parallel.ep=2", "pipeline.fb_overlap=on",
-          "trainer.device=cuda"], "pipeline.fb_overlap=off"),
     ],
 )
 def test_cross_field_rules_name_the_knob(compose, overrides, knob):
+    _refused_naming(compose, overrides, knob)
+
+
+def _refused_naming(compose, overrides, knob):
     with pytest.raises((ValueError, TypeError)) as info:
         compose(overrides)
     err = info.value
@@ -95,6 +97,18 @@ def test_cross_field_rules_name_the_knob(compose, overrides, knob):
         err = err.__cause__
     assert knob in str(err)
     assert "\n" not in str(err)  # one line
+
+
+def test_fb_overlap_on_a_gpu_needs_a_hardware_queue_for_the_comm_stream(compose, monkeypatch):
+    """The CUDA comm stream is built: on a GPU only CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue, where
+    the all-to-alls would wait behind the compute) refuses pipeline.fb_overlap=on, before any rank starts."""
+    run = ["model=moe-tiny", "parallel.dp_shard=2", "parallel.ep=2", "pipeline.fb_overlap=on"]
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert compose([*run, "trainer.device=cuda"]).pipeline.fb_overlap == "on"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for device in ("cuda", "auto"):
+        _refused_naming(compose, [*run, f"trainer.device={device}"], "CUDA_DEVICE_MAX_CONNECTIONS")
+    assert compose([*run, "trainer.device=cpu"]).pipeline.fb_overlap == "on"
 
 
 # Options that need a value the user must supply; everything else composes as shipped.

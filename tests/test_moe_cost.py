@@ -117,13 +117,13 @@ def test_fb_overlap_hides_all_to_all_in_the_simulated_dualpipev_step():
     assert overlapped.stage_costs.one_link, "analytic all-to-all times are bytes over one link's bandwidth"
     a2a = sum(l.comm_f_ms + l.comm_b_ms for l in part.layers) * cfg.pipeline.microbatches
     assert serial.result.makespan - a2a < overlapped.result.makespan < serial.result.makespan
-    # pipeline.fb_overlap as the run applies it: on prices the overlap, auto too on CPU ranks (FSDP2 stages
-    # run node by node as well: the reducer gathers their parameters); off is the serial F&B
+    # pipeline.fb_overlap as the run applies it: on prices the overlap, auto too (FSDP2 stages run node by node
+    # as well: the reducer gathers their parameters) unless GPU streams share one hardware queue; off is serial
     asked = {m: make_plan(compose_config([*SIM, "parallel.ep=2", f"pipeline.fb_overlap={m}"])).stage_costs.layers
              for m in ("off", "auto", "on")}
     assert (bool(asked["off"]), bool(asked["auto"]), bool(asked["on"])) == (False, True, True)
-    assert overlaps("auto", recompute=False, cpu=True) and not overlaps("auto", recompute=False, cpu=False)
-    assert overlaps("on", recompute=False, cpu=False) and not overlaps("on", recompute=True, cpu=True)
+    assert overlaps("auto", recompute=False) and not overlaps("auto", recompute=False, one_queue=True)
+    assert overlaps("on", recompute=False, one_queue=True) and not overlaps("on", recompute=True)
     dense = compose_config(["mode=simulate", "model=llama-tiny", "pipeline.degree=2", "schedule=dualpipev"])
     dense_part = make_partition(dense, layer_costs(dense), 4)
     dense_in = dataclasses.replace(layout_inputs(dense, dense_part, 4), overlap_layers=True)

@@ -77,7 +77,7 @@ def test_fb_order_is_the_design_notes_for_moe_pairs_and_serial_otherwise():
                     "F.combine", "B.attn", "F.post"]  # Megatron's: B.combine hides under F.attn
 
 
-def test_fb_overlap_knob_refuses_in_one_line():
+def test_fb_overlap_knob_refuses_in_one_line(monkeypatch):
     from pipetrain.config import PipelineConfig
 
     with pytest.raises(ValueError, match="pipeline.fb_overlap must be off or auto or on"):
@@ -91,5 +91,9 @@ def test_fb_overlap_knob_refuses_in_one_line():
     with pytest.raises(ValueError, match="stage 1 cannot run node by node.*set pipeline.fb_overlap=auto or off"):
         node_execution(stages, "on", cpu)
     stages[1].checkpoint_layers = False
-    with pytest.raises(ValueError, match="CPU .gloo. only.*set pipeline.fb_overlap=off"):
-        node_execution(stages, "on", torch.device("cuda"))
+    cuda = torch.device("cuda")  # nothing of CUDA is touched before these answers
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=1 puts in one hardware queue.*fb_overlap=auto"):
+        node_execution(stages, "on", cuda)
+    assert node_execution(stages, "auto", cuda) is None, "one hardware queue: whole stages"
+    assert node_execution(stages, "on", cpu).stream is None

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from pipetrain.config.cluster import ClusterConfig
+from pipetrain.config.cluster import ONE_QUEUE, ClusterConfig, one_hw_queue
 from pipetrain.config.data import DataConfig
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.llama import LlamaModelConfig
@@ -290,16 +290,16 @@ class Config:
 
     def _check_fb_overlap(self) -> None:
         """F&B overlap hides expert-parallel all-to-alls in stages run node by node (runtime/nodes.py), which
-        activation recompute (it re-runs whole layers in the backward) does not allow yet."""
+        activation recompute (it re-runs whole layers in the backward) does not allow yet; on GPUs it needs the
+        comm stream in a hardware queue of its own."""
         if self.parallel.ep == 1:
             raise ValueError("pipeline.fb_overlap=on hides expert-parallel all-to-alls, which this run has none of "
                              "(parallel.ep=1): set pipeline.fb_overlap=auto or off, or parallel.ep > 1")
         if self.trainer.activation_checkpointing:
             raise ValueError("pipeline.fb_overlap=on runs stages node by node, which activation recompute does not "
                              "allow yet: set trainer.activation_checkpointing=false or pipeline.fb_overlap=auto")
-        if self.trainer.device == "cuda":  # trainer.device=auto on a GPU host is refused as the ranks start
-            raise ValueError("pipeline.fb_overlap=on runs on CPU (gloo) only: the CUDA comm stream is not built yet: "
-                             "set pipeline.fb_overlap=off")
+        if one_hw_queue(self.trainer.device):  # each rank checks again (runtime/overlap.py node_execution)
+            raise ValueError(ONE_QUEUE)
 
     def _check_ep(self) -> None:
         """Expert parallel borrows dp_shard's ranks and splits every MoE layer's experts evenly."""

@@ -17,6 +17,7 @@ not by importing this schema.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -136,6 +137,19 @@ def check_backend(backend: str, device: str) -> None:
     if backend == "gloo" and device == "cuda":
         raise ValueError("cluster.backend=gloo cannot send CUDA tensors between ranks (trainer.device=cuda): set "
                          "cluster.backend=nccl (or auto), or trainer.device=cpu")
+
+
+ONE_QUEUE = ("pipeline.fb_overlap=on needs the all-to-alls' stream beside the compute stream, which "
+             "CUDA_DEVICE_MAX_CONNECTIONS=1 puts in one hardware queue: unset it (or set it to 8 or more), or set "
+             "pipeline.fb_overlap=auto or off")
+
+
+def one_hw_queue(device: str) -> bool:
+    """Whether a GPU run's streams share one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, Megatron's setting
+    for tensor-parallel overlap): then a kernel on one stream waits for those queued before it on any other,
+    and F&B overlap's all-to-alls would wait for the compute they are meant to hide under (`ONE_QUEUE`).
+    `device`: trainer.device (auto may be a GPU); the ranks inherit the launcher's environment."""
+    return device != "cpu" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
 
 
 def tasks_per_node(world: int, nodes: int, ranks_per_node: Optional[int], what: str = "") -> int:

@@ -281,7 +281,7 @@ class _Evaluator:
                             compiled_stages=frozenset(range(stages)) if work.fused_backward else frozenset(),
                             comm_ms=comm_ms, action_overhead_ms=dev.action_overhead_ms, w_keep=work.w_keep,
                             memory_budget=budgets, grad_reduce=grad_reduce,
-                            overlap_layers=overlaps(dev.fb_overlap, recompute=cand.recompute, cpu=True))
+                            overlap_layers=overlaps(dev.fb_overlap, recompute=cand.recompute))
 
     @staticmethod
     def param_shard(cand: Candidate) -> int:

@@ -18,16 +18,31 @@ In a measured step each all-to-all here (the counts exchange too) reaches the st
 the action that ran it (runtime/collectives.py): the Chrome trace and moe/a2a_ms.
 
 Node-level execution (runtime/nodes.py) drives the pieces itself: `exchange` (counts, blocking),
-`start` -> `Started.wait()` (the all-to-all without autograd, async_op=True: gloo runs it on its
-worker threads while this thread computes), `expert_major` / `source_major` (the permutations).
+`start` -> `Started.wait()` (the all-to-all without autograd, async_op=True), `expert_major` /
+`source_major` (the permutations). Where the all-to-all runs while this thread computes:
+
+  CPU (gloo)   on the group's worker threads; `wait()` blocks the host until it has arrived.
+  CUDA (NCCL)  on a communication stream of node mode's own (`start(..., stream=)`, design note C4.5):
+               the comm stream waits for the compute stream (the rows are written there), issues the
+               all-to-all and records an event; `wait()` makes the compute stream wait for that event.
+               No host sync: the host queues the other microbatch's kernels at once, and the GPU runs
+               them beside the transfer. Each tensor that crosses is recorded on the stream that reads
+               it (`record_stream`), so the caching allocator does not hand its memory out early. A
+               hang is ended by the group's own timeout (NCCL's watchdog): `Work.wait(timeout)` would
+               block the host (runtime/comm.py host_timed_wait).
+
+The counts exchange is the one host sync a dispatch makes (the splits are host values), planned and so
+exempt from `torch.cuda.set_sync_debug_mode` (`planned_sync`); a backward reuses its forward's splits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,8 +56,11 @@ class EPGroup:
     size: int
     rank: int  # this rank's ep index: it holds experts [rank E/ep, (rank + 1) E/ep)
     # An emulated network latency per token all-to-all (bench/moe_fb_overlap.py's deterministic
-    # variant): its output is ready no sooner than delay_s after its start. A sleep in `wait`, so it
-    # costs no CPU: a blocking all-to-all pays it whole, an overlapped one hides it under compute.
+    # variant, the one-GPU check's stand-in network): its output is ready no sooner than delay_s after
+    # its start. On CPU a host sleep in `wait`; on CUDA a GPU sleep (torch.cuda._sleep, one thread
+    # block spinning) on the stream that issues the transfer, before it, so the collective (and the
+    # next one on the group's communicator) starts that much later. Neither costs compute: a blocking
+    # all-to-all pays it whole and an overlapped one hides it under the other microbatch.
     delay_s: float = 0.0
 
 
@@ -72,35 +90,95 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g:
 
 
 class Started:
-    """An all-to-all in flight (gloo runs it on the group's worker threads): `wait()` -> its output."""
+    """An all-to-all in flight: `wait()` -> its output (module docstring: where it runs)."""
 
-    __slots__ = ("out", "work", "span", "ready_at")
+    __slots__ = ("out", "work", "span", "ready_at", "done")
 
-    def __init__(self, out: torch.Tensor, work: Optional[dist.Work], ready_at: float = 0.0) -> None:
-        self.out, self.work = out, work
-        self.ready_at = ready_at  # perf_counter time before which wait() does not return (EPGroup.delay_s)
+    def __init__(self, out: torch.Tensor, work: Optional[dist.Work], delay_s: float = 0.0,
+                 done: Optional[torch.cuda.Event] = None) -> None:
+        self.out, self.work, self.done = out, work, done  # done: the comm stream's event (CUDA node mode)
+        # the perf_counter time before which wait() does not return (CPU: EPGroup.delay_s)
+        self.ready_at = time.perf_counter() + delay_s if delay_s else 0.0
         self.span: Optional[list] = None  # the caller's timing record (runtime/nodes.py A2ALog)
 
     def wait(self, timeout_s: Optional[float] = None) -> torch.Tensor:
-        """The output once arrived; past `timeout_s` (None: the group's timeout) the backend raises."""
+        """The output once arrived (on CUDA: once the current stream has waited for it; the host goes on).
+        On CPU past `timeout_s` (None: the group's timeout) the backend raises."""
         if self.work is not None:
-            if timeout_s is None:
+            if timeout_s is None or self.out.is_cuda:
                 self.work.wait()
             else:
                 self.work.wait(timedelta(seconds=timeout_s))
             self.work = None
+        if self.done is not None:
+            current = torch.cuda.current_stream(self.out.device)
+            current.wait_event(self.done)
+            self.out.record_stream(current)  # made on the comm stream, read on this one
+            self.done = None
         if self.ready_at:
             time.sleep(max(0.0, self.ready_at - time.perf_counter()))
             self.ready_at = 0.0
         return self.out
 
 
-def start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGroup) -> Started:
+def start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGroup,
+          stream: Optional[torch.cuda.Stream] = None) -> Started:
     """Start sending rows `in_splits[r]` of x to rank r, receiving `out_splits[r]` rows from each; no
-    autograd (node-level execution issues the reverse itself, runtime/nodes.py)."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=g.group, async_op=True)
-    return Started(out, work, time.perf_counter() + g.delay_s if g.delay_s else 0.0)
+    autograd (node-level execution issues the reverse itself, runtime/nodes.py). `stream`: on CUDA, the
+    communication stream it runs on (module docstring); None: issued from the current stream."""
+    x = x.contiguous()
+    if stream is None:
+        if x.is_cuda and g.delay_s:
+            gpu_sleep(g.delay_s, x.device)
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        work = dist.all_to_all_single(out, x, out_splits, in_splits, group=g.group, async_op=True)
+        return Started(out, work, 0.0 if x.is_cuda else g.delay_s)
+    stream.wait_stream(torch.cuda.current_stream(x.device))  # x, and what it was computed from, is written
+    with torch.cuda.stream(stream):
+        if g.delay_s:
+            gpu_sleep(g.delay_s, x.device)
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))  # allocated on the comm stream
+        work = dist.all_to_all_single(out, x, out_splits, in_splits, group=g.group, async_op=True)
+        work.wait()  # NCCL: the comm stream waits for the collective's stream, the host does not
+        done = torch.cuda.Event()
+        done.record(stream)
+    x.record_stream(stream)  # read on the comm stream: not reused by the compute stream before it is sent
+    return Started(out, None, done=done)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_cycles_per_s(index: int) -> float:
+    """Clock cycles of torch.cuda._sleep per second on a GPU, measured once (after a warm-up sleep that
+    lets the clock rise from idle; a rough figure: the clock moves). Its one host sync is planned."""
+    with torch.cuda.device(index), planned_sync(torch.device("cuda", index)):
+        torch.cuda._sleep(20_000_000)
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        first.record()
+        torch.cuda._sleep(10_000_000)
+        last.record()
+        last.synchronize()
+        return 10_000_000 / (first.elapsed_time(last) / 1e3)
+
+
+def gpu_sleep(seconds: float, device: torch.device) -> None:
+    """Queue a GPU sleep of about `seconds` on the current stream of `device` (EPGroup.delay_s)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda._sleep(int(seconds * _gpu_cycles_per_s(index)))
+
+
+@contextlib.contextmanager
+def planned_sync(device: torch.device) -> Iterator[None]:
+    """A host sync the dispatch cannot do without (the splits), exempt from torch.cuda.set_sync_debug_mode:
+    a check that every other sync is an error (tests/test_gpu.py) runs with this one allowed."""
+    if device.type != "cuda":
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 class Routed(NamedTuple):
@@ -123,8 +201,9 @@ def exchange(counts: torch.Tensor, g: EPGroup, device: torch.device) -> tuple[to
     if tap is not None:
         tap.collective("ep", "a2a:counts", mine.nbytes, t0, t0)
     mine = mine.view(g.size, local)  # (ep sources, E/ep local experts)
-    send = counts.view(g.size, local).sum(1).tolist()  # host values: the splits (one sync, as torchtitan)
-    recv = mine.sum(1).tolist()
+    with planned_sync(counts.device):  # host values: the splits (one sync, as torchtitan)
+        splits = torch.cat([counts.view(g.size, local).sum(1), mine.sum(1)]).tolist()
+    send, recv = splits[:g.size], splits[g.size:]
     # expert-major: local expert j's rows from source 0, then source 1, ..., each in its source's order
     key = torch.arange(local, device=mine.device).repeat(g.size) * g.size + \
         torch.arange(g.size, device=mine.device).repeat_interleave(local)  # (source, expert) -> j ep + s

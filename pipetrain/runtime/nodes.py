@@ -5,8 +5,8 @@ per layer. `NodeForward` runs each compute node on detached leaves of its floati
 (leaves, outputs) per node; `NodeBackward` runs the nodes in reverse, each from its outputs'
 gradients to its leaves' through runtime/backward.py: `backward_input` (B: the weight-gradient
 work of every node is kept for W) or `backward_full` (BW). Comm nodes start an all-to-all
-(runtime/ep_comm.py `start`, async) and leave a `Started` in the environment; the next node that
-reads it waits. Their backward is the reverse all-to-all of the gradient on the splits the forward
+(runtime/ep_comm.py `start`, async; on CUDA on a communication stream) and leave a `Started` in the
+environment; the next node that reads it waits (on CUDA: the compute stream waits, the host does not). Their backward is the reverse all-to-all of the gradient on the splits the forward
 used (no counts exchange in backward). Every start is appended to `log` (the issue order every rank
 of an EP group must share), with the time spent blocked in waits (the exposed all-to-all time).
 
@@ -34,8 +34,10 @@ class A2ALog:
     """Every all-to-all a rank starts in a step, in order, and when: per all-to-all a span
     [label, started, waited from, arrived] (perf_counter seconds; label as "a2a:dispatch L3 mb5 F").
     `arrived` is when the wait returned: gloo reports completion only through wait, so `total` is an
-    upper bound of the transfer and `exposed` (the time blocked in waits) is exact. In a measured step
-    each also reaches the step's record on its clock (runtime/collectives.py: the trace, moe/a2a_*)."""
+    upper bound of the transfer and `exposed` (the time blocked in waits) is exact. On CUDA these are
+    host times (a wait only queues a stream wait): there the GPU's own times are the step record's. In a
+    measured step each also reaches the step's record on its clock (runtime/collectives.py: CUDA events
+    on GPU, so `exposed` is the time the compute stream stalled; the trace, moe/a2a_*)."""
 
     def __init__(self, timeout_s: Optional[float] = None) -> None:
         self.timeout_s = timeout_s  # the longest wait for an all-to-all (None: the EP group's timeout)
@@ -106,8 +108,9 @@ class NodeForward:
     recorder's saved-bytes hooks), `autocast` too."""
 
     def __init__(self, plan: list[list[Node]], stage: int, microbatch: int, x: torch.Tensor, log: A2ALog,
-                 wrap: Callable[[], Any]) -> None:
+                 wrap: Callable[[], Any], stream: Optional[torch.cuda.Stream] = None) -> None:
         self.plan, self.stage, self.microbatch, self.log, self.wrap = plan, stage, microbatch, log, wrap
+        self.stream = stream  # CUDA: the communication stream its all-to-alls run on (runtime/ep_comm.py)
         self.env: dict[str, Any] = {"x": x}
         # per node run: (node, its leaves, its outputs by name) or, for a comm node, (node, splits)
         self.records: list[tuple[Node, Any, Any]] = []
@@ -125,7 +128,7 @@ class NodeForward:
             out_splits, in_splits, g = node.comm(env)
             x = self.log.ready(env[node.reads[0]])
             env[node.writes[0]] = self.log.start("F", self.stage, self.microbatch, node,
-                                                 start(x.detach(), out_splits, in_splits, g))
+                                                 start(x.detach(), out_splits, in_splits, g, self.stream))
             self.records.append((node, (out_splits, in_splits, g), None))
             return
         leaves = [_leaf(self.log.ready(env[r])) for r in node.reads]
@@ -168,7 +171,7 @@ class NodeBackward:
             out_splits, in_splits, g = leaves
             gy = log.ready(grads.pop(node.writes[0]))
             grads[node.reads[0]] = log.start("B", self.fwd.stage, self.fwd.microbatch, node,
-                                             start(gy, in_splits, out_splits, g))
+                                             start(gy, in_splits, out_splits, g, self.fwd.stream))
             return
         pairs = [(outs[w], log.ready(grads.pop(w))) for w in node.writes if w in grads]
         pairs = [(o, gr) for o, gr in pairs if isinstance(o, torch.Tensor) and o.requires_grad]

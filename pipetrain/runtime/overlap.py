@@ -16,8 +16,11 @@ in the same order (what gloo's tags and NCCL's per-communicator order need).
 `pipeline.fb_overlap` (config/__init__.py PipelineConfig): off (no nodes: the executor as before), auto
 (nodes and overlap when every local stage has a node plan and one of them an all-to-all), on (the
 same, refused in one line where impossible). The executor also takes `serial`: nodes, no interleave
-(the reference the interleaved order is tested against, bitwise). CPU only: on CUDA the all-to-alls
-would need a comm stream with events (design note C4.5), not built yet, so `on` is refused there.
+(the reference the interleaved order is tested against, bitwise). On CUDA the all-to-alls run on a
+communication stream of their own (one per rank, higher priority than the compute stream, as Megatron's
+high-priority a2a stream), ordered by events (runtime/ep_comm.py); that needs more than one hardware queue,
+so CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's setting for tensor-parallel overlap) leaves `auto` on whole
+stages and refuses `on` in one line: one queue would run each all-to-all after the compute queued before it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from pipetrain.config.cluster import ONE_QUEUE, one_hw_queue
 from pipetrain.runtime.nodes import A2ALog, NodeBackward, NodeForward, Step
 from pipetrain.runtime.stage_protocol import Node, OverlapStage
 from pipetrain.schedules.fb_pairs import MOE_NODES, PAIR_ORDER
@@ -50,12 +54,14 @@ class NodeExecution:
     """The node plans of a rank's stages, and how an F&B pair runs (interleaved or serial)."""
 
     def __init__(self, plans: Mapping[int, list[list[Node]]], *, interleave: bool,
-                 timeout_s: Optional[float] = None) -> None:
+                 timeout_s: Optional[float] = None, device: torch.device = torch.device("cpu")) -> None:
         self.plans, self.interleave = plans, interleave
         self.log = A2ALog(timeout_s)
+        # CUDA: the all-to-alls' stream (priority -1: its kernels go first when both streams have work)
+        self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
 
     def forward(self, stage: int, microbatch: int, x: torch.Tensor, wrap: Callable) -> NodeForward:
-        return NodeForward(self.plans[stage], stage, microbatch, x, self.log, wrap)
+        return NodeForward(self.plans[stage], stage, microbatch, x, self.log, wrap, self.stream)
 
     @staticmethod
     def run(steps: list[list[Step]]) -> None:
@@ -89,13 +95,13 @@ def node_execution(stages: Mapping[int, object], fb_overlap: str, device: torch.
     plans = {s: st.fb_plan() if isinstance(st, OverlapStage) else None for s, st in stages.items()}
     missing = [s for s, p in plans.items() if p is None]
     a2a = any(n.comm is not None for p in plans.values() if p for layer in p for n in layer)
-    if fb_overlap == "auto" and (missing or not a2a or device.type != "cpu"):
+    one_queue = one_hw_queue(device.type)
+    if fb_overlap == "auto" and (missing or not a2a or one_queue):
         return None
     if missing:
         raise ValueError(f"pipeline.fb_overlap={fb_overlap}: stage {missing[0]} cannot run node by node (activation "
-                         f"recompute, FSDP2, or a model without node plans): set pipeline.fb_overlap=auto or off")
-    if device.type != "cpu":
-        raise ValueError(f"pipeline.fb_overlap={fb_overlap} runs on CPU (gloo) only: the CUDA comm stream is not "
-                         f"built yet: set pipeline.fb_overlap=off")
+                         f"recompute, or a model without node plans): set pipeline.fb_overlap=auto or off")
+    if one_queue and fb_overlap == "on":
+        raise ValueError(ONE_QUEUE)
     return NodeExecution({s: p for s, p in plans.items() if p is not None}, interleave=fb_overlap != "serial",
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, device=device)
