@@ -120,3 +120,10 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+def cuda_sleep(cycles: int) -> None:
+    """Queue a kernel that spins `cycles` GPU clock cycles on the current stream (`torch.cuda._sleep`, what
+    torch's own stream tests use): an emulated network time that occupies no compute (runtime/ep_comm.py
+    EPGroup.delay_s). No public API queues a timed wait on a stream."""
+    torch.cuda._sleep(cycles)

@@ -47,6 +47,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from pipetrain.compat import cuda_sleep
 from pipetrain.runtime import collectives
 
 
@@ -57,7 +58,7 @@ class EPGroup:
     rank: int  # this rank's ep index: it holds experts [rank E/ep, (rank + 1) E/ep)
     # An emulated network latency per token all-to-all (bench/moe_fb_overlap.py's deterministic
     # variant, the one-GPU check's stand-in network): its output is ready no sooner than delay_s after
-    # its start. On CPU a host sleep in `wait`; on CUDA a GPU sleep (torch.cuda._sleep, one thread
+    # its start. On CPU a host sleep in `wait`; on CUDA a GPU sleep (compat.cuda_sleep, one thread
     # block spinning) on the stream that issues the transfer, before it, so the collective (and the
     # next one on the group's communicator) starts that much later. Neither costs compute: a blocking
     # all-to-all pays it whole and an overlapped one hides it under the other microbatch.
@@ -151,10 +152,10 @@ def _gpu_cycles_per_s(index: int) -> float:
     """Clock cycles of torch.cuda._sleep per second on a GPU, measured once (after a warm-up sleep that
     lets the clock rise from idle; a rough figure: the clock moves). Its one host sync is planned."""
     with torch.cuda.device(index), planned_sync(torch.device("cuda", index)):
-        torch.cuda._sleep(20_000_000)
+        cuda_sleep(20_000_000)
         first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         first.record()
-        torch.cuda._sleep(10_000_000)
+        cuda_sleep(10_000_000)
         last.record()
         last.synchronize()
         return 10_000_000 / (first.elapsed_time(last) / 1e3)
@@ -163,7 +164,7 @@ def _gpu_cycles_per_s(index: int) -> float:
 def gpu_sleep(seconds: float, device: torch.device) -> None:
     """Queue a GPU sleep of about `seconds` on the current stream of `device` (EPGroup.delay_s)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    torch.cuda._sleep(int(seconds * _gpu_cycles_per_s(index)))
+    cuda_sleep(int(seconds * _gpu_cycles_per_s(index)))
 
 
 @contextlib.contextmanager
