@@ -23,7 +23,9 @@ The plan is derived, just in time and in schedule order. Number a rank's atomic 
 (an F&B pair counts as its two parts) 0..n-1; boundary i is the moment before part i
 (boundary n: after the last). Each pair of ranks orders its messages by when their
 consumer starts in the unit-cost dependency walk (one causal order of the whole step,
-`message_order`); both ranks issue them in that order:
+`message_order`), consumers that start together by when the producer started (the message
+that exists first goes first: ordered the other way, interleaved 1F1B's rank 0 sent its
+activations one action late, and its peer waited); both ranks issue them in that order:
 
   - a receive is posted `lookahead` parts before the part consuming it (0: just in time),
   - a send right after the part producing it,
@@ -251,25 +253,31 @@ def exchange_pairs(schedule: Schedule) -> tuple[tuple[int, int], ...]:
 
 
 def message_order(schedule: Schedule, result: Optional[Walk] = None,
-                  per_rank: Optional[list[Crossings]] = None) -> dict[Message, tuple[float, int, int]]:
+                  per_rank: Optional[list[Crossings]] = None) -> dict[Message, tuple[float, float, int, int]]:
     """Every message's place in one causal order of the whole step: when its consumer starts
-    in the unit-cost dependency walk (then part and rank). Both ranks of a pair use it."""
+    in the unit-cost dependency walk, then when its producer started (of two messages whose
+    consumers start together, the one produced first goes first: the other's sender need not hold
+    back the receive of a message that already exists), then part and rank. Both ranks of a pair
+    use it."""
     result = walk(schedule, lambda r, step: 1.0) if result is None else result
     if not result.complete:
         raise ValueError(f"schedule {schedule.name!r} deadlocks: validate it first")
-    order = {}
+    produced: dict[Message, float] = {}
+    consumed: dict[Message, tuple[float, int, int]] = {}
     for r, steps in enumerate(schedule.steps):
         cross = iter(crossings(schedule, r) if per_rank is None else per_rank[r])
         for k, step in enumerate(steps):
             for part_no in range(len(step.parts())):
-                msg = next(cross)[1]
-                if msg is not None:
-                    order[msg] = (result.start[r][k], part_no, r)
-    return order
+                _, need, out = next(cross)
+                if need is not None:
+                    consumed[need] = (result.start[r][k], part_no, r)
+                if out is not None:
+                    produced[out] = result.start[r][k]
+    return {msg: (start, produced[msg], part_no, r) for msg, (start, part_no, r) in consumed.items()}
 
 
 def build_plan(schedule: Schedule, rank: int, *, lookahead: int = 1,
-               order: Optional[dict[Message, tuple[float, int, int]]] = None,
+               order: Optional[dict[Message, tuple[float, float, int, int]]] = None,
                cross: Optional[Crossings] = None) -> RankTransfers:
     """One rank's plan (see the module docstring); pure and deterministic.
 
