@@ -27,8 +27,11 @@ Measurement: ONE spawn of P gloo ranks (1 thread each, glibc told to keep freed 
 for each round, the single-process baseline first (rank 0 runs it in subprocesses while
 the other ranks wait: the whole model, the whole global batch in one forward + backward,
 at 1 and at 2 threads; and at 1 thread in M microbatches with gradient accumulation, the work
-of the pipeline's ranks at their matmul shapes: P times its tokens/s is what P one-thread ranks
-reach with no bubble and free communication, the ceiling of any schedule here), then for each
+of the pipeline's ranks at their matmul shapes, alone and as P such processes at once: the sum of
+the P concurrent runs' tokens/s is what P one-thread ranks reach with no bubble and free
+communication, the ceiling of any schedule here. P times the lone run overstates it: P busy cores
+share the caches and memory bandwidth and run at a lower boost clock than one, 3-4% on the 2-core
+machine; both figures are reported), then for each
 schedule both sides in PAIRED steps: 1 warm-up step per side, then --steps pairs, each pair one
 step of either side back to back, the side that goes first alternating from pair to pair (and
 by round), so a slow moment of the shared
@@ -348,21 +351,33 @@ def verify(pt: PipetrainSide, th: TorchSide, name: str, args) -> dict:
 
 
 # baseline runs: (threads, microbatches); 1 = the whole global batch at once
-BASELINES = {"1": (1, False), "2": (2, False), "1_microbatched": (1, True)}
+CONCURRENT = "1_microbatched_concurrent"  # P one-thread microbatched processes at once: the ceiling
+BASELINES = {"1": (1, False), "2": (2, False), "1_microbatched": (1, True), CONCURRENT: (1, True)}
 PLANNER_BASELINE = "1_planner_microbatched"  # the ceiling at the planner's microbatch size, when it picks another M
+PLANNER_CONCURRENT = "1_planner_microbatched_concurrent"
 
 
 def run_baseline(key: str, args: argparse.Namespace) -> dict:
-    """The whole model in a fresh process (rank 0 calls this), as BASELINES[key] says
-    (PLANNER_BASELINE: 1 thread in the planner's M microbatches)."""
+    """The whole model in a fresh process (rank 0 calls this), as BASELINES[key] says (PLANNER_*: 1 thread in
+    the planner's M microbatches); the *_concurrent keys run P such processes at once and sum their tokens/s."""
     threads, micro = BASELINES.get(key, (1, True))
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in drop} | CPU_MALLOC_ENV
-    m = ["--microbatches", str(args.planner_row["microbatches"])] if key == PLANNER_BASELINE else []
+    m = ["--microbatches", str(args.planner_row["microbatches"])] if key.startswith("1_planner") else []
     cmd = [sys.executable, os.path.abspath(__file__), *args.argv, *m, "--baseline-child", "--threads", str(threads),
            *(["--accumulate"] if micro else [])]
-    res = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    n = args.degree if key.endswith("_concurrent") else 1
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    runs = []
+    for proc in procs:
+        out, err = proc.communicate()
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    if n == 1:
+        return runs[0]
+    return {**runs[0], "processes": n, "tokens_per_s": sum(r["tokens_per_s"] for r in runs),
+            "tokens_per_s_each": [r["tokens_per_s"] for r in runs], "step_s": [r["step_s"] for r in runs]}
 
 
 def rank_main(rank: int, world: int, out: Path, args: argparse.Namespace) -> None:
@@ -400,7 +415,7 @@ def rank_main(rank: int, world: int, out: Path, args: argparse.Namespace) -> Non
         if rank == 0:  # the baseline, between rounds; the other ranks wait in the barrier
             keys = list(BASELINES)
             if args.planner_row is not None and args.planner_row["microbatches"] != args.microbatches:
-                keys.append(PLANNER_BASELINE)
+                keys += [PLANNER_BASELINE, PLANNER_CONCURRENT]
             for key in keys if rnd % 2 == 0 else reversed(keys):
                 raw["baseline"].setdefault(key, []).append(run_baseline(key, args))
         dist.barrier()
@@ -492,8 +507,9 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
         return rows[name]["ratio_median"] if name in rows else None
 
     best = max(rows, key=lambda n: rows[n]["pipetrain"]["tokens_per_s"])
-    # P one-thread ranks at the microbatch's shapes, no bubble, free communication
-    ceiling = args.degree * base["1_microbatched"]["tokens_per_s"]
+    # P one-thread ranks at the microbatch's shapes, no bubble, free communication: P such processes at once
+    ceiling = base[CONCURRENT]["tokens_per_s"]
+    solo = args.degree * base["1_microbatched"]["tokens_per_s"]  # P times one alone: 3-4% above it here
     worst = min(rows, key=lambda n: rows[n]["ratio_median"])
     summary = {
         "min_ratio": rows[worst]["ratio_median"], "min_ratio_schedule": worst,
@@ -502,8 +518,10 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
                                     if "zbv" in rows and "1f1b" in rows else None),
         "best_pipetrain_schedule": best,
         "best_pipetrain_over_baseline_2t": rows[best]["pipetrain_over_baseline_2t"],
+        "ceiling_tokens_per_s": ceiling, "ceiling_solo_x_p_tokens_per_s": solo, "ceiling_over_solo_x_p": ceiling / solo,
         "ceiling_over_baseline_2t": ceiling / base2,
         "best_pipetrain_over_ceiling": rows[best]["pipetrain"]["tokens_per_s"] / ceiling,
+        "best_pipetrain_over_ceiling_solo_x_p": rows[best]["pipetrain"]["tokens_per_s"] / solo,
     }
     if raw.get("planner"):
         pr = dict(args.planner_row)
@@ -512,10 +530,13 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             pr[side] = {"tokens_per_s": statistics.median(rounds), "tokens_per_s_rounds": rounds,
                         "cpu_s_per_step_per_rank": [statistics.median(c) for c in rec["cpu_s"]]}
         pr["pipetrain_over_ceiling"] = pr["pipetrain"]["tokens_per_s"] / ceiling
-        if raw["baseline"].get(PLANNER_BASELINE):  # P one-thread ranks at the planner's microbatch shapes
-            own = args.degree * statistics.median(r["tokens_per_s"] for r in raw["baseline"][PLANNER_BASELINE])
+        pr["pipetrain_over_ceiling_solo_x_p"] = pr["pipetrain"]["tokens_per_s"] / solo
+        if raw["baseline"].get(PLANNER_CONCURRENT):  # P one-thread ranks at the planner's microbatch shapes
+            own = statistics.median(r["tokens_per_s"] for r in raw["baseline"][PLANNER_CONCURRENT])
+            own_solo = args.degree * statistics.median(r["tokens_per_s"] for r in raw["baseline"][PLANNER_BASELINE])
             pr["ceiling_at_its_microbatches_tokens_per_s"] = own
             pr["pipetrain_over_ceiling_at_its_microbatches"] = pr["pipetrain"]["tokens_per_s"] / own
+            pr["pipetrain_over_ceiling_solo_x_p_at_its_microbatches"] = pr["pipetrain"]["tokens_per_s"] / own_solo
         if "torch" in pr:
             pr["ratio_median"] = statistics.median(a / b for a, b in zip(pr["pipetrain"]["tokens_per_s_rounds"],
                                                                           pr["torch"]["tokens_per_s_rounds"]))
@@ -533,6 +554,7 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
          if v[f"ratio_M{hi}_over_M{lo}_max_over_stages"] is not None), default=None)
     return {"baseline": {"tokens_per_s_1thread": base["1"]["tokens_per_s"], "tokens_per_s_2threads": base2,
                          "tokens_per_s_1thread_microbatched": base["1_microbatched"]["tokens_per_s"],
+                         f"tokens_per_s_1thread_microbatched_{args.degree}_at_once": ceiling,
                          "runs": base}, "schedules": rows, "recv_buffer_scaling": scaling, "summary": summary}
 
 
@@ -557,15 +579,17 @@ def print_table(res: dict, args: argparse.Namespace) -> None:
     print(f"min ratio {s['min_ratio']:.3f} ({s['min_ratio_schedule']}); zbv ratio {fmt(s['zbv_ratio'])}; "
           f"dualpipev ratio {fmt(s['dualpipev_ratio'])}; pipetrain zbv/1f1b {fmt(s['pipetrain_zbv_over_1f1b'])}; "
           f"best pipetrain ({s['best_pipetrain_schedule']}) / 2-thread baseline "
-          f"{s['best_pipetrain_over_baseline_2t']:.3f}; ceiling ({args.degree} x the 1-thread microbatched "
-          f"baseline) / 2-thread baseline {s['ceiling_over_baseline_2t']:.3f}, best / ceiling "
-          f"{s['best_pipetrain_over_ceiling']:.3f}")
+          f"{s['best_pipetrain_over_baseline_2t']:.3f}; ceiling ({args.degree} 1-thread microbatched runs at once, "
+          f"{s['ceiling_tokens_per_s']:.0f} tok/s, {s['ceiling_over_solo_x_p']:.3f} of {args.degree} x one alone) / "
+          f"2-thread baseline {s['ceiling_over_baseline_2t']:.3f}, best / ceiling {s['best_pipetrain_over_ceiling']:.3f} "
+          f"(/ {args.degree} x one alone {s['best_pipetrain_over_ceiling_solo_x_p']:.3f})")
     if "planner_row" in s:
         pr = s["planner_row"]
         vs = f", torch on the same cut {pr['torch']['tokens_per_s']:.0f} (ratio {pr['ratio_median']:.3f})" if "torch" in pr else ""
         print(f"planner's pick (schedule=auto partition=profile, P={args.degree}): {pr['schedule']} v={pr['v']} "
               f"M={pr['microbatches']} cut {pr['cut']}: {pr['pipetrain']['tokens_per_s']:.0f} tok/s{vs}; "
-              f"/ ceiling {pr['pipetrain_over_ceiling']:.3f}" + (
+              f"/ ceiling {pr['pipetrain_over_ceiling']:.3f} (/ {args.degree} x one alone "
+              f"{pr['pipetrain_over_ceiling_solo_x_p']:.3f})" + (
                   f" (/ the ceiling at its own M {pr['pipetrain_over_ceiling_at_its_microbatches']:.3f})"
                   if "pipetrain_over_ceiling_at_its_microbatches" in pr else ""))
     print("(ratio = pipetrain tok/s / torch tok/s, median over rounds; cpu = CPU s per step per rank)")
