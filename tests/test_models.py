@@ -405,6 +405,26 @@ def test_profile_measures_positive_times_and_caches(tmp_path, monkeypatch):
     assert len(list((tmp_path / "profile").glob("*.json"))) == 2
 
 
+def test_profile_cache_supplies_times_only(tmp_path):
+    """A cache file gives the measured F, B and W ms; every other field is the model's analytic cost as of
+    now: a file written before a field existed (MoE's experts_flops_share, which the planner's F&B overlap
+    pricing splits each MoE layer by) must not read back as that field's default, 0."""
+    from test_nodes import tiny_moe
+
+    model = tiny_moe(layers=2)
+    first = profile_layers(model, batch=1, seq=8, iters=1, warmup=0, cache_dir=tmp_path)
+    assert any(c.experts_flops_share > 0 for c in first)  # the MoE block (the tiny model has a dense one too)
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    for layer in data["layers"]:  # as an older pipetrain wrote it
+        del layer["experts_flops_share"]
+    data["layers"][1]["f_ms"] = 1234.5
+    path.write_text(json.dumps(data))
+    again = profile_layers(model, batch=1, seq=8, iters=1, warmup=0, cache_dir=tmp_path)
+    assert again[1].f_ms == 1234.5, "the times come from the file"
+    assert [c.experts_flops_share for c in again] == [c.experts_flops_share for c in first]
+
+
 def test_profile_times_at_the_ranks_thread_count_and_restores_torchs(tmp_path):
     """On a shared CPU torch's default (a thread per core) timed GPT-2 tiny's blocks 50x slower
     than the one thread a rank runs: the profile measures, and caches, at the count it is given."""

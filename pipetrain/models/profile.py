@@ -127,12 +127,12 @@ def _profile(model: LayeredModel, *, batch: int, seq: int, iters: int, warmup: i
     key = _cache_key(model, batch=batch, seq=seq, device=dev, precision=precision)
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = path / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
+    analytic = model.cost_model(microbatch=batch, seq=seq, tflops=1.0)
     if not refresh:
         cached = _read_cache(path, key, len(model.layers))
         if cached is not None:
-            return cached
+            return [dataclasses.replace(c, f_ms=f, b_ms=b, w_ms=w) for c, (f, b, w) in zip(analytic, cached)]
     times = _measure(model, batch=batch, seq=seq, iters=iters, warmup=warmup, device=dev, precision=precision)
-    analytic = model.cost_model(microbatch=batch, seq=seq, tflops=1.0)
     costs = [dataclasses.replace(c, f_ms=f, b_ms=b, w_ms=w) for c, (f, b, w) in zip(analytic, times)]
     write_text_atomic(path, json.dumps({"key": key, "iters": iters, "warmup": warmup,
                                         "layers": [dataclasses.asdict(c) for c in costs]}, indent=1))
@@ -162,14 +162,17 @@ def _device_description(device: torch.device) -> str:
     return str(device)
 
 
-def _read_cache(path: Path, key: dict[str, Any], num_layers: int) -> list[LayerCost] | None:
+def _read_cache(path: Path, key: dict[str, Any], num_layers: int) -> list[tuple[float, float, float]] | None:
+    """The measured (F, B, W) ms per layer of a cache file, or None (missing, stale, a collision). Only the
+    times: every other field of a LayerCost is the model's analytic cost, taken fresh at each read, so a
+    field added to LayerCost later (experts_flops_share) is not read back as its default from an older file."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        if data.get("key") != key or len(data.get("layers", ())) != num_layers:
+            return None  # a hash collision or a stale format: measure again
+        return [(float(d["f_ms"]), float(d["b_ms"]), float(d["w_ms"])) for d in data["layers"]]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if data.get("key") != key or len(data.get("layers", ())) != num_layers:
-        return None  # a hash collision or a stale format: measure again
-    return [LayerCost(**d) for d in data["layers"]]
 
 
 def _sync(device: torch.device) -> None:
