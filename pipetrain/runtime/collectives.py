@@ -54,6 +54,18 @@ def install(new: Optional[Sink]) -> None:
     _sink = new
 
 
+def blocking(group: str, label: str, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`run()`: a collective this rank waits for as it issues it (all of its time exposed); returns its output,
+    whose bytes a measured step's record gets with the span."""
+    tap = sink()
+    if tap is None:
+        return run()
+    started = tap.mark()
+    out = run()
+    tap.collective(group, label, out.nbytes, started, started)
+    return out
+
+
 def run_node(run: Callable[[], None], name: str, layer: str, microbatch: int, side: str) -> None:
     """`run()`, one node of a node-by-node stage (runtime/nodes.py); in a measured step its span goes to
     the record as "<name> L<layer> mb<microbatch> <side>" (the Chrome trace's row "rank r nodes")."""

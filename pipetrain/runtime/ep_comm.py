@@ -82,12 +82,8 @@ class _AllToAll(torch.autograd.Function):
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGroup, label: str) -> torch.Tensor:
     """Blocking (whole-stage execution): the time from its start to its end is all exposed; a measured
     step's record gets it (runtime/collectives.py)."""
-    tap = collectives.sink()
-    t0 = tap.mark() if tap is not None else 0
-    out = start(x, out_splits, in_splits, g).wait()
-    if tap is not None:
-        tap.collective("ep", label, out.nbytes, t0, t0)  # bytes: its output, this rank's own rows included
-    return out
+    # bytes: its output, this rank's own rows included
+    return collectives.blocking("ep", label, lambda: start(x, out_splits, in_splits, g).wait())
 
 
 class Started:
@@ -196,11 +192,11 @@ def exchange(counts: torch.Tensor, g: EPGroup, device: torch.device) -> tuple[to
     and expert-major order dispatch and combine use; a backward reuses them: no exchange there)."""
     local = counts.numel() // g.size
     mine = torch.empty_like(counts)  # from rank r: its counts for my experts, E/ep of them
-    tap = collectives.sink()
-    t0 = tap.mark() if tap is not None else 0
-    dist.all_to_all_single(mine, counts.contiguous(), group=g.group)
-    if tap is not None:
-        tap.collective("ep", "a2a:counts", mine.nbytes, t0, t0)
+    def counts_a2a() -> torch.Tensor:
+        dist.all_to_all_single(mine, counts.contiguous(), group=g.group)
+        return mine
+
+    collectives.blocking("ep", "a2a:counts", counts_a2a)
     mine = mine.view(g.size, local)  # (ep sources, E/ep local experts)
     with planned_sync(counts.device):  # host values: the splits (one sync, as torchtitan)
         splits = torch.cat([counts.view(g.size, local).sum(1), mine.sum(1)]).tolist()
