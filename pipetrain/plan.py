@@ -200,7 +200,8 @@ def overlap_layers(inputs: LayoutInputs, pl: Placement) -> tuple[tuple[LayerNode
     if not any(l.comm_f_ms or l.comm_b_ms for l in part.layers):
         return ()
     nodes = [LayerNodes.split(f_ms=l.f_ms, b_ms=l.b_ms, w_ms=l.w_ms, comm_f_ms=l.comm_f_ms, comm_b_ms=l.comm_b_ms,
-                              experts_share=l.experts_flops_share) for l in part.layers]
+                              experts_share=l.experts_flops_share, post_share=l.shared_experts_flops_share)
+             for l in part.layers]
     return tuple(tuple(nodes[i] for i in part.bounds[pl.chunk_of(s)]) for s in range(pl.num_stages))
 
 

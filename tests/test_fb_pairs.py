@@ -69,13 +69,15 @@ def test_stage_costs_price_an_fb_pair_as_the_node_chain():
         StageCosts(f, b, w, layers=(((1.0, 1.0, 1.0, 1.0, 1.0),), ((1.0, 1.0, 1.0, 1.0, 1.0),)))
 
 
-def test_overlap_layers_split_each_layers_totals_into_nodes():
+@pytest.mark.parametrize("shared", [0, 1])
+def test_overlap_layers_split_each_layers_totals_into_nodes(shared):
     """plan.overlap_layers (mode=simulate, the planner): per MoE layer the nodes sum to its f and b, dispatch
     and combine halve its all-to-all, experts take the routed experts' FLOP share of the compute (moe-tiny:
-    top-2 x 3 x 128 x 128 routed weights, 2 FLOPs each, of the block's forward FLOPs), w stays whole."""
+    top-2 x 3 x 128 x 128 routed weights, 2 FLOPs each, of the block's forward FLOPs), post the shared
+    experts' (with one shared expert of the same width: 3 x 128 x 128), w stays whole."""
     cfg = compose_config(["mode=simulate", "model=moe-tiny", "data.seq_len=64", "data.batch_size=8",
                           "pipeline.degree=2", "pipeline.microbatches=4", "parallel.dp_shard=2", "schedule=dualpipev",
-                          "parallel.ep=2", "pipeline.fb_overlap=on"])
+                          "parallel.ep=2", "pipeline.fb_overlap=on", f"model.moe.num_shared_experts={shared}"])
     part = make_partition(cfg, layer_costs(cfg), 4)
     pl = registry.placement_for("dualpipev", 2, 2)
     per_stage = overlap_layers(layout_inputs(cfg, part, 4), pl)
@@ -87,6 +89,8 @@ def test_overlap_layers_split_each_layers_totals_into_nodes():
             assert (nodes.f.dispatch, nodes.f.combine, nodes.b.a2a, nodes.w) == pytest.approx(
                 (l.comm_f_ms / 2, l.comm_f_ms / 2, l.comm_b_ms, l.w_ms))
             share = 2 * 2 * 3 * 128 * 128 / l.flops_per_token if l.a2a_values_per_token else 0.0
-            assert nodes.f.experts == pytest.approx(share * (l.f_ms - l.comm_f_ms)) and nodes.f.post == 0.0
+            post = shared * 2 * 3 * 128 * 128 / l.flops_per_token if l.a2a_values_per_token else 0.0
+            assert nodes.f.experts == pytest.approx(share * (l.f_ms - l.comm_f_ms))
+            assert nodes.f.post == pytest.approx(post * (l.f_ms - l.comm_f_ms)) and (nodes.f.post > 0) == bool(shared and post)
             assert sum(nodes.backward(with_w=True)) == pytest.approx(l.b_ms + l.w_ms, rel=1e-12)
     assert sum(1 for stage in per_stage for n in stage if n.f.a2a) == 8, "moe-tiny's 8 blocks are MoE"

@@ -350,10 +350,11 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
     moe = experts_and_a2a(cfg)  # what expert parallel splits and sends; cp gathers each block's K and V
     blocks = [cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q, block_values[i] * bytes_per_value)
               for i in range(cfg["num_hidden_layers"])]
-    # 2 forward FLOPs per routed expert parameter a token meets, of the block's forward FLOPs
+    # 2 forward FLOPs per routed (shared) expert parameter a token meets, of the block's forward FLOPs
+    share = lambda active, b: 2 * active / b.flops_per_token if b.flops_per_token else 0.0  # noqa: E731
     out += [dataclasses.replace(b, experts_params=moe[i][0], a2a_values_per_token=moe[i][1],
-                                kv_values_per_token=2 * kv,
-                                experts_flops_share=2 * routed / b.flops_per_token if b.flops_per_token else 0.0)
-            for i, (b, routed) in enumerate(zip(blocks, routed_active(cfg)))]
+                                kv_values_per_token=2 * kv, experts_flops_share=share(routed, b),
+                                shared_experts_flops_share=share(shared, b))
+            for i, (b, (routed, shared)) in enumerate(zip(blocks, routed_active(cfg)))]
     out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
     return out

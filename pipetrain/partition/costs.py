@@ -33,6 +33,8 @@ class LayerCost:
     # of flops_per_token, the share its routed experts compute (the F&B overlap model's experts node,
     # schedules/fb_pairs.py LayerNodes.split); a share, not a count, so tp, cp and measured times keep it
     experts_flops_share: float = 0.0
+    # likewise the share its shared experts compute (node execution runs them in the post node)
+    shared_experts_flops_share: float = 0.0
     # of f_ms and b_ms, the expert-parallel all-to-all time (what an F&B pair's other half can hide)
     comm_f_ms: float = 0.0
     comm_b_ms: float = 0.0

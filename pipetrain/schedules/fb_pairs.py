@@ -78,15 +78,16 @@ class LayerNodes(NamedTuple):
 
     @classmethod
     def split(cls, *, f_ms: float, b_ms: float, w_ms: float, comm_f_ms: float, comm_b_ms: float,
-              experts_share: float) -> "LayerNodes":
+              experts_share: float, post_share: float = 0.0) -> "LayerNodes":
         """A layer's nodes from its totals (partition/costs.py LayerCost): dispatch and combine each half of
         a pass's all-to-all time (they move the same rows, there and back), the rest of the pass compute
-        split between experts (`experts_share` of it: the routed experts' share of the layer's FLOPs) and
-        attn (attention, norms, router); post (gates, residual) costs ~0 and is left at 0."""
+        split between experts (`experts_share` of it: the routed experts' share of the layer's FLOPs), post
+        (`post_share`: the shared experts'; its gates and residual cost ~0) and attn (attention, norms,
+        router: the rest)."""
         def one(total: float, comm: float) -> PassNodes:
             compute = total - comm
-            experts = compute * experts_share
-            return PassNodes(compute - experts, comm / 2, experts, comm / 2, 0.0)
+            experts, post = compute * experts_share, compute * post_share
+            return PassNodes(compute - experts - post, comm / 2, experts, comm / 2, post)
         return cls(one(f_ms, comm_f_ms), one(b_ms, comm_b_ms), w_ms)
 
     def backward(self, with_w: bool) -> PassNodes:
