@@ -46,10 +46,11 @@ def ep_rank(rank: int, world: int, out) -> None:
     from pipetrain.runtime.executor import Executor
     from pipetrain.schedules import registry
 
-    set_aux_loss_scale(1.0 / M)  # each rank's objective: the mean over its M microbatches
     got = {}
     for mode in ("off", "serial", "on"):
         stages = stages_of(rank)
+        for st in stages.values():  # each rank's objective: the mean over its M microbatches
+            set_aux_loss_scale(st, 1.0 / M)
         ex = Executor(registry.build("dualpipev", 1, M, 2), 0, stages, comm=None, fb_overlap=mode)
         result = ex.step(rank_batches(rank))  # measured (Executor.measure): timings with their collectives
         if mode == "off":
@@ -67,14 +68,13 @@ def reference():
     from pipetrain.models.moe_block import set_aux_loss_scale
 
     model = tiny_moe()
-    set_aux_loss_scale(1.0 / (EP * M))
+    set_aux_loss_scale(model, 1.0 / (EP * M))
     total = 0.0
     for rank in range(EP):
         for x, y in rank_batches(rank):
             loss = model.loss(model(x), y)
             total += loss.item()
             (loss / (EP * M)).backward()
-    set_aux_loss_scale(1.0)
     return total / (EP * M), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -209,7 +209,6 @@ def pp2_ep2_rank(rank: int, world: int, out) -> None:
 
     layout = Layout(pp=2, dp_shard=2, ep=2)  # no dp step in Parallelize: EP groups without FSDP2
     groups = build_groups(layout, "cpu")
-    set_aux_loss_scale(1.0 / M)
     got = {}
     for mode in ("serial", "on"):
         model = tiny_moe()
@@ -219,6 +218,8 @@ def pp2_ep2_rank(rank: int, world: int, out) -> None:
                                  transport=Transport(timeout_s=60, group=groups.pp_group,
                                                      group_ranks=groups.pipeline_ranks, pipelines=layout.pipelines()),
                                  fb_overlap=mode)
+        for st in rp.stages.values():
+            set_aux_loss_scale(st, 1.0 / M)
         loss = rp.train_step(rank_batches(groups.ep_index)).loss
         got[mode] = {"loss": loss, "log": list(rp.executor.nodes.log.started),
                      "grads": {f"{s}:{n}": p.grad for s, n, p in rp.named_parameters()}}

@@ -77,6 +77,7 @@ def router_grads(knobs: dict, *, recompute: bool = False) -> tuple[float, dict[s
     sched = registry.build("interleaved_1f1b", 1, M, 2)
     rp = build_rank_pipeline(model, uniform_bounds(len(model.layers), 2), sched, 0, microbatch_size=MB, seq_len=SEQ,
                              seed=0, parallelize=Parallelize(recompute=recompute))
+    assert sum(set_aux_loss_scale(s, 1.0 / M) for s in rp.stages.values()) == 4
     res = rp.train_step(batches(model, 0))
     grads = {n: p.grad.clone() for _, n, p in rp.named_parameters() if n.endswith("router.weight")}
     counts = [int(b.tokens_per_expert.sum()) for s in rp.stages.values() for _, b in moe_blocks(s)]
@@ -85,13 +86,9 @@ def router_grads(knobs: dict, *, recompute: bool = False) -> tuple[float, dict[s
 
 @pytest.mark.pure
 def test_aux_loss_gradient_reaches_routers_on_every_stage():
-    set_aux_loss_scale(1.0 / M)
-    try:
-        loss_aux, aux, counts = router_grads(tiny_knobs(balance="aux_loss", aux_loss_coef=1.0))
-        loss_none, none, _ = router_grads(tiny_knobs(balance="none"))
-        _, recomputed, counts_rc = router_grads(tiny_knobs(balance="aux_loss", aux_loss_coef=1.0), recompute=True)
-    finally:
-        set_aux_loss_scale(1.0)
+    loss_aux, aux, counts = router_grads(tiny_knobs(balance="aux_loss", aux_loss_coef=1.0))
+    loss_none, none, _ = router_grads(tiny_knobs(balance="none"))
+    _, recomputed, counts_rc = router_grads(tiny_knobs(balance="aux_loss", aux_loss_coef=1.0), recompute=True)
     assert loss_aux == loss_none  # the aux loss changes the gradient, not the reported loss
     assert len(aux) == 4 and {n.split(".")[1] for n in aux} == {"1", "2", "3", "4"}  # both stages' blocks
     for n in aux:
@@ -104,13 +101,18 @@ def test_aux_loss_gradient_reaches_routers_on_every_stage():
 def test_attach_aux_loss_is_the_gradient_of_the_scaled_sum():
     out = torch.randn(3, 4, requires_grad=True)
     w = torch.randn(2, requires_grad=True)
-    set_aux_loss_scale(0.25)
-    try:
-        AttachAuxLoss.apply(out, (w ** 2).sum()).sum().backward()
-    finally:
-        set_aux_loss_scale(1.0)
+    AttachAuxLoss.apply(out, (w ** 2).sum(), 0.25).sum().backward()
     torch.testing.assert_close(w.grad, 0.25 * 2 * w.detach())
     torch.testing.assert_close(out.grad, torch.ones(3, 4))
+
+
+@pytest.mark.pure
+def test_aux_loss_scale_is_each_blocks_own():
+    """A pipeline and its one-process reference in one process keep their own scale (it was process-wide)."""
+    a, b = (build_model("llama", **tiny_knobs(balance="aux_loss")) for _ in range(2))
+    assert set_aux_loss_scale(a, 0.5) == 4
+    assert {blk.aux_loss_scale for _, blk in moe_blocks(a)} == {0.5}
+    assert {blk.aux_loss_scale for _, blk in moe_blocks(b)} == {1.0}
 
 
 @pytest.mark.pure
@@ -129,7 +131,6 @@ def test_aux_free_pre_step_hook_moves_biases_from_the_step_counts():
 
 
 def train_ranks(rank: int, world: int, out, knobs: dict, names: list[str]) -> None:
-    set_aux_loss_scale(1.0 / M)
     results = {}
     for name in names:
         with torch.device("meta"):
@@ -138,6 +139,8 @@ def train_ranks(rank: int, world: int, out, knobs: dict, names: list[str]) -> No
         bounds = uniform_bounds(len(model.layers), sched.placement.num_chunks)
         rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=MB, seq_len=SEQ, seed=0,
                                  transport=Transport(timeout_s=60, in_order=True))
+        for stage in rp.stages.values():
+            set_aux_loss_scale(stage, 1.0 / M)
         opt = torch.optim.SGD(rp.parameters(), lr=LR, momentum=0.9)
         losses = []
         for step in range(STEPS):
@@ -150,19 +153,16 @@ def train_ranks(rank: int, world: int, out, knobs: dict, names: list[str]) -> No
 
 
 def reference(knobs: dict):
-    set_aux_loss_scale(1.0 / M)
-    try:
-        model = build_model("llama", **knobs)
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
-        losses = []
-        for step in range(STEPS):  # the mean over microbatches, as the executor's (loss / M) sums
-            opt.zero_grad(set_to_none=True)
-            mean = torch.stack([model.loss(model(x), y) for x, y in batches(model, step)]).mean()
-            mean.backward()
-            losses.append(mean.item())
-            opt.step()
-    finally:
-        set_aux_loss_scale(1.0)
+    model = build_model("llama", **knobs)
+    set_aux_loss_scale(model, 1.0 / M)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):  # the mean over microbatches, as the executor's (loss / M) sums
+        opt.zero_grad(set_to_none=True)
+        mean = torch.stack([model.loss(model(x), y) for x, y in batches(model, step)]).mean()
+        mean.backward()
+        losses.append(mean.item())
+        opt.step()
     return losses, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
 
 

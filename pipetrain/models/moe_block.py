@@ -4,11 +4,13 @@ A pipeline stage passes one tensor between layers and starts its backward from t
 the loss on the last stage), so the auxiliary balance loss of a block cannot be added to the
 model's loss. Megatron's MoEAuxLossAutoScaler does it in backward instead: the layer output is
 returned through `AttachAuxLoss`, whose backward hands the output's gradient through unchanged
-and gives the aux loss a gradient of `aux_loss_scale`, as if `aux_loss_scale * aux_loss` had
-been added to the objective. Every stage's routers get their balance gradient in their own
+and gives the aux loss a gradient of the block's `aux_loss_scale`, as if `aux_loss_scale * aux_loss`
+had been added to the objective. Every stage's routers get their balance gradient in their own
 backward, with no executor change. The objective is the mean over the step's microbatches of
 (cross-entropy + sum of the blocks' aux losses) when aux_loss_scale = 1 / pipeline.microbatches,
-which the trainer sets (`set_aux_loss_scale`); it is 1 until then.
+which the trainer sets on the blocks of its stages (`set_aux_loss_scale`); it is 1 until then. A
+block's own attribute, not a process-wide one: two models in one process (a test's pipeline and its
+one-process reference) keep their own.
 
 For aux_free balancing each MoEBlock counts the assignments per expert of every forward of the
 step in `tokens_per_expert`, once per token: a forward re-run by activation recompute (inside
@@ -30,27 +32,29 @@ from pipetrain.config.moe import MoEConfig
 from pipetrain.models.moe import MoE
 from pipetrain.models.moe_router import updated_expert_bias
 
-_AUX_LOSS_SCALE = [1.0]  # d(objective) / d(one block's aux loss of one microbatch)
-
-
-def set_aux_loss_scale(scale: float) -> None:
-    """The gradient each block's aux loss gets: 1 / pipeline.microbatches makes the objective the
-    microbatch mean of (loss + aux losses), as the executor averages the loss (runtime/executor.py)."""
-    _AUX_LOSS_SCALE[0] = float(scale)
+def set_aux_loss_scale(module: nn.Module, scale: float) -> int:
+    """The gradient each aux loss of the MoE blocks under `module` (a stage, a model) gets: 1 /
+    pipeline.microbatches makes the objective the microbatch mean of (loss + aux losses), as the executor
+    averages the loss (runtime/executor.py). Returns how many blocks it set."""
+    blocks = [b for _, b in moe_blocks(module)]
+    for b in blocks:
+        b.aux_loss_scale = float(scale)
+    return len(blocks)
 
 
 class AttachAuxLoss(torch.autograd.Function):
-    """out -> out; backward: out's gradient unchanged, the aux loss's = aux_loss_scale."""
+    """(out, aux_loss, scale) -> out; backward: out's gradient unchanged, the aux loss's = scale."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
         (aux_loss,) = ctx.saved_tensors
-        return grad, torch.full_like(aux_loss, _AUX_LOSS_SCALE[0])
+        return grad, torch.full_like(aux_loss, ctx.scale), None
 
 
 class MoEBlock(MoE):
@@ -64,6 +68,7 @@ class MoEBlock(MoE):
     def __init__(self, config: MoEConfig, *, hidden: int, model_intermediate: int) -> None:
         super().__init__(config, hidden=hidden, intermediate=config.expert_width(model_intermediate),
                          shared_intermediate=config.shared_width(model_intermediate) or None)
+        self.aux_loss_scale = 1.0  # d(objective) / d(this block's aux loss of one microbatch): set_aux_loss_scale
         self.reset_step_stats()
 
     def reset_step_stats(self) -> None:
@@ -92,7 +97,7 @@ class MoEBlock(MoE):
     def attach(self, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """The layer output with its balance loss's gradient attached (AttachAuxLoss) where it has one."""
         if self.config.balance in ("aux_loss", "seq_aux_loss") and torch.is_grad_enabled():
-            return AttachAuxLoss.apply(out, aux)
+            return AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
         return out
 
 

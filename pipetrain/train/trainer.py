@@ -137,8 +137,9 @@ class Trainer:
         counts summed over the data-parallel ranks (torchtitan's optimizer pre-step hook)."""
         from pipetrain.models.moe_block import set_aux_loss_scale, update_expert_biases
 
-        set_aux_loss_scale(1.0 / config.pipeline.microbatches)
         stages, group = list(self.pipe.stages.values()), self.groups.dp_group
+        for stage in stages:
+            set_aux_loss_scale(stage, 1.0 / config.pipeline.microbatches)
 
         def moe_pre_step(*_: Any) -> None:  # returns None: Optimizer.step reads a returned value as new args
             update_expert_biases(stages, group)
