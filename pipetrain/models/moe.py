@@ -49,7 +49,7 @@ def dispatch(ids: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int) 
     if keep is not None:
         flat = flat.masked_fill(~keep.reshape(-1), num_experts)  # sentinel expert E: after every real one
     slots = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    counts = tokens_per_expert(flat, num_experts + 1)[:num_experts]  # the sentinel's count cut off
     if keep is not None:
         slots = slots[: int(keep.sum())]
     return Dispatch(slots // k, slots, counts)

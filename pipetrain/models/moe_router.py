@@ -84,8 +84,11 @@ def choose(choice: torch.Tensor, *, top_k: int, n_group: int = 1, topk_group: in
 
 
 def tokens_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(E,) int64: how many of the (T, K) assignments `ids` went to each expert."""
-    return torch.bincount(ids.reshape(-1), minlength=num_experts)
+    """(E,) int64: how many of the (T, K) assignments `ids` (ids < num_experts) went to each expert. A
+    scatter-add, not torch.bincount, which reads the ids' max on the host first: on a GPU a sync per
+    routing, which would stall node execution's overlap (runtime/ep_comm.py: one planned sync per dispatch)."""
+    flat = ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def balance_loss(scores: torch.Tensor, ids: torch.Tensor, *, score_func: str,

@@ -204,7 +204,8 @@ def exchange(counts: torch.Tensor, g: EPGroup, device: torch.device) -> tuple[to
     # expert-major: local expert j's rows from source 0, then source 1, ..., each in its source's order
     key = torch.arange(local, device=mine.device).repeat(g.size) * g.size + \
         torch.arange(g.size, device=mine.device).repeat_interleave(local)  # (source, expert) -> j ep + s
-    order = torch.argsort(torch.repeat_interleave(key, mine.reshape(-1)), stable=True).to(device)
+    # output_size: the rows' count known on the host, so repeat_interleave does not read it back (a sync)
+    order = torch.argsort(torch.repeat_interleave(key, mine.reshape(-1), output_size=sum(recv)), stable=True).to(device)
     return mine.sum(0), Routed(order, send, recv)
 
 
