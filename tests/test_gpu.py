@@ -418,6 +418,7 @@ def test_fused_adamw_steps_after_a_tp_resume():
     stage = nn.ModuleDict({"fc": ColumnParallelLinear(nn.Linear(4, 8, device=DEVICE), g),
                            "proj": RowParallelLinear(nn.Linear(8, 4, device=DEVICE), g)})
     stage.tp_shards = shard_layout(stage)
+    stage.tied = {}  # what a stage declares (runtime/stage_protocol.py): no tied weights here
     opt = torch.optim.AdamW(stage.parameters(), fused=True)
     target = Checkpointable(GradSync({0: stage}), opt, TrainState(), SplitWeights(g, stage.tp_shards))
     names = sorted(target.sync.local)
