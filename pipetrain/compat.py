@@ -127,3 +127,17 @@ def cuda_sleep(cycles: int) -> None:
     torch's own stream tests use): an emulated network time that occupies no compute (runtime/ep_comm.py
     EPGroup.delay_s). No public API queues a timed wait on a stream."""
     torch.cuda._sleep(cycles)
+
+
+def cuda_sleep_cycles_per_ms() -> float:
+    """GPU clock cycles in one ms of `cuda_sleep` on the current device, measured now (as torch's own tests do),
+    after a warm-up sleep that lets the clock rise from idle; a rough figure: the clock moves. Waits for the
+    device (a host sync)."""
+    torch.cuda.synchronize()
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(50_000_000)  # warm-up
+    first.record()
+    torch.cuda._sleep(20_000_000)
+    last.record()
+    last.synchronize()
+    return 20_000_000 / first.elapsed_time(last)

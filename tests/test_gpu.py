@@ -201,16 +201,10 @@ def test_step_clock_measures_gpu_time_not_host_time():
 
 
 def _cycles_per_ms() -> float:
-    """GPU clock cycles in one ms of torch.cuda._sleep (measured, as torch's own tests do), after a
-    warm-up sleep that lets the GPU's clock rise from idle. Still a rough figure: the clock moves."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(50_000_000)  # warm-up
-    start.record()
-    torch.cuda._sleep(20_000_000)
-    end.record()
-    end.synchronize()
-    return 20_000_000 / start.elapsed_time(end)
+    """GPU clock cycles in one ms of torch.cuda._sleep, measured now (pipetrain's own calibration)."""
+    from pipetrain.compat import cuda_sleep_cycles_per_ms
+
+    return cuda_sleep_cycles_per_ms()
 
 
 def _queued_sleep(cycles: float) -> list:

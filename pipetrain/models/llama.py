@@ -38,7 +38,7 @@ from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.moe import MoEConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
 from pipetrain.models.moe_block import MoEBlock
-from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values, routed_active
+from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values, experts_active
 from pipetrain.models.moe_nodes import block_nodes
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
@@ -355,6 +355,6 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
     out += [dataclasses.replace(b, experts_params=moe[i][0], a2a_values_per_token=moe[i][1],
                                 kv_values_per_token=2 * kv, experts_flops_share=share(routed, b),
                                 shared_experts_flops_share=share(shared, b))
-            for i, (b, (routed, shared)) in enumerate(zip(blocks, routed_active(cfg)))]
+            for i, (b, (routed, shared)) in enumerate(zip(blocks, experts_active(cfg)))]
     out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
     return out

@@ -68,7 +68,7 @@ def experts_and_a2a(cfg: dict[str, Any]) -> list[tuple[int, int]]:
     return [(experts, 2 * m.top_k * c) if m.is_moe(b) else (0, 0) for b in range(n)]
 
 
-def routed_active(cfg: dict[str, Any]) -> list[tuple[int, int]]:
+def experts_active(cfg: dict[str, Any]) -> list[tuple[int, int]]:
     """Per decoder block, (the routed experts' parameters that multiply each token, K x 3 C I_e: what the
     experts node of node execution computes, models/moe_nodes.py; the shared experts' that do, 3 C I_s plus
     C for a shared gate: what its post node computes beside the gates and the residual); a dense block's (0, 0)."""
@@ -77,5 +77,5 @@ def routed_active(cfg: dict[str, Any]) -> list[tuple[int, int]]:
         return [(0, 0)] * cfg["num_hidden_layers"]
     c, i = cfg["hidden_size"], cfg["intermediate_size"]
     routed = m.top_k * 3 * c * m.expert_width(i)
-    shared = 3 * c * m.shared_width(i) + (c if m.shared_gate else 0) if m.num_shared_experts else 0  # shared_width: 0 without
+    shared = 3 * c * m.shared_width(i) + (c if m.shared_gate else 0)  # 0 without (a gate needs a shared expert)
     return [(routed, shared) if m.is_moe(b) else (0, 0) for b in range(cfg["num_hidden_layers"])]

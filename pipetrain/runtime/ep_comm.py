@@ -47,7 +47,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from pipetrain.compat import cuda_sleep
+from pipetrain.compat import cuda_sleep, cuda_sleep_cycles_per_ms
 from pipetrain.runtime import collectives
 
 
@@ -145,16 +145,10 @@ def start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGro
 
 @functools.lru_cache(maxsize=None)
 def _gpu_cycles_per_s(index: int) -> float:
-    """Clock cycles of torch.cuda._sleep per second on a GPU, measured once (after a warm-up sleep that
-    lets the clock rise from idle; a rough figure: the clock moves). Its one host sync is planned."""
+    """Clock cycles of cuda_sleep per second on GPU `index`, measured once (compat.cuda_sleep_cycles_per_ms); its
+    host sync is planned."""
     with torch.cuda.device(index), planned_sync(torch.device("cuda", index)):
-        cuda_sleep(20_000_000)
-        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        first.record()
-        cuda_sleep(10_000_000)
-        last.record()
-        last.synchronize()
-        return 10_000_000 / (first.elapsed_time(last) / 1e3)
+        return 1e3 * cuda_sleep_cycles_per_ms()
 
 
 def gpu_sleep(seconds: float, device: torch.device) -> None:

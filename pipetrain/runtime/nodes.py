@@ -6,8 +6,9 @@ per layer. `NodeForward` runs each compute node on detached leaves of its floati
 gradients to its leaves' through runtime/backward.py: `backward_input` (B: the weight-gradient
 work of every node is kept for W) or `backward_full` (BW). Comm nodes start an all-to-all
 (runtime/ep_comm.py `start`, async; on CUDA on a communication stream) and leave a `Started` in the
-environment; the next node that reads it waits (on CUDA: the compute stream waits, the host does not). Their backward is the reverse all-to-all of the gradient on the splits the forward
-used (no counts exchange in backward). Every start is appended to `log` (the issue order every rank
+environment; the next node that reads it waits (on CUDA: the compute stream waits, the host does not).
+Their backward is the reverse all-to-all of the gradient on the splits the forward used (no counts
+exchange in backward). Every start is appended to `log` (the issue order every rank
 of an EP group must share), with the time spent blocked in waits (the exposed all-to-all time).
 
 Both passes expose `layers()`: per layer, its steps in run order (a backward's layers and nodes
