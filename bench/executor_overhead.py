@@ -8,6 +8,16 @@ microbatches, built by bench/pipelining_vs_torch.py's `PipetrainSide` / `TorchSi
 PipelineStage wraps the very StageModule pipetrain runs) and checked equal (loss and gradients
 after one step from identical weights) before any timing.
 
+The floor (`FloorSide`, every schedule): the same actions in the same order on copies of the same
+stages, in a plain loop that makes only the calls any executor must make (a blocking gloo recv
+when an input or gradient comes from another rank, the stage, the loss, one autograd engine call,
+a gloo send, the sends waited for at the step's end, DualPipe's mirrored copies summed), checked
+equal to pipetrain's side too. pipetrain / floor is what the executor adds (its P2P plan posting
+ahead, buffers, timeouts, the loss all-reduce of the non-finite check, bookkeeping), measured side
+by side on the same machine in the same run: a bound on it holds on a slow machine as on a fast
+one, where a bound in microseconds does not (issue 31's 100 us: the floor alone costs 90-120 us
+per action at P=4, M=8 on a 2-core machine running a fifth slower than usual).
+
 Schedules: every built-in pipetrain schedule at P in --degrees (2,4) and M in --microbatches
 (8,32); the torch column for the six torch can run the same way (pipelining_vs_torch.TORCH_SCHEDULES;
 torch 2.13 also has ScheduleInterleavedZeroBubble, which has no pipetrain counterpart).
@@ -22,9 +32,9 @@ grad; torch's I), W, BW (full backward; torch's B), an F&B pair (torch's OVERLAP
 as its two parts; sends, receives and REDUCE_GRAD are not counted. us/action = median over the
 measured steps of the step's CPU / actions, per rank, and for all ranks together (sum of CPU /
 sum of actions). Measurement: one spawn of P gloo ranks (1 thread each) per P; 1 warm-up step
-per side after the check; then --rounds rounds, each running every case as --steps pairs of
-steps, one per side, the side going first alternating per pair and per round; each step after a
-barrier (not timed).
+per side after the check; then --rounds rounds, each running every case as --steps rounds of
+steps, one per side, the sides' order reversed every other time; each step after a barrier (not
+timed).
 
 Phase split (--profile-p 2, --profile-m 32): for each case at that P and M, each rank attaches py-spy to
 itself (`py-spy record --native --format raw`, --rate Hz), runs about --profile-s seconds of
@@ -45,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
 import math
 import os
@@ -68,8 +79,10 @@ from pipetrain.launch.local import spawn_local
 from pipetrain.models.mlp import MLPModel
 from pipetrain.partition.uniform import uniform_bounds
 from pipetrain.schedules import registry
+from pipetrain.runtime.sync import GradSync
+from pipetrain.schedules.ir import Op
 
-SIDES = ("pipetrain", "torch")
+SIDES = ("pipetrain", "torch", "floor")
 TORCH_COMPUTE = {"F", "I", "W", "B"}  # torch's compute action types (an OVERLAP_F_B holds two)
 TOP_FRAMES = 15  # frames kept per profile, by self samples
 
@@ -148,6 +161,96 @@ def classify(raw: str) -> tuple[collections.Counter, collections.Counter]:
 # ---- on the ranks ---------------------------------------------------------------------------
 
 
+class FloorSide:
+    """The floor: the calls any executor of this schedule must make, in a plain loop with nothing
+    else. Per action of the rank's order: F receives its input (a blocking gloo recv, or the
+    stage before it on this rank), runs the stage (and the loss on the last: its backward starts from 1/M) and
+    posts the send of its output; B / BW receive the output's gradient the same way, run one
+    autograd engine call (B: into the stage input only, keeping the graph; W: into the weights;
+    BW: both) and post the send of the input's gradient; every send is waited for at the end
+    of the step, then DualPipe's mirrored copies are summed (GradSync, as torch's side does). It runs copies of pipetrain's StageModules. What it leaves out is what
+    an executor adds: a P2P plan, posting ahead, buffers, timeouts and error text, the mean
+    loss all-reduce of the non-finite check, bookkeeping. Checked equal (loss and gradients)
+    to pipetrain's side before any timing."""
+
+    name = "floor"
+
+    def __init__(self, pt: PipetrainSide, sched, rank: int, specs) -> None:
+        self.pl, self.rank, self.M = sched.placement, rank, sched.num_microbatches
+        self.order = list(sched.actions(rank))
+        # Copies of pipetrain's stages (same weights): so that the two are checked equal by their gradients
+        self.stages = {s: copy.deepcopy(mod) for s, mod in pt.stages.items()}
+        self.mbs, self.specs = pt.mbs, specs  # specs: stage -> its input's TensorSpec
+        self.params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in self.stages.items()}
+        self.pg = dist.group.WORLD
+        self.sync = GradSync(self.stages)  # DualPipe's mirrored chunks summed (nothing for the others), as torch's side
+        self.losses: list[torch.Tensor] = []
+        self.seed = torch.ones(()) / self.M  # a loss's backward starts from 1/M: gradients are the mean
+
+    def zero_grad(self) -> None:
+        for mod in self.stages.values():
+            mod.zero_grad(set_to_none=True)
+
+    # A message is (kind, b, m): kind 0 the activation into stage b, kind 1 the gradient of b's input.
+    def _tag(self, kind: int, b: int, m: int) -> int:
+        return (kind * self.pl.num_stages + b) * self.M + m
+
+    def _get(self, local: dict, kind: int, b: int, src: int, m: int) -> torch.Tensor:
+        if self.pl.rank_of(src) == self.rank:
+            return local.pop((kind, b, m))
+        buf = self.specs[b].empty()
+        self.pg.recv([buf], self.pl.rank_of(src), self._tag(kind, b, m)).wait()
+        return buf
+
+    def _put(self, local: dict, sends: list, kind: int, b: int, dst: int, m: int, t: torch.Tensor) -> None:
+        if self.pl.rank_of(dst) == self.rank:
+            local[(kind, b, m)] = t
+        else:
+            sends.append((t, self.pg.send([t], self.pl.rank_of(dst), self._tag(kind, b, m))))
+
+    def step(self) -> None:
+        pl, local, sends, live = self.pl, {}, [], {}
+        self.losses, self._grads = [], {}
+        for a in self.order:
+            s, m = a.stage, a.microbatch
+            prev, nxt = pl.prev_stage(s), pl.next_stage(s)
+            if a.op is Op.F:
+                x = self.mbs[m][0] if prev is None else self._get(local, 0, s, prev, m)
+                x = x.detach().requires_grad_(True)  # as pipetrain's F: the first stage's B computes it too
+                out = self.stages[s](x)
+                if nxt is None:
+                    out = self.stages[s].loss(out, self.mbs[m][1])
+                    self.losses.append(out.detach())
+                else:
+                    self._put(local, sends, 0, nxt, nxt, m, out.detach())
+                live[(s, m)] = (x, out)
+                continue
+            x, out = live[(s, m)]
+            if a.op is Op.W:
+                torch.autograd.backward(out, self._grads.pop((s, m)), inputs=self.params[s])
+                del live[(s, m)]
+                continue
+            g = self.seed if nxt is None else self._get(local, 1, nxt, nxt, m)
+            if a.op is Op.B:
+                self._grads[(s, m)] = g
+                torch.autograd.backward(out, g, inputs=[x], retain_graph=True)
+            else:
+                torch.autograd.backward(out, g)
+                del live[(s, m)]
+            if prev is not None:
+                self._put(local, sends, 1, s, prev, m, x.grad)
+        for _, work in sends:
+            work.wait()
+        self.sync.sync()
+
+    def loss(self) -> float:
+        buf = torch.zeros(2, dtype=torch.float64)
+        if self.losses:
+            buf[0], buf[1] = float(sum(self.losses)), len(self.losses)
+        dist.all_reduce(buf)
+        return float(buf[0] / buf[1])
+
+
 def torch_actions(side: TorchSide, rank: int) -> int:
     order = side.schedule.pipeline_order[rank]
     return sum(1 for a in order if a is not None for p in (a.sub_actions or (a,))
@@ -178,6 +281,11 @@ def build_case(name: str, P: int, M: int, rank: int, args: argparse.Namespace) -
         sides["torch"] = TorchSide(model, bounds, sched, name, rank, batch, case)
         actions["torch"] = torch_actions(sides["torch"], rank)
         verify(sides["pipetrain"], sides["torch"], name, case)
+    specs, pl = model.boundary_specs(microbatch=1), sched.placement
+    sides["floor"] = FloorSide(sides["pipetrain"], sched, rank,
+                               {s: specs[bounds[pl.chunk_of(s)].start] for s in range(pl.num_stages)})
+    actions["floor"] = actions["pipetrain"]
+    verify(sides["pipetrain"], sides["floor"], name, case)
     for side in sides.values():
         cpu_step(side)  # warm-up
     return {"sides": sides, "actions": actions}
@@ -293,17 +401,19 @@ def summarize(P: int, gathered: list[dict[str, Any]]) -> list[dict[str, Any]]:
             prof = [g["profiles"].get(f"{key}|{s}") for g in gathered]
             if all(prof):
                 row[s]["phases"] = phase_split(prof)
-        if "torch" in row:
-            for kind in ("main_thread", "process"):
-                key = f"us_per_action_{kind}"
-                row[f"pipetrain_over_torch_{kind}"] = row["pipetrain"][key] / row["torch"][key]
+        for other in ("torch", "floor"):
+            if other in row:
+                for kind in ("main_thread", "process"):
+                    key = f"us_per_action_{kind}"
+                    row[f"pipetrain_over_{other}_{kind}"] = row["pipetrain"][key] / row[other][key]
         rows.append(row)
     return rows
 
 
-def overall(rows: list[dict[str, Any]], target_us: float) -> dict[str, Any]:
+def overall(rows: list[dict[str, Any]], target_us: float, floor_bound: float) -> dict[str, Any]:
     both = [r for r in rows if "torch" in r]
-    out: dict[str, Any] = {"target_us_per_action": target_us, "rows": len(rows), "rows_with_torch": len(both)}
+    out: dict[str, Any] = {"target_us_per_action": target_us, "floor_bound": floor_bound, "rows": len(rows),
+                           "rows_with_torch": len(both)}
     for kind in ("main_thread", "process"):
         key, ratio = f"us_per_action_{kind}", f"pipetrain_over_torch_{kind}"
         pt = [r["pipetrain"][key] for r in rows]
@@ -313,6 +423,14 @@ def overall(rows: list[dict[str, Any]], target_us: float) -> dict[str, Any]:
                      "pipetrain_over_torch_max": max((r[ratio] for r in both), default=None),
                      "rows_pipetrain_at_most_torch": sum(r[ratio] <= 1.0 for r in both),
                      "rows_pipetrain_at_most_target": sum(x <= target_us for x in pt)}
+        over_floor = [r[f"pipetrain_over_floor_{kind}"] for r in rows if "floor" in r]
+        if over_floor:
+            out[kind].update({
+                "floor_us_per_action_median": statistics.median(r["floor"][key] for r in rows if "floor" in r),
+                "floor_us_per_action_max": max(r["floor"][key] for r in rows if "floor" in r),
+                "pipetrain_over_floor_median": statistics.median(over_floor),
+                "pipetrain_over_floor_max": max(over_floor),
+                "rows_pipetrain_within_floor_bound": sum(x <= floor_bound for x in over_floor)})
     for side in SIDES:
         for key in ("share", "share_without_p2p_wait"):
             splits = [r[side]["phases"]["all_ranks"][key] for r in rows if side in r and "phases" in r[side]]
@@ -326,17 +444,19 @@ def overall(rows: list[dict[str, Any]], target_us: float) -> dict[str, Any]:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     nan = float("nan")
-    print(f"\n{'schedule':>16} {'P':>2} {'M':>3} | main thread us/act: {'pipetrain':>9} {'torch':>7} {'ratio':>6} | "
-          f"process us/act: {'pipetrain':>9} {'torch':>7} {'ratio':>6} | main thread per rank pipetrain/torch")
+    print(f"\n{'schedule':>16} {'P':>2} {'M':>3} | main thread us/act: {'pipetrain':>9} {'torch':>7} {'ratio':>6} "
+          f"{'floor':>7} {'ratio':>6} | process us/act: {'pipetrain':>9} {'torch':>7} {'ratio':>6} | "
+          f"main thread per rank pipetrain/torch")
     for r in rows:
-        pt, th = r["pipetrain"], r.get("torch", {})
+        pt, th, fl = r["pipetrain"], r.get("torch", {}), r.get("floor", {})
         per_rank = "  ".join(f"{a:4.0f}/{b:<4.0f}" for a, b in zip(
             pt["us_per_action_main_thread_per_rank"], th.get("us_per_action_main_thread_per_rank", [nan] * 8)))
         print(f"{r['schedule']:>16} {r['degree']:>2} {r['microbatches']:>3} | {'':>19} "
               f"{pt['us_per_action_main_thread']:9.1f} {th.get('us_per_action_main_thread', nan):7.1f} "
-              f"{r.get('pipetrain_over_torch_main_thread', nan):6.3f} | {'':>14} {pt['us_per_action_process']:9.1f} "
+              f"{r.get('pipetrain_over_torch_main_thread', nan):6.3f} {fl.get('us_per_action_main_thread', nan):7.1f} "
+              f"{r.get('pipetrain_over_floor_main_thread', nan):6.3f} | {'':>14} {pt['us_per_action_process']:9.1f} "
               f"{th.get('us_per_action_process', nan):7.1f} {r.get('pipetrain_over_torch_process', nan):6.3f} | {per_rank}")
-    print("(CPU per compute action, median over steps, all ranks together; ratio = pipetrain / torch, lower is "
+    print("(CPU per compute action, median over steps, all ranks together; ratio = pipetrain / torch or floor, lower is "
           "cheaper; process = main thread + gloo's socket threads)")
 
 
@@ -364,6 +484,8 @@ def main() -> None:
     ap.add_argument("--profile-s", type=float, default=0.6, help="about this many seconds of steps per profiled case")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--target-us", type=float, default=100.0, help="issue 31's bound on pipetrain's us/action")
+    ap.add_argument("--floor-bound", type=float, default=1.25,
+                    help="the bound held instead, on pipetrain's us/action over the floor's in the same run")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "executor_overhead.json"))
     ap.add_argument("--note", default="", help="free text stored in the JSON")
     args = ap.parse_args()
@@ -396,7 +518,7 @@ def main() -> None:
            "wall_s": round(time.perf_counter() - t0, 1), "config": config, "threads_per_rank": 1, "backend": "gloo",
            "model": f"MLPModel, one Linear({args.width},{args.width}) (+tanh but the last) per stage, microbatch 1",
            "counted_actions": "F, B (torch I), W, BW (torch B); an F&B pair (torch OVERLAP_F_B) as its two parts",
-           "summary": overall(rows, args.target_us), "rows": rows}
+           "summary": overall(rows, args.target_us, args.floor_bound), "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -331,7 +331,7 @@ def verify(pt: PipetrainSide, th: TorchSide, name: str, args) -> dict:
             q = theirs[n]
             if (p.grad is None) != (q.grad is None):
                 missing.append(f"stage {s} {n}: pipetrain grad {'None' if p.grad is None else 'set'}, "
-                               f"torch {'None' if q.grad is None else 'set'}")
+                               f"{th.name} {'None' if q.grad is None else 'set'}")
                 continue
             if p.grad is not None:
                 diff[0] = max(diff[0], (p.grad - q.grad).abs().max().double())
@@ -342,11 +342,11 @@ def verify(pt: PipetrainSide, th: TorchSide, name: str, args) -> dict:
     loss_diff = abs(loss_pt - loss_th)
     if missing or flag.item() or loss_diff > args.loss_tol or diff[0].item() > args.grad_tol:
         raise AssertionError(
-            f"{name}: pipetrain and torch disagree after one step from identical weights and data: "
+            f"{name}: pipetrain and {th.name} disagree after one step from identical weights and data: "
             f"loss {loss_pt:.8f} vs {loss_th:.8f} (|diff| {loss_diff:.2e}, tol {args.loss_tol:.0e}), "
             f"max |grad diff| {diff[0].item():.2e} (tol {args.grad_tol:.0e}, max |grad| {diff[1].item():.2e})"
             + (f"; {'; '.join(missing[:4])}" if missing else ""))
-    return {"loss_pipetrain": loss_pt, "loss_torch": loss_th, "loss_abs_diff": loss_diff,
+    return {"loss_pipetrain": loss_pt, f"loss_{th.name}": loss_th, "loss_abs_diff": loss_diff,
             "grad_max_abs_diff": diff[0].item(), "grad_max_abs": diff[1].item()}
 
 

@@ -56,7 +56,7 @@ from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.nodes import NodeBackward, NodeForward
 from pipetrain.runtime.overlap import node_execution
-from pipetrain.runtime.recorder import Recorder, StepRecorder
+from pipetrain.runtime.recorder import NOTHING, Recorder, StepRecorder
 from pipetrain.runtime.stage_protocol import Stage
 from pipetrain.runtime.step_loss import StepLoss
 from pipetrain.runtime.step_result import StepResult
@@ -97,6 +97,7 @@ class Executor:
         self.comm, self.recv_buffer, self.device = comm, recv_buffer, torch.device(device)
         self.loss_group = loss_group
         self._step_loss = StepLoss(self.device, loss_group)
+        self._seeds: dict[tuple, torch.Tensor] = {}  # _seed's, by the loss's (dtype, shape)
         self.compute_dtype = compute_dtype  # None: the parameters' dtype throughout; else autocast to it
         # The point-to-point plans (pure; validated before any process started): training, and
         # the forward-only pass of evaluate().
@@ -114,6 +115,9 @@ class Executor:
         fs = [a for a in schedule.actions(rank) if a.op is Op.F]  # whose input (a chain's start) / target (its end) it reads
         self._reads = ({a.microbatch for a in fs if pl.prev_stage(a.stage) is None},
                        {a.microbatch for a in fs if pl.next_stage(a.stage) is None})
+        # each held stage's neighbours in its chain (None: it starts / ends it), looked up per action
+        self._prev = {s: pl.prev_stage(s) for s in want}
+        self._next = {s: pl.next_stage(s) for s in want}
         self.reducer = reducer
         self._reduces_at: dict[int, list[int]] = defaultdict(list)  # boundary -> stages reduced there
         if reducer is not None:
@@ -122,6 +126,7 @@ class Executor:
             if not self._reduces_at:
                 raise ValueError("a gradient reducer needs a schedule with REDUCE_GRAD marks (schedules/reduce.py)")
         self._forward_only = False
+        self._bare = False  # step(), evaluate(): nothing recorded and no autocast, so no context per action
         self.recorder = StepRecorder(self.device, texts, reducer)
         self._unmeasured = Recorder()
         self._rec: Recorder = self.recorder
@@ -162,6 +167,7 @@ class Executor:
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """Run every action of this rank once; `microbatches[m]` is (input, target) of microbatch m."""
         rec = self._rec = self.recorder if self.measure else self._unmeasured
+        self._bare = not self.measure and not rec.profile_ranges and self.compute_dtype is None
         self._reset(microbatches)
         if self.nodes is not None:
             self.nodes.log.begin_step()
@@ -185,15 +191,11 @@ class Executor:
                 continue
             for a, need, send, where in parts:
                 self._issue(boundary)
-                with rec.range(a):
-                    if a.op is Op.F:
-                        self._forward(a, need, send, where)
-                    elif a.op is Op.W:
-                        for work in self._wstore.pop((a.stage, a.microbatch)):
-                            backward_weight(work)
-                        rec.freed(a.stage, a.microbatch)
-                    else:
-                        self._backward(a, need, send, where)
+                if self._bare:
+                    self._run(a, need, send, where)
+                else:
+                    with rec.range(a):
+                        self._run(a, need, send, where)
                 rec.part_done()
                 boundary += 1
         self._issue(boundary)
@@ -206,6 +208,16 @@ class Executor:
         assert not self._ctx and not self._wstore, "validated schedule left work behind"
         loss = self._step_loss.mean(synced=rec.synced)
         return rec.result(loss, dict(self.comm.peak_recv_bytes) if self.comm is not None else {})
+
+    def _run(self, a: Action, need: Optional[Message], send: Optional[Message], where: str) -> None:
+        if a.op is Op.F:
+            self._forward(a, need, send, where)
+        elif a.op is Op.W:
+            for work in self._wstore.pop((a.stage, a.microbatch)):
+                backward_weight(work)
+            self._rec.freed(a.stage, a.microbatch)
+        else:
+            self._backward(a, need, send, where)
 
     def _issue(self, boundary: int) -> None:
         """Before part `boundary` (and after the last): the plan's sends and receives, the reductions."""
@@ -223,14 +235,19 @@ class Executor:
             self.nodes.run(run.layers())
             self._forward_done(a, x, run, send)
             return
-        with self._rec.saving(a.stage, a.microbatch), self._autocast():
-            out = self.stages[a.stage](x)
-            if self.schedule.placement.next_stage(a.stage) is None:
-                out = self._loss(a.stage, a.microbatch, out)
+        if self._bare:  # nothing to record, no autocast: no context to enter
+            out = self._stage_forward(a, x)
+        else:
+            with self._rec.saving(a.stage, a.microbatch), self._autocast():
+                out = self._stage_forward(a, x)
         self._forward_out(a, x, out, send)
 
+    def _stage_forward(self, a: Action, x: torch.Tensor) -> torch.Tensor:
+        out = self.stages[a.stage](x)
+        return out if self._next[a.stage] is not None else self._loss(a.stage, a.microbatch, out)
+
     def _input(self, a: Action, need: Optional[Message], where: str) -> torch.Tensor:
-        prev = self.schedule.placement.prev_stage(a.stage)
+        prev = self._prev[a.stage]
         x = self._inputs[a.microbatch] if prev is None else self._take("act", prev, a.microbatch, need, where)
         if x.is_floating_point() and not self._forward_only:
             # The first stage also asks for its input grad (and drops it) so that B does B's
@@ -246,7 +263,7 @@ class Executor:
     def _forward_done(self, a: Action, x: torch.Tensor, run: NodeForward, send: Optional[Message]) -> None:
         """The last node ran: the loss on the chain's last stage, then as a whole forward ends."""
         out = run.output()
-        if self.schedule.placement.next_stage(a.stage) is None:
+        if self._next[a.stage] is None:
             with self._node_ctx(a.stage, a.microbatch):
                 out = self._loss(a.stage, a.microbatch, out)
         self._forward_out(a, x, out, send, run)
@@ -254,7 +271,7 @@ class Executor:
     def _forward_out(self, a: Action, x: torch.Tensor, out: torch.Tensor, send: Optional[Message],
                      run: Optional[NodeForward] = None) -> None:
         s, m = a.stage, a.microbatch
-        if self.schedule.placement.next_stage(s) is not None:
+        if self._next[s] is not None:
             out = self._to_boundary(out)
             self._give("act", s, m, out.detach(), send)
         if not self._forward_only:
@@ -273,8 +290,8 @@ class Executor:
 
     def _backward_start(self, a: Action, need: Optional[Message], where: str):
         x, out, run = self._ctx.pop((a.stage, a.microbatch))
-        nxt = self.schedule.placement.next_stage(a.stage)
-        grad = None if nxt is None else self._take("grad", nxt, a.microbatch, need, where)
+        nxt = self._next[a.stage]
+        grad = self._seed(out) if nxt is None else self._take("grad", nxt, a.microbatch, need, where)
         assert grad is None or grad.dtype == out.dtype, f"{where}: gradient {grad.dtype} for output {out.dtype}"
         bwd = None if run is None else NodeBackward(run, out, grad, split=a.op is Op.B)
         return x, out, grad, bwd
@@ -284,7 +301,7 @@ class Executor:
             self._wstore[(a.stage, a.microbatch)] = works  # what W needs (backward.WeightGradWork per node)
         else:
             self._rec.freed(a.stage, a.microbatch)
-        if self.schedule.placement.prev_stage(a.stage) is not None:
+        if self._prev[a.stage] is not None:
             self._give("grad", a.stage, a.microbatch, grad, send)
 
     def _pair(self, parts: tuple[Part, ...], boundary: int) -> None:
@@ -333,6 +350,7 @@ class Executor:
         """
         self._reset(microbatches)
         self._rec, self._forward_only = self._unmeasured, True
+        self._bare = not self._rec.profile_ranges and self.compute_dtype is None
         comm = self.comm
         if comm is not None:
             comm.begin(self._eval_plan, self.recv_buffer)
@@ -367,16 +385,27 @@ class Executor:
         self._step_loss.reset()
 
     def _loss(self, s: int, m: int, out: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of microbatch m, summed for the step's mean; what B starts from
-        is loss / M, so that gradients are the mean over microbatches."""
+        """The last stage's loss of microbatch m, summed for the step's mean. B starts from it
+        with the gradient 1/M (`_seed`), so that gradients are the mean over microbatches."""
         loss = self.stages[s].loss(out, self._targets[m])
         # evaluate(): weighted by its targets, so the mean is per token
         self._step_loss.add(loss, counted_targets(self._batch[m][1]) if self._forward_only else None)
-        return loss / self.schedule.num_microbatches
+        return loss
+
+    def _seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a loss's backward starts from: 1/M, the very value a `loss / M` node's
+        backward hands on (ones / M in the loss's dtype), without that node in every last-stage
+        forward and backward. One read-only tensor per dtype and shape, reused by every microbatch."""
+        key = (loss.dtype, loss.shape)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = torch.ones(loss.shape, dtype=loss.dtype, device=loss.device) \
+                / self.schedule.num_microbatches
+        return seed
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype is None:
-            return contextlib.nullcontext()
+            return NOTHING
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _to_boundary(self, out: torch.Tensor) -> torch.Tensor:
