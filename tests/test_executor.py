@@ -120,6 +120,31 @@ def test_every_schedule_matches_single_process(tmp_path, P, model_name):
 
 @pytest.mark.pure
 @pytest.mark.parametrize("name", ["1f1b", "zbh1"])
+def test_loss_gradient_seed_is_exactly_loss_over_m(name):
+    """B starts from the loss with the gradient 1/M (no loss / M node in the graph): the weight
+    gradients are bit for bit those of (loss / M).backward() per microbatch, in the same order,
+    at an M whose 1/M is not exact in binary; and the step's loss is the mean of the losses."""
+    m = 3
+    model = make_model("mlp")
+    mbs = batches(model, 0)[:m]
+    sched = registry.build(name, 1, m, 1)
+    rp = build_rank_pipeline(model, [range(len(model.layers))], sched, 0, microbatch_size=MB, seq_len=SEQ, seed=0)
+    res = rp.train_step(mbs)
+    ref = make_model("mlp")
+    ref.load_state_dict({n: p.detach() for _, n, p in rp.named_parameters()})  # strict: every name matches
+    losses = []
+    for x, y in mbs:
+        loss = ref.loss(ref(x), y)
+        losses.append(loss.item())
+        (loss / m).backward()
+    got = {n: p.grad for _, n, p in rp.named_parameters()}
+    for n, p in ref.named_parameters():
+        assert torch.equal(got[n], p.grad), n
+    assert res.loss == sum(losses) / m
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("name", ["1f1b", "zbh1"])
 def test_activation_checkpointing_same_gradients_less_memory(name):
     """P=1 runs the same executor without communication: the reference path of pipeline.degree=1."""
     results = {}
