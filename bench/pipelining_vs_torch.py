@@ -316,8 +316,9 @@ def gather_floats(values: list[float], world: int) -> list[list[float]]:
     return [o.tolist() for o in out]
 
 
-def verify(pt: PipetrainSide, th: TorchSide, name: str, args) -> dict:
-    """One step on each side from identical weights and data: same loss, same gradients."""
+def verify(pt: PipetrainSide, th: Any, name: str, args) -> dict:
+    """One step on each side from identical weights and data: same loss, same gradients. `th`:
+    torch's side, or executor_overhead.py's floor (anything with stages, zero_grad, step, loss, name)."""
     for side in (pt, th):
         side.zero_grad()
         dist.barrier()

@@ -23,13 +23,8 @@ After the last action, the summed loss is all-reduced so every rank (rank 0 logs
 holds the mean loss of the step (over every pipeline's microbatches under data parallel).
 Inputs and targets move to the device once per step, pinned and non-blocking (runtime/batch.py).
 
-Mixed precision (`compute_dtype`, e.g. bf16 for trainer.precision=bf16): parameters and
-their gradients stay fp32; every stage runs under torch.autocast, and a floating-point
-output is cast to compute_dtype before it goes to the next stage, by P2P or by local
-hand-off, so activations and, through the cast's autograd node, their gradients cross in
-compute_dtype (the node turns the returning gradient back into the producer's dtype).
-Receive buffers are in compute_dtype for floating-point boundaries (train/pipeline.py). The
-loss is fp32 (autocast runs cross-entropy and MSE in fp32), summed and all-reduced in fp64.
+Mixed precision (`compute_dtype`): runtime/precision.py. A loss's backward starts from the
+gradient 1/M, so that gradients are the mean over microbatches (runtime/step_loss.py).
 
 What a step measures (timings, comm events, activation memory, when reductions started and
 ended, the closing all-reduce's mark that puts every rank on one axis) is the recorder's
@@ -56,7 +51,8 @@ from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.nodes import NodeBackward, NodeForward
 from pipetrain.runtime.overlap import node_execution
-from pipetrain.runtime.recorder import NOTHING, Recorder, StepRecorder
+from pipetrain.runtime.precision import Precision
+from pipetrain.runtime.recorder import Recorder, StepRecorder
 from pipetrain.runtime.stage_protocol import Stage
 from pipetrain.runtime.step_loss import StepLoss
 from pipetrain.runtime.step_result import StepResult
@@ -96,9 +92,8 @@ class Executor:
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.comm, self.recv_buffer, self.device = comm, recv_buffer, torch.device(device)
         self.loss_group = loss_group
-        self._step_loss = StepLoss(self.device, loss_group)
-        self._seeds: dict[tuple, torch.Tensor] = {}  # _seed's, by the loss's (dtype, shape)
-        self.compute_dtype = compute_dtype  # None: the parameters' dtype throughout; else autocast to it
+        self._step_loss = StepLoss(self.device, loss_group, schedule.num_microbatches)
+        self.precision = Precision(self.device, compute_dtype)
         # The point-to-point plans (pure; validated before any process started): training, and
         # the forward-only pass of evaluate().
         self._plan = build_plan(schedule, rank, lookahead=lookahead)
@@ -166,8 +161,7 @@ class Executor:
     # ---- the interpreter ----------------------------------------------------------------
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """Run every action of this rank once; `microbatches[m]` is (input, target) of microbatch m."""
-        rec = self._rec = self.recorder if self.measure else self._unmeasured
-        self._bare = not self.measure and not rec.profile_ranges and self.compute_dtype is None
+        rec = self._use(self.recorder if self.measure else self._unmeasured)
         self._reset(microbatches)
         if self.nodes is not None:
             self.nodes.log.begin_step()
@@ -209,6 +203,12 @@ class Executor:
         loss = self._step_loss.mean(synced=rec.synced)
         return rec.result(loss, dict(self.comm.peak_recv_bytes) if self.comm is not None else {})
 
+    def _use(self, rec: Recorder) -> Recorder:
+        """The step's recorder; with nothing to record and no autocast, no context per action."""
+        self._rec = rec
+        self._bare = rec is self._unmeasured and not rec.profile_ranges and not self.precision.mixed
+        return rec
+
     def _run(self, a: Action, need: Optional[Message], send: Optional[Message], where: str) -> None:
         if a.op is Op.F:
             self._forward(a, need, send, where)
@@ -238,7 +238,7 @@ class Executor:
         if self._bare:  # nothing to record, no autocast: no context to enter
             out = self._stage_forward(a, x)
         else:
-            with self._rec.saving(a.stage, a.microbatch), self._autocast():
+            with self._rec.saving(a.stage, a.microbatch), self.precision.autocast():
                 out = self._stage_forward(a, x)
         self._forward_out(a, x, out, send)
 
@@ -257,7 +257,7 @@ class Executor:
 
     @contextlib.contextmanager
     def _node_ctx(self, s: int, m: int):
-        with self._rec.saving(s, m), self._autocast():
+        with self._rec.saving(s, m), self.precision.autocast():
             yield
 
     def _forward_done(self, a: Action, x: torch.Tensor, run: NodeForward, send: Optional[Message]) -> None:
@@ -272,7 +272,7 @@ class Executor:
                      run: Optional[NodeForward] = None) -> None:
         s, m = a.stage, a.microbatch
         if self._next[s] is not None:
-            out = self._to_boundary(out)
+            out = self.precision.to_boundary(out)
             self._give("act", s, m, out.detach(), send)
         if not self._forward_only:
             self._ctx[(s, m)] = (x, out, run)
@@ -291,7 +291,7 @@ class Executor:
     def _backward_start(self, a: Action, need: Optional[Message], where: str):
         x, out, run = self._ctx.pop((a.stage, a.microbatch))
         nxt = self._next[a.stage]
-        grad = self._seed(out) if nxt is None else self._take("grad", nxt, a.microbatch, need, where)
+        grad = self._step_loss.seed(out) if nxt is None else self._take("grad", nxt, a.microbatch, need, where)
         assert grad is None or grad.dtype == out.dtype, f"{where}: gradient {grad.dtype} for output {out.dtype}"
         bwd = None if run is None else NodeBackward(run, out, grad, split=a.op is Op.B)
         return x, out, grad, bwd
@@ -349,8 +349,8 @@ class Executor:
         a forward only ever waits for forwards, in the same per-rank order as in training.
         """
         self._reset(microbatches)
-        self._rec, self._forward_only = self._unmeasured, True
-        self._bare = not self._rec.profile_ranges and self.compute_dtype is None
+        self._use(self._unmeasured)
+        self._forward_only = True
         comm = self.comm
         if comm is not None:
             comm.begin(self._eval_plan, self.recv_buffer)
@@ -385,39 +385,12 @@ class Executor:
         self._step_loss.reset()
 
     def _loss(self, s: int, m: int, out: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of microbatch m, summed for the step's mean. B starts from it
-        with the gradient 1/M (`_seed`), so that gradients are the mean over microbatches."""
+        """The last stage's loss of microbatch m, summed for the step's mean; B starts from it
+        with StepLoss.seed."""
         loss = self.stages[s].loss(out, self._targets[m])
         # evaluate(): weighted by its targets, so the mean is per token
         self._step_loss.add(loss, counted_targets(self._batch[m][1]) if self._forward_only else None)
         return loss
-
-    def _seed(self, loss: torch.Tensor) -> torch.Tensor:
-        """The gradient a loss's backward starts from: 1/M, the very value a `loss / M` node's
-        backward hands on (ones / M in the loss's dtype), without that node in every last-stage
-        forward and backward. One read-only tensor per dtype and shape, reused by every microbatch."""
-        key = (loss.dtype, loss.shape)
-        seed = self._seeds.get(key)
-        if seed is None:
-            seed = self._seeds[key] = torch.ones(loss.shape, dtype=loss.dtype, device=loss.device) \
-                / self.schedule.num_microbatches
-        return seed
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.compute_dtype is None:
-            return NOTHING
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
-
-    def _to_boundary(self, out: torch.Tensor) -> torch.Tensor:
-        """A stage output as it crosses to the next stage: in compute_dtype when floating.
-
-        The cast stays in the graph (kept in `_ctx` as the output B/BW start from): the
-        gradient coming back is then in compute_dtype too, and the cast's backward turns it
-        into the dtype the stage produced (fp32 where a residual stream is fp32).
-        """
-        if self.compute_dtype is None or not out.is_floating_point():
-            return out
-        return out.to(self.compute_dtype)
 
     def _weights(self, s: int) -> list[torch.nn.Parameter]:
         if s not in self._params:

@@ -145,7 +145,7 @@ class NodeForward:
 class NodeBackward:
     """One microbatch's backward through the nodes its forward ran, from `final` (what the executor
     made of the last node's "x": the loss, or the output cast for the next stage) and its gradient
-    (for a loss the executor's 1/M seed; None: ones). `split`: B (weight gradients later, `works` for W) else BW."""
+    (for a loss StepLoss.seed, 1/M; None: ones). `split`: B (weight gradients later, `works` for W) else BW."""
 
     def __init__(self, fwd: NodeForward, final: torch.Tensor, grad: Optional[torch.Tensor], *, split: bool) -> None:
         self.fwd, self.split, self.log = fwd, split, fwd.log

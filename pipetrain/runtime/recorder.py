@@ -45,7 +45,7 @@ from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.step_result import SavedBytes, StepResult
 from pipetrain.schedules.p2p import Message
 
-NOTHING = contextlib.nullcontext()  # stateless: one for every unrecorded range and forward (and no autocast)
+_NOTHING = contextlib.nullcontext()  # stateless: one for every unrecorded range and forward
 
 
 class Recorder:
@@ -56,7 +56,7 @@ class Recorder:
         self.profile_ranges = False
 
     def range(self, what: object) -> contextlib.AbstractContextManager:
-        return torch.profiler.record_function(f"PP:{what}") if self.profile_ranges else NOTHING
+        return torch.profiler.record_function(f"PP:{what}") if self.profile_ranges else _NOTHING
 
     def _nothing(self, *args: object) -> None:
         """What an unmeasured step does at each point (the module docstring lists them)."""
@@ -71,7 +71,7 @@ class Recorder:
         return 0
 
     def saving(self, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
-        return NOTHING
+        return _NOTHING
 
     def result(self, loss: Optional[float], peak_recv: dict[int, int]) -> StepResult:
         return StepResult(loss=loss, peak_recv_buffer_bytes=peak_recv)

@@ -15,9 +15,22 @@ import torch.distributed as dist
 
 
 class StepLoss:
-    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup]) -> None:
-        self.device, self.group = device, group
+    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup], num_microbatches: int = 1) -> None:
+        self.device, self.group, self.num_microbatches = device, group, num_microbatches
+        self._seeds: dict[tuple, torch.Tensor] = {}  # seed()'s, by the loss's (dtype, shape)
         self.reset()
+
+    def seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a microbatch's loss's backward starts from: 1/M, so that gradients are the
+        mean over microbatches. It is the very value a `loss / M` node's backward hands on (ones / M
+        in the loss's dtype), without that node in every last-stage forward and backward. One
+        read-only tensor per dtype and shape, reused by every microbatch."""
+        key = (loss.dtype, loss.shape)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = torch.ones(loss.shape, dtype=loss.dtype, device=loss.device) \
+                / self.num_microbatches
+        return seed
 
     def reset(self) -> None:
         self._losses: list[torch.Tensor] = []  # each microbatch's mean loss (detached), summed at mean()
