@@ -88,4 +88,8 @@ def test_cp2_activations_per_rank_are_at_most_055x_of_cp1(compose, tmp_path):
     assert assert_inside_actions(got["trace"], "cp") == {"cp:ring", "cp:ring B"}
     assert {row["step"] for row in got["timeline"] if row["op"] == "cp"} == {"cp:ring", "cp:ring B"}
     (total, exposed), = got["cp_ms"]  # one pipeline rank; its blocked time is what cp/comm_ms counted
-    assert 0 < exposed <= total and exposed == pytest.approx(metrics["cp/comm_ms/rank0"], rel=0.05, abs=0.2)
+    # The recorder's marks enclose each wait cp/comm_ms times (parallel/cp.py _Blocked), so exposed is at
+    # least comm_ms, and more only by what ran between the two clocks' readings: microseconds, or a
+    # descheduled moment on a loaded machine (4.2 ms seen once). The total (all the transfers) is far above.
+    comm = metrics["cp/comm_ms/rank0"]
+    assert 0 < exposed <= total and comm - 1e-6 <= exposed <= 1.05 * comm + 10.0, (exposed, comm, total)

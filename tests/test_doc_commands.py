@@ -1,7 +1,7 @@
 """Every command of the README, of docs/*.md and of the recipes' comments runs as written on this machine
 (CPU), with short runs: a training command gets `trainer.max_steps` appended (a written one is
-scaled down, N -> max(2, N // 50), so a resume still continues past the first run; schedule=auto's
-calibration runs take 2 steps). A command
+scaled down, N -> N // 50 and at least 1, or 2 in a block that resumes, so the resume continues past
+the first run; schedule=auto's calibration runs take 2 steps). A command
 the docs call GPU-sized is not run; one that needs the user's own files (a Hugging Face folder,
 a token file, a corpus) must fail in one line naming the missing file; one that needs SLURM must
 say so in one line. Commands run through bash, as a user pastes them, one ```bash block in one
@@ -58,9 +58,10 @@ def shorten(cmd: str, *, keep_checkpoints: bool = True) -> str:
     tail = "" if keep_checkpoints or "trainer.ckpt_at_end=" in cmd else " trainer.ckpt_at_end=false"
     if "schedule=auto" in words and "plan.calibrate_steps=" not in cmd:
         tail += " plan.calibrate_steps=2"  # its calibration runs (on CPU) shortened too: 5 steps -> 2
-    if "trainer.max_steps=" in cmd:
+    if "trainer.max_steps=" in cmd:  # a block that resumes keeps 2 steps at least, so the resume continues past
+        least = 2 if keep_checkpoints else 1  # the first run; otherwise one step checks the command as well as 20
         return re.sub(r"trainer\.max_steps=(\d+)",
-                      lambda m: f"trainer.max_steps={m.group(1) if int(m.group(1)) <= 5 else max(2, int(m.group(1)) // 50)}",
+                      lambda m: f"trainer.max_steps={m.group(1) if int(m.group(1)) <= 5 else max(least, int(m.group(1)) // 50)}",
                       cmd) + tail
     return f"{cmd} trainer.max_steps=1{tail}"
 

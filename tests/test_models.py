@@ -352,6 +352,23 @@ def test_sleep_layer_sleeps_in_the_right_phase():
     assert torch.equal(dx, g * (1 + w.detach())) and torch.allclose(dw, (g * x.detach()).sum().reshape(1))
 
 
+def test_a_sleep_counts_the_work_before_it_toward_its_time():
+    """sleep_ms(ms, since=t0) ends ms after t0, not ms after the work since t0 (a layer's own ops are
+    part of its F time): F_MS of work then a 150 ms sleep since its start take 150 ms, not 210."""
+    sleep_module._overslept_ms = 0.0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < F_MS / 1e3:  # the layer's own work
+        pass
+    sleep_module.sleep_ms(150.0, since=t0)
+    assert_took((time.perf_counter() - t0) * 1e3, 150.0)  # at most 150 + 0.9 F_MS: not 150 + F_MS
+    sleep_module._overslept_ms = 0.0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.150:  # more work than its time: no sleep, the excess owed
+        pass
+    sleep_module.sleep_ms(100.0, since=t0)
+    assert (time.perf_counter() - t0) * 1e3 < 150.0 + SLACK_MS and sleep_module._overslept_ms >= 49.0
+
+
 def test_sleep_stage_split_backward_without_recomputation():
     warm_autograd()
     # The executor's way (runtime/backward.py): B sleeps layers * b_ms, W sleeps layers * w_ms,

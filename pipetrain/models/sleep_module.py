@@ -1,7 +1,10 @@
 """The `sleep` model in torch: layers that take their configured times in F, B and W.
 
 Each layer computes y = x * (1 + mean(w)) with `params_per_layer` weights w (1 by default;
-initialised to 0, so y = x) and sleeps f_ms in forward. More weights change nothing but the
+initialised to 0, so y = x) and then sleeps until f_ms have passed since its forward began: its
+own ops are part of its F time, as a real layer's are of the cost model's (0.1-0.3 ms a layer on a
+loaded 2-core machine, which came on top of f_ms before, and which bench/executor_efficiency.py
+counted as the executor's). More weights change nothing but the
 gradient's size, which data parallel then really reduces. The mean is taken as sum(w) / n:
 the division is on the scalar, so the backward is a stride-0 view of the scalar gradient and
 W costs one in-place add into `.grad` per microbatch (~0.7 ms for 3M weights); torch's mean
@@ -34,7 +37,7 @@ each layer holds until its backward, so peak memory is measurable.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,20 +52,25 @@ from pipetrain.models.sleep import sleep_layer_costs
 # sleeps that much less (at most _MAX_CREDIT_MS less), so the sleeps of a process add up
 # to their configured total instead of drifting. We do not spin to the deadline: a spin
 # burns a core, and the point of this model is that 8 ranks share 2 cores without
-# competing. Executor overhead between sleeps is not compensated: benchmarks see it.
+# competing. Executor overhead between sleeps is not compensated: benchmarks see it (a
+# forward's own ops before its sleep are the layer's: `since`).
 _MAX_CREDIT_MS = 1.0
 _overslept_ms = 0.0
 
 
-def sleep_ms(ms: float) -> None:
-    """Block the calling thread for about `ms` milliseconds without using the CPU (0 returns at once)."""
+def sleep_ms(ms: float, since: Optional[float] = None) -> None:
+    """Block the calling thread until about `ms` milliseconds have passed since `since` (a perf_counter
+    reading; None: now) without using the CPU: what ran since then counts toward the `ms`."""
     global _overslept_ms
+    t0 = time.perf_counter()
+    start = t0 if since is None else since
     if ms <= 0:
         return
     credit = min(_overslept_ms, _MAX_CREDIT_MS, ms)
-    t0 = time.perf_counter()
-    time.sleep((ms - credit) / 1e3)
-    actual = (time.perf_counter() - t0) * 1e3
+    left = ms - credit - (t0 - start) * 1e3
+    if left > 0:
+        time.sleep(left / 1e3)
+    actual = (time.perf_counter() - start) * 1e3
     _overslept_ms = max(0.0, _overslept_ms - credit + (actual - (ms - credit)))
 
 
@@ -87,11 +95,13 @@ class SleepLayer(nn.Module):
         self.weight = nn.Parameter(torch.zeros(params))  # y = x * (1 + mean(w)): identity at init
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sleep_ms(self.f_ms)
+        t0 = time.perf_counter()
         x1 = _SleepOnBackward.apply(x, self.b_ms)  # (B, hidden); B's sleep lives on this path
         # (); W's sleep lives on this path. The mean before the sleep: only a scalar is copied.
         w1 = _SleepOnBackward.apply(self.weight.sum() / self.weight.numel(), self.w_ms)
-        return torch.addcmul(x1, x1, w1)  # x1 + x1 * w1 -> (B, hidden)
+        y = torch.addcmul(x1, x1, w1)  # x1 + x1 * w1 -> (B, hidden)
+        sleep_ms(self.f_ms, since=t0)  # the layer's own ops are part of its F time
+        return y
 
 
 class SleepModel(LayeredModel):
