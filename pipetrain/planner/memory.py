@@ -19,9 +19,9 @@
                buffers in parallel.reduce_dtype at its REDUCE_GRAD and holds them to the step's end
                (runtime/grad_reduce.py: +1x the stage's gradients during the drain), and
                GradSync.sync sums the gradients of weights held on several ranks (a tied
-               embedding and head on different ranks, DualPipe's mirrored chunks) into one new
-               tensor per weight plus their flattened concatenation (runtime/sync.py: +2x those
-               gradients, after the pipeline, when no activation is left).
+               embedding and head on different ranks, DualPipe's mirrored chunks) in their
+               flattened concatenation, whose parts become the gradients (runtime/sync.py: +1x
+               those gradients, after the pipeline, when no activation is left).
   loss grad    the loss's backward on the last stage: a causal LM's cross-entropy allocates the fp32
                gradients of its log-softmax's output and input (8 bytes x vocab per token) at once.
   loss, tp     under tensor parallel the loss is vocab-parallel (parallel/loss_parallel.py): each tp
@@ -192,17 +192,19 @@ def sync_copy_bytes(held_by: Mapping[str, tuple[Sequence[int], float]], rank: in
     """The most bytes GradSync.sync (runtime/sync.py) allocates at once on `rank`. `held_by[name]`:
     the rank of every stage holding a copy of weight `name` (a rank listed twice holds two copies),
     and its gradient's bytes on one rank. Weights whose copies all sit on this rank are summed one
-    at a time into one new tensor (1x the largest); for each set of ranks that share copies, one
-    summed tensor per weight plus their flattened concatenation, set after set (2x the largest
-    set's bytes on this rank)."""
+    at a time into one new tensor (1x the largest); for each set of ranks that share copies, the
+    flattened concatenation of its weights' gradients (a weight with one copy here goes in as it is
+    and takes its part of the reduced buffer back as its gradient; one with two copies here is summed
+    into a new tensor first), set after set: the largest set's bytes on this rank, plus the sums."""
     sets: dict[tuple[int, ...], float] = {}
     local = 0.0
     for ranks, nbytes in held_by.values():
         key = tuple(sorted(set(ranks)))
+        here = list(ranks).count(rank)
         if rank not in key:
             continue
         if len(key) > 1:
-            sets[key] = sets.get(key, 0.0) + nbytes
-        elif len(ranks) > 1:
+            sets[key] = sets.get(key, 0.0) + nbytes * (2.0 if here > 1 else 1.0)
+        elif here > 1:
             local = max(local, nbytes)
-    return max(2.0 * max(sets.values(), default=0.0), local)
+    return max(max(sets.values(), default=0.0), local)

@@ -8,7 +8,9 @@ A parameter's *canonical name* is its tie group if tied, else its own (unsplit) 
 All copies of one canonical name, wherever they live, must end with the same gradient:
 the sum over copies (each copy saw a different part of the work). Per rank: sum local
 copies, all-reduce over the ranks that hold one (a subgroup per distinct set of
-holders, gradients flattened into one buffer per set), write the sum back to every copy.
+holders, gradients flattened into one buffer per set), write the sum back to every copy (a
+weight with one copy on this rank takes its part of the reduced buffer as its gradient, as
+runtime/grad_reduce.py's replicas do: no copy back).
 Identical gradients + identical optimizer state keep the copies identical step after step.
 
 Under data parallel each pipeline does this among its own ranks (`group`: the pipeline's
@@ -121,6 +123,8 @@ class GradSync:
 
     def _local_sum(self, name: str) -> torch.Tensor:
         ps = self.local[name]
+        if len(ps) == 1 and ps[0].grad is not None:  # one copy here: its gradient is the sum (no new tensor)
+            return local_tensor(ps[0].grad)
         total = torch.zeros_like(local_tensor(ps[0]))
         for p in ps:
             if p.grad is not None:
@@ -128,7 +132,11 @@ class GradSync:
         return total
 
     def _write(self, name: str, value: torch.Tensor) -> None:
-        for p in self.local[name]:
+        ps = self.local[name]
+        if len(ps) == 1 and type(ps[0].grad) is torch.Tensor and value.shape == ps[0].grad.shape:
+            ps[0].grad = value  # one plain copy: it takes the sum itself (a view of the reduced buffer), no copy back
+            return
+        for p in ps:
             if p.grad is None:
                 dtensor = _dtensor_type()
                 p.grad = (dtensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False)
