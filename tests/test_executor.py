@@ -256,3 +256,37 @@ def test_inputs_move_once_before_the_step_and_ranks_align_on_a_collective_not_ho
         assert m.offsets_ms[0] == 0.0 and abs(m.offsets_ms[1] - true_late_ms) < 25.0, (m.offsets_ms, true_late_ms)
         assert true_late_ms < m.makespan_ms < true_late_ms + 1000.0
 
+
+
+def mirrored_sums(rank: int, world: int, out) -> None:
+    got = {}
+    for early in (True, False):
+        model = make_model("gpt2-tiny", device="meta")
+        sched = registry.build("dualpipe", world, 4, 2)
+        bounds = uniform_bounds(len(model.layers), sched.placement.num_chunks)
+        rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=MB, seq_len=SEQ, seed=0,
+                                 transport=Transport(timeout_s=60, in_order=True))
+        if not early:  # the sums after the last action, as under data parallel (the path before early())
+            rp.executor._grads_done.clear()
+            rp.sync._order = None
+        rp.train_step(batches(model, 0)[:4])
+        got[early] = {"grads": [(s, n, p.grad.clone()) for s, n, p in rp.named_parameters()],
+                      "started": list(rp.sync.last_started_at), "actions": sum(1 for _ in sched.actions(rank))}
+        rp.close()
+    torch.save(got, out / f"rank{rank}.pt")
+
+
+@pytest.mark.dist
+def test_mirrored_copies_are_summed_during_the_step_with_the_same_gradients(tmp_path):
+    """DualPipe at P=2 holds the whole model on each rank (two mirrored chunks). The chunk whose last
+    weight gradient comes first on both ranks has its sum issued there, under the other chunk's last
+    backward (GradSync.early), not after the last action; the gradients are those of summing both
+    chunks after the step, bit for bit."""
+    spawn(mirrored_sums, 2, tmp_path)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        early, late = got[True], got[False]
+        assert [b for _, b in early["started"]] and min(b for _, b in early["started"]) < early["actions"], early
+        assert late["started"] == []
+        for (s, n, g), (s2, n2, g2) in zip(early["grads"], late["grads"], strict=True):
+            assert (s, n) == (s2, n2) and torch.equal(g, g2), (rank, s, n)

@@ -21,7 +21,8 @@
                GradSync.sync sums the gradients of weights held on several ranks (a tied
                embedding and head on different ranks, DualPipe's mirrored chunks) in their
                flattened concatenation, whose parts become the gradients (runtime/sync.py: +1x
-               those gradients, after the pipeline, when no activation is left).
+               those gradients; after the pipeline, or without dp and tp from the holding stage's
+               last weight gradient on, beside the activations then alive: GradSync.early).
   loss grad    the loss's backward on the last stage: a causal LM's cross-entropy allocates the fp32
                gradients of its log-softmax's output and input (8 bytes x vocab per token) at once.
   loss, tp     under tensor parallel the loss is vocab-parallel (parallel/loss_parallel.py): each tp

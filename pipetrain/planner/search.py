@@ -210,18 +210,25 @@ class _Evaluator:
         """Per stage, the data-parallel reducer's flat copies (replicas only: FSDP2 reduce-scatters in
         its own buffers), and per rank, what GradSync.sync allocates for the weights held on several
         ranks: each chunk held by more than one rank (DualPipe's mirror) and each tied weight whose
-        copies land on different ranks, their fp32 gradients (a shard's under FSDP2)."""
+        copies land on different ranks, their fp32 gradients (a shard's under FSDP2). Without dp, tp or cp
+        those sums start during the step (GradSync.early): their buffers count as held from each holding
+        stage's last weight gradient, beside the activations still alive then."""
         replicas = c.dp > 1 and not c.dp_shard and c.cp == 1  # cp ranks shard the parameters (plan.grad_reduce)
         held = {s: p * DTYPE_BYTES[self.device.reduce_dtype] for s, p in enumerate(stage_params)} if replicas else {}
         grad = self.work.state.grad / self.param_shard(c)
         chunk_stages = [[s for s in range(pl.num_stages) if pl.chunk_of(s) == k] for k in range(pl.num_chunks)]
-        weights: dict[str, tuple[list[int], float]] = {
-            f"chunk{k}": ([pl.rank_of(s) for s in stages], p * grad)
-            for k, (stages, p) in enumerate(zip(chunk_stages, part.chunk_params()))}
+        holding: dict[str, tuple[list[int], float]] = {  # weight -> the stages holding a copy, its bytes
+            f"chunk{k}": (stages, p * grad) for k, (stages, p) in enumerate(zip(chunk_stages, part.chunk_params()))}
         layer_chunk = {i: k for k, rng in enumerate(part.bounds) for i in rng}
         for n, (layers, numel) in enumerate(self.work.tied):  # a stage holding two of the layers holds one copy
-            stages = {s for i in layers for s in chunk_stages[layer_chunk[i]]}
-            weights[f"tied{n}"] = ([pl.rank_of(s) for s in sorted(stages)], numel / c.tp * grad)
+            holding[f"tied{n}"] = (sorted({s for i in layers for s in chunk_stages[layer_chunk[i]]}), numel / c.tp * grad)
+        weights = {name: ([pl.rank_of(s) for s in stages], nbytes) for name, (stages, nbytes) in holding.items()}
+        if c.dp * c.tp * c.cp == 1:  # GradSync.early: each rank's copies go into their sum's buffer from its last W on
+            for stages, nbytes in holding.values():
+                ranks = [pl.rank_of(s) for s in stages]
+                if len(set(ranks)) > 1:
+                    for s in stages:
+                        held[s] = held.get(s, 0.0) + nbytes / ranks.count(pl.rank_of(s))
         return held, [sync_copy_bytes(weights, r) for r in range(c.pp)]
 
     def evaluate(self, cand: Candidate) -> Row:

@@ -18,6 +18,8 @@ comes from the schedule's placement. Per action:
 Under data parallel the schedule carries `{stage}REDUCE_GRAD` marks (schedules/reduce.py):
 there the stage's gradient reduction is started (runtime/grad_reduce.py), and after the
 last action the executor waits for all of them; that wait is the step's exposed reduce time.
+Without one, `grads_done` is called where a stage's last weight gradient ended (DualPipe's
+mirrored copies start their sums there: runtime/sync.py GradSync.early).
 
 After the last action, the summed loss is all-reduced so every rank (rank 0 logs it)
 holds the mean loss of the step (over every pipeline's microbatches under data parallel).
@@ -82,6 +84,7 @@ class Executor:
         compute_dtype: Optional[torch.dtype] = None,
         fb_overlap: str = "off",
         a2a_timeout_s: Optional[float] = None,
+        grads_done: Optional[Mapping[int, Callable[[], None]]] = None,
     ) -> None:
         pl = schedule.placement
         want = set(pl.stages_of(rank))
@@ -120,6 +123,9 @@ class Executor:
                 self._reduces_at[b].append(red.stage)
             if not self._reduces_at:
                 raise ValueError("a gradient reducer needs a schedule with REDUCE_GRAD marks (schedules/reduce.py)")
+        # boundary -> called there: the weight gradients of the stages whose last one ended there are
+        # final (runtime/sync.py GradSync.early starts their sums across copies)
+        self._grads_done = dict(grads_done or {})
         self._forward_only = False
         self._bare = False  # step(), evaluate(): nothing recorded and no autocast, so no context per action
         self.recorder = StepRecorder(self.device, texts, reducer)
@@ -223,6 +229,9 @@ class Executor:
         """Before part `boundary` (and after the last): the plan's sends and receives, the reductions."""
         if self.comm is not None:
             self.comm.issue(boundary)
+        done = self._grads_done.get(boundary)
+        if done is not None:
+            done()
         for s in self._reduces_at.get(boundary, ()):
             self._rec.reduce_issued(s)
             with self._rec.range(f"{s}REDUCE_GRAD"):

@@ -17,18 +17,33 @@ Under data parallel each pipeline does this among its own ranks (`group`: the pi
 group, `pipelines`: every pipeline's global ranks, so every rank creates every pipeline's
 subgroups in one order), after each stage's gradients were reduced over data parallel
 (runtime/grad_reduce.py): reduce over dp, then sum the copies.
+
+Without data parallel or tensor parallel (nothing to reduce before the sum), `early` lets the
+sums start during the step: the weights of a set are bucketed by the stages holding them on each
+rank (DualPipe's two mirrored chunks: one bucket each), and a bucket's all-reduce is issued as soon
+as this rank has run the last weight gradient of its stages (schedules/reduce.py last_weight_grad),
+so at P=2 the chunk that finishes first is summed under the other's last backward. Every rank
+issues its buckets in one order, computed alike everywhere from the schedule (the bucket whose
+holders finish it first goes first): a bucket ready early waits for those before it, so the
+collectives of a group are issued in the same order on all of its ranks, as NCCL needs. Not where
+a GPU's streams share one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1: train/pipeline.py), where an
+all-reduce waiting for its peer would hold back the point-to-point kernels queued behind it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from pipetrain.schedules.ir import Schedule
+from pipetrain.schedules.reduce import last_weight_grad
 
 
 def _dtensor_type() -> Optional[type]:
@@ -59,6 +74,16 @@ def canonical_params(stages: dict[int, nn.Module]) -> dict[str, list[nn.Paramete
     return dict(out)
 
 
+def local_stages(stages: dict[int, nn.Module]) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> the local stages holding a copy of it."""
+    out: dict[str, set[int]] = defaultdict(set)
+    for s in sorted(stages):
+        tied = stages[s].tied
+        for name, _ in stages[s].named_parameters(remove_duplicate=False):
+            out[tied.get(name, name)].add(s)
+    return {n: tuple(sorted(v)) for n, v in out.items()}
+
+
 class GradSync:
     """Built once per job (collectively: every rank calls the constructor)."""
 
@@ -66,10 +91,12 @@ class GradSync:
                  pipelines: Optional[list[list[int]]] = None) -> None:
         self.local = canonical_params(stages)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-        names_per_rank: list[list[str]] = [sorted(self.local)]
+        # every rank's {canonical name: its local stages holding a copy}
+        self.stages_per_rank: list[dict[str, tuple[int, ...]]] = [local_stages(stages)]
         if world > 1:
-            names_per_rank = [None] * world  # type: ignore[list-item]
-            dist.all_gather_object(names_per_rank, sorted(self.local), group=group)
+            self.stages_per_rank = [None] * world  # type: ignore[list-item]
+            dist.all_gather_object(self.stages_per_rank, local_stages(stages), group=group)
+        names_per_rank = [sorted(held) for held in self.stages_per_rank]
         holders: dict[str, tuple[int, ...]] = defaultdict(tuple)
         for r, names in enumerate(names_per_rank):
             for n in names:
@@ -93,6 +120,13 @@ class GradSync:
             if me in ranks:
                 self.sets.append((ranks, mine, by_set[ranks]))
         self.local_only = [n for n, ps in self.local.items() if len(ps) > 1 and len(holders[n]) == 1]
+        # early(): the buckets in issue order (group, names, the boundary after which this rank may
+        # start it), the next to start, the furthest boundary reached, the started ones in flight
+        self._order: Optional[list[tuple[Optional[dist.ProcessGroup], list[str], int]]] = None
+        self._next, self._reached = 0, -1
+        self._flight: list[tuple[list[str], torch.Tensor, object]] = []
+        self.started_at: list[tuple[int, int]] = []  # this step's (bucket, boundary): the sums issued early
+        self.last_started_at: list[tuple[int, int]] = []  # the last synced step's
 
     def groups(self) -> list[dist.ProcessGroup]:
         """The subgroups this rank sums tied or mirrored weights over."""
@@ -108,18 +142,73 @@ class GradSync:
     def synced_names(self) -> list[str]:
         return sorted({n for _, _, names in self.sets for n in names} | set(self.local_only))
 
+    def early(self, schedule: Schedule, rank: int) -> dict[int, Callable[[], None]]:
+        """Boundary (schedules/reduce.py: atomic actions done) -> what the executor calls there, so that
+        each bucket's sum starts once this rank's last weight gradient of its stages ran (module
+        docstring). Only for plain tensors summed as they are (no data or tensor parallel reduce
+        before: the caller says); {} for FSDP2's sharded gradients. `rank` is the pipeline rank."""
+        if rank != self.rank or any(_dtensor_type() is not None and isinstance(p, _dtensor_type())
+                                    for ps in self.local.values() for p in ps):
+            return {}
+        ends = {r: last_weight_grad(schedule, r) for r in range(schedule.num_ranks)}
+        count = {r: sum(1 for _ in schedule.actions(r)) for r in range(schedule.num_ranks)}
+
+        def done(r: int, held: tuple[int, ...]) -> int:  # the boundary after rank r's last W of `held`
+            return max(ends[r].get(s, count[r]) for s in held)
+
+        buckets = []
+        for ranks, pg, names in self.sets:
+            by_key: dict[tuple[tuple[int, ...], ...], list[str]] = defaultdict(list)
+            for n in names:
+                by_key[tuple(self.stages_per_rank[r].get(n, ()) for r in ranks)].append(n)
+            for key, group in by_key.items():
+                when = max(done(r, held) / max(count[r], 1) for r, held in zip(ranks, key))
+                buckets.append(((when, ranks, group[0]), pg, group, done(self.rank, key[ranks.index(self.rank)])))
+        self._order = [(pg, group, mine) for _, pg, group, mine in sorted(buckets, key=lambda b: b[0])]
+        return {b: partial(self._reach, b) for b in {mine for _, _, mine in self._order}}
+
+    def _reach(self, boundary: int) -> None:
+        """The executor passed `boundary`: start every bucket whose turn came and whose stages are done."""
+        self._reached = max(self._reached, boundary)
+        order = self._order or []
+        while self._next < len(order) and order[self._next][2] <= self._reached:
+            self._start(self._next)
+            self.started_at.append((self._next, boundary))
+            self._next += 1
+
+    def _start(self, k: int) -> None:
+        pg, names, _ = self._order[k]  # type: ignore[index]
+        flat = torch.cat([self._local_sum(n).reshape(-1) for n in names])
+        self._flight.append((names, flat, dist.all_reduce(flat, group=pg, async_op=True)))
+
     def sync(self) -> None:
         """Sum gradients over all copies; every copy gets the sum."""
         for n in self.local_only:
             self._write(n, self._local_sum(n))
+        if self._order is not None:  # the buckets not started during the step, in their order; then all
+            while self._next < len(self._order):
+                self._start(self._next)
+                self._next += 1
+            for names, flat, work in self._flight:
+                work.wait()  # type: ignore[attr-defined]
+                self._write_flat(names, flat)
+            self._flight, self._next, self._reached = [], 0, -1
+            self.last_started_at, self.started_at = self.started_at, []
+            return
         for _, pg, names in self.sets:
             sums = [self._local_sum(n) for n in names]
             flat = torch.cat([t.reshape(-1) for t in sums])
             dist.all_reduce(flat, group=pg)
-            offset = 0
-            for n, t in zip(names, sums):
-                self._write(n, flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+            self._write_flat(names, flat)
+
+    def _write_flat(self, names: list[str], flat: torch.Tensor) -> None:
+        """Every copy of each of `names` gets its part of the reduced buffer `flat` (in `names` order)."""
+        offset = 0
+        for n in names:
+            shape = local_tensor(self.local[n][0]).shape
+            numel = shape.numel()
+            self._write(n, flat[offset: offset + numel].view(shape))
+            offset += numel
 
     def _local_sum(self, name: str) -> torch.Tensor:
         ps = self.local[name]

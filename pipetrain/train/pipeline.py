@@ -32,6 +32,7 @@ from pipetrain.parallel.parallelize import Parallelize
 from pipetrain.parallel.tp_plan import TensorParallel
 from pipetrain.parallel.split_weights import SplitWeights
 from pipetrain.runtime.sync import GradSync
+from pipetrain.config.cluster import one_hw_queue
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.lower import split_on
 from pipetrain.schedules.p2p import TRANSPORT_STREAMS, Kind, Message, exchange_pairs
@@ -164,11 +165,17 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
                    pair_groups=_pair_groups(schedule, t, device))
     # The loss is averaged over every rank's microbatches: the whole world (every pipeline).
     dp = parallelize.dp
+    sync = GradSync(stages, group=t.group, pipelines=t.pipelines)
+    # copies summed during the step where nothing is reduced before the sum (data parallel's
+    # reduction, tensor parallel's partial gradients: train_step runs those first), and not where all
+    # streams share one hardware queue: an all-reduce waiting for its peer there would hold back the
+    # point-to-point kernels queued after it, which that peer may need first
+    early = sync.early(schedule, rank) if dp is None and parallelize.tp is None and not one_hw_queue(
+        device.type) else {}
     executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
                         loss_group=t.group if t.pipelines is None else None, lookahead=t.lookahead,
                         reducer=dp.reducer(stages) if dp is not None else None, compute_dtype=compute_dtype,
-                        fb_overlap=fb_overlap, a2a_timeout_s=t.timeout_s)
-    sync = GradSync(stages, group=t.group, pipelines=t.pipelines)
+                        fb_overlap=fb_overlap, a2a_timeout_s=t.timeout_s, grads_done=early)
     return RankPipeline(rank, schedule, stages, executor, sync, parallelize.tp)
 
 
