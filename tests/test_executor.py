@@ -266,9 +266,8 @@ def mirrored_sums(rank: int, world: int, out) -> None:
         bounds = uniform_bounds(len(model.layers), sched.placement.num_chunks)
         rp = build_rank_pipeline(model, bounds, sched, rank, microbatch_size=MB, seq_len=SEQ, seed=0,
                                  transport=Transport(timeout_s=60, in_order=True))
-        if not early:  # the sums after the last action, as under data parallel (the path before early())
-            rp.executor._grads_done.clear()
-            rp.sync._order = None
+        if not early:  # the sums after the last action, as under data parallel
+            rp.executor._hooks.clear()
         rp.train_step(batches(model, 0)[:4])
         got[early] = {"grads": [(s, n, p.grad.clone()) for s, n, p in rp.named_parameters()],
                       "started": list(rp.sync.last_started_at), "actions": sum(1 for _ in sched.actions(rank))}

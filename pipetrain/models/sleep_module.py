@@ -62,10 +62,10 @@ def sleep_ms(ms: float, since: Optional[float] = None) -> None:
     """Block the calling thread until about `ms` milliseconds have passed since `since` (a perf_counter
     reading; None: now) without using the CPU: what ran since then counts toward the `ms`."""
     global _overslept_ms
-    t0 = time.perf_counter()
-    start = t0 if since is None else since
     if ms <= 0:
         return
+    t0 = time.perf_counter()
+    start = t0 if since is None else since
     credit = min(_overslept_ms, _MAX_CREDIT_MS, ms)
     left = ms - credit - (t0 - start) * 1e3
     if left > 0:

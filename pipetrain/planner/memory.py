@@ -201,9 +201,9 @@ def sync_copy_bytes(held_by: Mapping[str, tuple[Sequence[int], float]], rank: in
     local = 0.0
     for ranks, nbytes in held_by.values():
         key = tuple(sorted(set(ranks)))
-        here = list(ranks).count(rank)
         if rank not in key:
             continue
+        here = list(ranks).count(rank)
         if len(key) > 1:
             sets[key] = sets.get(key, 0.0) + nbytes * (2.0 if here > 1 else 1.0)
         elif here > 1:

@@ -4,10 +4,9 @@ It knows nothing about schedule names. Where an input comes from, where an outpu
 goes, which stage computes the loss, whether a neighbour is local or remote: all of it
 comes from the schedule's placement. Per action:
 
-  F(s, m)    input = the microbatch (first stage of its chain), the local output of
-             prev(s), or the received activation; run the stage; on the chain's last
-             stage compute loss / M (so gradients are the mean over microbatches);
-             otherwise hand the output to next(s).
+  F(s, m)    input = the microbatch (first stage of its chain), the local output of prev(s),
+             or the received activation; run the stage; its loss on the chain's last stage,
+             else hand the output to next(s).
   B(s, m)    input gradient only (runtime/backward.py); keep what W needs; send it back.
   W(s, m)    weight gradients from what B kept.
   BW(s, m)   both at once.
@@ -18,15 +17,12 @@ comes from the schedule's placement. Per action:
 Under data parallel the schedule carries `{stage}REDUCE_GRAD` marks (schedules/reduce.py):
 there the stage's gradient reduction is started (runtime/grad_reduce.py), and after the
 last action the executor waits for all of them; that wait is the step's exposed reduce time.
-Without one, `grads_done` is called where a stage's last weight gradient ended (DualPipe's
-mirrored copies start their sums there: runtime/sync.py GradSync.early).
+Without, `grads_done` starts the sums of mirrored copies there (runtime/sync.py GradSync.early).
 
-After the last action, the summed loss is all-reduced so every rank (rank 0 logs it)
-holds the mean loss of the step (over every pipeline's microbatches under data parallel).
-Inputs and targets move to the device once per step, pinned and non-blocking (runtime/batch.py).
-
-Mixed precision (`compute_dtype`): runtime/precision.py. A loss's backward starts from the
-gradient 1/M, so that gradients are the mean over microbatches (runtime/step_loss.py).
+After the last action, the summed loss is all-reduced so every rank (rank 0 logs it) holds the
+step's mean loss (over every pipeline's microbatches under data parallel); a loss's backward starts
+from 1/M, so gradients are the mean (runtime/step_loss.py). Inputs and targets move to the device
+once per step, pinned and non-blocking (runtime/batch.py). Mixed precision: runtime/precision.py.
 
 What a step measures (timings, comm events, activation memory, when reductions started and
 ended, the closing all-reduce's mark that puts every rank on one axis) is the recorder's
@@ -40,6 +36,7 @@ and the one it sends, its name in error messages) is worked out once, in `_progr
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -97,8 +94,7 @@ class Executor:
         self.loss_group = loss_group
         self._step_loss = StepLoss(self.device, loss_group, schedule.num_microbatches)
         self.precision = Precision(self.device, compute_dtype)
-        # The point-to-point plans (pure; validated before any process started): training, and
-        # the forward-only pass of evaluate().
+        # The point-to-point plans (pure; validated before any process started): training, evaluate()'s
         self._plan = build_plan(schedule, rank, lookahead=lookahead)
         self._eval_plan = forward_plan(self._plan)
         sends = {a: out for a, _, out in crossings(schedule, rank)}
@@ -117,15 +113,14 @@ class Executor:
         self._prev = {s: pl.prev_stage(s) for s in want}
         self._next = {s: pl.next_stage(s) for s in want}
         self.reducer = reducer
-        self._reduces_at: dict[int, list[int]] = defaultdict(list)  # boundary -> stages reduced there
-        if reducer is not None:
-            for b, red in (schedule.reduces[rank] if schedule.reduces else ()):
-                self._reduces_at[b].append(red.stage)
-            if not self._reduces_at:
-                raise ValueError("a gradient reducer needs a schedule with REDUCE_GRAD marks (schedules/reduce.py)")
-        # boundary -> called there: the weight gradients of the stages whose last one ended there are
-        # final (runtime/sync.py GradSync.early starts their sums across copies)
-        self._grads_done = dict(grads_done or {})
+        # boundary -> what starts there: the stages' dp reductions, and `grads_done` (sums across copies)
+        self._hooks: dict[int, list[Callable[[], None]]] = defaultdict(list)
+        for b, red in (schedule.reduces[rank] if schedule.reduces and reducer is not None else ()):
+            self._hooks[b].append(functools.partial(self._reduce, red.stage))
+        if reducer is not None and not self._hooks:
+            raise ValueError("a gradient reducer needs a schedule with REDUCE_GRAD marks (schedules/reduce.py)")
+        for b, done in (grads_done or {}).items():
+            self._hooks[b].append(done)
         self._forward_only = False
         self._bare = False  # step(), evaluate(): nothing recorded and no autocast, so no context per action
         self.recorder = StepRecorder(self.device, texts, reducer)
@@ -229,13 +224,13 @@ class Executor:
         """Before part `boundary` (and after the last): the plan's sends and receives, the reductions."""
         if self.comm is not None:
             self.comm.issue(boundary)
-        done = self._grads_done.get(boundary)
-        if done is not None:
-            done()
-        for s in self._reduces_at.get(boundary, ()):
-            self._rec.reduce_issued(s)
-            with self._rec.range(f"{s}REDUCE_GRAD"):
-                self.reducer.reduce(s)  # type: ignore[union-attr]
+        for hook in self._hooks.get(boundary, ()):
+            hook()
+
+    def _reduce(self, s: int) -> None:
+        self._rec.reduce_issued(s)
+        with self._rec.range(f"{s}REDUCE_GRAD"):
+            self.reducer.reduce(s)  # type: ignore[union-attr]
 
     def _forward(self, a: Action, need: Optional[Message], send: Optional[Message], where: str) -> None:
         x = self._input(a, need, where)
@@ -259,8 +254,7 @@ class Executor:
         prev = self._prev[a.stage]
         x = self._inputs[a.microbatch] if prev is None else self._take("act", prev, a.microbatch, need, where)
         if x.is_floating_point() and not self._forward_only:
-            # The first stage also asks for its input grad (and drops it) so that B does B's
-            # share of the work, as the schedule and the simulator assume.
+            # the first stage too (its input grad dropped): B does B's share, as schedule and simulator assume
             x = x.detach().requires_grad_(True)
         return x
 
@@ -394,8 +388,7 @@ class Executor:
         self._step_loss.reset()
 
     def _loss(self, s: int, m: int, out: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of microbatch m, summed for the step's mean; B starts from it
-        with StepLoss.seed."""
+        """The last stage's loss of microbatch m, kept for the step's mean; B starts at StepLoss.seed."""
         loss = self.stages[s].loss(out, self._targets[m])
         # evaluate(): weighted by its targets, so the mean is per token
         self._step_loss.add(loss, counted_targets(self._batch[m][1]) if self._forward_only else None)

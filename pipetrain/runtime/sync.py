@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import sys
 
@@ -61,26 +61,28 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
 
+def _copies(stages: dict[int, nn.Module]) -> Iterator[tuple[int, str, nn.Parameter]]:
+    """(stage, canonical name, Parameter) of every parameter of every local stage, stages in order."""
+    for s in sorted(stages):
+        tied = stages[s].tied
+        for name, p in stages[s].named_parameters(remove_duplicate=False):
+            yield s, tied.get(name, name), p
+
+
 def canonical_params(stages: dict[int, nn.Module]) -> dict[str, list[nn.Parameter]]:
     """Canonical name -> this rank's distinct Parameters for it."""
     out: dict[str, list[nn.Parameter]] = defaultdict(list)
-    for s in sorted(stages):
-        mod = stages[s]
-        tied = mod.tied
-        for name, p in mod.named_parameters(remove_duplicate=False):
-            key = tied.get(name, name)
-            if all(p is not q for q in out[key]):
-                out[key].append(p)
+    for _, key, p in _copies(stages):
+        if all(p is not q for q in out[key]):
+            out[key].append(p)
     return dict(out)
 
 
 def local_stages(stages: dict[int, nn.Module]) -> dict[str, tuple[int, ...]]:
     """Canonical name -> the local stages holding a copy of it."""
     out: dict[str, set[int]] = defaultdict(set)
-    for s in sorted(stages):
-        tied = stages[s].tied
-        for name, _ in stages[s].named_parameters(remove_duplicate=False):
-            out[tied.get(name, name)].add(s)
+    for s, key, _ in _copies(stages):
+        out[key].add(s)
     return {n: tuple(sorted(v)) for n, v in out.items()}
 
 
@@ -92,10 +94,11 @@ class GradSync:
         self.local = canonical_params(stages)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         # every rank's {canonical name: its local stages holding a copy}
-        self.stages_per_rank: list[dict[str, tuple[int, ...]]] = [local_stages(stages)]
+        here = local_stages(stages)
+        self.stages_per_rank: list[dict[str, tuple[int, ...]]] = [here]
         if world > 1:
             self.stages_per_rank = [None] * world  # type: ignore[list-item]
-            dist.all_gather_object(self.stages_per_rank, local_stages(stages), group=group)
+            dist.all_gather_object(self.stages_per_rank, here, group=group)
         names_per_rank = [sorted(held) for held in self.stages_per_rank]
         holders: dict[str, tuple[int, ...]] = defaultdict(tuple)
         for r, names in enumerate(names_per_rank):
@@ -120,10 +123,12 @@ class GradSync:
             if me in ranks:
                 self.sets.append((ranks, mine, by_set[ranks]))
         self.local_only = [n for n, ps in self.local.items() if len(ps) > 1 and len(holders[n]) == 1]
-        # early(): the buckets in issue order (group, names, the boundary after which this rank may
-        # start it), the next to start, the furthest boundary reached, the started ones in flight
-        self._order: Optional[list[tuple[Optional[dist.ProcessGroup], list[str], int]]] = None
-        self._next, self._reached = 0, -1
+        # the buckets in issue order (group, names, the boundary after which this rank may start it:
+        # one per set, at the step's end, unless early() made them), the next to start, the furthest
+        # boundary reached, the started ones in flight
+        self._order: list[tuple[Optional[dist.ProcessGroup], list[str], float]] = [
+            (pg, names, float("inf")) for _, pg, names in self.sets]
+        self._next, self._reached = 0, -1.0
         self._flight: list[tuple[list[str], torch.Tensor, object]] = []
         self.started_at: list[tuple[int, int]] = []  # this step's (bucket, boundary): the sums issued early
         self.last_started_at: list[tuple[int, int]] = []  # the last synced step's
@@ -164,42 +169,31 @@ class GradSync:
             for key, group in by_key.items():
                 when = max(done(r, held) / max(count[r], 1) for r, held in zip(ranks, key))
                 buckets.append(((when, ranks, group[0]), pg, group, done(self.rank, key[ranks.index(self.rank)])))
-        self._order = [(pg, group, mine) for _, pg, group, mine in sorted(buckets, key=lambda b: b[0])]
-        return {b: partial(self._reach, b) for b in {mine for _, _, mine in self._order}}
+        self._order = [(pg, group, float(mine)) for _, pg, group, mine in sorted(buckets, key=lambda b: b[0])]
+        return {int(b): partial(self._reach, b) for b in {mine for _, _, mine in self._order}}
 
-    def _reach(self, boundary: int) -> None:
-        """The executor passed `boundary`: start every bucket whose turn came and whose stages are done."""
+    def _reach(self, boundary: float) -> None:
+        """The executor passed `boundary` (inf: the step's end): start every bucket whose turn came and
+        whose stages are done, in order."""
         self._reached = max(self._reached, boundary)
-        order = self._order or []
-        while self._next < len(order) and order[self._next][2] <= self._reached:
-            self._start(self._next)
-            self.started_at.append((self._next, boundary))
+        while self._next < len(self._order) and self._order[self._next][2] <= self._reached:
+            pg, names, _ = self._order[self._next]
+            flat = torch.cat([self._local_sum(n).reshape(-1) for n in names])
+            self._flight.append((names, flat, dist.all_reduce(flat, group=pg, async_op=True)))
+            if boundary != float("inf"):
+                self.started_at.append((self._next, int(boundary)))
             self._next += 1
-
-    def _start(self, k: int) -> None:
-        pg, names, _ = self._order[k]  # type: ignore[index]
-        flat = torch.cat([self._local_sum(n).reshape(-1) for n in names])
-        self._flight.append((names, flat, dist.all_reduce(flat, group=pg, async_op=True)))
 
     def sync(self) -> None:
         """Sum gradients over all copies; every copy gets the sum."""
         for n in self.local_only:
             self._write(n, self._local_sum(n))
-        if self._order is not None:  # the buckets not started during the step, in their order; then all
-            while self._next < len(self._order):
-                self._start(self._next)
-                self._next += 1
-            for names, flat, work in self._flight:
-                work.wait()  # type: ignore[attr-defined]
-                self._write_flat(names, flat)
-            self._flight, self._next, self._reached = [], 0, -1
-            self.last_started_at, self.started_at = self.started_at, []
-            return
-        for _, pg, names in self.sets:
-            sums = [self._local_sum(n) for n in names]
-            flat = torch.cat([t.reshape(-1) for t in sums])
-            dist.all_reduce(flat, group=pg)
+        self._reach(float("inf"))  # the buckets not started during the step
+        for names, flat, work in self._flight:
+            work.wait()  # type: ignore[attr-defined]
             self._write_flat(names, flat)
+        self._flight, self._next, self._reached = [], 0, -1.0
+        self.last_started_at, self.started_at = self.started_at, []
 
     def _write_flat(self, names: list[str], flat: torch.Tensor) -> None:
         """Every copy of each of `names` gets its part of the reduced buffer `flat` (in `names` order)."""
