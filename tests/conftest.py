@@ -29,6 +29,23 @@ def pytest_configure(config):
     # ranks of tests/_dist.py, the `pipetrain` command): CUDA reads the variable when it initialises.
     if not gpu_visible(config.option.markexpr):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        other_cpu_kernels()  # in a process that runs tests (an xdist worker, or -n 0), not in xdist's controller
+
+
+def other_cpu_kernels() -> None:
+    """The processes tests start (ranks, the `pipetrain` command) run torch's scalar CPU kernels
+    (ATEN_CPU_CAPABILITY=default) while this process keeps the machine's own (AVX-512 or AVX2): every
+    parity test that compares ranks with a reference computed here then compares two kernel sets,
+    which sum in other orders, so a tolerance sized on one CPU fails on every machine, not only on
+    another CI's (issue #42; tests/_parity.py). torch reads the variable once, at its first kernel:
+    this process's is fixed first. A user's own ATEN_CPU_CAPABILITY applies to every process."""
+    if "ATEN_CPU_CAPABILITY" in os.environ:
+        return
+    import torch
+
+    torch.backends.cpu.get_cpu_capability()  # this process's kernels, chosen now and kept
+    os.environ["ATEN_CPU_CAPABILITY"] = "default"
 
 
 def pytest_collection_modifyitems(config, items):

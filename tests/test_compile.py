@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from _dist import spawn
+from _parity import full_tensors
 from pipetrain.plan import make_plan
 from pipetrain.schedules.ir import Schedule
-from test_tensor_parallel import BASE, STEPS, full_parameters, reference
+from test_tensor_parallel import BASE, STEPS, reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 # Two blocks (4 pipeline layers: embed, 2 blocks, head), enough for ZB-V's 4 stages on 2 ranks: every
@@ -35,7 +36,7 @@ def train_measured(rank: int, world: int, out: Path, cases: list) -> None:
         trainer = Trainer(config, plan, out / name)
         records = [trainer.train_step(measure=i == STEPS - 1) for i in range(STEPS)]
         measured = records[-1].measurement
-        torch.save({"losses": [r.loss for r in records], "params": full_parameters(trainer),
+        torch.save({"losses": [r.loss for r in records], "params": full_tensors(trainer),
                     "measured": measured and [[t.step for t in s.timings] for s in measured.samples]},
                    out / f"{name}.rank{rank}.pt")
 

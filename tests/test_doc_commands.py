@@ -80,7 +80,8 @@ def doc_cases(doc: str) -> list[Case]:
         for raw in joined.splitlines():
             cmd, _, comment = raw.partition("  #")
             cmd = " ".join(cmd.split())
-            if not cmd or cmd.startswith(NOT_RUN) or cmd in RUN_ELSEWHERE:
+            program = re.sub(r"^(\w+=\S*\s+)+", "", cmd)  # past the variables it sets: VAR=value python -m pytest
+            if not cmd or program.startswith(NOT_RUN) or cmd in RUN_ELSEWHERE:
                 continue
             if "GPU" in comment:
                 cases.append(Case(f"{doc}:{line}", [cmd], gpu=True, mark=comment))
