@@ -171,9 +171,14 @@ class _Stream:
 
     def _pump(self) -> None:
         while True:
+            # Read before the wait, not after: a wait that timed out may be acted on only after
+            # restore() ran (this thread waits for the GIL while the main thread prints its last
+            # line and restores), and that last line came after the wait began. Only a wait that
+            # began once stopping was set, and saw nothing for POLL_S, ends the tee.
+            stopping = self.stopping.is_set()
             ready, _, _ = select.select([self.read_fd], [], [], POLL_S)
             if not ready:
-                if self.stopping.is_set():
+                if stopping:
                     break
                 continue
             try:

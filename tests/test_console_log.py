@@ -51,6 +51,42 @@ def test_the_log_drops_a_line_the_terminal_erased(tmp_path):
     assert (tmp_path / LOG_FILE).read_text() == "$ pipetrain\nstep 3/3 loss 1.0\ndone: 3 steps\n\n"
 
 
+@pytest.mark.pure
+def test_the_line_printed_as_the_tee_stops_reaches_the_terminal_and_the_log(tmp_path, monkeypatch):
+    """The last line a run prints before its tee stops is never lost (issue #44: a refused run's
+    `pipetrain: error:` line was missing in 8 of 67 runs). The interleaving that lost it, forced: the
+    tee's wait for data times out, and before its thread acts on that the main thread prints its
+    last line and restores the stream (the thread waits for the GIL meanwhile)."""
+    import select
+
+    from pipetrain.runlog import _Stream
+
+    terminal_r, terminal_w = os.pipe()  # the terminal the tee copies to
+    fd = os.dup(terminal_w)  # the stream the tee takes over, as it takes fd 1 or 2
+    (tmp_path / LOG_FILE).write_text("$ pipetrain\n")
+    log = PlainLog(tmp_path / LOG_FILE)
+    real_select, tee = select.select, []
+
+    def wait_then_the_main_thread_runs(*args):
+        ready = real_select(*args)
+        if not ready[0] and tee and not tee[0].stopping.is_set():  # the wait timed out: the last line comes now
+            os.write(fd, b"pipetrain: error: the last line\n")
+            tee[0].restore()
+        return ready
+
+    monkeypatch.setattr(select, "select", wait_then_the_main_thread_runs)
+    tee.append(_Stream(fd, log))
+    tee[0].thread.join(timeout=10)
+    monkeypatch.undo()
+    tee[0].close()
+    log.close()
+    for end in (fd, terminal_w):
+        os.close(end)
+    with os.fdopen(terminal_r, "rb") as terminal:
+        assert terminal.read() == b"pipetrain: error: the last line\n"
+    assert (tmp_path / LOG_FILE).read_text() == "$ pipetrain\npipetrain: error: the last line\n"
+
+
 def _run_on_a_terminal(args, cwd, watch):
     """The CLI with stdout and stderr on a pseudo-terminal of 120 columns, as a user runs it;
     `watch(text so far)` is called as the terminal fills. Returns (exit code, all it showed)."""
