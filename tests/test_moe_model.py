@@ -191,6 +191,9 @@ def test_pp2_trains_as_the_single_process_model(tmp_path):
                                    "seq_aux_loss, none"),
     ("model.moe.layer_freq=0", "model.moe.layer_freq must be >= 1 (got 0)"),
     ("parallel.tp=2", "parallel.tp=2: model=moe-tiny has no tensor-parallel plan"),
+    ("model.moe.dense_layers=[3,99]", "model.moe.dense_layers names block 99 of a model with 8 blocks (0-7, "
+                                      "model.num_hidden_layers=8): list blocks below 8"),
+    ("model.moe.first_dense_layers=9", "model.moe.first_dense_layers=9 exceeds the model's 8 blocks"),
 ])
 def test_bad_moe_knobs_fail_in_one_line_at_composition(compose, override, message):
     """What `pipetrain` prints before any rank starts (the CLI composes first)."""

@@ -113,6 +113,8 @@ class LlamaModelConfig(CausalLMConfig):
                              "drop model.qkv_bias")
         if self.rope_scaling is not None:
             self.rope_scaling.check()
+        if self.moe is not None:
+            self.moe.check_blocks(self.num_hidden_layers, knob="model.num_hidden_layers")
 
     def _take_pretrained_shape(self) -> None:
         """Every knob from the folder's config.json; what that changes is kept for one note."""

@@ -110,6 +110,16 @@ class MoEConfig:
             raise ValueError(f"model.moe.top_k={self.top_k} exceeds the {self.topk_group * per_group} experts "
                              f"of topk_group={self.topk_group} groups: raise topk_group or lower top_k")
 
+    def check_blocks(self, blocks: int, *, knob: str) -> None:
+        """The knobs that name decoder blocks, against a model of `blocks` of them (`knob` names its size)."""
+        outside = sorted({b for b in self.dense_layers if not 0 <= b < blocks})
+        if outside:
+            raise ValueError(f"model.moe.dense_layers names block {', '.join(map(str, outside))} of a model with "
+                             f"{blocks} blocks (0-{blocks - 1}, {knob}={blocks}): list blocks below {blocks}")
+        if self.first_dense_layers > blocks:
+            raise ValueError(f"model.moe.first_dense_layers={self.first_dense_layers} exceeds the model's {blocks} "
+                             f"blocks ({knob}={blocks}): lower it")
+
     def is_moe(self, block: int) -> bool:
         """Whether decoder block `block` (0-based) has an MoE layer rather than the dense MLP."""
         return (block >= self.first_dense_layers and block not in self.dense_layers
