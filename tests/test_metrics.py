@@ -157,6 +157,9 @@ def test_metrics_line_starts_with_the_step():
     assert line.startswith("step 100/200 loss 2.5000")
     assert "bubble 20.0% (sim 19.0%)" in line and "mfu 12.0%" in line
     assert "mem 3.0MB (act 1.0MB)" in line  # the GB of memory/peak_gb, in decimal units like it
+    assert "| 12.3k tok/s 50ms" in line
+    slow = metrics_line({**rec, "perf/tokens_per_s": 41.66, "perf/step_time_s": 24.6}, 200, 12.0)
+    assert "| 41.7 tok/s 24600ms" in slow, slow  # a slow step (cp at 2,048 tokens on CPU) is not "0.0k"
 
 
 def test_logger_choices_fail_with_the_knob():

@@ -69,8 +69,9 @@ class PipelineConfig:
     p2p_in_order: bool = False
     # DualPipe's F&B overlap (runtime/overlap.py): off = each F&B pair runs its forward, then its
     # backward; auto = MoE stages under expert parallel run node by node with the pair's nodes
-    # interleaved (all-to-alls hidden under the other microbatch's compute; CPU/gloo only so far);
-    # on = the same, refused in one line where it cannot (FSDP2, recompute, no MoE, CUDA).
+    # interleaved (all-to-alls hidden under the other microbatch's compute; on GPUs on a stream of
+    # their own), whole stages where they cannot; on = the same, refused in one line where it cannot
+    # (parallel.ep=1, activation recompute, CUDA_DEVICE_MAX_CONNECTIONS=1).
     fb_overlap: str = "off"
 
     def __post_init__(self) -> None:

@@ -33,6 +33,11 @@ from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.schedules.render import render_timeline
 
 
+def tokens_per_s(x: float) -> str:
+    """9412.3 -> "9.4k"; a slow step keeps three digits (41.7, 0.853) instead of showing "0.0k"."""
+    return f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.3g}"
+
+
 def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> str:
     """The compact line of a record's row (StepRecord.row(), names as metrics/names.py): always
     starts with "step N/M"."""
@@ -41,7 +46,7 @@ def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> 
     if r.get(names.VAL_LOSS) is not None:
         parts.append(f"val {r[names.VAL_LOSS]:.4f}")
     parts.append(f"lr {r[names.LR]:.1e} gnorm {r[names.GRAD_NORM]:.2f}")
-    speed = f"| {r[names.TOKENS_PER_S] / 1e3:.1f}k tok/s {r[names.STEP_TIME] * 1e3:.0f}ms"
+    speed = f"| {tokens_per_s(r[names.TOKENS_PER_S])} tok/s {r[names.STEP_TIME] * 1e3:.0f}ms"
     if r.get(names.MFU) is not None:
         speed += f" mfu {100 * r[names.MFU]:.1f}%"
     parts.append(speed)
