@@ -89,3 +89,22 @@ def test_overlap_pair_costs_with_overlap_factor():
     for ts in pairs:
         back = 2.5 if ts.step.backward.op is Op.BW else 2.0
         assert ts.end - ts.start == pytest.approx((1.0 + back) * 0.75)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("rank 0: 0F0 0BW0\nrank one: 1F0 1BW0\n", "line 2: cannot parse schedule line 'rank one: 1F0 1BW0': expected "
+                                             "'rank R: 0F0 0F1 ...' with R the rank's number (0, 1, ...)"),
+    ("rank 0: 0F0 0BW0\nrank 2: 1F0 1BW0\n", "line 2: schedule lines must list ranks in order 0, 1, ...; got rank 2 "
+                                           "where rank 1 was due"),
+    ("# two ranks\nrank 0: 0F0 0BW0\nrank 1: 1F0 1Q0\n", "line 3: "),
+])
+def test_a_bad_text_schedule_file_names_its_line_and_the_format(tmp_path, text, words):
+    """A hand-written schedule in the text form (`rank R: ...`): the error names the file, the line and
+    what was expected, not Python's `invalid literal for int()` (issue #44)."""
+    from pipetrain.schedules.registry import load_custom
+
+    path = tmp_path / "mine.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_custom(path, num_ranks=2, num_microbatches=1)
+    assert str(err.value).startswith(f"{path}: {words}") and "\n" not in str(err.value), str(err.value)

@@ -264,17 +264,22 @@ class Schedule:
         cls, text: str, *, name: str, placement: Placement, num_microbatches: int
     ) -> "Schedule":
         rows: list[list[Step | Marker]] = []
-        for line in text.splitlines():
+        for lineno, line in enumerate(text.splitlines(), start=1):
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
             head, sep, body = line.partition(":")
-            if not sep or not head.strip().startswith("rank"):
-                raise ValueError(f"cannot parse schedule line {line!r}: expected 'rank R: 0F0 0F1 ...'")
-            rank = int(head.strip()[4:])
-            if rank != len(rows):
-                raise ValueError(f"schedule lines must list ranks in order 0, 1, ...; got rank {rank}")
-            rows.append([parse_cell(tok) for tok in body.split()])
+            rank = head.strip()[4:].strip()
+            if not sep or not head.strip().startswith("rank") or not rank.isdigit():
+                raise ValueError(f"line {lineno}: cannot parse schedule line {line!r}: expected 'rank R: 0F0 0F1 ...' "
+                                 f"with R the rank's number (0, 1, ...)")
+            if int(rank) != len(rows):
+                raise ValueError(f"line {lineno}: schedule lines must list ranks in order 0, 1, ...; got rank {rank} "
+                                 f"where rank {len(rows)} was due")
+            try:
+                rows.append([parse_cell(tok) for tok in body.split()])
+            except ValueError as e:
+                raise ValueError(f"line {lineno}: {e}") from None
         return cls.build(name, placement, num_microbatches, rows)
 
     def to_csv(self) -> str:
