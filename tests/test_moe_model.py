@@ -194,6 +194,8 @@ def test_pp2_trains_as_the_single_process_model(tmp_path):
     ("model.moe.dense_layers=[3,99]", "model.moe.dense_layers names block 99 of a model with 8 blocks (0-7, "
                                       "model.num_hidden_layers=8): list blocks below 8"),
     ("model.moe.first_dense_layers=9", "model.moe.first_dense_layers=9 exceeds the model's 8 blocks"),
+    ("model.moe.aux_loss_coef=nan", "model.moe.aux_loss_coef must be a finite number (got nan)"),
+    ("model.moe.bias_update_rate=inf", "model.moe.bias_update_rate must be a finite number (got inf)"),
 ])
 def test_bad_moe_knobs_fail_in_one_line_at_composition(compose, override, message):
     """What `pipetrain` prints before any rank starts (the CLI composes first)."""

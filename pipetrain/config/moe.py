@@ -29,6 +29,7 @@ the model's dense SwiGLU MLP of model.intermediate_size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -75,6 +76,10 @@ class MoEConfig:
             raise ValueError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts={self.num_experts}: "
                              "lower top_k")
         self._check_groups()
+        for knob in ("aux_loss_coef", "bias_update_rate", "routed_scaling_factor", "capacity_factor"):
+            value = getattr(self, knob)
+            if value is not None and not math.isfinite(value):  # nan passes every comparison below
+                raise ValueError(f"model.moe.{knob} must be a finite number (got {value})")
         for knob in ("aux_loss_coef", "bias_update_rate", "num_shared_experts", "first_dense_layers"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"model.moe.{knob} must be >= 0 (got {getattr(self, knob)})")
