@@ -227,3 +227,24 @@ def test_export_of_a_model_no_hf_class_computes_is_one_line(compose, override, w
     with pytest.raises(ValueError) as err:
         hf_config(compose(["model=moe-tiny", override, "mode=simulate"]).model, dtype="fp32")
     assert f"mode=export: no Hugging Face MoE class computes this model ({why})" in str(err.value)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("edit, words", [
+    ({"num_local_experts": None}, "lacks 'num_local_experts', which pipetrain needs"),
+    ({"num_experts_per_tok": 5}, "config.json num_experts_per_tok=5 exceeds its num_local_experts=4: the folder's "
+                                 "config.json is inconsistent; fix it there"),
+])
+def test_an_inconsistent_mixtral_config_names_its_own_keys(tmp_path, edit, words):
+    """A Mixtral config.json (written by transformers) without num_local_experts asks for that key, not
+    Qwen's num_experts; top-k beyond its experts is blamed on the folder, not on model.moe.top_k (#44)."""
+    from pipetrain.config.llama import LlamaModelConfig
+
+    _, config_class, kwargs = CASES["mixtral"]
+    getattr(transformers, config_class)(**kwargs).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    with pytest.raises(ValueError) as err:
+        LlamaModelConfig(name="mixtral", pretrained=str(tmp_path))
+    assert words in str(err.value) and "model.moe.top_k" not in str(err.value), str(err.value)

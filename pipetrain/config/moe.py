@@ -154,9 +154,13 @@ def moe_from_hf(hf: dict[str, Any]) -> Optional[MoEConfig]:
     kind = hf.get("model_type")
     if kind not in HF_MOE_TYPES:
         return None
+    key = "num_local_experts" if kind == "mixtral" else "num_experts"  # how each family's config.json names it
     experts = hf.get("num_local_experts", hf.get("num_experts"))
     if experts is None:
-        raise KeyError("num_experts")
+        raise KeyError(key)
+    if hf.get("num_experts_per_tok", 0) > experts:  # the folder's numbers, not this run's model.moe.top_k
+        raise ValueError(f"config.json num_experts_per_tok={hf['num_experts_per_tok']} exceeds its {key}={experts}: "
+                         f"the folder's config.json is inconsistent; fix it there")
     if hf.get("router_jitter_noise", 0.0):
         raise ValueError(f"config.json router_jitter_noise={hf['router_jitter_noise']} is not supported "
                          f"(pipetrain routes without noise): set it to 0.0")
