@@ -40,7 +40,18 @@ def fingerprint(config: Config) -> dict[str, dict[str, Any]]:
 
 
 def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    """"key: old -> new" for each knob that differs; a nested group (model.moe) by the fields that
+    differ in it, not as two whole dicts."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changes({f"{k}.{f}": v for f, v in a.items()}, {f"{k}.{f}": v for f, v in b.items()})
+        else:
+            out.append(f"{k}: {a!r} -> {b!r}")
+    return out
 
 
 def check_compatible(meta: dict[str, Any], config: Config, path: Path) -> list[str]:
