@@ -199,7 +199,7 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tokeniz
         if not text:  # only the EOS ids between documents: say so, not "lower --val-min-tokens"
             names = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
             raise ValueError(f"the input is empty: {names} {'holds' if len(files) == 1 else 'hold'} no text "
-                             f"({docs:,} document(s), none with a token): give files with text"
+                             f"({docs:,} document(s), none with more than whitespace): give files with text"
                              + (f" (or the --text-field that holds it, not {text_field!r})"
                                 if any(input_format(f, fmt) != "text" for f in files) else ""))
         _top_up_val(writers, val_fraction=val_fraction, val_min_tokens=val_min_tokens, start_id=tok.eos_id, note=note)
@@ -251,15 +251,16 @@ def _top_up_val(writers: dict[str, ShardWriter], *, val_fraction: float, val_min
 def _write_documents(files: list[Path], tok: TextTokenizer, writers: dict[str, ShardWriter], *, fmt: str,
                      text_field: str, val_fraction: float) -> tuple[int, int]:
     """Encode every document (in batches), EOS first, into its split's writer; returns the count of
-    documents and of their tokens (the EOS ids not counted). A document goes to validation while
+    documents and of the tokens of those with text (the EOS ids and whitespace-only documents not
+    counted: a file of blank lines is empty, not "351 tokens"). A document goes to validation while
     that keeps it within val_fraction of the tokens so far: with equal documents, every (1/F)-th."""
     n = text = 0
     batch: list[str] = []
 
     def drain() -> None:
         nonlocal n, text
-        for ids in tok.encode_batch(batch):
-            text += len(ids)
+        for doc_text, ids in zip(batch, tok.encode_batch(batch)):
+            text += len(ids) if doc_text.strip() else 0
             doc = np.asarray([tok.eos_id, *ids], dtype=np.int64)
             seen = writers["train"].tokens + writers["val"].tokens + len(doc)
             writers["val" if writers["val"].tokens + len(doc) <= val_fraction * seen else "train"].add(doc)

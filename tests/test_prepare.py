@@ -240,8 +240,11 @@ def test_prepare_empty_input_and_out_file_are_one_line(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     err = fails(str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o1" / "deep"))
     assert err == f"pipetrain-prepare: error: the input is empty: {tmp_path / 'empty.txt'} holds no text " \
-                  f"(1 document(s), none with a token): give files with text"
+                  f"(1 document(s), none with more than whitespace): give files with text"
     assert not (tmp_path / "o1").exists()  # a refused run leaves nothing behind, not even the parents it made
+    (tmp_path / "blank.txt").write_text(" \n\t\n" * 80)  # 320 bytes, each a token of the byte tokenizer (#44)
+    err = fails(str(tmp_path / "blank.txt"), "--out", str(tmp_path / "o3"))
+    assert err.startswith(f"pipetrain-prepare: error: the input is empty: {tmp_path / 'blank.txt'} holds no text"), err
     write_jsonl(tmp_path / "blank.jsonl", ["", ""])
     (tmp_path / "none.jsonl").write_text("\n")
     err = fails(str(tmp_path / "blank.jsonl"), str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o2"))
