@@ -68,7 +68,23 @@ def test_a_long_stream_is_sampled_end_to_end(tmp_path, monkeypatch):
         ids[where] = 99_999
         path = tmp_path / f"at{where}.npy"
         np.save(path, ids)
-        assert data_schema.max_token_id([read_shard(path, knob="data.path")]) == (99_999, str(path))
+        assert data_schema.token_id_range([read_shard(path, knob="data.path")])[1] == (99_999, str(path))
+        signed = tmp_path / f"signed{where}.npy"
+        np.save(signed, -ids.astype(np.int64))  # a sampled -99,999 in an int64 file is found too
+        assert data_schema.token_id_range([read_shard(signed, knob="data.path")])[0] == (-99_999, str(signed))
+
+
+def test_a_negative_token_id_is_one_line_before_the_start(compose, tmp_path):
+    """An int64 .npy holding -1 (a padding or ignore id) was accepted and a rank later failed with a
+    bare IndexError (issue #44): the launcher refuses it, naming the file."""
+    path = tmp_path / "ids.npy"
+    ids = (np.arange(4096) % 500).astype(np.int64)
+    ids[1234] = -1
+    np.save(path, ids)
+    error = _error(compose, ["mode=train", "model=gpt2-tiny", "data=tokens", f"data.path={path}", "data.seq_len=32"],
+                   tokens=True)
+    assert error == (f"data.path={path}: {path} holds token id -1: token ids must be >= 0; drop the negative ids "
+                     f"(padding or ignore markers) from the token files"), error
 
 
 def test_eval_on_the_builtin_corpus_fails_at_compose(compose):

@@ -82,8 +82,11 @@ class ShardStream:
     def max(self) -> int:
         return max(int(a.max()) for a in self.arrays)
 
+    def min(self) -> int:
+        return min(int(a.min()) for a in self.arrays)
 
-Tokens = Union[np.ndarray, ShardStream]  # a 1-D token stream: len(), [index array], [slice], .max()
+
+Tokens = Union[np.ndarray, ShardStream]  # a 1-D token stream: len(), [index array], [slice], .max(), .min()
 
 
 class TokenWindows:
@@ -103,7 +106,7 @@ class TokenWindows:
             self.description = f"{what}: train {len(tokens):,} tokens, val {len(val_tokens):,} (separate shards)"
         for stream in {id(t): t for t, _, _ in self.parts.values()}.values():
             if len(stream) <= FULL_SCAN_TOKENS:  # else each batch is checked as it is drawn
-                _check_vocab(int(stream.max()), vocab_size, what=what)
+                _check_vocab(int(stream.min()), int(stream.max()), vocab_size, what=what)
 
     def batch(self, step: int, *, split: str = "train") -> Batch:
         g = step_generator(self.seed, step, split)
@@ -115,7 +118,7 @@ class TokenWindows:
         starts = torch.randint(lo, hi - self.seq_len, (self.batch_size,), generator=g).numpy()
         idx = starts[:, None] + np.arange(self.seq_len + 1)  # (B, T + 1)
         window = torch.from_numpy(tokens[idx].astype(np.int64))  # (B, T + 1)
-        _check_vocab(int(window.max()), self.vocab_size, what=self.what, step=step)
+        _check_vocab(int(window.min()), int(window.max()), self.vocab_size, what=self.what, step=step)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # (B, T) each
 
 
@@ -247,14 +250,17 @@ def eval_tokens(cfg: DataConfig, *, vocab_size: int) -> Tokens:
         tokens = load_tokens(cfg)
         what = f"data.path={cfg.path}" if cfg.path else f"data={cfg.name}"
     if len(tokens) <= FULL_SCAN_TOKENS:
-        _check_vocab(int(tokens.max()), vocab_size, what=what)
+        _check_vocab(int(tokens.min()), int(tokens.max()), vocab_size, what=what)
     return tokens
 
 
-def _check_vocab(max_id: int, vocab_size: int, *, what: str, step: int | None = None) -> None:
+def _check_vocab(min_id: int, max_id: int, vocab_size: int, *, what: str, step: int | None = None) -> None:
+    at = "" if step is None else f" (in the batch of step {step})"
+    if min_id < 0:  # an int64 .npy with -1 (an ignore or padding id) would index the embedding from its end
+        raise ValueError(f"{what} has token id {min_id}{at}: token ids must be >= 0; drop the negative ids "
+                         f"(padding or ignore markers) from the token files")
     if max_id < vocab_size:
         return
-    at = "" if step is None else f" (in the batch of step {step})"
     raise ValueError(
         f"{what} has token id {max_id}{at} but model.vocab_size={vocab_size}: set model.vocab_size >= {max_id + 1} "
         f"(byte tokens need {BYTE_VOCAB}, GPT-2's BPE 50257)"
