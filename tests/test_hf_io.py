@@ -227,12 +227,29 @@ def read_folder(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def save_chat_tokenizer(folder: Path) -> list[str]:
+    """A word-level tokenizer with a chat template, saved by transformers into `folder`; the files it wrote."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1, "</s>": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    return [Path(f).name for f in fast.save_pretrained(folder) if Path(f).is_file()]
+
+
 @pytest.mark.e2e
 def test_export_without_training_gives_identical_tensors(folders, tmp_path):
-    src = folders[TIED]
+    """The weights bit for bit, and every tokenizer file of the folder, its chat template included (#44)."""
+    src = tmp_path / "src"
+    shutil.copytree(folders[TIED], src)
+    saved = save_chat_tokenizer(src)
+    assert "chat_template.jinja" in saved, saved
     run = cli(["mode=export", "model=llama-tiny", f"model.pretrained={src}", "export.max_shard_gb=0.0001"],
               tmp_path, "export")
     out = run / "hf"
+    for name in saved:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
     ours, theirs = read_folder(out), read_folder(src)
     assert sorted(ours) == sorted(theirs) and "lm_head.weight" not in ours  # tied: the embedding only
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

@@ -45,8 +45,11 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 # Tokenizer (and generation) files copied into an exported folder when the source holds them.
+# What mode=export copies beside the weights; chat_template.jinja: where transformers >= 4.43 saves a
+# tokenizer's chat template (chat_template.json: a processor's)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json")
 LEGACY_KEYS = (".rotary_emb.inv_freq",)  # RoPE tables older checkpoints saved: derived, not weights
 HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
