@@ -29,7 +29,7 @@ Per optimizer step k, for each gradient tensor t of n_t elements:
   Measured (PIPETRAIN_PARITY_REPORT, every comparison of test_tensor_parallel, test_context_parallel,
   test_tp_3d, test_moe_ep and test_data_parallel, each with all processes under
   ATEN_CPU_CAPABILITY=avx512, avx2, default, default with MKL_CBWR=COMPATIBLE, and with the ranks
-  under default against a reference on avx512 (tests/conftest.py)): at most 9.5 U, 48 U and 844 U
+  under default against a reference on avx512): at most 9.5 U, 48 U and 844 U
   at steps 1-3 (the scalar `default` kernels sum with larger error than the vectorised ones:
   avx2 and avx512 alone stay within 205 U at step 3).
 

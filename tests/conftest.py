@@ -34,18 +34,21 @@ def pytest_configure(config):
 
 
 def other_cpu_kernels() -> None:
-    """The processes tests start (ranks, the `pipetrain` command) run torch's scalar CPU kernels
-    (ATEN_CPU_CAPABILITY=default) while this process keeps the machine's own (AVX-512 or AVX2): every
-    parity test that compares ranks with a reference computed here then compares two kernel sets,
-    which sum in other orders, so a tolerance sized on one CPU fails on every machine, not only on
-    another CI's (issue #42; tests/_parity.py). torch reads the variable once, at its first kernel:
-    this process's is fixed first. A user's own ATEN_CPU_CAPABILITY applies to every process."""
+    """On an AVX-512 machine, the processes tests start (ranks, the `pipetrain` command) run torch's
+    AVX2 kernels (ATEN_CPU_CAPABILITY=avx2) while this process keeps AVX-512: every parity test that
+    compares ranks with a reference computed here then compares two kernel sets whose sums, softmax
+    and norms reduce in other orders, so a tolerance sized on one CPU fails on this one too, not only
+    on another CI machine (issue #42; tests/_parity.py). AVX2, not the scalar `default`: random
+    numbers (normal_) are drawn alike on AVX2 and AVX-512 but not by the scalar kernels, and tests
+    that check a rank's slices of a seeded model bit for bit need the same weights on both sides.
+    torch reads the variable once, at its first kernel: this process's is fixed first. A user's own
+    ATEN_CPU_CAPABILITY applies to every process; an AVX2 machine runs all on AVX2."""
     if "ATEN_CPU_CAPABILITY" in os.environ:
         return
     import torch
 
-    torch.backends.cpu.get_cpu_capability()  # this process's kernels, chosen now and kept
-    os.environ["ATEN_CPU_CAPABILITY"] = "default"
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):  # this process's kernels, chosen now and kept
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
 
 
 def pytest_collection_modifyitems(config, items):
