@@ -238,3 +238,29 @@ def test_tensorboard_hides_the_points_a_resumed_run_redoes(compose, tmp_path):
                                  tokens=0, step_time_s=0.1, tokens_per_s=1.0), None, None)
     losses = {step: v for (step, tag), v in _tensorboard_points(tmp_path / TB_DIR).items() if tag == "train/loss"}
     assert losses == {1: [9.0], 2: [9.0], 3: [9.0], 4: [9.0], 5: [1.0], 6: [1.0], 7: [1.0], 8: [1.0]}
+
+
+def test_the_summarys_per_rank_bubbles_are_medians_over_the_measured_steps(compose, tmp_path):
+    """summary.json's per-rank bubbles were the last measured step's (issue #44): one slow last step
+    (another job on the machine, a checkpoint's pause) stood for the run. Now each rank's median over
+    the measured steps after the first, as the run's mean bubble already was."""
+    import torch
+
+    from pipetrain.metrics.step import RunSummary, StepRecord
+    from pipetrain.plan import make_plan
+    from pipetrain.train.monitor import Monitor
+
+    config = compose(["logger=[]"])  # no logger: the summary is what is checked
+    plan = make_plan(config)
+    monitor = Monitor(config, plan, device=torch.device("cpu"), run_dir=tmp_path)
+    sched = registry.build("1f1b", 2, 4, 1)
+    even = samples_from_sim(simulate(sched, StageCosts((1.0, 1.0), (2.0, 2.0), (0.0, 0.0))))
+    slow = samples_from_sim(simulate(sched, StageCosts((1.0, 1.5), (2.0, 3.0), (0.0, 0.0))))  # stage 1 slower
+    for step, samples in ((1, slow), (2, even), (3, even), (4, slow)):
+        monitor.log(StepRecord(step=step, loss=1.0, lr=1e-3, grad_norm=1.0, step_time_s=1.0, tokens_per_s=1.0,
+                               measurement=measure_step(step, sched, samples)))
+    last, steady = (measure_step(1, sched, s).bubble_per_rank for s in (slow, even))
+    assert last != pytest.approx(steady, abs=1e-3)  # the last step stands apart
+    summary = monitor.summarize(RunSummary(steps=4, first_loss=1.0, final_loss=1.0, final_val_loss=None,
+                                           skipped_steps=0, tokens=8, step_time_s=1.0, tokens_per_s=8.0))
+    assert summary.bubble_fraction_per_rank == pytest.approx(steady, abs=1e-6)

@@ -90,7 +90,7 @@ class RunSummary:
     measured: bool = False
     bubble_fraction_mean: Optional[float] = None  # median over the measured steps after the first
     simulated_bubble_fraction: Optional[float] = None
-    bubble_fraction_per_rank: list[float] = field(default_factory=list)  # of the last measured step
+    bubble_fraction_per_rank: list[float] = field(default_factory=list)  # each rank's median, as the mean's
     simulated_bubble_fraction_per_rank: list[float] = field(default_factory=list)
     peak_memory_bytes_per_rank: list[int] = field(default_factory=list)  # the most any measured step used
     peak_activation_bytes_per_rank: list[int] = field(default_factory=list)

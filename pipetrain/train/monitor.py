@@ -84,7 +84,8 @@ class Monitor:
         # summary needs (a long run logs thousands of steps)
         self.last: Optional[StepRecord] = None
         self.chosen: Optional[StepRecord] = None
-        self.bubbles: list[tuple[int, float, float]] = []  # (step, measured, simulated) mean bubble
+        # (step, measured, simulated) mean bubble, and the measured bubble of each rank
+        self.bubbles: list[tuple[int, float, float, tuple[float, ...]]] = []
         self.reduces: list[tuple[int, float, float]] = []  # data parallel: (step, measured, simulated) most exposed
         self.peak_memory: list[int] = []  # per rank, the most over the measured steps
         self.peak_activations: list[int] = []
@@ -158,7 +159,7 @@ class Monitor:
         self.last = record
         if record.step == self.chosen_step:
             self.chosen = record
-        self.bubbles.append((record.step, m.bubble_mean, m.simulated.bubble_fraction_mean))
+        self.bubbles.append((record.step, m.bubble_mean, m.simulated.bubble_fraction_mean, tuple(m.bubble_per_rank)))
         if m.data_parallel:
             self.reduces.append((record.step, max(m.reduce_exposed_ms), max(m.simulated.reduce_exposed_ms)))
         mem = [s.peak_memory_bytes for s in m.samples]
@@ -180,8 +181,8 @@ class Monitor:
 
     def summarize(self, summary: RunSummary) -> RunSummary:
         """The run's summary with the measured results added (rank 0, where a step was measured):
-        medians of the bubble over the measured steps (step 1 pays for warm-up: left out when
-        there are others), peak memory as the most any step used; per-rank bubbles of the last."""
+        medians of the bubble over the measured steps, the mean's and each rank's (step 1 pays for
+        warm-up: left out when there are others), peak memory as the most any step used."""
         if self.last is None or self.last.measurement is None:
             return summary
         steady = [b for b in self.bubbles if b[0] != 1] or self.bubbles
@@ -191,7 +192,8 @@ class Monitor:
             summary, measured=True,
             bubble_fraction_mean=statistics.median(b[1] for b in steady),
             simulated_bubble_fraction=statistics.median(b[2] for b in steady),
-            bubble_fraction_per_rank=[rounded(x) for x in last.bubble_per_rank],
+            bubble_fraction_per_rank=[rounded(statistics.median(b[3][r] for b in steady))
+                                      for r in range(len(last.bubble_per_rank))],
             simulated_bubble_fraction_per_rank=[rounded(x) for x in last.simulated.bubble_fraction_per_rank],
             peak_memory_bytes_per_rank=self.peak_memory, peak_activation_bytes_per_rank=self.peak_activations,
             peak_reserved_bytes_per_rank=self.peak_reserved,
