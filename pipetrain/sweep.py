@@ -33,6 +33,10 @@ from pipetrain.metrics import names
 # the run's metrics under their public names (metrics/names.py), beside what the job was
 TRAIN_COLUMNS = ("schedule", "degree", "microbatches", names.TOKENS_PER_S, names.BUBBLE_SIM, names.BUBBLE,
                  names.PEAK_GB, names.LOSS)
+# overrides both tables show in a column of their own; any other key the sweep varies gets one too,
+# as a row field "swept:KEY" (simulate.json has fields named like some knobs: partition)
+SHOWN = ("schedule", "pipeline.degree", "pipeline.microbatches", "schedule.virtual_stages")
+SWEPT = "swept:"
 
 
 def _job_dirs(sweep_dir: Path) -> list[Path]:
@@ -46,6 +50,24 @@ def _job_dirs(sweep_dir: Path) -> list[Path]:
 def collect(sweep_dir: Path) -> list[dict]:
     """simulate.json of every job under a sweep directory, in job order."""
     return [json.loads((d / "simulate.json").read_text()) for d in _job_dirs(sweep_dir)]
+
+
+def swept(sweep_dir: Path) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The overrides whose values differ between the jobs (`partition=uniform,balanced`), other than
+    those the tables show anyway (SHOWN), in command-line order, as row fields ("swept:partition");
+    and job directory -> its values of them (Hydra's `.hydra/overrides.yaml` of each job)."""
+    from omegaconf import OmegaConf
+
+    jobs: dict[str, dict[str, str]] = {}
+    for d in _job_dirs(sweep_dir):
+        path = d / ".hydra" / "overrides.yaml"
+        items = OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else []
+        jobs[d.name] = dict(str(o).lstrip("+~").split("=", 1) for o in items or [] if "=" in str(o))
+    keys = list(dict.fromkeys(k for values in jobs.values() for k in values))
+    varied = [k for k in keys if k not in SHOWN and not k.startswith("hydra.")
+              and len({values.get(k) for values in jobs.values()}) > 1]
+    return [SWEPT + k for k in varied], {job: {SWEPT + k: values.get(k, "-") for k in varied}
+                                         for job, values in jobs.items()}
 
 
 def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -65,10 +87,14 @@ def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def train_table(rows: list[dict[str, Any]]) -> Table:
+def train_table(rows: list[dict[str, Any]], extra: Sequence[str] = ()) -> Table:
+    """One row per trained job; `extra`: the swept keys the fixed columns do not show, after the schedule."""
+    columns = (TRAIN_COLUMNS[0], *extra, *TRAIN_COLUMNS[1:])
     table = Table(title="sweep summary", pad_edge=False)
-    for c in TRAIN_COLUMNS:
-        table.add_column(c.replace("_", " ").replace("/", "\n", 1), justify="left" if c == "schedule" else "right")
+    for c in columns:
+        left = c == "schedule" or c in extra
+        table.add_column(c.removeprefix(SWEPT) if c in extra else c.replace("_", " ").replace("/", "\n", 1),
+                         justify="left" if left else "right")
 
     def fmt(c: str, v: Any) -> str:
         if v is None:
@@ -80,7 +106,7 @@ def train_table(rows: list[dict[str, Any]]) -> Table:
         return f"{v:,.0f}" if isinstance(v, float) and v > 100 else (f"{v:.4f}" if isinstance(v, float) else str(v))
 
     for r in rows:
-        table.add_row(*(fmt(c, r[c]) for c in TRAIN_COLUMNS))
+        table.add_row(*(str(r[c]) if c in extra else fmt(c, r[c]) for c in columns))
     return table
 
 
@@ -138,15 +164,16 @@ class SweepSummary(Callback):
 
         sweep_dir = Path(config.hydra.sweep.dir)
         console = Console()
+        extra, values = swept(sweep_dir)
         trained = train_rows(sweep_dir)
         if trained:
-            rows: list[dict[str, Any]] = trained
-            print_table(console, train_table(trained))
+            rows: list[dict[str, Any]] = [{**r, **values.get(r["job"], {})} for r in trained]
+            print_table(console, train_table(rows, extra))
         else:
-            rows = collect(sweep_dir)
+            rows = [{**values.get(d.name, {}), **r} for d, r in zip(_job_dirs(sweep_dir), collect(sweep_dir))]  # swept first
             if not rows:
                 return
-            print_table(console, summary_table(rows))
+            print_table(console, summary_table(rows, extra=extra))
         (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=2) + "\n")
         flat = [{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in r.items()} for r in rows]
         with (sweep_dir / "sweep_summary.csv").open("w", newline="") as f:
