@@ -123,7 +123,7 @@ def test_every_checkpoint_damaged_refuses(reference, tmp_path):
     run = damaged_copy(reference, tmp_path, "deleted shard")
     (dirs.step_dir(run, 2) / "meta.json").write_text("")
     with pytest.raises(ValueError, match=r"^trainer.resume: no whole checkpoint in .*step_000004 is damaged.*"
-                                         r"step_000002 is damaged.*trainer.resume=null"):
+                                         r"step_000002 is damaged.*move them away, or use a new run.name"):
         dirs.resolve_resume("auto", run, deep=True)
 
 

@@ -215,3 +215,24 @@ def test_named_run_resumes_after_its_launcher_was_killed(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     want = [json.loads(line) for line in (tmp_path / "outputs" / "ref" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/loss"] for r in rows] == [r["train/loss"] for r in want]
+
+
+def test_a_rerun_of_a_named_run_resumes_and_never_refuses_to_overwrite(tmp_path):
+    """trainer.resume=auto is the default (issue #44): the same command with the same run.name resumes
+    from the run's newest checkpoint instead of starting at step 1 and overwriting it; resume=never
+    refuses in one line, before any rank, and touches nothing."""
+    base = ["model=mlp", "run.name=mine", "sim.timeline=false", "trainer.eval_every=0"]
+    first = run_cli([*base, "trainer.max_steps=2"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    saved = tmp_path / "outputs" / "mine" / "checkpoints" / "step_000002"
+    stamp = (saved / "meta.json").stat().st_mtime_ns
+    again = run_cli([*base, "trainer.max_steps=3"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"checkpoint: resumed from {saved} at step 2" in again.stdout and "done: 3 steps (resumed at step 2)" in \
+        again.stdout, again.stdout[-2000:]
+    never = run_cli([*base, "trainer.max_steps=3", "trainer.resume=never"], cwd=tmp_path)
+    assert one_line_error(never) == (
+        f"pipetrain: error: trainer.resume=never starts fresh, but {saved.parent} holds 2 checkpoint(s) (newest "
+        f"step_000003) it would overwrite: use a new run.name, or trainer.resume=auto to continue from the newest")
+    assert (saved / "meta.json").stat().st_mtime_ns == stamp and sorted(p.name for p in saved.parent.iterdir()) == \
+        ["step_000002", "step_000003"]

@@ -93,7 +93,8 @@ def test_template_fills_every_knob_and_switches_unset_ones_off():
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash" and not re.search(r"@[a-z_]+@", script)  # every placeholder filled
     for flag in ("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--partition=gpu", "--qos=high",
-                 "--time=30", "--mem=64G", "--job-name=pipetrain", "--output=slurm-%j.out"):
+                 "--time=30", "--mem=64G", "--job-name=pipetrain", "--output=slurm-%j.out", "--requeue",
+                 "--signal=TERM@120"):
         assert f"#SBATCH {flag}" in lines, (flag, script)
     # knobs left null stay in the script, switched off for the user to fill in
     assert "##SBATCH --account=ACCOUNT" in lines and "##SBATCH --cpus-per-task=CPUS_PER_TASK" in lines
@@ -222,3 +223,13 @@ def test_previewed_script_starts_the_ranks_through_srun_and_trains(slurm_bin, tm
     assert [r.name for r in runs] == [f"slurm-{os.getpid()}"], runs
     assert json.loads((runs[0] / "summary.json").read_text())["steps"] == 2
     assert "done: 2 steps" in (runs[0] / "pipetrain.log").read_text()
+    # SLURM requeues the job (--requeue: a preemption, a node failure): the same script, the same job
+    # id, SLURM_RESTART_COUNT=1. It resumes from the job's own checkpoint instead of starting over
+    # and overwriting it (issue #44).
+    saved = runs[0] / "checkpoints" / "step_000002"
+    stamp = (saved / "meta.json").stat().st_mtime_ns
+    requeued = run_in_allocation(script, dict(env, SLURM_RESTART_COUNT="1"), tmp_path)
+    assert requeued.returncode == 0, requeued.stdout[-3000:] + requeued.stderr[-3000:]
+    assert "requeued by SLURM (1x)" in requeued.stdout and f"resumed from {saved.resolve()} at step 2" in requeued.stdout
+    assert "nothing to do: resumed at step 2" in requeued.stdout
+    assert (saved / "meta.json").stat().st_mtime_ns == stamp

@@ -17,7 +17,10 @@ class TrainerConfig:
     eval_batches: int = 2  # batches of data.batch_size sequences per validation
     ckpt_every: int = 0  # checkpoint every N steps (0: only at the end when ckpt_at_end)
     ckpt_at_end: bool = True  # write a checkpoint after the last step
-    resume: Optional[str] = None  # auto: newest checkpoint in the run directory; or a checkpoint path
+    # auto: the newest whole checkpoint in the run directory, if it holds one (a rerun of a run.name, a
+    # requeued job; a new unnamed run's directory holds none) | never (or null): start fresh, refused where
+    # the run directory already holds checkpoints | a checkpoint path (a step_* or run directory)
+    resume: Optional[str] = "auto"
     on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf loss does
     max_skipped_steps: int = 3  # on_nonfinite=skip: stop after this many non-finite steps in a row
     # auto: cuda when every rank on a host gets a GPU of its own, else cpu (launch/devices.py) | cpu | cuda

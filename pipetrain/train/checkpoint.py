@@ -53,11 +53,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from pipetrain.config import Config
+from pipetrain.config import Config, Mode
 from pipetrain.config.train import TrainerConfig
-from pipetrain.train.checkpoint_dirs import CKPT_DIR, META, Note, manifest, prune, resolve_resume, silent, step_dir
+from pipetrain.train.checkpoint_dirs import (CKPT_DIR, FRESH, META, Note, manifest, prune, refuse_overwrite,
+                                          resolve_resume, silent, step_dir)
 from pipetrain.train.checkpoint_group import CheckpointGroup, pick
 from pipetrain.train.disk_full import one_line_if_full
+from pipetrain.train.restart import slurm_requeues
 from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
 
 if TYPE_CHECKING:
@@ -98,8 +100,11 @@ def preflight(config: Config, run_dir: Path) -> Optional[Path]:
     checked against this run's model. Raises the same one-line ValueErrors the ranks would. A
     checkpoint named explicitly is checked byte by byte here; `auto` by sizes (the ranks read the
     bytes before loading, each a share, and report a damaged one they pass over)."""
-    explicit = config.trainer.resume not in (None, "", "null", "none", "None", "auto")
-    path = resolve_resume(config.trainer.resume, run_dir, deep=explicit)
+    resume = config.trainer.resume
+    if config.mode is Mode.train and not slurm_requeues():  # a requeued job goes on with its own checkpoints
+        refuse_overwrite(resume, run_dir)
+    explicit = resume not in (None, *FRESH, "auto")
+    path = resolve_resume(resume, run_dir, deep=explicit)
     if path is not None:
         check_compatible(read_meta(path), config, path)
     return path
@@ -309,7 +314,7 @@ def _load_targets(target: Checkpointable, available: set[str]) -> tuple[dict[str
     missing = sorted(k for k in targets if k not in available)
     if missing:
         raise ValueError(f"trainer.resume: the checkpoint lacks {len(missing)} key(s) this run needs "
-                         f"(first: {missing[0]}): it was saved for another model; set trainer.resume=null")
+                         f"(first: {missing[0]}): it was saved for another model; start a new run (a new run.name)")
     targets.update({k: torch.empty_like(v) for k, v in _rng_state().items() if k in available})
     return targets, adam
 
@@ -384,8 +389,8 @@ def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note 
     want = config.trainer.resume
     # rank 0 picks (its listing is the one every rank loads), every rank hashes a share of the bytes
     path = pick(want, run_dir, restarted=restarted, group=target.group(config), note=note)
-    if path is None:
-        if want == "auto" or restarted:
+    if path is None:  # a new run directory (trainer.resume=auto, the default) has nothing to say
+        if restarted or (want == "auto" and (Path(run_dir) / CKPT_DIR).exists()):
             note(f"checkpoint: no checkpoint in {Path(run_dir) / CKPT_DIR}, starting fresh")
         return None
     meta = load_checkpoint(target, path, config, note=note)

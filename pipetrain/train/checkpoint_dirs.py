@@ -189,9 +189,24 @@ def newest_good(root: Path, *, deep: bool = False, note: Note = silent,
             return path
         bad.append(f"{path.name} is damaged ({why})")
     if bad:
-        raise ValueError(f"trainer.resume: no whole checkpoint in {root}: {'; '.join(bad)}: "
-                         f"set trainer.resume=null to start over")
+        raise ValueError(f"trainer.resume: no whole checkpoint in {root}: {'; '.join(bad)}: move them away, or "
+                         f"use a new run.name, to start over")
     return None
+
+
+FRESH = ("never", "", "null", "none", "None")  # trainer.resume values (besides None) that start fresh
+
+
+def refuse_overwrite(resume: Optional[str], run_dir: Path) -> None:
+    """trainer.resume=never (or null) on training: a fresh start, refused in one line where the run
+    directory already holds checkpoints, which its own saves would overwrite step by step."""
+    if resume is not None and resume not in FRESH:
+        return
+    held = step_dirs(Path(run_dir) / CKPT_DIR)
+    if held:
+        raise ValueError(f"trainer.resume={resume or 'never'} starts fresh, but {Path(run_dir) / CKPT_DIR} holds "
+                         f"{len(held)} checkpoint(s) (newest {held[-1][1].name}) it would overwrite: use a new "
+                         f"run.name, or trainer.resume=auto to continue from the newest")
 
 
 def newest_checkpoint(run_dir: Path) -> Optional[Path]:
@@ -205,12 +220,12 @@ def resolve_resume(resume: Optional[str], run_dir: Path, *, deep: bool = False, 
     this run directory (none: None). A path: a step_* directory (refused in one line if damaged),
     or a run / checkpoints directory (its newest good one). Errors are one line."""
     by = {"deep": deep, "note": note, "check_bytes": check_bytes}
-    if resume is None or resume in ("", "null", "none", "None"):
+    if resume is None or resume in FRESH:
         return None
     if resume == "auto":
         return newest_good(Path(run_dir) / CKPT_DIR, **by)
     path = Path(resume).expanduser()
-    hint = "set trainer.resume to a checkpoints/step_* directory, to auto, or to null"
+    hint = "set trainer.resume to a checkpoints/step_* directory, to auto, or to never"
     if not path.exists():
         raise ValueError(f"trainer.resume={resume}: no such checkpoint directory: {hint}")
     if _STEP_DIR.match(path.name) or (path / META).exists():

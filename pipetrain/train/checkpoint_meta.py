@@ -58,12 +58,12 @@ def check_compatible(meta: dict[str, Any], config: Config, path: Path) -> list[s
     """Raise (one line) if the model differs; return notes on changed layout / training knobs."""
     if meta.get("format") != FORMAT:
         raise ValueError(f"trainer.resume: {path} has checkpoint format {meta.get('format')!r}, "
-                         f"this pipetrain reads {FORMAT}: resume with the version that wrote it or set trainer.resume=null")
+                         f"this pipetrain reads {FORMAT}: resume with the version that wrote it, or start a new run (a new run.name)")
     old, new = meta["fingerprint"], fingerprint(config)
     model = _changes(old["model"], new["model"])
     if model:
         raise ValueError(f"trainer.resume: {path} was saved for another model ({'; '.join(model)}): "
-                         f"set the model knobs back or set trainer.resume=null")
+                         f"set the model knobs back, or start a new run (a new run.name)")
     notes = []
     if layout := _changes(old["layout"], new["layout"]):
         notes.append("new layout (weights re-split by name): " + "; ".join(layout))
