@@ -52,10 +52,11 @@ def collect(sweep_dir: Path) -> list[dict]:
     return [json.loads((d / "simulate.json").read_text()) for d in _job_dirs(sweep_dir)]
 
 
-def swept(sweep_dir: Path) -> tuple[list[str], dict[str, dict[str, str]]]:
+def swept(sweep_dir: Path) -> tuple[list[tuple[str, str]], dict[str, dict[str, str]]]:
     """The overrides whose values differ between the jobs (`partition=uniform,balanced`), other than
-    those the tables show anyway (SHOWN), in command-line order, as row fields ("swept:partition");
-    and job directory -> its values of them (Hydra's `.hydra/overrides.yaml` of each job)."""
+    those the tables show anyway (SHOWN), in command-line order, as (row field "swept:partition",
+    header "partition") pairs; and job directory -> its values of them (Hydra's
+    `.hydra/overrides.yaml` of each job)."""
     from omegaconf import OmegaConf
 
     jobs: dict[str, dict[str, str]] = {}
@@ -66,8 +67,8 @@ def swept(sweep_dir: Path) -> tuple[list[str], dict[str, dict[str, str]]]:
     keys = list(dict.fromkeys(k for values in jobs.values() for k in values))
     varied = [k for k in keys if k not in SHOWN and not k.startswith("hydra.")
               and len({values.get(k) for values in jobs.values()}) > 1]
-    return [SWEPT + k for k in varied], {job: {SWEPT + k: values.get(k, "-") for k in varied}
-                                         for job, values in jobs.items()}
+    return [(SWEPT + k, k) for k in varied], {job: {SWEPT + k: values.get(k, "-") for k in varied}
+                                              for job, values in jobs.items()}
 
 
 def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -87,14 +88,17 @@ def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def train_table(rows: list[dict[str, Any]], extra: Sequence[str] = ()) -> Table:
-    """One row per trained job; `extra`: the swept keys the fixed columns do not show, after the schedule."""
-    columns = (TRAIN_COLUMNS[0], *extra, *TRAIN_COLUMNS[1:])
+def train_table(rows: list[dict[str, Any]], extra: Sequence[tuple[str, str]] = ()) -> Table:
+    """One row per trained job; `extra`: (row field, header) of the swept keys the fixed columns do not
+    show, after the schedule."""
+    fields = [field for field, _ in extra]
+    columns = (TRAIN_COLUMNS[0], *fields, *TRAIN_COLUMNS[1:])
     table = Table(title="sweep summary", pad_edge=False)
-    for c in columns:
-        left = c == "schedule" or c in extra
-        table.add_column(c.removeprefix(SWEPT) if c in extra else c.replace("_", " ").replace("/", "\n", 1),
-                         justify="left" if left else "right")
+    table.add_column(TRAIN_COLUMNS[0], justify="left")
+    for _, header in extra:
+        table.add_column(header, justify="left")
+    for c in TRAIN_COLUMNS[1:]:
+        table.add_column(c.replace("_", " ").replace("/", "\n", 1), justify="right")
 
     def fmt(c: str, v: Any) -> str:
         if v is None:
@@ -106,7 +110,7 @@ def train_table(rows: list[dict[str, Any]], extra: Sequence[str] = ()) -> Table:
         return f"{v:,.0f}" if isinstance(v, float) and v > 100 else (f"{v:.4f}" if isinstance(v, float) else str(v))
 
     for r in rows:
-        table.add_row(*(str(r[c]) if c in extra else fmt(c, r[c]) for c in columns))
+        table.add_row(*(str(r[c]) if c in fields else fmt(c, r[c]) for c in columns))
     return table
 
 
@@ -170,7 +174,8 @@ class SweepSummary(Callback):
             rows: list[dict[str, Any]] = [{**r, **values.get(r["job"], {})} for r in trained]
             print_table(console, train_table(rows, extra))
         else:
-            rows = [{**values.get(d.name, {}), **r} for d, r in zip(_job_dirs(sweep_dir), collect(sweep_dir))]  # swept first
+            # the swept values first in each row (and in the .csv's columns)
+            rows = [{**values.get(d.name, {}), **r} for d, r in zip(_job_dirs(sweep_dir), collect(sweep_dir))]
             if not rows:
                 return
             print_table(console, summary_table(rows, extra=extra))

@@ -324,20 +324,21 @@ def result_record(
     return record
 
 
-def summary_table(rows: list[dict], *, title: str | None = None, extra: Sequence[str] = ()) -> Table:
+def summary_table(rows: list[dict], *, title: str | None = None,
+                  extra: Sequence[tuple[str, str]] = ()) -> Table:
     """One line per `result_record` row: the single-run summary or a multirun comparison (`extra`:
-    fields of the rows shown after the schedule, headed by their name after any "swept:": a
-    sweep's other swept knobs). Where a row has gradient reductions (data parallel), the step time with the exposed reduce
+    (row field, header) pairs shown after the schedule, a sweep's other swept knobs). Where a row
+    has gradient reductions (data parallel), the step time with the exposed reduce
     takes the analytic bubble's place (the published formulas know no reduction; simulate.json
     keeps both, and the exposed reduce per rank), so the table still fits 80 columns."""
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     dp = any("makespan_with_reduce" in row for row in rows)
     tail = ("step ms\n+reduce",) if dp else ("analytic\nbubble ms",)
     # Short headers so the table fits an 80-column terminal without truncating values.
-    for name in ("schedule", *extra, "P", "v", "M", "makespan\nms", "bubble\nmean %", "bubble\nmax %",
+    headers = [header for _, header in extra]
+    for name in ("schedule", *headers, "P", "v", "M", "makespan\nms", "bubble\nmean %", "bubble\nmax %",
                  "peak\nact", "param\ncopies", *tail):
-        table.add_column(name.split(":", 1)[-1], justify="left" if name == "schedule" or name in extra else "right",
-                         no_wrap=True)
+        table.add_column(name, justify="left" if name == "schedule" or name in headers else "right", no_wrap=True)
     for row in rows:
         fractions = row["bubble_fraction_per_rank"] or [0.0]
         analytic = row.get("analytic_bubble")
@@ -347,7 +348,7 @@ def summary_table(rows: list[dict], *, title: str | None = None, extra: Sequence
             last = "-" if analytic is None else f"{analytic:.2f}"
         table.add_row(
             str(row["schedule"]),
-            *(str(row.get(k, "-")) for k in extra),
+            *(str(row.get(field, "-")) for field, _ in extra),
             str(row["degree"]),
             str(row["virtual_stages"]),
             str(row["microbatches"]),
