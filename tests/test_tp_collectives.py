@@ -2,7 +2,8 @@
 that records every c10d op as it runs (torch.utils._python_dispatch: the real collectives run,
 nothing is replaced).
 
-F2 (review cuda-nccl-review.md): a checkpoint's gather of the split weights sends only their
+A checkpoint gathers nothing: each rank hands DCP its own parts of the split weights (#44).
+F2 (review cuda-nccl-review.md): the tests' gather of the split weights sends only their
 floating-point slices; every rank's indices are computed where they are used (NCCL takes no CPU
 index tensors, and index_copy_ / index_select want the index on the data's device).
 F13: the row-parallel all-reduce runs in place on F.linear's output (no clone in the forward),
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -63,23 +63,26 @@ def split(whole: nn.ModuleDict, g: TPGroup) -> nn.ModuleDict:
                           "emb": VocabParallelEmbedding(whole["emb"], g)})
 
 
-def checkpoint_gather(rank: int, world: int, out: Path) -> None:
-    """Gather every split weight as a checkpoint does (to tp rank 0) and as the tests do (to all)."""
+def checkpoint_parts(rank: int, world: int, out: Path) -> None:
+    """What a checkpoint hands DCP for every split weight (its parts of the unsplit tensor), and
+    the gather the tests use, under the dispatch recorder."""
     from pipetrain.parallel.split_weights import SplitWeights
 
     g = TPGroup(None, world, rank)
     whole = unsplit()
     mods = split(whole, g)
     shards = SplitWeights(g, shard_layout(mods))
-    got, rec = {}, Record()
-    with rec:
-        for name, p in mods.named_parameters():
-            if name in shards.shards:
-                got[f"holder.{name}"] = shards.full(name, p, holder_only=True)
-                got[f"all.{name}"] = gather_full(p.detach(), shards.shards[name], g)
+    parts, got, rec, parts_rec = {}, {}, Record(), Record()
+    for name, p in mods.named_parameters():
+        if name in shards.shards:
+            with parts_rec:
+                mine = shards.parts(name, p)
+            parts[name] = {offsets: view.clone() for offsets, (_, view) in mine.boxes.items()}
+            with rec:
+                got[name] = gather_full(p.detach(), shards.shards[name], g)
     expect = dict(whole.named_parameters())
-    torch.save({"sent": rec.sent, "got": got, "expect": {k: v.detach() for k, v in expect.items()}},
-               out / f"gather{rank}.pt")
+    torch.save({"sent": rec.sent, "parts_ops": parts_rec.ops, "parts": parts, "got": got,
+                "expect": {k: v.detach() for k, v in expect.items()}}, out / f"gather{rank}.pt")
 
 
 def collectives(rank: int, world: int, out: Path) -> None:
@@ -107,19 +110,30 @@ def collectives(rank: int, world: int, out: Path) -> None:
 
 
 @pytest.mark.dist
-def test_checkpoint_gather_sends_only_the_float_slices(tmp_path):
-    """F2: before the fix the int64 index of every slice was gathered too (`c10d.gather_` of
-    torch.int64), which NCCL refuses for CPU tensors."""
-    spawn(checkpoint_gather, 2, tmp_path)
-    for rank in range(2):
-        res = torch.load(tmp_path / f"gather{rank}.pt")
+def test_checkpoint_parts_tile_the_unsplit_weight_without_a_collective(tmp_path):
+    """#44: a checkpoint hands DCP each rank's own parts of a split weight (no rank gathers
+    another's); placed at their offsets, every rank's parts tile the unsplit tensor exactly.
+    F2: the tests' gather sends only the floating-point slices (the int64 index of every slice
+    was gathered too before, which NCCL refuses for CPU tensors)."""
+    spawn(checkpoint_parts, 2, tmp_path)
+    ranks = [torch.load(tmp_path / f"gather{rank}.pt") for rank in range(2)]
+    for res in ranks:
+        assert not [op for op in res["parts_ops"] if op.startswith("c10d.")], res["parts_ops"]
         assert res["sent"] and {d for _, d in res["sent"]} == {torch.float32}, res["sent"]
-        for key, t in res["got"].items():
-            how, name = key.split(".", 1)
-            if how == "holder" and rank != 0:
-                assert t is None, key
-            else:
-                assert torch.equal(t, res["expect"][name]), key
+        for name, t in res["got"].items():
+            assert torch.equal(t, res["expect"][name]), name
+    for name, expect in ranks[0]["expect"].items():
+        if name not in ranks[0]["parts"]:
+            continue
+        tiled, count = torch.zeros_like(expect), torch.zeros_like(expect)
+        for res in ranks:
+            for offsets, view in res["parts"][name].items():
+                box = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
+                tiled[box] += view
+                count[box] += 1
+        assert torch.equal(count, torch.ones_like(count)), name  # every element once
+        assert torch.equal(tiled, expect), name
+        assert len(ranks[0]["parts"][name]) == (3 if name.startswith("qkv.") else 1), name  # q, k, v of its heads
 
 
 @pytest.mark.dist

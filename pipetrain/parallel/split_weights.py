@@ -2,27 +2,24 @@
 expert-parallel degrees, and materializing a stage's parts (models/init.py: materialize).
 
 Expert parallel (parallel/ep.py) splits stacked experts on their first dimension over the EP group
-the way tensor parallel splits a weight over the tp group: an expert is saved whole under its
-global index whatever ep was, and gathered, placed and kept as below with the EP group in place of
-the tp group (ep > 1 with tp > 1 is refused, so a weight is split over one of them at most).
+the way tensor parallel splits a weight over the tp group: an expert is saved under its global
+index whatever ep was (ep > 1 with tp > 1 is refused, so a weight is split over one of them at most).
 
 A tensor-parallel rank holds slices of its split weights (and of their AdamW moments) under the
-unsplit names. A checkpoint keeps the unsplit tensor under that name, whatever the degrees,
-so a run saved at tp=2 loads at tp=1 (or any tp, pp, dp): on save every tp rank gathers each
-split weight (first over FSDP2's dp shards, then to tp rank 0, which places each rank's slice by
-that rank's indices, computed where they are used: GPT-2's c_attn slices are three blocks, q, k
-and v of the same heads; only the data crosses the group) and tp rank 0 hands DCP the
-whole tensor (the other tp ranks offer nothing under that key; with data-parallel replicas DCP
-writes it once, every replica's tp rank 0 offering the same key); on load each rank reads the
-whole tensor and keeps its slice (and, under FSDP2, its dp shard of that slice).
-
-Cost: DCP's save needs its state dict at once, so tp rank 0 holds the stage's split weights and
-moments unsplit while saving (the other tp ranks only their slices). Writing DTensor shards instead
-(torchtitan's _StridedShard for FSDP x TP on one dimension) would avoid even that; not done yet.
+unsplit names. A checkpoint keeps the unsplit tensor under that name, whatever the degrees, so a
+run saved at tp=2 loads at tp=1 (or any tp, pp, dp, ep). It is written and read as shards, as DCP
+does with DTensors, and no rank ever holds more than its own slices: `parts` describes what this
+rank holds of the unsplit tensor as boxes (offsets and sizes in the unsplit tensor, each a view of
+the local tensor): one per block of its tp slice (GPT-2's c_attn: q, k and v of the same heads),
+cut further to its dp shard under FSDP2. DCP writes each box as a chunk of the unsplit tensor
+(replicas offer the same boxes and DCP writes them once) and, on load, reads into each box the
+bytes of the chunks saved at any degrees that overlap it (train/checkpoint.py: the planners that
+find a box by its offsets).
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -30,7 +27,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from pipetrain.compat import local_shape_and_offset
-from pipetrain.parallel.tp import Split, TPGroup, gather_full
+from pipetrain.parallel.tp import Split, TPGroup
 from pipetrain.runtime.ep_comm import EPGroup
 from pipetrain.runtime.stage_protocol import Stage
 
@@ -65,14 +62,21 @@ class SplitWeights:
             return self.ep_shards[name], self.ep
         return self.shards.get(name), self.g
 
-    def full(self, name: str, t: torch.Tensor, *, holder_only: bool = False) -> Optional[torch.Tensor]:
-        """Collective (dp shard group, then tp group): the unsplit tensor of `name` from this rank's `t`;
-        holder_only: on tp rank 0 only (None on the others)."""
-        dtensor = _dtensor_type()
-        local = t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else t
+    def parts(self, name: str, t: torch.Tensor, *, copy: bool = False) -> LocalParts:
+        """What this rank's `t` (its slice of `name`, or of one of its AdamW moments; a plain tensor or
+        an FSDP2 DTensor) holds of the unsplit tensor, as views of t's local data; copy=True: of a
+        copy of it in host memory (an async save writes it while training goes on)."""
         split, group = self._split(name)
-        assert split is not None, f"{name} is not split"
-        return gather_full(local.detach(), split, group, holder_only=holder_only)
+        assert split is not None and group is not None, f"{name} is not split"
+        runs = [[(0, 0, n)] for n in t.shape]  # per dimension: (start in t, start in the unsplit tensor, length)
+        runs[split.dim] = split.runs(group.size, group.rank)
+        dtensor = _dtensor_type()
+        local = t.detach()
+        if dtensor is not None and isinstance(t, dtensor):  # its dp shard of the tp slice (t.shape is the slice's)
+            shape, offset = local_shape_and_offset(t.shape, t.device_mesh, t.placements)
+            runs = [_clip(r, o, n) for r, o, n in zip(runs, offset, shape)]
+            local = local.to_local()
+        return LocalParts(local.to("cpu", copy=True) if copy else local, self.full_shape(name, t), runs)
 
     def full_shape(self, name: str, t: torch.Tensor) -> torch.Size:
         """The unsplit shape of `name` held as `t` (an FSDP2 DTensor's shape is already whole over dp)."""
@@ -112,3 +116,52 @@ class SplitWeights:
                 into.to_local().copy_(part)
             else:
                 into.copy_(mine)
+
+
+def _clip(runs: list[tuple[int, int, int]], start: int, length: int) -> list[tuple[int, int, int]]:
+    """The runs of a dimension cut to [start, start + length) of the slice, renumbered from start."""
+    out = []
+    for at, to, n in runs:
+        lo, hi = max(at, start), min(at + n, start + length)
+        if hi > lo:
+            out.append((lo - start, to + lo - at, hi - lo))
+    return out
+
+
+class LocalParts:
+    """This rank's part of one unsplit tensor of shape `shape`, as DCP's planners see it: boxes
+    (offsets and sizes in the unsplit tensor), each a view of `local` (the cartesian product over
+    dimensions of `runs`: (start in local, start in the unsplit tensor, length)). DCP's own
+    extension hooks (the ones DTensor implements) write each box as a chunk and read the chunks
+    a box overlaps; train/checkpoint.py's planners find a box by its offsets."""
+
+    def __init__(self, local: torch.Tensor, shape: torch.Size, runs: list[list[tuple[int, int, int]]]) -> None:
+        self.local, self.shape = local, torch.Size(shape)
+        self.boxes: dict[tuple[int, ...], tuple[tuple[int, ...], torch.Tensor]] = {}
+        for box in itertools.product(*runs):
+            view = local[tuple(slice(at, at + n) for at, _, n in box)]
+            self.boxes[tuple(to for _, to, _ in box)] = (tuple(n for _, _, n in box), view)
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def numel(self) -> int:
+        return self.local.numel()
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        properties = TensorProperties.create_from_tensor(self.local)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                                                      properties=properties, size=self.shape))
+                for offsets, (sizes, _) in self.boxes.items()]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, (sizes, _) in self.boxes.items()]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return self.boxes[tuple(index.offset)][1]

@@ -180,6 +180,12 @@ class Split:
         return torch.cat([torch.arange(b * block + rank * part, b * block + (rank + 1) * part, device=device)
                           for b in range(self.blocks)])
 
+    def runs(self, tp: int, rank: int) -> list[tuple[int, int, int]]:
+        """`index` as contiguous runs: (start in the slice, start in the unsplit tensor, length), one per block."""
+        block = self.size // self.blocks
+        part = block // tp
+        return [(b * part, b * block + rank * part, part) for b in range(self.blocks)]
+
 
 class ColumnParallelLinear(nn.Module):
     """Rows `split.index(tp, rank)` of the weight (and bias): blocks=3 for GPT-2's fused c_attn."""
@@ -248,32 +254,18 @@ def shard_layout(module: nn.Module) -> dict[str, Split]:
     return out
 
 
-def gather_full(local: torch.Tensor, split: Split, g: TPGroup, *, holder_only: bool = False) -> Optional[torch.Tensor]:
-    """Collective over the tp group: the unsplit tensor from every rank's slice (checkpoints, tests).
-    Only the slices cross the group; each rank's indices are computed here, on the data's device
-    (NCCL takes no CPU tensors, and index_copy_ wants its index where its data is).
-    holder_only: only tp rank 0 receives the slices and assembles the tensor; the others get None
-    (a checkpoint needs it once, and the others then never hold the unsplit weight)."""
-    if holder_only:
-        parts = _gather_to_first(local, g)
-        if parts is None:
-            return None
-    else:
-        parts = list(_all_gather(local.unsqueeze(0), 0, g))  # tp x local.shape
+def gather_full(local: torch.Tensor, split: Split, g: TPGroup) -> torch.Tensor:
+    """Collective over the tp group: the unsplit tensor from every rank's slice (tests, tools; a
+    checkpoint never gathers: parallel/split_weights.py). Only the slices cross the group; each
+    rank's indices are computed here, on the data's device (NCCL takes no CPU tensors, and
+    index_copy_ wants its index where its data is)."""
+    parts = list(_all_gather(local.unsqueeze(0), 0, g))  # tp x local.shape
     shape = list(local.shape)
     shape[split.dim] = split.size
     full = local.new_empty(shape)
     for r, part in enumerate(parts):
         full.index_copy_(split.dim, split.index(g.size, r, device=full.device), part)
     return full
-
-
-def _gather_to_first(x: torch.Tensor, g: TPGroup) -> Optional[list[torch.Tensor]]:
-    """Every tp rank's `x` on tp rank 0 (in tp order), None elsewhere."""
-    x = x.contiguous()
-    out = [torch.empty_like(x) for _ in range(g.size)] if g.rank == 0 else None
-    dist.gather(x, out, group=g.group, group_dst=0)
-    return out
 
 
 def replace(parent: nn.Module, path: str, new: nn.Module) -> None:

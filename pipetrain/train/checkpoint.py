@@ -41,6 +41,7 @@ to the `note` callback the caller passes (the trainer hands them to its loggers)
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -138,15 +139,12 @@ def _step_on_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
     return bool(group.get("fused") or group.get("capturable"))
 
 
-def _fresh_adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter,
-                      like: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+def _fresh_adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
     """AdamW's state before its first update (torch.optim.adamw._init_group): a step of 0 and zero
-    moments. Saving it for a weight that has no state yet is therefore exact. `like`: what the
-    moments are shaped as (a tp slice loads through its unsplit tensor, on the CPU); the step
-    follows the parameter, never `like`: on p's device for fused / capturable AdamW."""
+    moments. Saving it for a weight that has no state yet is therefore exact. The step is on p's
+    device for fused / capturable AdamW, on the CPU otherwise."""
     step = torch.zeros((), dtype=torch.float32, device=p.device if _step_on_device(optimizer, p) else "cpu")
-    like = p if like is None else like
-    zeros = {k: torch.zeros_like(like, memory_format=torch.preserve_format) for k in _adam_keys(optimizer)[1:]}
+    zeros = {k: torch.zeros_like(p.detach(), memory_format=torch.preserve_format) for k in _adam_keys(optimizer)[1:]}
     return {"step": step, **zeros}
 
 
@@ -166,25 +164,61 @@ def world_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save_state_dict(target: Checkpointable) -> dict[str, torch.Tensor]:
-    """This rank's contribution: the keys it owns (model + optimizer) and its own RNG states."""
+def _as_saved(target: Checkpointable, name: str, t: torch.Tensor, *, copy: bool = False) -> Any:
+    """What DCP is handed for `t` (the weight of `name` or one of its AdamW tensors): a tp / ep slice
+    as its parts of the unsplit tensor (parallel/split_weights.py: LocalParts, views of t, or with
+    copy=True of a host copy), anything else (a whole tensor, an FSDP2 DTensor, a step count) as it
+    is (an async save's stager copies those)."""
+    split = target.splits is not None and name in target.splits.split_names()
+    return target.splits.parts(name, t, copy=copy) if split and t.dim() else t.detach()
+
+
+def save_state_dict(target: Checkpointable, *, copy: bool = False) -> dict[str, Any]:
+    """This rank's contribution: the keys it owns (model + optimizer) and its own RNG states.
+    Every tp / ep rank owns the same names and offers its own parts of them (no rank gathers
+    another's). copy=True (an async save): the parts are of host copies of the slices."""
     sync, opt = target.sync, target.optimizer
     optimized = _optimized(opt)
-    out: dict[str, torch.Tensor] = {}
-    split = target.splits.split_names() if target.splits is not None else set()
+    out: dict[str, Any] = {}
     for name in owned_names(sync):
         p = sync.local[name][0]
-        # a tp slice is saved unsplit, by tp rank 0 only (collective over the tp group: every tp rank
-        # owns the same names; the others get None and offer nothing under that key)
-        whole = (lambda t: target.splits.full(name, t, holder_only=True) if t.dim() else t) if name in split \
-            else (lambda t: t)
-        items = {f"model.{name}": whole(p.detach())}
+        out[f"model.{name}"] = _as_saved(target, name, p, copy=copy)
         if id(p) in optimized:
             state = opt.state.get(p) or _fresh_adam_state(opt, p)
-            items.update({f"optim.{k}.{name}": whole(state[k]) for k in _adam_keys(opt)})
-        out.update({k: v for k, v in items.items() if v is not None})
+            out.update({f"optim.{k}.{name}": _as_saved(target, name, state[k], copy=copy) for k in _adam_keys(opt)})
     out.update(_rng_state())
     return out
+
+
+@functools.cache
+def planners() -> tuple[type, type]:
+    """DCP's default save and load planners, which also find a box of a LocalParts by its offsets
+    (DCP looks objects up by isinstance(torch.Tensor); DTensor's own hooks do the rest) and keep
+    LocalParts through the load's set-up (which would replace what it does not know by None).
+    The state dicts are flat (train/checkpoint.py's keys), so a key is its flattened key."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+    from pipetrain.parallel.split_weights import LocalParts
+
+    def find(planner: Any, index: Any, default: Any) -> Any:
+        obj = planner.state_dict.get(index.fqn)
+        return obj.__get_tensor_shard__(index) if isinstance(obj, LocalParts) else default(index)
+
+    class SavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            return find(self, index, super().lookup_object)
+
+    class LoadPlanner(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+            parts = {k: v for k, v in state_dict.items() if isinstance(v, LocalParts)}
+            super().set_up_planner(state_dict, *args, **kwargs)
+            state_dict.update(parts)
+            self.state_dict.update(parts)
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            return find(self, index, super().lookup_tensor)
+
+    return SavePlanner, LoadPlanner
 
 
 # ---- save ----------------------------------------------------------------------------------------
@@ -240,7 +274,8 @@ def write_staged(target: Checkpointable, run_dir: Path, config: Optional[Config]
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         import torch.distributed.checkpoint as dcp  # ~0.5 s to import: only runs that save pay it
 
-        dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
+        dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized(),
+                 planner=planners()[0]())
     return tmp
 
 
@@ -300,17 +335,15 @@ def _load_targets(target: Checkpointable, available: set[str]) -> tuple[dict[str
     """Tensors DCP reads into: one per canonical name this rank holds (not only the owned ones)."""
     sync, opt = target.sync, target.optimizer
     optimized = _optimized(opt)
-    targets: dict[str, torch.Tensor] = {}
+    targets: dict[str, Any] = {}
     adam: dict[str, dict[str, torch.Tensor]] = {}
-    split = target.splits.split_names() if target.splits is not None else set()
     for name in sorted(sync.local):
         p = sync.local[name][0]
-        # a tp slice reads the unsplit tensor (load_checkpoint keeps this rank's slice)
-        like = torch.empty(target.splits.full_shape(name, p), dtype=p.dtype) if name in split else p.detach()
-        targets[f"model.{name}"] = like
+        # read into the weight itself; a tp / ep slice reads just its parts of the unsplit tensor
+        targets[f"model.{name}"] = _as_saved(target, name, p)
         if id(p) in optimized:
-            adam[name] = _fresh_adam_state(opt, p, like)
-            targets.update({f"optim.{k}.{name}": t for k, t in adam[name].items()})
+            adam[name] = _fresh_adam_state(opt, p)
+            targets.update({f"optim.{k}.{name}": _as_saved(target, name, t) for k, t in adam[name].items()})
     missing = sorted(k for k in targets if k not in available)
     if missing:
         raise ValueError(f"trainer.resume: the checkpoint lacks {len(missing)} key(s) this run needs "
@@ -330,7 +363,8 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
     targets, adam = _load_targets(target, available)
     with warnings.catch_warnings():  # P=1 without a process group is intended, not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(targets, checkpoint_id=path, process_group=target.group(config), no_dist=not dist.is_initialized())
+        dcp.load(targets, checkpoint_id=path, process_group=target.group(config), no_dist=not dist.is_initialized(),
+                 planner=planners()[1]())
     _restore(target, targets, adam)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > meta["world_size"]:  # RNG states are per rank; the data position is the step
@@ -347,19 +381,16 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
 
 
 def _restore(target: Checkpointable, targets: dict[str, torch.Tensor], adam: dict[str, dict]) -> None:
-    """The loaded tensors into the target: this rank's tp slices, every local copy, AdamW's state, RNG."""
+    """The loaded tensors into the target (the first copy of each weight was read in place): every
+    other local copy, AdamW's state, RNG."""
     sync, opt = target.sync, target.optimizer
-    split = target.splits.split_names() if target.splits is not None else set()
-    for name in split:
-        if name in sync.local:
-            target.splits.keep_local(name, targets[f"model.{name}"], sync.local[name][0])
     with torch.no_grad():
         for name, copies in sync.local.items():
             for p in copies[1:]:
                 p.copy_(copies[0])
     for name, state in adam.items():  # every copy gets its own tensors: AdamW updates them in place
-        for p in sync.local[name]:
-            opt.state[p] = {k: _slice_of(target, name, t, p) for k, t in state.items()}
+        for i, p in enumerate(sync.local[name]):
+            opt.state[p] = {k: _state_copy(target, t, p, first=i == 0) for k, t in state.items()}
     for key, t in targets.items():
         if key.startswith("rng.cpu."):
             torch.set_rng_state(t)
@@ -367,18 +398,13 @@ def _restore(target: Checkpointable, targets: dict[str, torch.Tensor], adam: dic
             torch.cuda.set_rng_state(t)
 
 
-def _slice_of(target: Checkpointable, name: str, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A copy of a loaded optimizer tensor for parameter `p`: under tensor parallel, its slice.
-    The step goes where torch's own load_state_dict puts it (fp32 on p's device for fused /
-    capturable AdamW, as it was otherwise), whatever tensor it was read into."""
-    if not t.dim():
-        return t.to(dtype=torch.float32, device=p.device, copy=True) if _step_on_device(target.optimizer, p) \
-            else t.clone()
-    if target.splits is None or name not in target.splits.split_names():
-        return t.clone()
-    mine = torch.zeros_like(p.detach(), memory_format=torch.preserve_format)
-    target.splits.keep_local(name, t, mine)
-    return mine
+def _state_copy(target: Checkpointable, t: torch.Tensor, p: torch.Tensor, *, first: bool) -> torch.Tensor:
+    """A loaded optimizer tensor for parameter `p`: the tensor read for its first copy, a clone for
+    each other. The step goes where torch's own load_state_dict puts it (fp32 on p's device for
+    fused / capturable AdamW, as it was otherwise), whatever tensor it was read into."""
+    if not t.dim() and _step_on_device(target.optimizer, p):
+        return t.to(dtype=torch.float32, device=p.device, copy=True)
+    return t if first else t.clone()
 
 
 def resume(target: Checkpointable, run_dir: Path, config: Config, *, note: Note = silent,

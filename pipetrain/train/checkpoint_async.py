@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pipetrain.config import Config
 from pipetrain.train.checkpoint import (
-    Checkpointable, TrainState, barrier, commit_staged, prepare_staging, save_state_dict, world_rank,
+    Checkpointable, TrainState, barrier, commit_staged, planners, prepare_staging, save_state_dict, world_rank,
 )
 from pipetrain.train.checkpoint_dirs import Note, silent, step_dir
 from pipetrain.train.disk_full import one_line_if_full
@@ -59,8 +59,8 @@ class AsyncSaver:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             import torch.distributed.checkpoint as dcp
 
-            future = dcp.async_save(save_state_dict(target), checkpoint_id=tmp, process_group=self.group,
-                                    no_dist=not dist.is_initialized())
+            future = dcp.async_save(save_state_dict(target, copy=True), checkpoint_id=tmp, process_group=self.group,
+                                    no_dist=not dist.is_initialized(), planner=planners()[0]())
         if not isinstance(future, Future):  # newer torch: a response holding the upload future
             future = getattr(future, "upload_completion", future)
         blocked = time.perf_counter() - t0
