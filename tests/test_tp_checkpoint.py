@@ -20,7 +20,7 @@ from pipetrain.launch import launch
 from pipetrain.plan import make_plan
 from pipetrain.train import checkpoint as ckpt
 from pipetrain.train import checkpoint_dirs as dirs
-from test_checkpoint import losses  # step -> loss from a run's metrics.jsonl
+from test_checkpoint import losses, tensors  # a run's step -> loss; a checkpoint's tensors
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -29,7 +29,8 @@ BASE = ["mode=train", "model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32",
         f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=0", "trainer.device=cpu",
         "logger=[jsonl]", "pipeline.degree=2"]
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp1": [],
-           "shard2": ["parallel.dp_shard=2", "pipeline.microbatches=2"]}  # 2 pipelines x 2 microbatches of 1
+           "shard2": ["parallel.dp_shard=2", "pipeline.microbatches=2"],  # 2 pipelines x 2 microbatches of 1
+           "shard2-tp2": ["parallel.dp_shard=2", "parallel.tp=2", "pipeline.microbatches=2"]}  # FSDP2 shards of tp slices
 
 
 def train(compose, run_dir: Path, layout: str, *extra: str) -> Path:
@@ -43,7 +44,7 @@ def reference(compose, tmp_path_factory) -> Path:
     return train(compose, tmp_path_factory.mktemp("tp-reference"), "tp2", f"trainer.ckpt_every={EVERY}")
 
 
-@pytest.mark.parametrize("layout", ["tp1", "shard2", "tp2"])
+@pytest.mark.parametrize("layout", ["tp1", "shard2", "tp2", "shard2-tp2"])
 def test_tp_checkpoint_resumes_at_other_degrees_within_1e4(compose, reference, tmp_path, layout):
     run = train(compose, tmp_path / "run", layout, f"trainer.resume={dirs.step_dir(reference, EVERY)}")
     ref, got = losses(reference), losses(run)
@@ -56,6 +57,11 @@ def test_tp_checkpoint_resumes_at_other_degrees_within_1e4(compose, reference, t
             return {k: tuple(v.size) for k, v in md.items() if not k.startswith("rng.")}
 
         assert shapes(dirs.step_dir(run, STEPS)) == shapes(dirs.step_dir(reference, STEPS))
+    if layout == "shard2-tp2":  # each rank wrote the chunks of its dp shard of its tp slices: the same tensors
+        mine, ref = tensors(dirs.step_dir(run, STEPS), tmp_path), tensors(dirs.step_dir(reference, STEPS), tmp_path)
+        assert sorted(k for k in mine if not k.startswith("rng.")) == sorted(k for k in ref if not k.startswith("rng."))
+        for key in (k for k in ref if k.startswith("model.")):
+            assert torch.allclose(mine[key], ref[key], rtol=1e-3, atol=1e-5), key
 
 
 def test_each_tp_rank_writes_only_its_own_slices(reference):
