@@ -100,3 +100,12 @@ def test_a_profile_folder_that_is_a_file_fails_before_the_start(compose, tmp_pat
                                f"is a file: move that file away, or set hydra.run.dir to another directory (or "
                                f"profile.enabled=false)")
     assert (tmp_path / "profile").read_text() == "mine\n"
+
+
+def test_cp_rotate_without_context_parallel_is_one_line(compose):
+    """#44: parallel.cp_rotate=ring at cp=1 was accepted and did nothing; the planner may still price
+    plan.cp's rows with it (and applies a cp=1 row with the default)."""
+    assert _error(compose, ["model=llama-tiny", "parallel.cp_rotate=ring"]) == (
+        "parallel.cp_rotate=ring passes K/V between context-parallel ranks, which this run has none of "
+        "(parallel.cp=1): set parallel.cp > 1 or drop parallel.cp_rotate")
+    compose(["model=llama-tiny", "parallel.cp_rotate=ring", "mode=plan", "plan.cp=[1,2]", "data.seq_len=64"])

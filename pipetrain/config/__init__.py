@@ -269,6 +269,9 @@ class Config:
             self._check_ep()
         if par.cp > 1:
             self._check_cp()
+        elif par.cp_rotate != "allgather" and max(self.plan.cp) == 1:  # the planner prices plan.cp's rows with it
+            raise ValueError(f"parallel.cp_rotate={par.cp_rotate} passes K/V between context-parallel ranks, which "
+                             f"this run has none of (parallel.cp=1): set parallel.cp > 1 or drop parallel.cp_rotate")
 
     def _check_cp(self) -> None:
         """Context parallel splits every sequence into 2 cp load-balanced chunks inside Llama's attention."""

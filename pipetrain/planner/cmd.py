@@ -368,7 +368,8 @@ def apply_row(config: Config, row: Row) -> Config:
         config, schedule=schedule,
         pipeline=dataclasses.replace(config.pipeline, degree=c.pp, microbatches=c.microbatches),
         parallel=dataclasses.replace(config.parallel, dp_replicate=dp_rep, dp_shard=dp_shard, tp=c.tp,
-                                     sequence_parallel=c.sequence_parallel, ep=c.ep, cp=c.cp),
+                                     sequence_parallel=c.sequence_parallel, ep=c.ep, cp=c.cp,
+                                     cp_rotate=config.parallel.cp_rotate if c.cp > 1 else "allgather"),
         data=dataclasses.replace(config.data, batch_size=c.dp * c.microbatches * c.microbatch_size),
         trainer=dataclasses.replace(config.trainer, activation_checkpointing=c.recompute,
                                     recompute_stages=None if c.recompute_ranks is None else sorted(
