@@ -121,6 +121,29 @@ def test_tokens_file_is_memory_mapped(tmp_path):
         assert np.array_equal(stream[start + 1:start + 17], row_y.numpy())
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_token_file_that_shrinks_under_the_run_is_one_line(tmp_path, shards):
+    """#44: truncating a memory-mapped token file under a running job ended in SIGBUS stack dumps
+    naming no file; the next batch now says which file shrank (one shard, and a folder of two)."""
+    if shards == 1:
+        path = victim = write_bin(tmp_path / "train.bin", np.arange(5000))
+    else:
+        path = tmp_path / "shards"
+        path.mkdir()
+        write_bin(path / "a_train_000.bin", np.arange(3000))
+        victim = write_bin(path / "a_train_001.bin", np.arange(3000))
+    src = tokens_source(path, val_fraction=0.0)
+    src.batch(1)
+    with victim.open("r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError) as info:
+        for step in range(2, 50):  # until a batch reads the shrunk file (at once with one file)
+            src.batch(step)
+    mapped = f"{2 * (5000 if shards == 1 else 3000):,}"  # uint16
+    assert str(info.value).startswith(f"{victim} shrank under the running job (100 bytes, {mapped} were mapped)")
+    assert "\n" not in str(info.value)
+
+
 def test_text_file_byte_tokens(tmp_path):
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog. é\n" for i in range(300))
     path = tmp_path / "corpus.txt"

@@ -202,6 +202,48 @@ def test_jsonl_drops_the_rows_a_resumed_run_redoes(compose, tmp_path, start_step
     assert not [p for p in tmp_path.iterdir() if p.name != "metrics.jsonl"]  # no temporary file left
 
 
+def test_a_full_disk_never_tears_a_metrics_row(compose, tmp_path):
+    """#44: a full disk (an async save's files filled it) left metrics.jsonl ending in a torn row.
+    On a 64 KiB tmpfs filled up but for the rest of the file's last page, rows are logged until one
+    does not fit (a short write): it is refused in one line naming the file, and every row in the
+    file is whole."""
+    import subprocess
+
+    from pipetrain.files import DiskFull
+    from pipetrain.loggers.base import RunInfo
+    from pipetrain.loggers.jsonl import JsonlLogger
+    from pipetrain.metrics.step import StepRecord
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mount.stderr.strip()}")
+    logger = JsonlLogger()
+    try:
+        logger.start(RunInfo(compose([]), disk, 10_000, 0, 10_000))
+        row = lambda step: StepRecord(step=step, loss=1.0, lr=1e-3, grad_norm=1.0, step_time_s=0.1,  # noqa: E731
+                                      tokens_per_s=1.0)
+        logger.log(row(1))  # the file's first page is allocated: the next rows fill it, then one crosses its end
+        with (disk / "filler").open("wb", buffering=0) as f:  # the rest of the disk, as a checkpoint's files would
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+        with pytest.raises(DiskFull) as info:
+            for step in range(2, 10_000):
+                logger.log(row(step))
+        text = (disk / "metrics.jsonl").read_text()
+    finally:
+        logger.finish(None, None, None)
+        subprocess.run(["umount", str(disk)], check=True)
+    rows = [json.loads(line) for line in text.splitlines()]  # every line whole
+    assert text.endswith("\n") and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert str(info.value) == (f"{disk / 'metrics.jsonl'}: no space left on device: step {len(rows) + 1}'s row was "
+                               f"not written (the rows before it are whole): free space in {disk}")
+
+
 def _tensorboard_points(tb_dir) -> dict[tuple[int, str], list[float]]:
     """(step, tag) -> values, read as TensorBoard reads a directory: event files in name order, and
     a session START at step S (a SummaryWriter's purge_step) drops what came before at steps >= S."""

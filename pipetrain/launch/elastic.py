@@ -148,7 +148,11 @@ def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure], ru
     path = None
     if callstack and run_dir is not None and Path(run_dir).is_dir():
         path = Path(run_dir) / f"error_rank{rank}.txt"
-        path.write_text(callstack)
+        try:
+            path.write_text(callstack)
+        except OSError:  # a full disk (often why the rank failed): the one line is all there is
+            path.unlink(missing_ok=True)
+            path = None
     return RankFailedError(rank, (message.strip().splitlines() or ["failed"])[0], path, layout=layout,
                            restarts=restarts)
 

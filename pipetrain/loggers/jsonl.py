@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
-from pipetrain.files import write_text_atomic
+from pipetrain.files import AppendFile, write_text_atomic
 from pipetrain.loggers.base import Logger, RunInfo
 from pipetrain.metrics.step import RunSummary, StepRecord
 
@@ -29,17 +29,20 @@ class JsonlLogger(Logger):
         path = info.run_dir / "metrics.jsonl"
         if path.exists():
             keep_rows_up_to(path, info.start_step or None)  # a fresh start keeps every row
-        self.file: Optional[IO[str]] = path.open("a")
+        self.file: Optional[AppendFile] = AppendFile(path)  # each row whole or not at all (a full disk: one line)
 
     def log(self, record: StepRecord) -> None:
         if self.file is not None:
-            self.file.write(json.dumps({**record.row(), "time": round(time.time(), 3)}) + "\n")  # unix s, to the ms
-            self.file.flush()
+            row = json.dumps({**record.row(), "time": round(time.time(), 3)}) + "\n"  # unix s, to the ms
+            self.file.write(row, what=f"step {record.step}'s row")
 
     def event(self, kind: str, text: str, fields: dict[str, Any]) -> None:
         """events.jsonl (metrics.jsonl stays one row per logged step): {"event", "text", ...fields}."""
-        with (self.info.run_dir / "events.jsonl").open("a") as f:
-            f.write(json.dumps({"event": kind, "text": text, **fields}) + "\n")
+        events = AppendFile(self.info.run_dir / "events.jsonl")
+        try:
+            events.write(json.dumps({"event": kind, "text": text, **fields}) + "\n", what=f"the {kind} event")
+        finally:
+            events.close()
 
     def finish(self, summary: RunSummary, last: Optional[StepRecord], chosen: Optional[StepRecord]) -> None:
         if self.file is not None:

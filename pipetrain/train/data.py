@@ -19,6 +19,7 @@ that do not read token ids (mlp, sleep) get their own `example_batch`.
 from __future__ import annotations
 
 import gzip
+import os
 import hashlib
 import importlib.resources
 from typing import Any, Optional, Protocol, Union
@@ -76,7 +77,7 @@ class ShardStream:
         which = np.searchsorted(self.starts, idx, side="right") - 1  # the shard of every position
         for s in np.unique(which):
             sel = which == s
-            out[sel] = self.arrays[s][idx[sel] - self.starts[s]]
+            out[sel] = read_mapped(self.arrays[s], idx[sel] - self.starts[s])
         return out
 
     def max(self) -> int:
@@ -87,6 +88,22 @@ class ShardStream:
 
 
 Tokens = Union[np.ndarray, ShardStream]  # a 1-D token stream: len(), [index array], [slice], .max(), .min()
+
+
+def read_mapped(tokens: Tokens, idx: np.ndarray) -> np.ndarray:
+    """tokens[idx], where a memory-mapped token file is first checked to still hold what was mapped:
+    reading a page past the end of a file that shrank under the running job (rewritten, truncated)
+    kills the process with SIGBUS and no word of which file; this is one line naming it. One stat
+    per file a batch reads from."""
+    name = getattr(tokens, "filename", None)
+    if name is not None:
+        need = tokens.offset + tokens.nbytes
+        size = os.stat(name).st_size
+        if size < need:
+            raise ValueError(f"{name} shrank under the running job ({size:,} bytes, {need:,} were mapped): a run's "
+                             f"token files must not change while it trains; restore the file (or point data.path "
+                             f"at a new copy and resume)")
+    return tokens[idx]
 
 
 class TokenWindows:
@@ -117,7 +134,7 @@ class TokenWindows:
         # A window [s, s + seq_len] lies inside [lo, hi): s in [lo, hi - seq_len).
         starts = torch.randint(lo, hi - self.seq_len, (self.batch_size,), generator=g).numpy()
         idx = starts[:, None] + np.arange(self.seq_len + 1)  # (B, T + 1)
-        window = torch.from_numpy(tokens[idx].astype(np.int64))  # (B, T + 1)
+        window = torch.from_numpy(read_mapped(tokens, idx).astype(np.int64))  # (B, T + 1)
         _check_vocab(int(window.min()), int(window.max()), self.vocab_size, what=self.what, step=step)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # (B, T) each
 

@@ -14,11 +14,10 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from pipetrain.files import DiskFull  # a save ran out of space: its staged files are removed, the checkpoints before it untouched
 from pipetrain.train.checkpoint_dirs import list_checkpoints, step_dir
 
-
-class DiskFull(RuntimeError):
-    """A save ran out of space: its staged files are removed; the checkpoints before it are untouched."""
+__all__ = ["DiskFull", "disk_full", "full_error", "one_line_if_full"]
 
 
 def disk_full(err: BaseException, directory: Path) -> bool:
