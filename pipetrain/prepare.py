@@ -8,7 +8,7 @@ writes them), so documents are separated by EOS and none runs into the next. Sha
 headered .bin (pipetrain/config/shards.py): uint16 tokens when the vocabulary fits in 16 bits,
 else uint32; `train_NNNNNN.bin` and `val_NNNNNN.bin`, which `data=tokens data.path=OUT` reads as
 the training stream and the validation one. Beside them, `tokenized_by.json` records the tokenizer
-(its name and the sha256 of its file, config/token_origin.py).
+(its name and the sha256 of its file, config/token_origin.py): a run with another tokenizer refuses them.
 
 The validation split is --val-fraction of the tokens (0.5%), whole documents spread over the
 corpus: a document goes to it while that keeps it within that fraction of the tokens so far.
