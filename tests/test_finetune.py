@@ -1,6 +1,6 @@
 """The fine-tune path (`model.pretrained=DIR`, issue 44): text is tokenized with the folder's
 tokenizer.json unless data.tokenizer is set, token shards made by another tokenizer are refused in
-one line.
+one line, and the optimizer takes fine-tune defaults (lr 2e-5, warm-up 3%, cosine to 10%) unless set.
 A real HF folder (a tiny Llama written by transformers) with a real tokenizer.json (a byte-level
 BPE trained here with the `tokenizers` library on a few lines)."""
 
@@ -83,6 +83,22 @@ def test_builtin_corpus_is_tokenized_with_the_folders_tokenizer(hf_folder, compo
 
 
 @pytest.mark.pure
+def test_fine_tune_defaults_apply_unless_set(hf_folder, compose):
+    base = ["model=llama-tiny", f"model.pretrained={hf_folder}", "trainer.max_steps=200"]
+    optim = compose(base).optim
+    assert (optim.lr, optim.min_lr, optim.warmup_steps) == (2e-5, pytest.approx(2e-6), 6)  # 3% of 200
+    assert optim.defaulted == ["optim.lr=2e-05", "optim.min_lr=2e-06", "optim.warmup_steps=6"]
+    assert compose([*base[:2], "trainer.max_steps=10"]).optim.warmup_steps == 1  # at least one step
+    optim = compose([*base, "optim.lr=1e-4"]).optim  # an explicit lr wins; min_lr follows it to 10%
+    assert (optim.lr, optim.min_lr, optim.warmup_steps) == (1e-4, pytest.approx(1e-5), 6)
+    assert optim.defaulted == ["optim.min_lr=1e-05", "optim.warmup_steps=6"]
+    optim = compose([*base, "optim.lr=1e-4", "optim.min_lr=0", "optim.warmup_steps=0"]).optim
+    assert (optim.lr, optim.min_lr, optim.warmup_steps, optim.defaulted) == (1e-4, 0, 0, [])
+    optim = compose(["model=llama-tiny"]).optim  # pre-training: today's defaults
+    assert (optim.lr, optim.min_lr, optim.warmup_steps, optim.defaulted) == (3e-3, 3e-4, 5, [])
+
+
+@pytest.mark.pure
 def test_token_shards_of_another_tokenizer_are_refused_in_one_line(hf_folder, compose, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(SENTENCES) * 20)
@@ -108,16 +124,18 @@ def test_token_shards_of_another_tokenizer_are_refused_in_one_line(hf_folder, co
     from pipetrain.config.finetune import header_lines
 
     config = compose([*base, f"data.path={plain}"])
-    lines = header_lines(config.model.pretrained, config.data)
+    lines = header_lines(config.model.pretrained, config.data, config.optim)
     assert f"tokenizer: hf ({hf_folder / 'tokenizer.json'}, from model.pretrained)" in lines, lines
     assert any(str(plain) in line and "not checked" in line for line in lines), lines
 
 
 @pytest.mark.e2e
-def test_cli_header_names_the_tokenizer(hf_folder, tmp_path):
+def test_cli_header_names_the_tokenizer_and_the_defaults(hf_folder, tmp_path):
     res = run_cli(["model=llama-tiny", f"model.pretrained={hf_folder}", "trainer.max_steps=2", "trainer.device=cpu",
                    "trainer.ckpt_at_end=false", "logger=[console]", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     assert f"tokenizer: hf ({hf_folder / 'tokenizer.json'}, from model.pretrained)" in out, out
-    assert "step 1/2" in out, out
+    assert ("fine-tune defaults: optim.lr=2e-05 optim.min_lr=2e-06 optim.warmup_steps=1 (model.pretrained; set "
+            "them to override)") in out, out
+    assert "step 1/2" in out and "lr 2.0e-05" in out, out  # warm-up of 1 step: step 1 trains at the peak

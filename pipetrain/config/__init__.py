@@ -196,7 +196,9 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"model= must name a model config: choose model= one of {', '.join(MODEL_OPTIONS)}")
-        pretrained_defaults(pretrained_folder(self.model), self.data)  # data.tokenizer left null
+        # data.tokenizer and optim.lr / min_lr / warmup_steps left null: a fine-tune's, or pre-training's
+        pretrained_defaults(pretrained_folder(self.model), self.data, self.optim,
+                            steps=self.optim.decay_steps or self.trainer.max_steps)
         s, p = self.schedule, self.pipeline
         if s.name not in (registry.CUSTOM, AUTO):
             registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
