@@ -77,6 +77,10 @@ def run(config: Config, run_dir: Path) -> Any:
     if changes:
         console.print(f"model.pretrained={config.model.pretrained}: its config.json sets {', '.join(changes)}",
                       markup=False, highlight=False)
+    from pipetrain.config.finetune import header_lines, pretrained_folder
+
+    for line in header_lines(pretrained_folder(config.model), config.data, config.optim):  # tokenizer, defaults
+        console.print(line, markup=False, highlight=False, soft_wrap=True)  # one line each, whatever the width
     if config.mode is Mode.export:
         from pipetrain.train.export import run_export
 

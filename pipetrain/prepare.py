@@ -7,7 +7,8 @@ Each document is preceded by the tokenizer's end-of-text id (as llm.c's dev/data
 writes them), so documents are separated by EOS and none runs into the next. Shards are llm.c's
 headered .bin (pipetrain/config/shards.py): uint16 tokens when the vocabulary fits in 16 bits,
 else uint32; `train_NNNNNN.bin` and `val_NNNNNN.bin`, which `data=tokens data.path=OUT` reads as
-the training stream and the validation one.
+the training stream and the validation one. Beside them, `tokenized_by.json` records the tokenizer
+(its name and the sha256 of its file, config/token_origin.py): a run with another tokenizer refuses them.
 
 The validation split is --val-fraction of the tokens (0.5%), whole documents spread over the
 corpus: a document goes to it while that keeps it within that fraction of the tokens so far.
@@ -34,6 +35,7 @@ import numpy as np
 
 from pipetrain.config.data import TOKENIZERS
 from pipetrain.config.shards import LLMC_FORMATS, LLMC_HEADER_BYTES, LLMC_HEADER_INTS
+from pipetrain.config.token_origin import write_record
 from pipetrain.prepare_out import PartialOut, check_out
 from pipetrain.train.tokenizer import TextTokenizer, load_tokenizer
 
@@ -205,6 +207,7 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tokeniz
         _top_up_val(writers, val_fraction=val_fraction, val_min_tokens=val_min_tokens, start_id=tok.eos_id, note=note)
         for w in writers.values():
             w.flush()
+        write_record(partial.path, tokenizer, tokenizer_dir, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
         partial.install()
     written = {s: [(out_dir / path.name, n) for path, n in w.written] for s, w in writers.items()}
     count = {s: w.tokens for s, w in writers.items()}

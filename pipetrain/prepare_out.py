@@ -22,9 +22,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Callable, Optional, Sequence
 
+from pipetrain.config.token_origin import RECORD
 from pipetrain.files import replace_dir
 
-SHARD_NAME = re.compile(r"(train|val)_\d{6,}\.bin")  # what ShardWriter writes: {split}_{n:06d}.bin
+# what a run writes: ShardWriter's {split}_{n:06d}.bin, and the record of the tokenizer that made them
+SHARD_NAME = re.compile(rf"(train|val)_\d{{6,}}\.bin|{re.escape(RECORD)}")
 
 
 def check_out(out: str, *, overwrite: bool, reads: Sequence[tuple[str, Path]]) -> Path:

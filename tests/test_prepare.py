@@ -15,6 +15,7 @@ from conftest import assert_torch_free, run_cli
 
 from pipetrain.config.data import DataConfig, hf_vocab_size
 from pipetrain.config.shards import read_shard
+from pipetrain.config.token_origin import RECORD
 from pipetrain.prepare import VAL_MIN_TOKENS, prepare
 from pipetrain.train.data import build_data, load_tokens
 from pipetrain.train.tokenizer import load_tokenizer
@@ -147,8 +148,11 @@ def test_prepare_jsonl_with_hf_puts_eos_before_every_document(tmp_path):
                       tokenizer_dir=str(folder), text_field="body", shard_tokens=200, val_min_tokens=50, note=quiet)
     tok = load_tokenizer("hf", str(folder))
     expect = np.concatenate([[tok.eos_id, *tok.encode(d)] for d in docs])
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.name for p in out.glob("*.bin"))
     assert names[0] == "train_000000.bin" and names[-1] == "val_000000.bin" and len(names) > 3
+    record = json.loads((out / RECORD).read_text())  # which tokenizer made them (a run with another refuses them)
+    assert record["tokenizer"] == "hf" and record["file"] == str((folder / "tokenizer.json").resolve())
+    assert (record["vocab_size"], record["eos_id"]) == (tok.vocab_size, tok.eos_id) and len(record["sha256"]) == 64
     shards = [read_shard(out / n, knob="x") for n in names]
     assert all(s.kind == "llmc" and s.dtype == "<u2" for s in shards)
     assert all(s.count == 200 for s in shards[:-2]) and 0 < shards[-2].count <= 200
@@ -293,7 +297,7 @@ def test_out_folder_keeps_what_the_tool_did_not_write(tmp_path):
         prepare([str(corpus)], str(out), **kw)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     prepare([str(corpus)], str(out), overwrite=True, **kw)  # asked for: the folder is replaced whole
-    assert sorted(p.name for p in out.iterdir()) == ["train_000000.bin", "val_000000.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [RECORD, "train_000000.bin", "val_000000.bin"]
     before = splits(out)
     (tmp_path / "tiny.txt").write_text("tiny")
     with pytest.raises(ValueError, match="too few"):  # a failed --overwrite run keeps the old folder whole
@@ -305,7 +309,7 @@ def test_out_folder_keeps_what_the_tool_did_not_write(tmp_path):
     assert corpus.exists()
     (tmp_path / "empty").mkdir()
     prepare([str(corpus)], str(tmp_path / "empty"), **kw)  # an empty folder is taken as it is
-    assert len(list((tmp_path / "empty").iterdir())) == 2
+    assert len(list((tmp_path / "empty").iterdir())) == 3  # two shards and the record
     stray = tmp_path / ".other.partial"  # a dead run's folder with a file the tool does not write
     stray.mkdir()
     (stray / "keep.me").write_text("x")
@@ -415,7 +419,7 @@ def test_readme_prepare_example_on_a_small_corpus_trains(tmp_path):
     assert res.returncode == 0, res.stderr
     out = tmp_path / "data" / "corpus"
     assert f"data.path={out}" in res.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["train_000000.bin", "val_000000.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [RECORD, "train_000000.bin", "val_000000.bin"]
     train, val = splits(out)
     assert 50_000 <= len(train) + len(val) < 50_100 and VAL_MIN_TOKENS <= len(val) <= 2 * VAL_MIN_TOKENS
     res = run_cli(["model=llama-tiny", "data=tokens", "data.path=data/corpus", "trainer.max_steps=4",

@@ -25,6 +25,7 @@ from omegaconf import MISSING
 
 from pipetrain.config.cluster import ONE_QUEUE, ClusterConfig, one_hw_queue
 from pipetrain.config.data import DataConfig
+from pipetrain.config.finetune import pretrained_defaults, pretrained_folder
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.models import GPT2ModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
@@ -32,6 +33,7 @@ from pipetrain.config.profile import ProfileConfig
 from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
 from pipetrain.config.run import CheckpointConfig, LaunchConfig, RunConfig
 from pipetrain.config.planner import PlannerConfig
+from pipetrain.config.token_origin import check_origin
 from pipetrain.config.train import ExportConfig, OptimConfig, TrainerConfig
 from pipetrain.parallel.layout import Layout
 from pipetrain.partition.strategies import manual_bounds
@@ -194,6 +196,9 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"model= must name a model config: choose model= one of {', '.join(MODEL_OPTIONS)}")
+        # data.tokenizer and optim.lr / min_lr / warmup_steps left null: a fine-tune's, or pre-training's
+        pretrained_defaults(pretrained_folder(self.model), self.data, self.optim,
+                            steps=self.optim.decay_steps or self.trainer.max_steps)
         s, p = self.schedule, self.pipeline
         if s.name not in (registry.CUSTOM, AUTO):
             registry.check(s.name, p.degree, p.microbatches, s.virtual_stages)
@@ -358,6 +363,8 @@ class Config:
         vocab = getattr(m, "vocab_size", None)
         if vocab is not None and self.mode is not Mode.simulate:  # a simulation reads no tokens
             d.check_vocab_fits(vocab)  # token files' ids: train/token_check.py, before the ranks start
+        if self.mode is not Mode.simulate:
+            check_origin(d)  # token shards whose record names another tokenizer than the run's
         longest = getattr(m, m.seq_knob) if m.has_seq else None
         if longest is not None and d.seq_len > longest:
             raise ValueError(

@@ -52,8 +52,9 @@ class DataConfig:
     path: Optional[str] = None  # data=text: a text file; data=tokens: a token file, a folder of shards or a glob
     # data=tokens: validation shards (a file, folder or glob); then nothing of data.path is held out
     val_path: Optional[str] = None
-    # byte (vocab 256, needs nothing) | gpt2 (tiktoken + GPT-2's files) | hf (a tokenizer.json)
-    tokenizer: str = "byte"
+    # byte (vocab 256, needs nothing) | gpt2 (tiktoken + GPT-2's files) | hf (a tokenizer.json); null: hf with
+    # model.pretrained's tokenizer.json when the folder has one, else byte (chosen in config/finetune.py)
+    tokenizer: Optional[str] = None
     tokenizer_dir: Optional[str] = None  # gpt2: a folder with GPT-2's encoder.json; hf: a folder with tokenizer.json
     val_fraction: float = 0.1  # the last 10% of the tokens are held out for the validation loss
 
@@ -65,9 +66,9 @@ class DataConfig:
                 raise ValueError(f"data.{knob} must be >= 1 (got {getattr(self, knob)})")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1) (got {self.val_fraction}): e.g. 0.1 holds out 10%")
-        if self.tokenizer not in TOKENIZERS:
+        if self.tokenizer is not None and self.tokenizer not in TOKENIZERS:
             raise ValueError(f"data.tokenizer={self.tokenizer!r} is unknown: choose one of {', '.join(TOKENIZERS)}")
-        if self.tokenizer_dir is not None and self.tokenizer == "byte":
+        if self.tokenizer_dir is not None and self.tokenizer_name == "byte":
             raise ValueError("data.tokenizer_dir is only read by data.tokenizer=gpt2 or data.tokenizer=hf: "
                              "set one of them or drop data.tokenizer_dir")
         if self.val_path is not None and self.name != "tokens":
@@ -78,6 +79,16 @@ class DataConfig:
             find_gpt2_encoder(self.tokenizer_dir)  # raises, saying what to install and where the file goes
         if self.uses_tokenizer and self.tokenizer == "hf":
             find_hf_tokenizer(self.tokenizer_dir)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """data.tokenizer, byte where it was left unset (null) and nothing chose another."""
+        return self.tokenizer or "byte"
+
+    def use_tokenizer(self, name: str, tokenizer_dir: Optional[str]) -> None:
+        """Set data.tokenizer and data.tokenizer_dir (a default the root schema chose) and check again."""
+        self.tokenizer, self.tokenizer_dir = name, tokenizer_dir
+        self.__post_init__()
 
     @property
     def uses_tokenizer(self) -> bool:
@@ -112,7 +123,7 @@ class DataConfig:
             where = "" if path.is_absolute() else f" (relative to {os.getcwd()})"
             raise FileNotFoundError(f"data.path={self.path} does not exist: {why}{where}")
         size = path.stat().st_size
-        if self.tokenizer == "byte":  # one token per byte; BPE lengths are known only after encoding
+        if self.tokenizer_name == "byte":  # one token per byte; BPE lengths are known only after encoding
             self.check_length(size)
         elif size == 0:
             raise ValueError(f"data.path={self.path} is empty")
@@ -131,7 +142,7 @@ class DataConfig:
     def tokenizer_vocab(self) -> Optional[int]:
         """Token ids a BPE tokenizer (gpt2, hf) can produce: the model's vocabulary must hold them.
         None for byte tokens (checked against the ids actually read) and for token data."""
-        if not self.uses_tokenizer or self.tokenizer == "byte":
+        if not self.uses_tokenizer or self.tokenizer_name == "byte":
             return None
         if self.tokenizer == "gpt2":
             return GPT2_VOCAB
@@ -142,7 +153,7 @@ class DataConfig:
         need = self.tokenizer_vocab()
         if need is not None and need > vocab_size:
             where = f" ({self.tokenizer_dir})" if self.tokenizer_dir else ""
-            raise ValueError(f"data.tokenizer={self.tokenizer}{where} has {need:,} tokens but model.vocab_size="
+            raise ValueError(f"data.tokenizer={self.tokenizer_name}{where} has {need:,} tokens but model.vocab_size="
                              f"{vocab_size}: set model.vocab_size >= {need} or use a tokenizer that fits the model")
 
     def check_length(self, num_tokens: int, val_tokens: Optional[int] = None) -> None:

@@ -72,17 +72,32 @@ class TrainerConfig:
             raise ValueError(f"trainer.precision must be {' or '.join(PRECISIONS)} (got {self.precision!r})")
 
 
+# Pre-training defaults (a fresh model): peak lr, cosine floor, warm-up steps.
+PRETRAIN_LR, PRETRAIN_MIN_LR, PRETRAIN_WARMUP = 3e-3, 3e-4, 5
+# Fine-tune defaults (model.pretrained): the field's practice for full fine-tunes of 1-8B models (Alpaca,
+# Vicuna and Zephyr's SFT recipes: lr 2e-5, warm-up 3% of the steps, cosine decay), ending at 10% of lr.
+FINETUNE_LR, FINETUNE_WARMUP_SHARE, MIN_LR_SHARE = 2e-5, 0.03, 0.1
+TUNED = ("lr", "min_lr", "warmup_steps")  # the knobs whose default depends on model.pretrained
+
+
 @dataclass
 class OptimConfig:
-    """AdamW with decay / no-decay groups, linear warm-up then cosine decay to min_lr."""
+    """AdamW with decay / no-decay groups, linear warm-up then cosine decay to min_lr. lr, min_lr and
+    warmup_steps left null get the pre-training defaults, or with model.pretrained the fine-tune ones
+    (`defaults`, called once by the root schema)."""
 
-    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
-    min_lr: float = 3e-4  # where the cosine decay ends, at decay_steps
+    # peak learning rate, reached after warmup_steps; null: 3e-3, or 2e-5 with model.pretrained (a fine-tune)
+    lr: Optional[float] = None
+    # where the cosine decay ends, at decay_steps; null: 3e-4 (at most optim.lr), or with model.pretrained
+    # 10% of optim.lr
+    min_lr: Optional[float] = None
     # the step where the cosine reaches min_lr (then lr stays there). None: trainer.max_steps, as the
     # run was started: a resume with a larger trainer.max_steps keeps the checkpoint's length (set
     # this to stretch it), as Megatron keeps --lr-decay-iters apart from --train-iters
     decay_steps: Optional[int] = None
-    warmup_steps: int = 5  # linear warm-up from 0 to lr over this many steps
+    # linear warm-up from 0 to lr over this many steps; null: 5, or with model.pretrained 3% of the run's steps
+    # (at least 1)
+    warmup_steps: Optional[int] = None
     weight_decay: float = 0.1  # on matrices (>= 2-D); biases, norms and embeddings' 1-D params get none
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay (0.95 as GPT-3 / nanoGPT)
@@ -90,9 +105,15 @@ class OptimConfig:
     grad_clip: float = 1.0  # global gradient-norm clip over all ranks (0: off)
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"optim.lr must be > 0 and optim.min_lr in [0, optim.lr] (got {self.lr}, {self.min_lr})")
-        if self.warmup_steps < 0:
+        self.defaulted: list[str] = []  # the fine-tune defaults `defaults` applied ("optim.lr=2e-05"), for the header
+        self.check()
+
+    def check(self) -> None:
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0 (got {self.lr})")
+        if self.min_lr is not None and not 0 <= self.min_lr <= (self.lr if self.lr is not None else self.min_lr):
+            raise ValueError(f"optim.min_lr must be in [0, optim.lr] (got {self.min_lr}, optim.lr={self.lr})")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
         if self.decay_steps is not None and self.decay_steps < 1:
             raise ValueError(f"optim.decay_steps must be >= 1 or null (trainer.max_steps; got {self.decay_steps})")
@@ -100,6 +121,23 @@ class OptimConfig:
             raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1) (got {self.beta1}, {self.beta2})")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("optim.grad_clip and optim.weight_decay must be >= 0")
+
+    def defaults(self, *, fine_tune: bool, steps: int) -> None:
+        """Fill the knobs left null: the pre-training defaults, or for a fine-tune (model.pretrained) lr 2e-5,
+        warm-up 3% of `steps` (at least 1) and min_lr 10% of lr, listed in `defaulted`. Once: a config
+        checked again (the planner's copies) finds nothing left null and keeps its list."""
+        unset = [k for k in TUNED if getattr(self, k) is None]
+        if not unset:
+            return
+        if self.lr is None:
+            self.lr = FINETUNE_LR if fine_tune else PRETRAIN_LR
+        if self.min_lr is None:
+            self.min_lr = MIN_LR_SHARE * self.lr if fine_tune else min(PRETRAIN_MIN_LR, self.lr)
+        if self.warmup_steps is None:
+            self.warmup_steps = max(1, round(FINETUNE_WARMUP_SHARE * steps)) if fine_tune else PRETRAIN_WARMUP
+        if fine_tune:
+            self.defaulted = [f"optim.{k}={getattr(self, k):g}" for k in unset]
+        self.check()
 
 
 EXPORT_DTYPES = ("fp32", "bf16")

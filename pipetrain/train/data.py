@@ -182,7 +182,7 @@ def build_data(cfg: DataConfig, *, seed: int, vocab_size: int, model: Any = None
         cfg.check_length(len(tokens))
     what = f"data.path={cfg.path}" if cfg.path else f"data={cfg.name}"
     if cfg.uses_tokenizer:
-        what += f" ({cfg.tokenizer} tokens)"
+        what += f" ({cfg.tokenizer_name} tokens)"
     return TokenWindows(tokens, batch_size=cfg.batch_size, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction,
                         seed=seed, vocab_size=vocab_size, what=what, val_tokens=val_tokens)
 
@@ -238,12 +238,12 @@ def load_tokens(cfg: DataConfig) -> Tokens:
     of a text file (nothing read until a batch needs it), in memory otherwise."""
     if cfg.name == "tokens":
         return open_shards(cfg.token_shards()[0])
-    if cfg.tokenizer == "byte":
+    if cfg.tokenizer_name == "byte":
         if cfg.name == "text":
             return np.memmap(cfg.file, dtype=np.uint8, mode="r")
         return np.frombuffer(builtin_corpus(), dtype=np.uint8)
     text = cfg.file.read_text(encoding="utf-8", errors="replace") if cfg.name == "text" else builtin_corpus().decode()
-    tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_dir)
+    tok = load_tokenizer(cfg.tokenizer_name, cfg.tokenizer_dir)
     return np.asarray(tok.encode(text), dtype=np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
 
 
