@@ -172,6 +172,7 @@ def test_stale_lock_is_taken_over(tmp_path):
                    f"hydra.run.dir={run}"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"took over the lock of pid {gone.pid}" in res.stdout + res.stderr
+    assert f"took over the lock of pid {gone.pid}" in (run / "pipetrain.log").read_text()  # taken before the tee began
     assert not (run / ".lock").exists()  # released at the end
 
 
