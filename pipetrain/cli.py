@@ -12,6 +12,7 @@ after `pip install .` or `pip install -e .`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -27,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipetrain.compose import CONF_DIR, check_overrides, check_recipe_args, config_dirs, register_all, to_config
 from pipetrain.config import Config, Mode
 from pipetrain.launch import RankFailedError, RunStopped
-from pipetrain.launch.rundir import check_args
+from pipetrain.launch.rundir import RunLock, check_args
 from pipetrain.sweep import check_sweep, sweep_overrides
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
@@ -41,7 +42,7 @@ def run(config: Config, run_dir: Path) -> Any:
 
     from pipetrain.launch import launch, prestart
     from pipetrain.launch.resolvers import process_rank
-    from pipetrain.launch.rundir import RunLock, check_writable
+    from pipetrain.launch.rundir import check_writable
     from pipetrain.planner.auto import choose, report, wants_plan
     from pipetrain.simulate_cmd import plan_and_simulate, run_simulate
 
@@ -61,7 +62,11 @@ def run(config: Config, run_dir: Path) -> Any:
     if not quiet:  # the run and checkpoint directories take files (no torch needed: before the start-up)
         saves = config.mode is Mode.train and bool(config.trainer.ckpt_every or config.trainer.ckpt_at_end)
         check_writable(run_dir, checkpoints=saves)
-        RunLock(run_dir).check()  # a second run here refuses now; launch() takes the lock
+        lock = RunLock(run_dir)  # the CLI holds it (LockRunDir); a caller without Hydra's run is refused here
+        holder = lock.check()
+        if lock.ours(holder) and "took_over" in holder:
+            console.print(f"run directory: took over the lock of {holder['took_over']}, which is gone", markup=False,
+                          highlight=False)
     if config.mode is not Mode.export:
         prestart(config)  # the ranks' start-up (torch's import) runs beside the checks, before ours
     from pipetrain.models.hf import check_pretrained
@@ -126,23 +131,44 @@ def _fail(err: BaseException) -> None:
     sys.exit(2)
 
 
-class RefuseLockedRunDir(Callback):
-    """Hydra writes .hydra/ and the job log into the run directory before the task starts: a run
-    that the directory's lock refuses (launch/rundir.py: RunLock) is refused here, before that,
-    so that it writes nothing into the directory of the run that holds it (conf/config.yaml:
-    hydra.callbacks). run() checks again for callers that compose without Hydra's run."""
+class LockRunDir(Callback):
+    """Hydra writes .hydra/ into the run directory before the task starts: the directory's lock
+    (launch/rundir.py: RunLock) is taken here, before that (conf/config.yaml: hydra.callbacks), so
+    that of two runs started at once in one directory the one refused writes nothing there (not
+    even its .hydra/config.yaml over the other's). Held until this process ends; run() and launch()
+    find it held by this process. A submitting run (cluster=slurm on a login node) only checks it:
+    its job, not this process, holds the lock."""
+
+    def __init__(self) -> None:
+        self.lock: RunLock | None = None
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from pipetrain.launch.env import in_slurm_job
         from pipetrain.launch.resolvers import process_rank
-        from pipetrain.launch.rundir import RunLock
 
         mode = OmegaConf.select(config, "mode")
-        if str(getattr(mode, "name", mode)) not in LOCKING_MODES or process_rank(config.cluster.name) != 0:
+        cluster = str(config.cluster.name)
+        if str(getattr(mode, "name", mode)) not in LOCKING_MODES or process_rank(cluster) != 0:
             return
+        lock = RunLock(Path(config.hydra.run.dir).resolve())  # a takeover's note: run() prints it, into pipetrain.log
         try:
-            RunLock(Path(config.hydra.run.dir)).check()
+            if cluster == "slurm" and not in_slurm_job():
+                lock.check()
+                return
+            lock.acquire()
         except ValueError as e:
             _fail(e)
+        except OSError as e:
+            _fail(ValueError(f"run directory {lock.path.parent}: cannot lock it ({e.strerror or e}): "
+                             f"set run.name or hydra.run.dir to a directory you can write"))
+        self.lock = lock
+        atexit.register(lock.release)  # a run that ends in sys.exit (a refusal) skips on_run_end
+
+    def on_run_end(self, **kwargs: Any) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            atexit.unregister(self.lock.release)
+            self.lock = None
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -14,7 +14,7 @@ from importlib.metadata import version
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from pipetrain.compose import group_options
 from pipetrain.runlog import LOG_FILE, ChatterFilter, PlainLog, plain
 
@@ -171,6 +171,36 @@ def test_a_piped_run_logs_what_it_printed_and_a_failed_one_its_error(tmp_path):
     assert bad.returncode == 2 and bad.stdout == ""
     lines = (tmp_path / "bad" / LOG_FILE).read_text().splitlines()
     assert lines[1:] == bad.stderr.splitlines() and re.match(r"pipetrain: error: model\.n_embd=768 ", lines[1])
+
+
+# issue #44's refused run: schedule=auto finds no layout within the memory, after printing its plan table
+REFUSED = ["schedule=auto", "model=gpt2-tiny", "trainer.max_steps=2", "plan.memory_gb=0.000001", "plan.calibrate=false"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_refused_run_prints_its_error_line_every_time(tmp_path):
+    """Nothing a run prints is lost, its last line included: a refused run repeated 50 times shows its plan
+    table and its `pipetrain: error:` line on the terminal and in pipetrain.log every time (issue #44: the tee's
+    thread could quit with them unread in its pipe, in 8 of 67 runs). Each run is the command's entry in a
+    process of its own, forked from one that imported the command once (tests/_cli_runs.py)."""
+    n = 50
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "_cli_runs.py"), str(tmp_path), str(n), *REFUSED],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout) == [2] * n
+    table = (tmp_path / "stdout0").read_text()
+    assert "plan: best first" in table
+    for i in range(n):
+        out, err = (tmp_path / f"stdout{i}").read_text(), (tmp_path / f"stderr{i}").read_text()
+        assert out == table, f"run {i} printed another plan table"
+        assert err.startswith("pipetrain: error: schedule=auto: no candidate fits plan.memory_gb=1e-06 ") and \
+            err.count("\n") == 1, f"run {i}'s terminal: {err!r}"
+        log = (tmp_path / f"run{i}" / LOG_FILE).read_text().splitlines()
+        # both streams, each whole and in its order (the two may interleave in the log)
+        assert log[0].startswith("$ pipetrain schedule=auto ") and log[1:].count(err.strip()) == 1, f"run {i}'s log"
+        assert [ln for ln in log[1:] if ln != err.strip()] == table.splitlines(), f"run {i}'s log"
 
 
 @pytest.mark.e2e

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -113,6 +114,54 @@ def test_refused_run_writes_nothing_into_the_live_run(tmp_path, extra):
         assert files() == before
 
 
+def _written(cwd: Path, run: Path) -> dict[str, object]:
+    """What a run wrote into `run`, each file's bytes but for what differs between two runs of one command
+    anywhere: the directory's path (hydra.yaml, the log), the log's start time, and the measured timings
+    (metrics.jsonl and summary.json keep their keys and their train/ values: losses differ between seeds)."""
+    out: dict[str, object] = {}
+    for path in sorted(p for p in run.rglob("*") if p.is_file()):
+        name, text = str(path.relative_to(run)), path.read_text().replace(str(cwd), "<cwd>")
+        if name == "pipetrain.log":
+            text = re.sub(r"  # \S+\n", "\n", text, count=1)
+        if name in ("metrics.jsonl", "summary.json"):
+            rows = [json.loads(text)] if name == "summary.json" else [json.loads(ln) for ln in text.splitlines()]
+            out[name] = [(sorted(r), {k: v for k, v in r.items() if k.startswith("train/")}) for r in rows]
+        else:
+            out[name] = text
+    return out
+
+
+@pytest.mark.slow
+def test_two_launches_of_one_run_name_at_once_leave_the_winners_files(tmp_path):
+    """Two runs of one run.name started together, their seeds differing so that a file of the refused one would
+    show: the one that takes the lock leaves what it writes alone (its .hydra/ included), the other is refused
+    in one line and writes nothing there (issue #44: it was refused 5-10 s in, after writing its command, tables
+    and simulation files there, and the winner's .hydra/config.yaml ended with its seed in 3 of 5 tries)."""
+    cmd = [sys.executable, "-m", "pipetrain.cli", "mode=train", *TINY, "trainer.max_steps=1", "trainer.ckpt_at_end=false",
+           "logger=[jsonl]", "run.name=both"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    (tmp_path / "pair").mkdir()
+    procs = {seed: subprocess.Popen([*cmd, f"trainer.seed={seed}"], cwd=tmp_path / "pair", env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for seed in (1, 2)}
+    ends = {seed: (p.communicate(timeout=300), p.returncode) for seed, p in procs.items()}
+    winners = [seed for seed, (_, code) in ends.items() if code == 0]
+    assert len(winners) == 1, ends
+    (winner,), (loser,) = winners, {1, 2} - set(winners)
+    (out, err), code = ends[loser]
+    run = tmp_path / "pair" / "outputs" / "both"
+    assert (code, out) == (2, ""), err[-2000:]
+    assert err.count("\n") == 1 and err.startswith(
+        f"pipetrain: error: run directory {run} is in use by pid {procs[winner].pid} on {socket.gethostname()} (since ")
+    assert err.endswith("): wait for it, stop it, or set another run.name / hydra.run.dir\n"), err
+    # the winner alone: the same command, in a directory of its own (a name as long: the log wraps paths alike)
+    (tmp_path / "solo").mkdir()
+    res = run_cli([*cmd[3:], f"trainer.seed={winner}"], cwd=tmp_path / "solo")
+    assert res.returncode == 0, res.stderr[-2000:]
+    alone = _written(tmp_path / "solo", tmp_path / "solo" / "outputs" / "both")
+    assert f"seed: {winner}\n" in alone[".hydra/config.yaml"] and ".hydra/hydra.yaml" in alone  # type: ignore[operator]
+    assert _written(tmp_path / "pair", run) == alone
+
+
 def test_stale_lock_is_taken_over(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -123,6 +172,7 @@ def test_stale_lock_is_taken_over(tmp_path):
                    f"hydra.run.dir={run}"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"took over the lock of pid {gone.pid}" in res.stdout + res.stderr
+    assert f"took over the lock of pid {gone.pid}" in (run / "pipetrain.log").read_text()  # taken before the tee began
     assert not (run / ".lock").exists()  # released at the end
 
 

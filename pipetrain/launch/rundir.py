@@ -7,7 +7,8 @@
   RunLock(run_dir)          <run_dir>/.lock holds the pid and host of the run using it, and
                             .lock.rank<r> beside it each rank's (record_rank); a second run there
                             refuses in one line; a lock whose processes are all gone (same host)
-                            is taken over
+                            is taken over; the process holding it takes it again freely (the CLI
+                            takes it before Hydra writes into the directory, launch() again)
 """
 
 from __future__ import annotations
@@ -119,9 +120,11 @@ def record_rank(run_dir: Path, rank: int) -> None:
 
 class RunLock:
     """<run_dir>/.lock for as long as the run lasts (a context manager). Exclusive creation is the
-    lock; its content ({"pid", "host", "started", "proc_start"}) and the ranks' records beside it
-    (record_rank) are what a refused second run is told. It is stale, and taken over, only when the
-    launcher and every recorded rank are gone."""
+    lock; its content ({"pid", "host", "started", "proc_start"}, and "took_over" from a gone run)
+    and the ranks' records beside it (record_rank) are what a refused second run is told. It is
+    stale, and taken over, only when the launcher and every recorded rank are gone. A lock that
+    this very process holds is not refused: taking it again joins it, and only the first taker
+    releases it."""
 
     def __init__(self, run_dir: Path, *, note: Callable[[str], None] = lambda text: None) -> None:
         self.path, self.note, self.held = Path(run_dir) / LOCK, note, False
@@ -156,6 +159,10 @@ class RunLock:
         except FileNotFoundError:
             return 0.0
 
+    def ours(self, record: dict) -> bool:
+        """Whether a lock's record names this process (its pid, host and start)."""
+        return bool(record) and all(record.get(k) == self.mine[k] for k in ("pid", "host", "proc_start"))
+
     def _live(self, record: dict) -> bool:
         pid = record.get("pid")
         if not isinstance(pid, int):
@@ -163,8 +170,11 @@ class RunLock:
         return record.get("host") != self.mine["host"] or _alive(pid, record.get("proc_start"))
 
     def check(self) -> dict:
-        """Raise the one-line refusal if a live run holds the lock; else return the holder (or {})."""
+        """Raise the one-line refusal if a live run holds the lock; else return the holder (or {};
+        this process's own record where it holds the lock)."""
         other = self._holder() if self.path.exists() else {}
+        if self.ours(other):
+            return other
         pid, host = other.get("pid"), other.get("host")
         fix = "wait for it, stop it, or set another run.name / hydra.run.dir"
         if self._live(other):
@@ -189,7 +199,9 @@ class RunLock:
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(20):
-            self.check()  # also where .lock is gone but a rank of the run that held it is not
+            # also refused where .lock is gone but a rank of the run that held it is not
+            if self.ours(self.check()):  # held by this process already: its first taker releases it
+                return
             if self._create():
                 self.held = True
                 return
@@ -200,6 +212,7 @@ class RunLock:
                 continue
             # stale (its processes are gone) or unreadable: take it over; O_EXCL again decides a race
             self.note(f"run directory: took over the lock of pid {pid} on {host}, which is gone")
+            self.mine["took_over"] = f"pid {pid} on {host}"
             self._forget_ranks()
             try:
                 self.path.unlink()
@@ -208,7 +221,8 @@ class RunLock:
         raise ValueError(f"could not lock {self.path}: another run keeps taking it; set another run.name")
 
     def release(self) -> None:
-        if self.held and self._holder().get("pid") == self.mine["pid"]:
+        # only in the process that took it (not in a child that forked with this object)
+        if self.held and os.getpid() == self.mine["pid"] and self.ours(self._holder()):
             self._forget_ranks()
             try:
                 self.path.unlink()
