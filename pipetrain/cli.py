@@ -91,6 +91,10 @@ def run(config: Config, run_dir: Path) -> Any:
 
         return run_export(config, run_dir, note=lambda text: console.print(text, markup=False, highlight=False))
     plan, _ = plan_and_simulate(config, run_dir, console, timeline=False, write=not quiet)
+    if run_device(config) == "cpu":
+        from pipetrain.launch.host_memory import check_host_memory
+
+        check_host_memory(config, plan)  # a model too large for this machine: one line, before any rank starts
     if config.mode is Mode.eval:
         from pipetrain.train.evaluate import EVAL_FILE, rank_eval
 

@@ -109,3 +109,40 @@ def test_cp_rotate_without_context_parallel_is_one_line(compose):
         "parallel.cp_rotate=ring passes K/V between context-parallel ranks, which this run has none of "
         "(parallel.cp=1): set parallel.cp > 1 or drop parallel.cp_rotate")
     compose(["model=llama-tiny", "parallel.cp_rotate=ring", "mode=plan", "plan.cp=[1,2]", "data.seq_len=64"])
+
+
+def test_a_model_too_large_for_host_memory_is_refused_before_the_start(compose):
+    """#44: a CPU run of a model larger than the machine ended in every rank's
+    "DefaultCPUAllocator: can't allocate memory" with no word of what to change. Refused before
+    any rank starts, from the plan's parameter count (16 bytes each: weight, gradient, AdamW)."""
+    from pipetrain.launch.host_memory import available_bytes, check_host_memory
+    from pipetrain.plan import make_plan
+
+    config = compose(["model=llama3.1-8b", "trainer.device=cpu", "pipeline.degree=2", "data.seq_len=64"])
+    plan = make_plan(config)
+    params = sum(plan.partition.chunk_params())
+    with pytest.raises(ValueError) as info:
+        check_host_memory(config, plan, available=16 * params - 1)
+    assert str(info.value) == (
+        f"model=llama3.1-8b needs at least {16 * params / 1e9:.1f} GB of host memory for its weights, gradients and "
+        f"AdamW state (16 bytes x {params / 1e6:,.1f}M parameters) but this machine has {(16 * params - 1) / 1e9:.1f} "
+        "GB available: use a smaller model (or data.batch_size / data.seq_len for the activations), spread the ranks "
+        "over machines (cluster=slurm), or train on GPUs (trainer.device=cuda)")
+    check_host_memory(config, plan, available=16 * params)  # fits
+    assert available_bytes() is None or available_bytes() > 0  # this machine's MemAvailable, read for real
+    tiny = compose(["model=gpt2-tiny", "trainer.device=cpu"])
+    check_host_memory(tiny, make_plan(tiny))  # the quickstart's model fits any machine
+
+
+def test_a_ranks_host_out_of_memory_says_what_to_change():
+    """torch's own error for an allocation the host cannot hold, made for real, becomes one line."""
+    import torch
+
+    from pipetrain.launch.errors import one_line
+
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(1 << 48, dtype=torch.uint8)  # 256 TiB
+    assert one_line(info.value) == (
+        f"out of host memory (allocating {(1 << 48) / 1e9:.2f} GB): use a smaller model (or data.batch_size / "
+        "data.seq_len for the activations), spread the ranks over machines (cluster=slurm), or train on GPUs "
+        "(trainer.device=cuda)")

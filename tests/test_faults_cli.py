@@ -43,7 +43,7 @@ def test_bom_csv_is_read(tmp_path):
 
 @pytest.mark.parametrize("case", ["run dir is a file", "run name is a file", "cache dir is a file", "unknown key",
                                   "path with a built-in schedule", "empty csv", "directory as schedule.path",
-                                  "p2p timeout below 1 ms"])
+                                  "p2p timeout below 1 ms", "model larger than host memory"])
 def test_bad_inputs_are_one_line(tmp_path, case):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "outputs").mkdir()
@@ -61,6 +61,10 @@ def test_bad_inputs_are_one_line(tmp_path, case):
         "empty csv": ([*sim, "schedule=custom", f"schedule.path={tmp_path / 'empty.csv'}"], {}, "holds no schedule"),
         "directory as schedule.path": ([*sim, "schedule=custom", f"schedule.path={tmp_path}"], {}, "is a directory"),
         "p2p timeout below 1 ms": ([*sim, "pipeline.p2p_timeout_s=0.000001"], {}, "p2p_timeout_s must be >= 0.001"),
+        # 70B x 16 bytes of fp32 training state: more than any CPU machine here holds
+        "model larger than host memory": (["model=llama3.1-70b", "trainer.device=cpu", "pipeline.degree=2",
+                                           "data.seq_len=64", f"hydra.run.dir={tmp_path / 'r'}"], {},
+                                          "GB of host memory for its weights, gradients and AdamW state"),
     }[case]
     line = one_line_error(run_cli(args, cwd=tmp_path, env_extra=env))
     assert line.startswith("pipetrain: error: ") and needle in line, line

@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from pipetrain.launch.host_memory import oom_hint
 from pipetrain.parallel.layout import DIMS, Layout
 
 
@@ -41,6 +42,9 @@ class RankFailedError(RuntimeError):
 
 def one_line(err: BaseException) -> str:
     text = str(err).strip()
+    hint = oom_hint(text)  # torch's host out-of-memory error says nothing of what to change
+    if hint is not None:
+        return hint
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
