@@ -49,7 +49,7 @@ def build(rank: int, world: int, out, how: str) -> None:
     from pipetrain.parallel.layout import Layout
     from pipetrain.parallel.mesh import build_groups
     from pipetrain.parallel.parallelize import Parallelize
-    from pipetrain.parallel.tp import TPGroup
+    from pipetrain.parallel.tp import TPGroup, gather_full
     from pipetrain.parallel.tp_plan import TensorParallel
     from pipetrain.parallel.split_weights import SplitWeights
     from pipetrain.schedules import registry
@@ -73,7 +73,7 @@ def build(rank: int, world: int, out, how: str) -> None:
     for name, p in stage.named_parameters():
         key = stage.tied.get(name, name)
         t = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        full[key] = held.full(key, t) if key in held.shards else t  # collective over the group
+        full[key] = gather_full(t, held.shards[key], held.g) if key in held.shards else t  # collective over the group
     extra = sorted(k for k in vars(stage) if not k.startswith("_") and k not in ALLOWED)
     torch.save({"peak": peak, "local": local, "full": full, "extra": extra, "is_stage": isinstance(stage, Stage)},
                out / f"{how}.rank{rank}.pt")
