@@ -148,6 +148,41 @@ def test_gpu_reserved_peak_is_reported_beside_the_allocated_one_and_absent_on_cp
     assert "memory/peak_reserved_gb" not in RunSummary(**{**summary.__dict__, "peak_reserved_bytes_per_rank": []}).to_json()
 
 
+def test_rank_means_the_global_rank_in_every_view():
+    """#44: under tp=2 x pp=2 pipeline 0 is global ranks 0 and 2. Its per-rank figures used to be
+    named rank0 / rank1 (pipeline indexes) while the launcher's rank table meant global ranks, and
+    memory/peak_gb saw one replica only. Now every name, table, timeline row, trace and summary
+    entry says rank 0 and rank 2, the table's title says which pipeline it shows, and peak_gb is
+    the most of every rank of the world."""
+    from pipetrain.metrics import names
+    from pipetrain.metrics.step import RunSummary
+
+    sched = registry.build("1f1b", 2, 4)
+    sim = simulate(sched, StageCosts.uniform(2, 1.0, 1.0, 0.0))
+    m = measure_step(1, sched, samples_from_sim(sim), ranks=(0, 2), world_peak_memory_bytes=9000)
+    rec = m.record()
+    assert sorted(k for k in rec if k.startswith("pipeline/bubble_measured/")) == [
+        "pipeline/bubble_measured/rank0", "pipeline/bubble_measured/rank2"]
+    assert names.of_ranks(rec, names.ACTIVATIONS_GB) == [1000e-9, 2000e-9]  # pipeline order
+    assert rec["memory/peak_gb"] == 9000e-9  # another replica's rank used the most
+    assert [r["rank"] for r in m.rank_rows()] == [0, 2] and [r["pp"] for r in m.rank_rows()] == [0, 1]
+    assert {r["rank"] for r in m.timeline_rows()} == {0, 2}
+    threads = {e["args"]["name"] for e in measured_trace(m)["traceEvents"] if e.get("name") == "thread_name"}
+    assert {t.split(" (")[0] for t in threads if t.startswith("rank")} == {"rank 0", "rank 2"}, threads
+    table = rank_table(m)
+    assert table.title == "step 1 per rank of pipeline 0 (ranks 0, 2; every pipeline runs it): measured vs simulated"
+    assert [c._cells for c in table.columns][0][:2] == ["0", "2"]
+    assert rank_table(measure_step(1, sched, samples_from_sim(sim))).title == "step 1 per rank: measured vs simulated"
+    summary = RunSummary(steps=1, first_loss=1.0, final_loss=1.0, final_val_loss=None, skipped_steps=0, tokens=8,
+                         step_time_s=1.0, tokens_per_s=8.0, measured=True, ranks=[0, 2],
+                         bubble_fraction_per_rank=[0.1, 0.2], simulated_bubble_fraction_per_rank=[0.1, 0.2],
+                         peak_memory_bytes_per_rank=[3000, 6000], peak_activation_bytes_per_rank=[1, 2],
+                         world_peak_memory_bytes=7000)
+    out = summary.to_json()
+    assert out["pipeline/bubble_measured/rank2"] == 0.2 and "pipeline/bubble_measured/rank1" not in out
+    assert out["memory/peak_gb"] == 7000e-9 and out["memory/peak_gb/rank2"] == 6000e-9
+
+
 def test_metrics_line_starts_with_the_step():
     rec = {"step": 100, "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "perf/tokens_per_s": 12345.0,
            "perf/step_time_s": 0.05, "perf/mfu": 0.12, "pipeline/bubble_measured": 0.2, "pipeline/bubble_simulated": 0.19,

@@ -78,7 +78,8 @@ def rank_table(m: StepMeasurement) -> Table:
     rows = m.rank_rows()
     ops = [op for op in OPS if any(row[f"{op.lower()}_ms"] > 0 for row in rows)]
     dp = m.data_parallel
-    table = Table(title=f"step {m.step} per rank: measured vs simulated",
+    which = "" if m.is_world else f" of pipeline 0 (ranks {', '.join(map(str, m.global_ranks))}; every pipeline runs it)"
+    table = Table(title=f"step {m.step} per rank{which}: measured vs simulated",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     heads = ["rank", "stages", "bubble\n%", "sim\n%", "peak\nmem", "of it\nact", *(f"{op}\nms" for op in ops), "wait\nms",
              *(("reduce\nms/sim",) if dp else ())]  # one column: the table stays within 80 columns

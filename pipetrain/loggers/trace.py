@@ -103,7 +103,7 @@ def _collectives(trace: ChromeTrace, m: StepMeasurement, r: int, tid: int) -> in
     off = m.offsets_ms[r]
     for kind, name in (("comm", "all-to-all / cp"), ("node", "nodes")):
         for i, lane in enumerate(_lanes([c for c in events if (c.group == "node") == (kind == "node")])):
-            trace.thread(tid, f"rank {r} {name}" + (f" {i + 1}" if i else ""), sort_index=2 * r + 1)
+            trace.thread(tid, f"rank {m.global_ranks[r]} {name}" + (f" {i + 1}" if i else ""), sort_index=2 * r + 1)
             for c in lane:
                 trace.slice(tid, c.label, c.group, off + c.start_ms, c.total_ms,
                             {"bytes": c.nbytes, "exposed_ms": rounded(c.exposed_ms, 4)}, cname=CNAME[c.group])
@@ -118,11 +118,12 @@ def measured_trace(m: StepMeasurement) -> dict[str, Any]:
     sched = m.schedule
     trace = ChromeTrace(f"pipetrain {sched.name} P={sched.num_ranks} M={sched.num_microbatches}: step {m.step} (measured)")
     P = sched.num_ranks
-    for r in range(P):
-        trace.thread(r, f"rank {r} (stage {'|'.join(map(str, sched.placement.stages_of(r)))})", sort_index=2 * r)
+    for r in range(P):  # named by global rank: under data / tensor parallel, pipeline 0's
+        trace.thread(r, f"rank {m.global_ranks[r]} (stage {'|'.join(map(str, sched.placement.stages_of(r)))})",
+                     sort_index=2 * r)
     for r in range(P):
         _rank_events(trace, m, r)
-        trace.counter(f"live activations rank {r}", live_activations(m.measured.timeline[r]))
+        trace.counter(f"live activations rank {m.global_ranks[r]}", live_activations(m.measured.timeline[r]))
     for r, lane in enumerate(m.measured.reductions):
         trace.reductions(r, P, [(sp.stage, sp.start, sp.end) for sp in lane], cname="generic_work")
     tid = 2 * P  # after the ranks' rows and their reductions' (ChromeTrace.reductions: P + r)

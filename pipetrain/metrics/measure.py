@@ -30,7 +30,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from pipetrain.metrics import names
 from pipetrain.metrics.records import ActionTiming, RankSample
@@ -85,6 +85,22 @@ class StepMeasurement:
     offsets_ms: tuple[float, ...]  # where each rank's step began on the common axis
     measured: SimResult  # the measured step as a SimResult: render.render_timeline draws it
     simulated: SimResult  # the simulator's run with `measured.costs` (the medians)
+    # Under data / tensor / context parallel: the global rank of each measured pipeline rank (every
+    # pipeline runs the same schedule; pipeline 0's is measured), and the highest memory peak of every
+    # rank of the world (memory/peak_gb covers every replica). Empty / None: the pipeline is the world.
+    ranks: tuple[int, ...] = ()
+    world_peak_memory_bytes: Optional[int] = None
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """The global rank of each measured pipeline rank, in pipeline order (what "rank" means in
+        every metric name, table, timeline and trace)."""
+        return self.ranks or tuple(range(len(self.samples)))
+
+    @property
+    def is_world(self) -> bool:
+        """Whether the measured pipeline is every rank (no data / tensor / context parallel)."""
+        return not self.ranks or self.global_ranks == tuple(range(len(self.samples)))
 
     @property
     def makespan_ms(self) -> float:
@@ -131,7 +147,7 @@ class StepMeasurement:
         for r, s in enumerate(self.samples):
             ops = self.op_ms(r)
             rows.append({
-                "rank": r, "stages": list(self.schedule.placement.stages_of(r)),
+                "rank": self.global_ranks[r], "pp": r, "stages": list(self.schedule.placement.stages_of(r)),
                 "bubble": self.bubble_per_rank[r], "simulated_bubble": self.simulated.bubble_fraction_per_rank[r],
                 "peak_memory_bytes": s.peak_memory_bytes, "activation_bytes": s.peak_activation_bytes,
                 "other_bytes": s.peak_memory_bytes - s.peak_activation_bytes,
@@ -149,16 +165,16 @@ class StepMeasurement:
         time the rank sat blocked in them, compute_ms 0."""
         rows = []
         for r, s in enumerate(self.samples):
-            steps, off = self.schedule.steps[r], self.offsets_ms[r]
+            steps, off, g = self.schedule.steps[r], self.offsets_ms[r], self.global_ranks[r]
             for t in s.timings:
                 parts = steps[t.index].parts()
                 where = {"stage": parts[0].stage, "microbatch": parts[0].microbatch}
                 rows.append({
-                    "rank": r, "step": t.step, "op": "F&B" if len(parts) > 1 else parts[0].op.value, **where,
+                    "rank": g, "step": t.step, "op": "F&B" if len(parts) > 1 else parts[0].op.value, **where,
                     "start_ms": rounded(off + t.start_ms), "end_ms": rounded(off + t.end_ms),
                     "compute_ms": rounded(t.compute_ms), "wait_ms": rounded(t.wait_ms),
                 })
-                rows += [{"rank": r, "step": c.label, "op": c.group, **where, "start_ms": rounded(off + c.start_ms),
+                rows += [{"rank": g, "step": c.label, "op": c.group, **where, "start_ms": rounded(off + c.start_ms),
                           "end_ms": rounded(off + c.end_ms), "compute_ms": 0.0, "wait_ms": rounded(c.exposed_ms)}
                          for c in t.collectives]
         return rows
@@ -166,35 +182,36 @@ class StepMeasurement:
     def record(self) -> dict[str, Any]:
         """The step's measured metrics under their public names (metrics/names.py), as
         metrics.jsonl, wandb and TensorBoard get them."""
-        sim, costs = self.simulated, self.measured.costs
+        sim, costs, ranks = self.simulated, self.measured.costs, self.global_ranks
+        peak = max(s.peak_memory_bytes for s in self.samples)
         out = {
             names.BUBBLE: rounded(self.bubble_mean),
             names.BUBBLE_SIM: rounded(sim.bubble_fraction_mean),
             names.MAKESPAN: rounded(self.makespan_ms),
             names.MAKESPAN_SIM: rounded(sim.makespan),
-            names.PEAK_GB: max(names.gb(s.peak_memory_bytes) for s in self.samples),
-            **names.per_rank(names.BUBBLE, [rounded(x) for x in self.bubble_per_rank]),
-            **names.per_rank(names.BUBBLE_SIM, [rounded(x) for x in sim.bubble_fraction_per_rank]),
-            **names.per_rank(names.PEAK_GB, [names.gb(s.peak_memory_bytes) for s in self.samples]),
-            **names.per_rank(names.ACTIVATIONS_GB, [names.gb(s.peak_activation_bytes) for s in self.samples]),
-            **names.per_rank(names.ACTIVATION_SETS, [s.peak_activation_sets for s in self.samples]),
-            **names.per_rank(names.STATIC_GB, [names.gb(s.static_bytes) for s in self.samples]),
+            names.PEAK_GB: names.gb(max(peak, self.world_peak_memory_bytes or 0)),  # every replica's
+            **names.per_rank(names.BUBBLE, [rounded(x) for x in self.bubble_per_rank], ranks),
+            **names.per_rank(names.BUBBLE_SIM, [rounded(x) for x in sim.bubble_fraction_per_rank], ranks),
+            **names.per_rank(names.PEAK_GB, [names.gb(s.peak_memory_bytes) for s in self.samples], ranks),
+            **names.per_rank(names.ACTIVATIONS_GB, [names.gb(s.peak_activation_bytes) for s in self.samples], ranks),
+            **names.per_rank(names.ACTIVATION_SETS, [s.peak_activation_sets for s in self.samples], ranks),
+            **names.per_rank(names.STATIC_GB, [names.gb(s.static_bytes) for s in self.samples], ranks),
             **names.per_stage({op: [rounded(x) for x in v] for op, v in (("f_ms", costs.f), ("b_ms", costs.b),
                                                                         ("w_ms", costs.w))}),
         }
         out.update(names.moe_metrics([s.moe for s in self.samples]))
-        out.update(names.a2a_metrics([self.collective_ms(r, "ep") for r in range(len(self.samples))]))
-        out.update(names.cp_metrics([s.cp for s in self.samples]))
+        out.update(names.a2a_metrics([self.collective_ms(r, "ep") for r in range(len(self.samples))], ranks))
+        out.update(names.cp_metrics([s.cp for s in self.samples], ranks))
         reserved = [s.cuda_reserved_bytes for s in self.samples]
         if all(b is not None for b in reserved):  # on GPU
             out.update({names.PEAK_RESERVED_GB: max(names.gb(b) for b in reserved),
-                        **names.per_rank(names.PEAK_RESERVED_GB, [names.gb(b) for b in reserved])})
+                        **names.per_rank(names.PEAK_RESERVED_GB, [names.gb(b) for b in reserved], ranks)})
         if self.data_parallel:
             out.update(
                 {names.MAKESPAN_REDUCE: rounded(self.measured.makespan_with_reduce),
                  names.MAKESPAN_REDUCE_SIM: rounded(sim.makespan_with_reduce)},
-                **names.per_rank(names.REDUCE, [rounded(x) for x in self.reduce_exposed_ms]),
-                **names.per_rank(names.REDUCE_SIM, [rounded(x) for x in sim.reduce_exposed_ms]),
+                **names.per_rank(names.REDUCE, [rounded(x) for x in self.reduce_exposed_ms], ranks),
+                **names.per_rank(names.REDUCE_SIM, [rounded(x) for x in sim.reduce_exposed_ms], ranks),
             )
         return out
 
@@ -230,9 +247,11 @@ def start_offsets(samples: Sequence[RankSample]) -> tuple[float, ...]:
 
 
 def measure_step(step: int, schedule: Schedule, samples: Sequence[RankSample], *,
-                 comm_ms: float = 0.0, reduce_ms: Sequence[float] | None = None) -> StepMeasurement:
-    """Combine every rank's sample of one step (one per rank, any order); `reduce_ms` (per stage,
-    plan.reduce_ms) puts the simulated gradient reductions on the communication lanes."""
+                 comm_ms: float = 0.0, reduce_ms: Sequence[float] | None = None, ranks: Sequence[int] = (),
+                 world_peak_memory_bytes: Optional[int] = None) -> StepMeasurement:
+    """Combine every rank's sample of one step (one per pipeline rank, any order, `rank` its pipeline
+    rank); `reduce_ms` (per stage, plan.reduce_ms) puts the simulated gradient reductions on the
+    communication lanes; `ranks` and `world_peak_memory_bytes`: StepMeasurement's."""
     samples = tuple(sorted(samples, key=lambda s: s.rank))
     if [s.rank for s in samples] != list(range(schedule.num_ranks)):
         raise ValueError(f"need one sample per rank 0..{schedule.num_ranks - 1}, got ranks {[s.rank for s in samples]}")
@@ -240,4 +259,4 @@ def measure_step(step: int, schedule: Schedule, samples: Sequence[RankSample], *
     costs = stage_costs(schedule, samples)
     measured = measured_result(schedule, samples, offsets, costs)
     simulated = simulate(schedule, costs, comm_ms=comm_ms, check=False, reduce_ms=reduce_ms)
-    return StepMeasurement(step, schedule, samples, offsets, measured, simulated)
+    return StepMeasurement(step, schedule, samples, offsets, measured, simulated, tuple(ranks), world_peak_memory_bytes)

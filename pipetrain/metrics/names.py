@@ -31,12 +31,14 @@ wandb and TensorBoard.
              compute: 0 for whole stages, up to 1 with pipeline.fb_overlap's interleaved F&B pairs)
 
 A per-rank or per-stage value is its own scalar (`memory/peak_gb/rank0`), so every logger takes
-the same flat {name: number} dict. Pure Python.
+the same flat {name: number} dict. `rank<r>` is the global rank: under data / tensor / context
+parallel the measured pipeline's (pipeline 0: e.g. ranks 0 and 2 at pp=2 x tp=2), and peak_gb the
+most of every rank of the world. Pure Python.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 LOSS, VAL_LOSS, LR, GRAD_NORM, SKIPPED = "train/loss", "train/val_loss", "train/lr", "train/grad_norm", "train/skipped"
 FIRST_LOSS, SKIPPED_STEPS, TOKENS = "train/first_loss", "train/skipped_steps", "train/tokens"
@@ -59,9 +61,10 @@ def gb(n_bytes: int) -> float:
     return n_bytes / 1e9
 
 
-def per_rank(name: str, values: Sequence[Any]) -> dict[str, Any]:
-    """`name/rank<r>` for each rank's value."""
-    return {f"{name}/rank{r}": v for r, v in enumerate(values)}
+def per_rank(name: str, values: Sequence[Any], ranks: Optional[Sequence[int]] = None) -> dict[str, Any]:
+    """`name/rank<r>` for each rank's value, r its global rank (`ranks`: those of the measured
+    pipeline's ranks in pipeline order; None: 0, 1, ..., where the pipeline is every rank)."""
+    return {f"{name}/rank{r}": v for r, v in zip(range(len(values)) if ranks is None else ranks, values)}
 
 
 def per_stage(values: dict[str, Sequence[Any]]) -> dict[str, Any]:
@@ -69,13 +72,12 @@ def per_stage(values: dict[str, Sequence[Any]]) -> dict[str, Any]:
     return {f"pipeline/stage{s}/{key}": v for key, vs in values.items() for s, v in enumerate(vs)}
 
 
-def of_ranks(metrics: dict[str, Any], name: str) -> Optional[list[Any]]:
-    """The per-rank values of `name` in a flat dict, in rank order (None if it has none)."""
-    out, r = [], 0
-    while f"{name}/rank{r}" in metrics:
-        out.append(metrics[f"{name}/rank{r}"])
-        r += 1
-    return out or None
+def of_ranks(metrics: Mapping[str, Any], name: str) -> Optional[list[Any]]:
+    """The per-rank values of `name` in a flat dict, in global rank order, which is pipeline order
+    (pp is the layout's outermost dimension); None if it has none."""
+    found = {int(k[len(name) + 5:]): v for k, v in metrics.items()
+             if k.startswith(f"{name}/rank") and k[len(name) + 5:].isdigit()}
+    return [found[r] for r in sorted(found)] or None
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -98,7 +100,7 @@ def moe_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def a2a_metrics(per_rank_ms: Sequence[tuple[float, float]]) -> dict[str, float]:
+def a2a_metrics(per_rank_ms: Sequence[tuple[float, float]], ranks: Optional[Sequence[int]] = None) -> dict[str, float]:
     """The step's expert-parallel all-to-all time from each measured rank's (total ms, exposed ms): each
     per rank and their mean, and the share of the mean hidden under compute ({} without all-to-alls)."""
     if not any(total for total, _ in per_rank_ms):
@@ -107,11 +109,11 @@ def a2a_metrics(per_rank_ms: Sequence[tuple[float, float]]) -> dict[str, float]:
     exposed = sum(e for _, e in per_rank_ms) / len(per_rank_ms)
     return {MOE_A2A_MS: round(total, 6), MOE_A2A_EXPOSED_MS: round(exposed, 6),
             MOE_A2A_OVERLAP: round(1.0 - exposed / total, 6),
-            **per_rank(MOE_A2A_MS, [round(t, 6) for t, _ in per_rank_ms]),
-            **per_rank(MOE_A2A_EXPOSED_MS, [round(e, 6) for _, e in per_rank_ms])}
+            **per_rank(MOE_A2A_MS, [round(t, 6) for t, _ in per_rank_ms], ranks),
+            **per_rank(MOE_A2A_EXPOSED_MS, [round(e, 6) for _, e in per_rank_ms], ranks)}
 
 
-def cp_metrics(stats: Sequence[dict[str, float]]) -> dict[str, Any]:
+def cp_metrics(stats: Sequence[dict[str, float]], ranks: Optional[Sequence[int]] = None) -> dict[str, Any]:
     """The `cp/` metrics of one step from every measured rank's CPStats.take() ({} without context
     parallel): each per rank, and the most of any rank."""
     if not any(stats):
@@ -122,5 +124,5 @@ def cp_metrics(stats: Sequence[dict[str, float]]) -> dict[str, Any]:
     for name, key, unit in columns:
         values = [round(s.get(key, 0) * unit, 12) for s in stats]  # 12 places: a GB to the byte, without float noise
         out[name] = max(values)
-        out.update(per_rank(name, values))
+        out.update(per_rank(name, values, ranks))
     return out

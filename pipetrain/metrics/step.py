@@ -88,6 +88,8 @@ class RunSummary:
     resumed_at: Optional[int] = None  # the step this run resumed at (a checkpoint), if it did
     # Over the measured steps (rank 0; `measured` is False when no step was measured)
     measured: bool = False
+    ranks: list[int] = field(default_factory=list)  # the global rank of each per-rank entry ([]: 0, 1, ...)
+    world_peak_memory_bytes: Optional[int] = None  # the most any rank of the world used (every replica)
     bubble_fraction_mean: Optional[float] = None  # median over the measured steps after the first
     simulated_bubble_fraction: Optional[float] = None
     bubble_fraction_per_rank: list[float] = field(default_factory=list)  # each rank's median, as the mean's
@@ -110,18 +112,21 @@ class RunSummary:
             names.STEP_TIME: self.step_time_s, names.TOKENS_PER_S: self.tokens_per_s,
         }
         if self.measured:
-            peak = [names.gb(b) for b in self.peak_memory_bytes_per_rank]
+            peak, ranks = [names.gb(b) for b in self.peak_memory_bytes_per_rank], self.ranks or None
             out.update({
                 names.BUBBLE: self.bubble_fraction_mean, names.BUBBLE_SIM: self.simulated_bubble_fraction,
-                **names.per_rank(names.BUBBLE, self.bubble_fraction_per_rank),
-                **names.per_rank(names.BUBBLE_SIM, self.simulated_bubble_fraction_per_rank),
-                names.PEAK_GB: max(peak, default=None), **names.per_rank(names.PEAK_GB, peak),
-                **names.per_rank(names.ACTIVATIONS_GB, [names.gb(b) for b in self.peak_activation_bytes_per_rank]),
+                **names.per_rank(names.BUBBLE, self.bubble_fraction_per_rank, ranks),
+                **names.per_rank(names.BUBBLE_SIM, self.simulated_bubble_fraction_per_rank, ranks),
+                names.PEAK_GB: max([*peak, names.gb(self.world_peak_memory_bytes or 0)], default=None),
+                **names.per_rank(names.PEAK_GB, peak, ranks),
+                **names.per_rank(names.ACTIVATIONS_GB, [names.gb(b) for b in self.peak_activation_bytes_per_rank],
+                                 ranks),
                 names.MFU: self.mfu,
             })
             if self.peak_reserved_bytes_per_rank:  # on GPU
                 reserved = [names.gb(b) for b in self.peak_reserved_bytes_per_rank]
-                out.update({names.PEAK_RESERVED_GB: max(reserved), **names.per_rank(names.PEAK_RESERVED_GB, reserved)})
+                out.update({names.PEAK_RESERVED_GB: max(reserved),
+                            **names.per_rank(names.PEAK_RESERVED_GB, reserved, ranks)})
             if self.reduce_exposed_ms is not None:
                 out.update({names.REDUCE: self.reduce_exposed_ms, names.REDUCE_SIM: self.simulated_reduce_exposed_ms})
         return out

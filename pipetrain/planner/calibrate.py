@@ -24,16 +24,14 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Sequence
 
+from pipetrain.metrics import names
+
 OPS = ("f_ms", "b_ms", "w_ms")
 
 
 def _ranked(row: Mapping[str, Any], prefix: str) -> list[float]:
-    """The per-rank values `prefix/rank0`, `prefix/rank1`, ... of one metrics row."""
-    out, r = [], 0
-    while f"{prefix}/rank{r}" in row:
-        out.append(float(row[f"{prefix}/rank{r}"]))
-        r += 1
-    return out
+    """The per-rank values `prefix/rank<r>` of one metrics row, in pipeline order."""
+    return [float(v) for v in names.of_ranks(row, prefix) or []]
 
 
 def fit(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:

@@ -88,6 +88,7 @@ class Monitor:
         self.bubbles: list[tuple[int, float, float, tuple[float, ...]]] = []
         self.reduces: list[tuple[int, float, float]] = []  # data parallel: (step, measured, simulated) most exposed
         self.peak_memory: list[int] = []  # per rank, the most over the measured steps
+        self.world_peak = 0  # the most any rank of the world (every replica) used in a measured step
         self.peak_activations: list[int] = []
         self.peak_reserved: list[int] = []  # GPU: per rank, the most reserved over the measured steps
 
@@ -117,12 +118,13 @@ class Monitor:
             dist.gather_object(sample, samples if self.rank == 0 else None, dst=0)
         if self.rank != 0:
             return None
-        # Under data parallel every pipeline runs the same schedule: the measurement is pipeline
-        # 0's (rank 0's own), by pipeline rank; the others' rows only add their exposed reduce.
-        layout = self.config.layout
-        first = [dataclasses.replace(samples[g], rank=p) for p, g in enumerate(layout.pipelines()[0])]
+        # Under data / tensor / context parallel every pipeline runs the same schedule: the timings are
+        # pipeline 0's (rank 0's own), each named by its global rank; memory/peak_gb is every rank's.
+        ranks = self.config.layout.pipelines()[0]
+        first = [dataclasses.replace(samples[g], rank=p) for p, g in enumerate(ranks)]
         return measure_step(step, self.plan.schedule, first, comm_ms=self.config.sim.comm_ms,
-                            reduce_ms=self.plan.reduce_ms)
+                            reduce_ms=self.plan.reduce_ms, ranks=ranks,
+                            world_peak_memory_bytes=max(s.peak_memory_bytes for s in samples))
 
     def mfu(self, tokens_per_s: float) -> Optional[float]:
         if not self.peak_tflops or not self.flops_per_token:
@@ -165,6 +167,7 @@ class Monitor:
         mem = [s.peak_memory_bytes for s in m.samples]
         act = [s.peak_activation_bytes for s in m.samples]
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, mem)] if self.peak_memory else mem
+        self.world_peak = max(self.world_peak, m.world_peak_memory_bytes or 0)
         self.peak_activations = [max(a, b) for a, b in zip(self.peak_activations, act)] if self.peak_activations else act
         reserved = [s.cuda_reserved_bytes for s in m.samples]
         if all(b is not None for b in reserved):
@@ -189,7 +192,7 @@ class Monitor:
         reduces = [b for b in self.reduces if b[0] != 1] or self.reduces
         last = self.last.measurement
         return dataclasses.replace(
-            summary, measured=True,
+            summary, measured=True, ranks=list(last.global_ranks), world_peak_memory_bytes=self.world_peak or None,
             bubble_fraction_mean=statistics.median(b[1] for b in steady),
             simulated_bubble_fraction=statistics.median(b[2] for b in steady),
             bubble_fraction_per_rank=[rounded(statistics.median(b[3][r] for b in steady))
