@@ -76,7 +76,7 @@ def doc_cases(doc: str) -> list[Case]:
     for block in re.finditer(r"```bash\n(.*?)```", text, flags=re.S):
         line = text[: block.start()].count("\n") + 2
         joined = block.group(1).replace("\\\n", " ")
-        cmds, gpu = [], False
+        cmds = []
         for raw in joined.splitlines():
             cmd, _, comment = raw.partition("  #")
             cmd = " ".join(cmd.split())

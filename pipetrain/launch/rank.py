@@ -22,7 +22,7 @@ import torch.distributed as dist
 from pipetrain.config.parallel import world_text
 from pipetrain.launch.devices import choose, gpu_index, ranks_sharing_gpus
 from pipetrain.launch.env import RankEnv, torchrun_env
-from pipetrain.launch.errors import one_line, record_error
+from pipetrain.launch.errors import record_error
 from pipetrain.launch.forkserver import Inherit
 from pipetrain.launch.rundir import record_rank
 

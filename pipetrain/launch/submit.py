@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from pipetrain.launch.errors import RankFailedError
 from pipetrain.launch.sbatch import JOB_NAME, job_args, render
