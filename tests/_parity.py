@@ -107,7 +107,7 @@ def full_tensors(trainer, *, grads: bool = False) -> dict[str, torch.Tensor]:
     from pipetrain.parallel.tp import gather_full
 
     out = {}
-    tp, splits = trainer.pipe.tp, trainer.checkpointable.splits
+    tp, splits = trainer.parallel.tp, trainer.checkpointable.splits
     for s, name, p in trainer.pipe.named_parameters():
         stage = trainer.pipe.stages[s]
         t = p.grad if grads else p

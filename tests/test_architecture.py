@@ -31,11 +31,12 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
-def imported_modules(path: Path, name: str, mods: set[str]) -> set[str]:
-    """The pipetrain modules a file imports (relative imports resolved)."""
+def imported_modules(path: Path, name: str, mods: set[str], text: str | None = None) -> set[str]:
+    """The pipetrain modules a file imports (relative imports resolved); `text`: its source, where
+    it is not the file's (a planted violation)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text, str(path))):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -191,3 +192,30 @@ def test_no_stage_attribute_is_read_around_the_contract():
                         and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
     assert found == []
+
+
+TRAIN_DOORS = {"pipetrain.parallel.mesh", "pipetrain.parallel.timeouts", "pipetrain.parallel.parallelize"}
+
+
+def train_reaches_parallel(sources: dict[str, str]) -> dict[str, set[str]]:
+    """train/ module -> the parallel/ modules its source imports outside the three doors."""
+    mods = set(modules())
+    out = {}
+    for name, text in sources.items():
+        path = ROOT / (name.removeprefix("pipetrain.").replace(".", "/") + ".py")
+        bad = {m for m in imported_modules(path, name, mods, text)
+               if m.startswith("pipetrain.parallel") and m not in TRAIN_DOORS}
+        if bad:
+            out[name] = bad
+    return out
+
+
+def test_train_reaches_parallel_through_three_doors():
+    """#45: a rank's parallel setup is built in one place (parallel/parallelize.py: Parallelize.build,
+    local_batch, split_weights, take_stats); train/ names no single parallelism and imports parallel/
+    only through mesh (groups), timeouts (bounded waits) and parallelize. A planted train module that
+    imports parallel/cp.py directly, as the trainer did before, is caught."""
+    sources = {name: path.read_text() for name, path in modules().items() if name.startswith("pipetrain.train")}
+    assert train_reaches_parallel(sources) == {}
+    planted = {"pipetrain.train.planted": "from pipetrain.parallel.cp import local_positions\n"}
+    assert train_reaches_parallel(planted) == {"pipetrain.train.planted": {"pipetrain.parallel.cp"}}

@@ -43,7 +43,7 @@ def one_step(trainer) -> tuple[int, dict]:
     """The activation bytes one measured step saved at its peak, and the step's cp counts."""
     trainer.pipe.executor.measure = True
     result = trainer.pipe.train_step(trainer.microbatches(0))
-    return result.peak_activation_bytes, trainer.context.stats.take() if trainer.context else {}
+    return result.peak_activation_bytes, trainer.parallel.take_stats().get("cp", {})
 
 
 def cp_ranks(rank: int, world: int, out: Path, configs: dict) -> None:

@@ -65,3 +65,19 @@ def data_parallel(config: Config, groups: RankGroups) -> Optional[DataParallel]:
     par = config.parallel
     param = par.param_dtype or ("bfloat16" if config.trainer.precision == "bf16" else None)
     return DataParallel(groups, DTYPES[par.reduce_dtype], DTYPES[param] if param else None)
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), (B, T) each
+
+
+def local_rows(batch: Batch, dp_index: int, dp: int) -> Batch:
+    """Pipeline `dp_index`'s rows of the global batch: the dp_index-th of dp equal slices (views).
+    The global batch of step k stays a function of (seed, k), whatever the dp degree."""
+    if dp == 1:
+        return batch
+    x, y = batch
+    if x.shape[0] % dp:
+        raise ValueError(f"data.batch_size={x.shape[0]} does not split over dp={dp} pipelines: "
+                         f"set data.batch_size to a multiple of {dp}")
+    per = x.shape[0] // dp
+    return x[dp_index * per: (dp_index + 1) * per], y[dp_index * per: (dp_index + 1) * per]

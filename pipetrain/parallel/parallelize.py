@@ -13,20 +13,31 @@
 A step is a function of (Parallelize, stage) that reads its own field and nothing of the others;
 adding a parallelism is one field here, one step in `STEPS` and one degree in the layout
 (parallel/layout.py), not a branch in the builder (train/pipeline.py): expert parallel came so.
+
+`Parallelize.build` is the one place a rank's parallel setup is made from the config, the plan and
+the groups; the trainer asks it, and names no single parallelism, for this rank's part of a batch
+(`local_batch`: its pipeline's dp rows, under context parallel the positions it holds), the weights
+split across ranks (`split_weights`: tp slices and ep experts, for checkpoints and materializing)
+and the parallel layers' counts of a step (`take_stats`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Optional
 
 from torch import nn
 
-from pipetrain.parallel.cp import ContextAttention, parallelize_context
-from pipetrain.parallel.dp import DataParallel
-from pipetrain.parallel.ep import parallelize_experts
-from pipetrain.parallel.tp_plan import TensorParallel
+from pipetrain.parallel.cp import ContextAttention, context_parallel, local_positions, parallelize_context
+from pipetrain.parallel.dp import Batch, DataParallel, data_parallel, local_rows
+from pipetrain.parallel.ep import expert_parallel, parallelize_experts
+from pipetrain.parallel.mesh import RankGroups
+from pipetrain.parallel.split_weights import SplitWeights
+from pipetrain.parallel.tp_plan import TensorParallel, tensor_parallel
 from pipetrain.runtime.ep_comm import EPGroup
+
+if TYPE_CHECKING:
+    from pipetrain.config import Config
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,31 @@ class Parallelize:
     recompute: bool | Collection[int] = False
     compiled: bool | Collection[int] = False
     dp: Optional[DataParallel] = None
+    rows: tuple[int, int] = (0, 1)  # (this pipeline's index, pipelines): which rows of a global batch it trains
+
+    @classmethod
+    def build(cls, config: Config, plan: Any, groups: RankGroups) -> Parallelize:
+        """This rank's parallel setup: each parallelism from its degree in the layout (None where it is
+        1), recompute and compile from `plan` (pipetrain.plan.Plan: recompute_stages, compiled_stages)."""
+        return cls(tp=tensor_parallel(config, groups), ep=expert_parallel(groups),
+                   cp=context_parallel(groups, config.data.seq_len, config.parallel.cp_rotate),
+                   recompute=plan.recompute_stages, compiled=plan.compiled_stages, dp=data_parallel(config, groups),
+                   rows=(groups.dp_index, config.layout.dp))
+
+    def local_batch(self, batch: Batch) -> Batch:
+        """This rank's part of a global batch: its pipeline's 1/dp of the rows, and under context
+        parallel the positions this rank holds of them."""
+        return local_positions(local_rows(batch, *self.rows), self.cp)
+
+    def split_weights(self, stages: Mapping[int, nn.Module]) -> SplitWeights:
+        """The weights of `stages` split across ranks (tp slices, ep experts; saved and materialized
+        under their unsplit names); none without tensor or expert parallel."""
+        return SplitWeights.of(self.tp.g if self.tp else None, stages, self.ep)
+
+    def take_stats(self) -> dict[str, dict[str, float]]:
+        """The parallel layers' counts since the last call, by parallelism ({"cp": ...} under context
+        parallel; {} otherwise): a logged step's metrics (metrics/names.py cp/)."""
+        return {"cp": self.cp.stats.take()} if self.cp is not None else {}
 
     def boundary_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """A hidden (B, T, C) tensor crossing between stages as this rank holds it (cp, then sequence parallel)."""

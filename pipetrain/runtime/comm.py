@@ -10,7 +10,7 @@ share. This transport only executes it:
   - `finish()`          waits for every send of the step.
 
 Transports (`pipeline.p2p_transport`): `pair_groups` posts each group on the 2-rank process
-group of its pair (parallel/pairs.py), so on NCCL every pair has its own communicator and
+group of its pair (parallel/mesh.py: build_pair_groups), so on NCCL every pair has its own communicator and
 stream; `one_group` posts everything on the pipeline's process group, whose one NCCL stream
 runs a rank's groups to all peers in issue order (a send may queue behind a receive from the
 other neighbour; the validator refuses plans that deadlock so).
@@ -129,7 +129,7 @@ class P2P:
     """Point-to-point transport for one rank over a torch.distributed process group.
 
     `pair_groups` (pipeline.p2p_transport=pair_groups): peer global rank -> the pair's process
-    group (parallel/pairs.py); None posts everything on `group` (one_group). `in_order` streams
+    group (parallel/mesh.py: build_pair_groups); None posts everything on `group` (one_group). `in_order` streams
     follow the transport: one per peer with pair groups, one per rank without."""
 
     def __init__(

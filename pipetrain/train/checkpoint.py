@@ -64,7 +64,7 @@ from pipetrain.train.restart import slurm_requeues
 from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
 
 if TYPE_CHECKING:
-    from pipetrain.parallel.split_weights import SplitWeights
+    from pipetrain.parallel.parallelize import SplitWeights
     from pipetrain.runtime.sync import GradSync
 
 @dataclass
@@ -190,6 +190,12 @@ def save_state_dict(target: Checkpointable, *, copy: bool = False) -> dict[str, 
     return out
 
 
+def is_parts(obj: Any) -> bool:
+    """A rank's parts of an unsplit tensor (parallel/split_weights.py LocalParts): not a tensor, but it
+    speaks DCP's chunk protocol (the one DTensor implements)."""
+    return not isinstance(obj, torch.Tensor) and hasattr(obj, "__get_tensor_shard__")
+
+
 @functools.cache
 def planners() -> tuple[type, type]:
     """DCP's default save and load planners, which also find a box of a LocalParts by its offsets
@@ -198,11 +204,9 @@ def planners() -> tuple[type, type]:
     The state dicts are flat (train/checkpoint.py's keys), so a key is its flattened key."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
-    from pipetrain.parallel.split_weights import LocalParts
-
     def find(planner: Any, index: Any, default: Any) -> Any:
         obj = planner.state_dict.get(index.fqn)
-        return obj.__get_tensor_shard__(index) if isinstance(obj, LocalParts) else default(index)
+        return obj.__get_tensor_shard__(index) if is_parts(obj) else default(index)
 
     class SavePlanner(DefaultSavePlanner):
         def lookup_object(self, index: Any) -> Any:
@@ -210,7 +214,7 @@ def planners() -> tuple[type, type]:
 
     class LoadPlanner(DefaultLoadPlanner):
         def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-            parts = {k: v for k, v in state_dict.items() if isinstance(v, LocalParts)}
+            parts = {k: v for k, v in state_dict.items() if is_parts(v)}
             super().set_up_planner(state_dict, *args, **kwargs)
             state_dict.update(parts)
             self.state_dict.update(parts)

@@ -187,19 +187,6 @@ def build_data(cfg: DataConfig, *, seed: int, vocab_size: int, model: Any = None
                         seed=seed, vocab_size=vocab_size, what=what, val_tokens=val_tokens)
 
 
-def local_rows(batch: Batch, dp_index: int, dp: int) -> Batch:
-    """Pipeline `dp_index`'s rows of the global batch: the dp_index-th of dp equal slices (views).
-    The global batch of step k stays a function of (seed, k), whatever the dp degree."""
-    if dp == 1:
-        return batch
-    x, y = batch
-    if x.shape[0] % dp:
-        raise ValueError(f"data.batch_size={x.shape[0]} does not split over dp={dp} pipelines: "
-                         f"set data.batch_size to a multiple of {dp}")
-    per = x.shape[0] // dp
-    return x[dp_index * per: (dp_index + 1) * per], y[dp_index * per: (dp_index + 1) * per]
-
-
 def split_microbatches(batch: Batch, microbatches: int) -> list[Batch]:
     """Cut (inputs, targets) along dim 0 into `microbatches` equal parts (views, no copy)."""
     x, y = batch

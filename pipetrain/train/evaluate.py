@@ -25,8 +25,7 @@ import torch
 from pipetrain.config import Config
 from pipetrain.config.data import DataConfig
 from pipetrain.plan import Plan
-from pipetrain.parallel.cp import local_positions
-from pipetrain.train.data import eval_tokens, local_rows, split_microbatches
+from pipetrain.train.data import eval_tokens, split_microbatches
 from pipetrain.train.trainer import Trainer
 
 EVAL_FILE = "eval.json"
@@ -74,7 +73,7 @@ def evaluate_file(trainer: Trainer, path: str) -> dict[str, Any]:
                          f"lower data.seq_len or use a longer file")
     total, counted, t0 = 0.0, 0, time.perf_counter()
     for x, y, n in eval_batches(tokens, seq_len=t, rows=cfg.data.batch_size):
-        rows = local_positions(local_rows((x, y), trainer.groups.dp_index, cfg.layout.dp), trainer.context)
+        rows = trainer.parallel.local_batch((x, y))  # this rank's rows and (under cp) positions
         loss = trainer.pipe.executor.evaluate(split_microbatches(rows, cfg.pipeline.microbatches))
         assert loss is not None  # every rank gets the all-reduced mean
         total += loss * n

@@ -27,10 +27,8 @@ from pipetrain.models.split import StageModule, cut_stage, on_meta
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.step_result import StepResult
-from pipetrain.parallel.pairs import build_pair_groups
-from pipetrain.parallel.parallelize import Parallelize
-from pipetrain.parallel.tp_plan import TensorParallel
-from pipetrain.parallel.split_weights import SplitWeights
+from pipetrain.parallel.mesh import build_pair_groups
+from pipetrain.parallel.parallelize import Parallelize, TensorParallel
 from pipetrain.runtime.sync import GradSync
 from pipetrain.config.cluster import one_hw_queue
 from pipetrain.schedules.ir import Schedule
@@ -62,7 +60,11 @@ class RankPipeline:
     stages: dict[int, nn.Module]
     executor: Executor
     sync: GradSync
-    tp: Optional[TensorParallel] = None
+    parallel: Parallelize = Parallelize()  # what the stages were parallelized with
+
+    @property
+    def tp(self) -> Optional[TensorParallel]:
+        return self.parallel.tp
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's distinct parameters (a Parameter shared inside a stage appears once)."""
@@ -102,7 +104,7 @@ class Transport:
     is this pipeline's process group, `group_ranks` its global ranks and `pipelines` every pipeline's
     global ranks (None: one pipeline, the world). "pair_groups" gives every pair of pipeline ranks that
     exchange tensors its own process group (every rank of the world creates every pipeline's:
-    parallel/pairs.py); "one_group" posts all P2P on `group`."""
+    parallel/mesh.py: build_pair_groups); "one_group" posts all P2P on `group`."""
 
     timeout_s: float = 300.0
     lookahead: int = 1
@@ -176,7 +178,7 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
                         loss_group=t.group if t.pipelines is None else None, lookahead=t.lookahead,
                         reducer=dp.reducer(stages) if dp is not None else None, compute_dtype=compute_dtype,
                         fb_overlap=fb_overlap, a2a_timeout_s=t.timeout_s, grads_done=early)
-    return RankPipeline(rank, schedule, stages, executor, sync, parallelize.tp)
+    return RankPipeline(rank, schedule, stages, executor, sync, parallelize)
 
 
 def _stage(model: LayeredModel, layers: range, stage_id: int, parallelize: Parallelize, device: torch.device,
@@ -192,7 +194,6 @@ def _stage(model: LayeredModel, layers: range, stage_id: int, parallelize: Paral
     stage = parallelize.apply(stage)
     if meta:
         assert seed is not None
-        tp = parallelize.tp
-        held = SplitWeights.of(tp.g if tp else None, {stage_id: stage}, parallelize.ep)
+        held = parallelize.split_weights({stage_id: stage})
         materialize(stage, rule or model, held, seed=seed, device=device, canonical=stage.tied)
     return stage

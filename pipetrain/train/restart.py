@@ -26,7 +26,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from pipetrain.launch.errors import ENDED, rank_text
-from pipetrain.parallel.layout import Layout
+from pipetrain.config import Layout  # the run's parallel layout (parallel/layout.py)
 
 _STEP_KEY = "pipetrain/step_in_progress"
 

@@ -29,18 +29,14 @@ from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.models.hf import pretrained_rule
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.timeouts import bound_waits
-from pipetrain.parallel.cp import context_parallel, local_positions
-from pipetrain.parallel.dp import data_parallel
-from pipetrain.parallel.ep import expert_parallel
 from pipetrain.parallel.parallelize import Parallelize
-from pipetrain.parallel.tp_plan import tensor_parallel
 from pipetrain.plan import Plan, build_model
 from pipetrain.train.pipeline import RankPipeline, Transport, build_rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.checkpoint_dirs import Note, silent
 from pipetrain.train.checkpoint_async import AsyncSaver
-from pipetrain.train.data import build_data, local_rows, split_microbatches
+from pipetrain.train.data import build_data, split_microbatches
 from pipetrain.train.monitor import Monitor
 from pipetrain.train.restart import Restart, StepTracker, restart_count, slurm_requeues, this_restart
 from pipetrain.train.stop import RANKS, StopSignals, hold_presence, signal_name, write_stopped
@@ -91,10 +87,7 @@ class Trainer:
                               kind=p.p2p_transport, group=self.groups.pp_group,
                               group_ranks=self.groups.pipeline_ranks if many else None,
                               pipelines=config.layout.pipelines() if many else None)
-        self.context = context_parallel(self.groups, config.data.seq_len, config.parallel.cp_rotate)
-        parallelize = Parallelize(tp=tensor_parallel(config, self.groups), ep=expert_parallel(self.groups),
-                                  cp=self.context, recompute=plan.recompute_stages, compiled=plan.compiled_stages,
-                                  dp=data_parallel(config, self.groups))
+        self.parallel = parallelize = Parallelize.build(config, plan, self.groups)  # this rank's parallel setup
         self.pipe: RankPipeline = build_rank_pipeline(
             model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank, microbatch_size=config.microbatch_size,
             seq_len=config.data.seq_len, device=self.device, precision=config.trainer.precision,
@@ -112,12 +105,7 @@ class Trainer:
         if config.model.moe_config is not None:
             self._moe_hooks(config)
         self.state = TrainState(decay_steps=config.optim.decay_steps or config.trainer.max_steps)
-        splits = None
-        if parallelize.tp is not None or parallelize.ep is not None:
-            from pipetrain.parallel.split_weights import SplitWeights
-
-            tp = parallelize.tp
-            splits = SplitWeights.of(tp.g if tp else None, self.pipe.stages, parallelize.ep)
+        splits = parallelize.split_weights(self.pipe.stages)  # tp slices, ep experts: saved as shards
         self._stepped = False  # whether this process ran a training step (a compiled run's first waits longer)
         self.skipped_in_a_row = 0  # trainer.on_nonfinite=skip: non-finite steps since the last good one
         self.stop = StopSignals()  # SIGTERM / SIGINT: finish the step, save it, stop (train/stop.py)
@@ -182,8 +170,8 @@ class Trainer:
         """This pipeline's microbatches of step `step`: its 1/dp rows of the global batch (under context
         parallel their positions this rank holds), split in M."""
         assert self.data is not None, "this Trainer was built with train_data=False (mode=eval)"
-        rows = local_rows(self.data.batch(step, split=split), self.groups.dp_index, self.config.layout.dp)
-        return split_microbatches(local_positions(rows, self.context), self.config.pipeline.microbatches)
+        rows = self.parallel.local_batch(self.data.batch(step, split=split))
+        return split_microbatches(rows, self.config.pipeline.microbatches)
 
     def train_step(self, *, measure: bool = False) -> StepRecord:
         """One optimizer step. measure=True (a logged step; every rank alike) gathers every rank's
@@ -198,8 +186,7 @@ class Trainer:
         if first_compiled:  # peers compile their layers inside this step: slow, not stuck
             comm.set_timeout(max(cfg.trainer.compile_timeout_s, cfg.pipeline.p2p_timeout_s))
         self.pipe.executor.measure = measure  # unlogged steps record nothing but the loss (runtime/recorder.py)
-        if self.context is not None:
-            self.context.stats.take()  # the cp counts of this step only (an eval's forwards count too)
+        self.parallel.take_stats()  # the parallel layers' counts of this step only (an eval's forwards count too)
         result = self.pipe.train_step(self.microbatches(step))
         if first_compiled:
             comm.set_timeout(cfg.pipeline.p2p_timeout_s)
@@ -208,8 +195,8 @@ class Trainer:
         self._stepped = True
         # Before the grad-norm all-reduce, which absorbs rank 0's time spent on the measurement.
         measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer,
-                                           moe=self._moe_stats(),
-                                           cp=self.context.stats.take() if self.context else None) if measure else None)
+                                           moe=self._moe_stats(), cp=self.parallel.take_stats().get("cp"))
+                       if measure else None)
         loss = result.loss if result.loss is not None else float("nan")
         # Each weight counted once: the pipeline's owner of each copy, one replica (dp_replicate
         # index 0; the shards of FSDP2 stages are distinct parts and all count), tp slices on
