@@ -4,6 +4,9 @@ torch keeps no promise about names with a leading underscore; each function belo
 reaches into and why no public API does the job. Checked on torch 2.13.0 (CPU, gloo: the test
 suite) and torch 2.11.0+cu130 (an H200 with NCCL 2.28.9: bench/gpu_check.sh); where the two
 differ, both are handled and the function says so. A torch upgrade starts by reading this file.
+Hydra and OmegaConf privates have a torch-free sibling door, compat_hydra.py. Not here: the fork server
+preloads the module `torch._dynamo` by name (launch/forkserver.py PRELOAD, a warm-up import that calls
+nothing in it; the launcher must not import torch, which this file does).
 """
 
 from __future__ import annotations
@@ -13,6 +16,48 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
+
+
+def run_backward(roots: Sequence[Any], seeds: Sequence[torch.Tensor], inputs: Sequence[Any], *,
+                 keep: bool, accumulate: bool) -> tuple[Optional[torch.Tensor], ...]:
+    """One autograd engine pass (`Variable._execution_engine.run_backward`, what torch.autograd.grad and
+    backward call after their Python argument checks): the split backward's W makes one pass per parameter
+    group, so it skips those checks. Plain tensors and GradientEdges only (no __torch_function__ dispatch)."""
+    return Variable._execution_engine.run_backward(
+        tuple(roots), tuple(seeds), keep, False, tuple(inputs), True, accumulate
+    )
+
+
+def saved_tensor_slots(node: Any) -> tuple[str, ...]:
+    """The names of an autograd node's saved-tensor slots (the `_raw_saved_*` attributes of torch's
+    generated nodes): the split backward breaks node -> saved output -> node cycles through them; no
+    public API lists a node's SavedTensors."""
+    return tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+
+
+def saved_tensor_data(node: Any, slot: str) -> list[Any]:
+    """What one saved-tensor slot of a node holds (`node._raw_saved_<name>` -> SavedTensor.data; a tuple
+    of them for an autograd.Function); raises once the node has run and freed it."""
+    value = getattr(node, slot)
+    return [v.data for v in (value if isinstance(value, tuple) else (value,))]
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether t is a view of another tensor (`Tensor._is_view`); no public predicate says so."""
+    return t._is_view()
+
+
+def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor a view was made from, None for a tensor that is no view (`Tensor._base`): a saved-tensor
+    hook asks whether a saved view is a parameter's; no public API returns a view's base."""
+    return t._base
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: float) -> None:
+    """Multiply every tensor in place by `scalar` in one fused kernel per device and dtype
+    (`torch._foreach_mul_`, what torch's optimizers and clip_grad_norm_ use); no public spelling."""
+    torch._foreach_mul_(tensors, scalar)
 
 
 def set_group_timeout(group: dist.ProcessGroup, seconds: float) -> None:

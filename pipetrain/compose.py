@@ -17,6 +17,7 @@ from typing import Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from pipetrain.compat_hydra import child_node, is_unset
 from pipetrain.config import Config, register_configs
 from pipetrain.launch.resolvers import register_resolvers
 
@@ -161,7 +162,7 @@ def _missing_key(cfg: DictConfig, key: str) -> str | None:
     node: object = cfg
     parts = key.split(".")
     for i, part in enumerate(parts):
-        if not isinstance(node, DictConfig) or node._is_none() or node._is_missing():
+        if not isinstance(node, DictConfig) or is_unset(node):
             return None
         if part not in node.keys():
             if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
@@ -173,7 +174,7 @@ def _missing_key(cfg: DictConfig, key: str) -> str | None:
                 return f"{key} is not a config key; did you mean {'.'.join([*parts[:i], near[0], *parts[i + 1:]])}?"
             where = f"{parent}'s keys" if parent else "the top-level keys"
             return f"{key} is not a config key; {where}: {', '.join(siblings)}"
-        node = node._get_node(part)
+        node = child_node(node, part)
     return None
 
 
@@ -187,10 +188,10 @@ def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
     declared = {f.name for f in dataclasses.fields(kind)}
     out = []
     for key in cfg.keys():
-        node = cfg._get_node(key)
+        node = child_node(cfg, key)
         if key not in declared:
             out.append(f"{prefix}{key}")
-        elif isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+        elif isinstance(node, DictConfig) and not is_unset(node):
             out.extend(unknown_keys(node, f"{prefix}{key}."))
     return out
 

@@ -133,11 +133,12 @@ def sweep_overrides(argv: Sequence[str]) -> list[str]:
 
 def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
     """Each job's overrides, in Hydra's basic sweeper's order (job #0 first)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from pipetrain.compat_hydra import sweep_batches
+
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    return [job for batch in sweep_batches(parsed) for job in batch]
 
 
 def check_sweep(argv: Sequence[str], config_dirs: Sequence[str] = ()) -> int:

@@ -9,6 +9,7 @@ to the module named (`from pipetrain.launch.rank import run_rank` -> pipetrain.l
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,119 @@ def test_train_reaches_parallel_through_three_doors():
     assert train_reaches_parallel(sources) == {}
     planted = {"pipetrain.train.planted": "from pipetrain.parallel.cp import local_positions\n"}
     assert train_reaches_parallel(planted) == {"pipetrain.train.planted": {"pipetrain.parallel.cp"}}
+
+
+# The doors to private APIs: pipetrain/compat.py (torch) and pipetrain/compat_hydra.py (Hydra,
+# OmegaConf; torch-free, as composing a config must be). Each function there says what it wraps and why.
+DOORS = {"compat.py", "compat_hydra.py"}
+PRIVATE_OWNERS = {"torch", "omegaconf", "hydra"}
+# underscore names the standard library documents as public: namedtuple's methods, os._exit
+PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_field_defaults", "_make", "_exit"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def names_pipetrain_defines(trees: list[ast.AST]) -> set[str]:
+    """Every name pipetrain binds: functions, classes, arguments, variables and attributes it assigns."""
+    out: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, ast.arg):
+                out.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                out.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                out.add(node.attr)
+    return out
+
+
+def private_api_uses(tree: ast.AST, defined: set[str] | frozenset[str]) -> list[tuple[int, str]]:
+    """(line, what) for each private torch / OmegaConf / Hydra API a module reaches, read from its source:
+    - an import of a private module or name of theirs (`from hydra._internal... import`, `import torch._C`,
+      `from torch.x import _y`);
+    - an underscore attribute of a name bound to one of their modules or objects by an import
+      (`torch._foreach_mul_`, `dist._x`, `Variable._execution_engine`, `OmegaConf._y`);
+    - an underscore attribute, or a getattr/hasattr/setattr of an underscore string, on any other object
+      but self/cls, of a name pipetrain defines nowhere (`t._base`, `node._get_node(...)`): such a name can
+      only be a library's, and the libraries pipetrain reaches into are these three.
+    The receiver's type is unknown to `ast`; a name built at run time (a `dir()` scan) is not seen."""
+    owned: set[str] = set()  # names this module binds to torch / omegaconf / hydra by import
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] in PRIVATE_OWNERS:
+                    owned.add(a.asname or parts[0])
+                    if any(map(_private, parts)):
+                        found.append((node.lineno, f"import {a.name}"))
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            parts = node.module.split(".")
+            if parts[0] in PRIVATE_OWNERS:
+                owned.update(a.asname or a.name for a in node.names)
+                if any(map(_private, parts)) or any(_private(a.name) for a in node.names):
+                    found.append((node.lineno, ast.unparse(node)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            name = root.id if isinstance(root, ast.Name) else None
+            if name in owned or (name not in ("self", "cls") and node.attr not in defined | PUBLIC_UNDERSCORE):
+                found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _private(node.args[1].value) and node.args[1].value not in defined
+              and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))):
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(set(found))
+
+
+@functools.cache
+def pipetrain_names() -> frozenset[str]:
+    return frozenset(names_pipetrain_defines([ast.parse(p.read_text()) for p in sorted(ROOT.rglob("*.py"))]))
+
+
+def private_api_leaks() -> list[str]:
+    trees = {path: ast.parse(path.read_text(), str(path)) for path in sorted(ROOT.rglob("*.py"))}
+    defined = pipetrain_names()
+    return [f"{path.relative_to(ROOT.parent)}:{line} {what}"
+            for path, tree in trees.items() if path.relative_to(ROOT).as_posix() not in DOORS
+            for line, what in private_api_uses(tree, defined)]
+
+
+def test_private_torch_omegaconf_and_hydra_apis_only_through_the_doors():
+    """A private API outside compat.py / compat_hydra.py goes into a named, documented function there."""
+    assert private_api_leaks() == []
+
+
+PLANTED = [
+    ("import torch\ntorch._foreach_mul_(xs, 2.0)\n", "torch._foreach_mul_"),
+    ("import torch.distributed as dist\ndist.distributed_c10d._set_pg_timeout(t, g)\n", "_set_pg_timeout"),
+    ("from torch.autograd import Variable\nVariable._execution_engine.run_backward()\n", "_execution_engine"),
+    ("def f(t):\n    return t._base\n", "t._base"),
+    ("def f(t):\n    return t.grad_fn._raw_saved_self\n", "_raw_saved_self"),
+    ("def f(cfg):\n    return cfg._get_node('a')._is_missing()\n", "_is_missing"),
+    ("def f(node):\n    return getattr(node, '_raw_saved_other')\n", "getattr(node, '_raw_saved_other')"),
+    ("def f():\n    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper\n", "hydra._internal"),
+    ("import torch._C\n", "import torch._C"),
+    ("from torch.distributed.distributed_c10d import _set_pg_timeout\n", "import _set_pg_timeout"),
+    ("from omegaconf import OmegaConf\nOmegaConf._x()\n", "OmegaConf._x"),
+]
+
+
+@pytest.mark.parametrize("text, what", PLANTED, ids=[w for _, w in PLANTED])
+def test_a_planted_private_api_use_is_caught(text, what):
+    found = private_api_uses(ast.parse(text), pipetrain_names())
+    assert [line for line, w in found if what in w], (text, found)
+
+
+def test_pipetrains_own_underscore_names_are_not_flagged():
+    text = ("import os\nclass A:\n    def __init__(self):\n        self._seen = 1\n"
+            "def f(a, p, t):\n    os._exit(0)\n    return a._seen, p._replace(x=1), t.__class__\n")
+    assert private_api_uses(ast.parse(text), names_pipetrain_defines([ast.parse(text)])) == []

@@ -41,7 +41,7 @@ ran never get it, so W breaks their cycles itself when it is done (`_untie`), or
 such graph would leak.
 
 All engine passes call the engine directly (what torch.autograd.grad / backward do after
-their Python argument checks), as W makes one pass per parameter group.
+their Python argument checks, through `compat.run_backward`), as W makes one pass per parameter group.
 
 `backward_full` (BW) is the ordinary fused backward.
 """
@@ -53,8 +53,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge, Node
+
+from pipetrain.compat import is_view, run_backward, saved_tensor_data, saved_tensor_slots
 
 _ANALYSIS_CACHE_SIZE = 64  # graph structures remembered (a few per stage: training, and any odd shapes)
 _PLAIN = (torch.Tensor, torch.nn.Parameter, GradientEdge)
@@ -76,9 +77,7 @@ def _run(roots: Sequence, seeds: Sequence[torch.Tensor], inputs: Sequence, *, ke
     True adds them into the inputs' `.grad` (torch.autograd.backward(inputs=...)).
     """
     if all(type(x) in _PLAIN for x in (*roots, *inputs)):
-        return Variable._execution_engine.run_backward(
-            tuple(roots), tuple(seeds), keep, False, tuple(inputs), True, accumulate
-        )
+        return run_backward(roots, seeds, inputs, keep=keep, accumulate=accumulate)
     # tensor subclasses: through the public API, which dispatches __torch_function__
     if accumulate:
         return torch.autograd.backward(list(roots), list(seeds), retain_graph=keep, inputs=list(inputs))
@@ -269,7 +268,7 @@ def _saved_attributes(node: Node) -> tuple[str, ...]:
     kind = type(node)
     names = _saved_attrs.get(kind)
     if names is None:
-        names = _saved_attrs[kind] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+        names = _saved_attrs[kind] = saved_tensor_slots(node)
     return names
 
 
@@ -282,12 +281,11 @@ def _untie(saved: Sequence[tuple[Node, str]]) -> None:
     """
     for node, attr in saved:
         try:
-            value = getattr(node, attr)  # a SavedTensor, or a tuple of them (autograd.Function)
-            packed = [v.data for v in (value if isinstance(value, tuple) else (value,))]
+            packed = saved_tensor_data(node, attr)
         except Exception:  # freed (a pass from the outputs ran it), or not a saved tensor: nothing tied
             continue
         for t in packed:
-            if isinstance(t, torch.Tensor) and t.grad_fn is node and not t._is_view():
+            if isinstance(t, torch.Tensor) and t.grad_fn is node and not is_view(t):
                 t.detach_()
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pipetrain.compat import view_base
 from pipetrain.metrics.records import ActionTiming, CommEvent
 
 
@@ -49,7 +50,7 @@ class SavedBytes:
         # flight carry a copy of the stage's weights (GPT-2 tiny's tied 512 x 128 head: 2 KB per
         # token at 2 x 64 tokens). A weight cast under autocast is a new tensor and counts.
         # (Parameter's isinstance is a Python-level check: asked of a view's base only.)
-        base = t._base
+        base = view_base(t)
         if isinstance(t, nn.Parameter) or (base is not None and isinstance(base, nn.Parameter)):
             return t.detach()
         storage = t.untyped_storage()

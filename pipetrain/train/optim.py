@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.compat import foreach_mul_
 from pipetrain.config.train import OptimConfig
 from pipetrain.runtime.sync import local_tensor
 
@@ -62,4 +63,4 @@ def clip_grads(params: Iterable[nn.Parameter], norm: float, max_norm: float) -> 
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     if grads:
         with torch.no_grad():
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+            foreach_mul_(grads, max_norm / (norm + 1e-6))
