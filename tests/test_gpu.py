@@ -467,7 +467,7 @@ RANK = """
     from pipetrain.launch.env import RankEnv
     from pipetrain.launch.rank import run_rank
     def entry(config, plan, run_dir):
-        from pipetrain.train.trainer import resolve_device
+        from pipetrain.train.device import resolve_device
         pg = dist.distributed_c10d._get_default_group()
         out = {"current": torch.cuda.current_device() if torch.cuda.is_available() else None,
                "device": str(resolve_device(config.trainer.device)), "backend": dist.get_backend(),

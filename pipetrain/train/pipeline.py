@@ -22,15 +22,18 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.models.base import COMPUTE_DTYPES, LayeredModel
+from pipetrain.models.hf import pretrained_rule
 from pipetrain.models.init import InitRule, materialize
 from pipetrain.models.split import StageModule, cut_stage, on_meta
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.step_result import StepResult
-from pipetrain.parallel.mesh import build_pair_groups
+from pipetrain.parallel.mesh import RankGroups, build_pair_groups
 from pipetrain.parallel.parallelize import Parallelize, TensorParallel
 from pipetrain.runtime.sync import GradSync
+from pipetrain.config import Config
 from pipetrain.config.cluster import one_hw_queue
+from pipetrain.plan import Plan, build_model
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.lower import split_on
 from pipetrain.schedules.p2p import TRANSPORT_STREAMS, Kind, Message, exchange_pairs
@@ -114,6 +117,14 @@ class Transport:
     group_ranks: Optional[list[int]] = None
     pipelines: Optional[list[list[int]]] = None
 
+    @classmethod
+    def of(cls, config: Config, groups: RankGroups) -> Transport:
+        """The transport of `config`'s pipeline.p2p_* knobs over this rank's pipeline group."""
+        p, many = config.pipeline, config.layout.world > config.layout.pp  # several pipelines (dp, tp, cp)
+        return cls(timeout_s=p.p2p_timeout_s, lookahead=p.p2p_lookahead, in_order=p.p2p_in_order,
+                   kind=p.p2p_transport, group=groups.pp_group, group_ranks=groups.pipeline_ranks if many else None,
+                   pipelines=config.layout.pipelines() if many else None)
+
 
 def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: Schedule, rank: int, *,
                         microbatch_size: int, seq_len: int = 1, device: torch.device | str = "cpu",
@@ -179,6 +190,26 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
                         reducer=dp.reducer(stages) if dp is not None else None, compute_dtype=compute_dtype,
                         fb_overlap=fb_overlap, a2a_timeout_s=t.timeout_s, grads_done=early)
     return RankPipeline(rank, schedule, stages, executor, sync, parallelize)
+
+
+def rank_pipeline(config: Config, plan: Plan, groups: RankGroups, parallelize: Parallelize,
+                  device: torch.device) -> tuple[RankPipeline, LayeredModel, list[str]]:
+    """This rank's pipeline as `config` and `plan` (the schedule and the cut) make it, its transport over `groups`; also the model on the meta device (its shapes, for the
+    data) and the model.pretrained files this rank read (its values, not the seeded init)."""
+    torch.manual_seed(config.trainer.seed)  # dropout; weights come from (seed, name)
+    model = build_model(config.model, device="meta")  # shapes only: each rank materializes its stages
+    weights = pretrained_rule(config.model)
+    pipe = build_rank_pipeline(
+        model, plan.chunk_bounds, plan.schedule, groups.pp_rank, microbatch_size=config.microbatch_size,
+        seq_len=config.data.seq_len, device=device, precision=config.trainer.precision, seed=config.trainer.seed,
+        init_rule=weights, parallelize=parallelize, transport=Transport.of(config, groups),
+        fb_overlap=config.pipeline.fb_overlap)
+    if pipe.executor.comm is not None:  # its errors name global ranks and their pp / dp / tp coordinates
+        pipe.executor.comm.name_ranks(config.layout)
+    opened = [] if weights is None else weights.opened
+    if weights is not None:
+        weights.close()
+    return pipe, model, opened
 
 
 def _stage(model: LayeredModel, layers: range, stage_id: int, parallelize: Parallelize, device: torch.device,

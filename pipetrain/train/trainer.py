@@ -26,12 +26,11 @@ import torch.distributed as dist
 
 from pipetrain.config import Config
 from pipetrain.metrics.step import RunSummary, StepRecord
-from pipetrain.models.hf import pretrained_rule
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.timeouts import bound_waits
 from pipetrain.parallel.parallelize import Parallelize
-from pipetrain.plan import Plan, build_model
-from pipetrain.train.pipeline import RankPipeline, Transport, build_rank_pipeline
+from pipetrain.plan import Plan
+from pipetrain.train.pipeline import rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.checkpoint_dirs import Note, silent
@@ -41,27 +40,14 @@ from pipetrain.train.monitor import Monitor
 from pipetrain.train.restart import Restart, StepTracker, restart_count, slurm_requeues, this_restart
 from pipetrain.train.stop import RANKS, StopSignals, hold_presence, signal_name, write_stopped
 from pipetrain.launch.errors import STOPPED
+from pipetrain.train.device import set_up_device
+from pipetrain.train.moe_hooks import attach_moe_hooks, moe_stats
 from pipetrain.train.profiling import StepProfiler
 from pipetrain.train.optim import clip_grads, global_grad_norm, lr_at, make_optimizer, set_lr
 
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite (trainer.on_nonfinite=stop)."""
-
-
-def resolve_device(choice: str) -> torch.device:
-    """trainer.device as the launcher decided it (launch/devices.py): on CUDA, the GPU run_rank made
-    current (local rank % visible GPUs), so one rule picks it. auto here (a Trainer built outside
-    the launcher) follows the same rule for a single rank."""
-    if choice == "auto":
-        from pipetrain.launch.devices import choose
-
-        choice = choose("auto", "auto", gpus=torch.cuda.device_count(), local_ranks=1).device
-    if choice == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("trainer.device=cuda but no CUDA device is visible: use trainer.device=cpu or auto")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 class Trainer:
@@ -71,41 +57,19 @@ class Trainer:
         """`train_data=False` (mode=eval): no training data source is built; eval reads its own file."""
         self.config, self.plan, self.run_dir = config, plan, Path(run_dir)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.device = resolve_device(config.trainer.device)
-        # on CUDA too: the host work (initialising weights, staging checkpoints, data) of 8 ranks
-        # per node, each using every core, would oversubscribe the node
-        torch.set_num_threads(config.trainer.threads_per_rank)
-        if self.device.type == "cuda":  # fp32 matmuls on TF32 tensor cores, or exact (trainer.tf32)
-            torch.set_float32_matmul_precision("high" if config.trainer.tf32 else "highest")
+        self.device = set_up_device(config.trainer)  # with its threads and matmul precision
         self.groups = build_groups(config.layout, self.device.type)  # the one DeviceMesh (under dp)
-        torch.manual_seed(config.trainer.seed)  # dropout; weights come from (seed, name) below
-        model = build_model(config.model, device="meta")  # shapes only: each rank materializes its stages
-        weights = pretrained_rule(config.model)  # model.pretrained: values from its files, not the seeded init
-        many = config.layout.world > config.layout.pp  # several pipelines (dp and / or tp)
-        p = config.pipeline
-        transport = Transport(timeout_s=p.p2p_timeout_s, lookahead=p.p2p_lookahead, in_order=p.p2p_in_order,
-                              kind=p.p2p_transport, group=self.groups.pp_group,
-                              group_ranks=self.groups.pipeline_ranks if many else None,
-                              pipelines=config.layout.pipelines() if many else None)
-        self.parallel = parallelize = Parallelize.build(config, plan, self.groups)  # this rank's parallel setup
-        self.pipe: RankPipeline = build_rank_pipeline(
-            model, plan.chunk_bounds, plan.schedule, self.groups.pp_rank, microbatch_size=config.microbatch_size,
-            seq_len=config.data.seq_len, device=self.device, precision=config.trainer.precision,
-            seed=config.trainer.seed, init_rule=weights, parallelize=parallelize, transport=transport,
-            fb_overlap=config.pipeline.fb_overlap)
-        if self.pipe.executor.comm is not None:  # its errors name global ranks and their pp / dp / tp coordinates
-            self.pipe.executor.comm.name_ranks(config.layout)
-        self.pretrained_files = [] if weights is None else weights.opened  # the files this rank read
-        if weights is not None:
-            weights.close()
+        self.parallel = Parallelize.build(config, plan, self.groups)  # this rank's parallel setup
+        # the model's shapes (meta) for the data; pretrained_files: the model.pretrained files this rank read
+        self.pipe, model, self.pretrained_files = rank_pipeline(config, plan, self.groups, self.parallel, self.device)
         self.data = build_data(config.data, seed=config.trainer.seed,
                                vocab_size=getattr(config.model, "vocab_size", 0), model=model) if train_data else None
-        del model
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         if config.model.moe_config is not None:
-            self._moe_hooks(config)
+            attach_moe_hooks(self.pipe.stages.values(), self.optimizer, microbatches=config.pipeline.microbatches,
+                             dp_group=self.groups.dp_group)
         self.state = TrainState(decay_steps=config.optim.decay_steps or config.trainer.max_steps)
-        splits = parallelize.split_weights(self.pipe.stages)  # tp slices, ep experts: saved as shards
+        splits = self.parallel.split_weights(self.pipe.stages)  # tp slices, ep experts: saved as shards
         self._stepped = False  # whether this process ran a training step (a compiled run's first waits longer)
         self.skipped_in_a_row = 0  # trainer.on_nonfinite=skip: non-finite steps since the last good one
         self.stop = StopSignals()  # SIGTERM / SIGINT: finish the step, save it, stop (train/stop.py)
@@ -118,29 +82,6 @@ class Trainer:
                       if config.checkpoint.async_save else None)
         self.profiler = StepProfiler(config.profile, rank=self.rank, device=self.device, run_dir=self.run_dir,
                                      executor=self.pipe.executor, note=self.monitor.note)
-
-    def _moe_hooks(self, config: Config) -> None:
-        """MoE blocks: each block's aux loss averaged over the microbatches as the loss is, and under
-        balance=aux_free the router biases moved before every optimizer step from the step's token
-        counts summed over the data-parallel ranks (torchtitan's optimizer pre-step hook)."""
-        from pipetrain.models.moe_block import set_aux_loss_scale, update_expert_biases
-
-        stages, group = list(self.pipe.stages.values()), self.groups.dp_group
-        for stage in stages:
-            set_aux_loss_scale(stage, 1.0 / config.pipeline.microbatches)
-
-        def moe_pre_step(*_: Any) -> None:  # returns None: Optimizer.step reads a returned value as new args
-            update_expert_biases(stages, group)
-
-        self.optimizer.register_step_pre_hook(moe_pre_step)
-
-    def _moe_stats(self) -> Optional[dict[str, float]]:
-        """The step's MoE block metrics on this rank (before the optimizer's pre-step hook resets them)."""
-        if self.config.model.moe_config is None:
-            return None
-        from pipetrain.models.moe_block import moe_step_stats
-
-        return moe_step_stats(list(self.pipe.stages.values()))
 
     def resume(self, note: Note = silent) -> Optional[Restart]:
         """Collective: trainer.resume's checkpoint (model, optimizer, step/tokens, RNG), or a fresh
@@ -195,7 +136,8 @@ class Trainer:
         self._stepped = True
         # Before the grad-norm all-reduce, which absorbs rank 0's time spent on the measurement.
         measurement = (self.monitor.gather(step + 1, result, params=self.pipe.parameters(), optimizer=self.optimizer,
-                                           moe=self._moe_stats(), cp=self.parallel.take_stats().get("cp"))
+                                           moe=moe_stats(self.pipe.stages.values()) if self.config.model.moe_config
+                                           else None, cp=self.parallel.take_stats().get("cp"))
                        if measure else None)
         loss = result.loss if result.loss is not None else float("nan")
         # Each weight counted once: the pipeline's owner of each copy, one replica (dp_replicate
