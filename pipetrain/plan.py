@@ -273,9 +273,8 @@ def layer_costs(config: Config) -> list[LayerCost]:
                            bandwidth_gbs=cl.ep_bandwidth_gbs)
     if par.tp == 1:
         return costs
-    hidden = getattr(m, "hidden", None) or getattr(m, "n_embd", None) or m.hidden_size  # sleep / gpt2 / llama
-    return tp_layer_costs(costs, tp=par.tp, tokens=config.microbatch_size * seq, hidden=hidden,
-                          vocab=getattr(m, "vocab_size", 0), bytes_per_value=bytes_per_value,
+    return tp_layer_costs(costs, tp=par.tp, tokens=config.microbatch_size * seq, hidden=m.hidden_size,
+                          vocab=m.vocab_size or 0, bytes_per_value=bytes_per_value,
                           bandwidth_gbs=config.cluster.tp_bandwidth_gbs, sequence_parallel=par.sequence_parallel)
 
 

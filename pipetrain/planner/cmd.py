@@ -32,7 +32,6 @@ PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
 CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "ep", "cp", "v", "microbatches", "microbatch_size", "recompute",
                "recompute_ranks", "partition", "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
                "exposed_comm_ms", "memory_budget", "reason")
-HIDDEN_KNOBS = ("n_embd", "hidden_size", "hidden", "d_hidden")  # the width crossing a stage boundary
 # activation values per token and unit of width a block keeps whole under tp without sequence parallel:
 # the norms' inputs and outputs, the column-parallel layers' (replicated) inputs (models/gpt2.py: ln_1, c_attn,
 # ln_2, c_fc inputs of its 17 C; models/llama.py: the two RMSNorms' 3 C each); other models: all of it
@@ -98,7 +97,7 @@ def workload(config: Config) -> Workload:
         loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=config.trainer.precision)
         copies = autocast_weight_bytes(model, precision=config.trainer.precision)
     in_head = loss_bytes if m.has_seq else 0.0  # a language model's analytic head counts the loss (mlp's not)
-    hidden = next(getattr(m, k) for k in HIDDEN_KNOBS if hasattr(m, k))
+    hidden, vocab = m.hidden_size, m.vocab_size or 0
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
     w_keep = p.w_keep
     # trainer.compile: B computes the weight gradients too and frees what F saved. The layers in the view a
@@ -113,9 +112,9 @@ def workload(config: Config) -> Workload:
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
                     first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
                     fused_backward=config.trainer.compile, first_stage_activation_ratio=first_stage, hidden=hidden,
-                    vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
+                    vocab=vocab, value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
-                    loss_grad_bytes_per_token=8.0 * getattr(m, "vocab_size", 0) if m.has_seq else 0.0,
+                    loss_grad_bytes_per_token=8.0 * vocab if m.has_seq else 0.0,
                     loss_bytes_per_token=loss_bytes, weight_copy_bytes=tuple(copies),
                     fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"), tied=tied_weights(model))
 
