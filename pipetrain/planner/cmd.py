@@ -20,7 +20,7 @@ from rich.table import Table
 
 from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
 from pipetrain.partition.costs import fuse_weight_grads
-from pipetrain.models.sleep import sleep_layer_costs
+from pipetrain.plan import costing_model, measured_layer_costs, model_layer_costs, seq_len
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Row, search
 from pipetrain.planner.workload import Device, Workload
@@ -41,23 +41,17 @@ PARTITIONS = {"uniform": "uniform", "params": "params", "flops": "flops", "balan
 
 
 def workload(config: Config) -> Workload:
+    """The model's work as the planner reads it: its layers' costs per microbatch size (plan.py's
+    model_layer_costs or measured_layer_costs, as a run costs them) and what crosses and stays."""
     m, p = config.model, config.plan
-    seq = config.data.seq_len if m.has_seq else 1
+    seq = seq_len(config)
     first_stage: Optional[Callable[[int], list[float]]] = None
-    model = None  # the real models', built below (the sleep model is pure Python)
-    if isinstance(m, SleepModelConfig):
-        costs = sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
-                                  params_per_layer=m.params_per_layer)
-
-        def layers(mbs: int):
-            return costs  # the sleep model's times are per microbatch, whatever its size
-    elif measuring(config):  # F, B, W and saved bytes measured here, one layer at a time
-        from pipetrain.models.profile import profile_layers, saved_bytes_per_token
+    model = costing_model(m)  # on meta: models/profile.py materialises a layer at a time; None: model=sleep
+    if model is not None and measuring(config):  # F, B, W and saved bytes measured here, one layer at a time
+        from pipetrain.models.profile import saved_bytes_per_token
         from pipetrain.execution import profile_device
-        from pipetrain.plan import build_model
 
         dev = profile_device(config)
-        model = build_model(m, device="meta")  # shapes only: models/profile.py materialises a layer at a time
         precision = config.trainer.precision  # bf16: saved bytes under the stages' autocast
 
         @functools.lru_cache(maxsize=None)  # each view once per microbatch size (layers and the ratio read it)
@@ -68,9 +62,7 @@ def workload(config: Config) -> Workload:
 
         def layers(mbs: int):  # saved bytes as a later stage keeps them (its residual stream in bf16)
             return [dataclasses.replace(c, activation_bytes_per_token=a)
-                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev, precision=precision,
-                                                   threads=config.trainer.threads_per_rank),
-                                    activations(mbs, True))]
+                    for c, a in zip(measured_layer_costs(config, model, microbatch=mbs), activations(mbs, True))]
 
         def first_stage_ratio(mbs: int) -> list[float]:  # the first stage's residual stream stays fp32
             later, first = activations(mbs, True), activations(mbs, False)
@@ -79,13 +71,12 @@ def workload(config: Config) -> Workload:
         if precision != "fp32":
             first_stage = first_stage_ratio
     else:
-        from pipetrain.plan import build_model
-
-        model = build_model(m, device="meta")
         tflops = p.tflops or config.sim.tflops
 
         def layers(mbs: int):  # the Workload holds the loss's bytes (`in_head`, below) apart from the head's
-            costs = model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
+            costs = model_layer_costs(m, model, microbatch=mbs, seq=seq, tflops=tflops)
+            if not in_head:
+                return costs
             head = costs[-1]
             return [*costs[:-1], dataclasses.replace(
                 head, activation_bytes_per_token=max(head.activation_bytes_per_token - in_head, 0.0))]
