@@ -82,9 +82,9 @@ def run(config: Config, run_dir: Path) -> Any:
     if changes:
         console.print(f"model.pretrained={config.model.pretrained}: its config.json sets {', '.join(changes)}",
                       markup=False, highlight=False)
-    from pipetrain.config.finetune import header_lines, pretrained_folder
+    from pipetrain.config.finetune import header_lines
 
-    for line in header_lines(pretrained_folder(config.model), config.data, config.optim):  # tokenizer, defaults
+    for line in header_lines(config.model.pretrained, config.data, config.optim):  # tokenizer, defaults
         console.print(line, markup=False, highlight=False, soft_wrap=True)  # one line each, whatever the width
     if config.mode is Mode.export:
         from pipetrain.train.export import run_export

@@ -264,7 +264,7 @@ def layer_costs(config: Config) -> list[LayerCost]:
     parallel.cp, its 1/cp of the sequence plus the K/V exchanges; under parallel.ep, the MoE layers'
     all-to-alls added and 1/ep of their experts stored (partition/costs.py)."""
     par, m, cl = config.parallel, config.model, config.cluster
-    seq = config.data.seq_len if m.has_seq else 1
+    seq = seq_len(config)
     bytes_per_value = 2 if config.trainer.precision == "bf16" else 4
     tokens = config.microbatch_size * seq
     costs = cp_layer_costs(whole_layer_costs(config), cp=par.cp, tokens=tokens, bytes_per_value=bytes_per_value,
@@ -273,26 +273,50 @@ def layer_costs(config: Config) -> list[LayerCost]:
                            bandwidth_gbs=cl.ep_bandwidth_gbs)
     if par.tp == 1:
         return costs
-    hidden = getattr(m, "hidden", None) or getattr(m, "n_embd", None) or m.hidden_size  # sleep / gpt2 / llama
-    return tp_layer_costs(costs, tp=par.tp, tokens=config.microbatch_size * seq, hidden=hidden,
-                          vocab=getattr(m, "vocab_size", 0), bytes_per_value=bytes_per_value,
+    return tp_layer_costs(costs, tp=par.tp, tokens=tokens, hidden=m.hidden_size,
+                          vocab=m.vocab_size or 0, bytes_per_value=bytes_per_value,
                           bandwidth_gbs=config.cluster.tp_bandwidth_gbs, sequence_parallel=par.sequence_parallel)
 
 
 def whole_layer_costs(config: Config) -> list[LayerCost]:
     """Per-layer costs of one microbatch of the unsplit layers (no tensor parallel)."""
-    m, seq = config.model, (config.data.seq_len if config.model.has_seq else 1)
+    m, mbs = config.model, config.microbatch_size
     if config.partition.name == "profile" and measures_here(config):
-        from pipetrain.models.profile import profile_layers
+        return measured_layer_costs(config, build_model(m, device="meta"), microbatch=mbs)
+    return model_layer_costs(m, costing_model(m), microbatch=mbs, seq=seq_len(config), tflops=config.sim.tflops)
 
-        return profile_layers(build_model(m, device="meta"), batch=config.microbatch_size, seq=seq,
-                              device=profile_device(config), threads=config.trainer.threads_per_rank,
-                              precision=config.trainer.precision)
+
+# The one home of a layer's cost, for mode=simulate and the run (whole_layer_costs above) and the
+# planner (planner/cmd.py workload): by formula (model_layer_costs) or measured here (measured_layer_costs).
+def seq_len(config: Config) -> int:
+    """Tokens per sample a layer's cost is for: data.seq_len for a language model, else 1."""
+    return config.data.seq_len if config.model.has_seq else 1
+
+
+def costing_model(m: ModelConfig) -> LayeredModel | None:
+    """The model whose cost model costs `m`'s layers, built on meta (shapes and dtypes only: no
+    parameter memory); None for model=sleep, whose costs its config gives without importing torch."""
+    return None if isinstance(m, SleepModelConfig) else build_model(m, device="meta")
+
+
+def model_layer_costs(m: ModelConfig, model: LayeredModel | None, *, microbatch: int, seq: int,
+                      tflops: float) -> list[LayerCost]:
+    """Per-layer costs of one microbatch of the unsplit layers by formula: the sleep model's given
+    times (whatever the microbatch), else `model`'s (costing_model(m)) FLOPs at `tflops` TFLOP/s."""
     if isinstance(m, SleepModelConfig):
         return sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
                                  params_per_layer=m.params_per_layer)
-    model = build_model(m, device="meta")  # shapes and dtypes only: no parameter memory
-    return model.cost_model(microbatch=config.microbatch_size, seq=seq, tflops=config.sim.tflops)
+    assert model is not None, f"model={m.name} is costed by its model: pass costing_model(config.model)"
+    return model.cost_model(microbatch=microbatch, seq=seq, tflops=tflops)
+
+
+def measured_layer_costs(config: Config, model: LayeredModel, *, microbatch: int) -> list[LayerCost]:
+    """Per-layer costs of one microbatch of `model`'s unsplit layers, timed one layer at a time where the
+    ranks compute (partition=profile, plan.calibrate)."""
+    from pipetrain.models.profile import profile_layers
+
+    return profile_layers(model, batch=microbatch, seq=seq_len(config), device=profile_device(config),
+                          threads=config.trainer.threads_per_rank, precision=config.trainer.precision)
 
 
 def make_partition(config: Config, layers: list[LayerCost], num_chunks: int) -> Partition:

@@ -336,3 +336,106 @@ def test_pipetrains_own_underscore_names_are_not_flagged():
     text = ("import os\nclass A:\n    def __init__(self):\n        self._seen = 1\n"
             "def f(a, p, t):\n    os._exit(0)\n    return a._seen, p._replace(x=1), t.__class__\n")
     assert private_api_uses(ast.parse(text), names_pipetrain_defines([ast.parse(text)])) == []
+
+
+# ---- one home per concept (issue 45): each rule is a checker over source text, run on the package
+# and on a planted violation, so a checker that silently finds nothing fails too.
+
+def reflective_reads(source: str, names: set[str]) -> list[str]:
+    """`getattr(x, "name", ...)` / `hasattr(x, "name")` calls of a constant name in `names`."""
+    return [f"{n.lineno} {n.func.id}(..., {n.args[1].value!r})" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr")
+            and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and n.args[1].value in names]
+
+
+def model_config_declares() -> set[str]:
+    """The properties config/models.py's ModelConfig declares: what every model config answers."""
+    tree = ast.parse((ROOT / "config" / "models.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ModelConfig")
+    return {n.name for n in cls.body if isinstance(n, ast.FunctionDef)
+            and any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)}
+
+
+def test_model_configs_declare_what_is_read_of_them():
+    from pipetrain.config.llama import LlamaModelConfig
+    from pipetrain.config.models import GPT2ModelConfig, MLPModelConfig, SleepModelConfig
+
+    assert {"hidden_size", "vocab_size", "pretrained", "num_layers"} <= model_config_declares()
+    widths = {type(c).__name__: (c.hidden_size, c.vocab_size, c.pretrained) for c in (
+        SleepModelConfig(hidden=7), MLPModelConfig(d_hidden=8), GPT2ModelConfig(n_embd=24, n_head=2, vocab_size=50),
+        LlamaModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=60))}
+    assert widths == {"SleepModelConfig": (7, None, None), "MLPModelConfig": (8, None, None),
+                      "GPT2ModelConfig": (24, 50, None), "LlamaModelConfig": (32, 60, None)}
+
+
+def test_no_declared_model_attribute_is_read_by_getattr():
+    """What ModelConfig declares is read as an attribute: a getattr with a default would hide a family
+    that forgot it, or a renamed knob, behind a silent 0 or None (the 13 duck-typed reads of issue 45)."""
+    names = model_config_declares()
+    assert reflective_reads('w = getattr(config.model, "vocab_size", 0)\nhasattr(m, "hidden_size")', names) == [
+        "1 getattr(..., 'vocab_size')", "2 hasattr(..., 'hidden_size')"]
+    found = [f"{p.relative_to(ROOT)}:{hit}" for p in sorted(ROOT.rglob("*.py"))
+             for hit in reflective_reads(p.read_text(), names)]
+    assert found == []
+
+
+def arrows_up(below: str, above: str) -> list[str]:
+    """Imports of pipetrain.`above` by the modules of pipetrain.`below`."""
+    graph = import_graph()
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() if m == f"pipetrain.{below}"
+                  or m.startswith(f"pipetrain.{below}.") for t in targets if t.split(".")[:2] == ["pipetrain", above])
+
+
+def test_runtime_imports_nothing_of_parallel():
+    """runtime/ stands below parallel/ (parallel/ builds on runtime/ep_comm.py, sync.py, the stage
+    protocol): what runtime/ needs of the layout it is given (comm.name_ranks takes Layout.rank_name)."""
+    mods = set(modules())
+    planted = "from pipetrain.parallel.layout import DIMS, Layout\nfrom ..parallel import tp\n"
+    assert imported_modules(ROOT / "runtime" / "comm.py", "pipetrain.runtime.comm", mods, planted) == {
+        "pipetrain.parallel.layout", "pipetrain.parallel.tp"}
+    assert arrows_up("runtime", "parallel") == []
+
+
+def layout_reads(source: str) -> list[str]:
+    """Reads of a rank's coordinates: `DIMS` and `.coords(...)` calls."""
+    return [f"{n.lineno} {'DIMS' if isinstance(n, ast.Name) else '.coords()'}" for n in ast.walk(ast.parse(source))
+            if (isinstance(n, ast.Name) and n.id == "DIMS")
+            or (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "coords")]
+
+
+def test_only_parallel_reads_a_ranks_coordinates():
+    """A rank's place in the layout is asked of the Layout (rank_name, pp_rank, dp_index, ...): the
+    rank name was built twice from coords and DIMS (runtime/comm.py, launch/errors.py)."""
+    planted = "c = layout.coords(g)\nnames = [d for d in DIMS]\n"
+    assert layout_reads(planted) == ["1 .coords()", "2 DIMS"]
+    found = [f"{p.relative_to(ROOT)}:{hit}" for p in sorted(ROOT.rglob("*.py"))
+             if p.parent.name != "parallel" for hit in layout_reads(p.read_text())]
+    assert found == []
+
+
+def function_bodies(source: str, where: str) -> dict[str, list[str]]:
+    """Body (docstring dropped, ast.dump) -> where it is defined, for functions of two or more statements."""
+    out: dict[str, list[str]] = {}
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = n.body[1:] if ast.get_docstring(n) is not None else n.body
+            if sum(isinstance(s, ast.stmt) for b in body for s in ast.walk(b)) >= 2:
+                out.setdefault(ast.dump(ast.Module(body=body, type_ignores=[])), []).append(f"{where}:{n.lineno} {n.name}")
+    return out
+
+
+def written_twice(sources: dict[str, str]) -> list[list[str]]:
+    seen: dict[str, list[str]] = {}
+    for where, source in sources.items():
+        for body, defs in function_bodies(source, where).items():
+            seen.setdefault(body, []).extend(defs)
+    return [defs for defs in seen.values() if len(defs) > 1]
+
+
+def test_no_function_body_is_written_twice():
+    """One home per helper: `_dtensor_type` was written in runtime/sync.py and parallel/split_weights.py."""
+    helper = ('def _dtensor_type():\n    """{}"""\n    module = sys.modules.get("torch.distributed.tensor")\n'
+              '    return None if module is None else module.DTensor\n')
+    planted = {"a.py": helper.format("one"), "b.py": "x = 1\n\n" + helper.format("two")}
+    assert written_twice(planted) == [["a.py:1 _dtensor_type", "b.py:3 _dtensor_type"]]
+    assert written_twice({str(p.relative_to(ROOT)): p.read_text() for p in sorted(ROOT.rglob("*.py"))}) == []

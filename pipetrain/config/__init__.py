@@ -25,7 +25,7 @@ from omegaconf import MISSING
 
 from pipetrain.config.cluster import ONE_QUEUE, ClusterConfig, one_hw_queue
 from pipetrain.config.data import DataConfig
-from pipetrain.config.finetune import pretrained_defaults, pretrained_folder
+from pipetrain.config.finetune import pretrained_defaults
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.models import GPT2ModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
@@ -197,7 +197,7 @@ class Config:
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"model= must name a model config: choose model= one of {', '.join(MODEL_OPTIONS)}")
         # data.tokenizer and optim.lr / min_lr / warmup_steps left null: a fine-tune's, or pre-training's
-        pretrained_defaults(pretrained_folder(self.model), self.data, self.optim,
+        pretrained_defaults(self.model.pretrained, self.data, self.optim,
                             steps=self.optim.decay_steps or self.trainer.max_steps)
         s, p = self.schedule, self.pipeline
         if s.name not in (registry.CUSTOM, AUTO):
@@ -360,7 +360,7 @@ class Config:
             )
         if self.mode is Mode.eval and d.name != "tokens":  # the ranks refused it only once started
             raise ValueError(f"mode=eval reads token files: set data=tokens data.path=FILE (got data={d.name})")
-        vocab = getattr(m, "vocab_size", None)
+        vocab = m.vocab_size
         if vocab is not None and self.mode is not Mode.simulate:  # a simulation reads no tokens
             d.check_vocab_fits(vocab)  # token files' ids: train/token_check.py, before the ranks start
         if self.mode is not Mode.simulate:

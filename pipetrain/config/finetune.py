@@ -15,16 +15,10 @@ null, so anything else was set on the command line or in a recipe, and wins. Pur
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from pipetrain.config.data import HF_TOKENIZER, DataConfig
 from pipetrain.config.token_origin import RECORD, check_origin, tokenizer_file
 from pipetrain.config.train import OptimConfig
-
-
-def pretrained_folder(model: Any) -> str | None:
-    """model.pretrained, for the model families that have it (GPT-2, Llama); else None."""
-    return getattr(model, "pretrained", None)
 
 
 def folder_tokenizer(folder: str) -> Path | None:

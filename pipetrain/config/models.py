@@ -43,6 +43,25 @@ class ModelConfig:
     def num_layers(self) -> int:
         raise NotImplementedError
 
+    # What the rest of pipetrain reads of every model, declared here so that no reader guesses with
+    # getattr: each family answers in its own knobs' terms (a dataclass field of the same name
+    # in a family, GPT-2's and Llama's vocab_size and pretrained, takes the property's place).
+    @property
+    def hidden_size(self) -> int:
+        """The width C of the activation crossing a stage boundary (values per token): what tensor
+        parallel's collectives and the planner's point-to-point bytes are sized by."""
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """Tokens in the embedding and the head; None: the model reads no token ids."""
+        return None
+
+    @property
+    def pretrained(self) -> Optional[str]:
+        """A Hugging Face folder the weights (and shape) come from; None: seeded initial weights."""
+        return None
+
     @property
     def moe_config(self) -> Optional[MoEConfig]:
         """The Mixture-of-Experts knobs (config/moe.py) of a model with MoE blocks; None: every MLP dense."""
@@ -86,6 +105,10 @@ class SleepModelConfig(ModelConfig):
     def num_layers(self) -> int:
         return self.layers
 
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden  # what a sleeping layer saves and passes on per sample
+
 
 @dataclass
 class MLPModelConfig(ModelConfig):
@@ -105,6 +128,10 @@ class MLPModelConfig(ModelConfig):
     @property
     def num_layers(self) -> int:
         return self.n_layer
+
+    @property
+    def hidden_size(self) -> int:
+        return self.d_hidden  # the width between layers
 
 
 @dataclass
@@ -159,6 +186,10 @@ class GPT2ModelConfig(CausalLMConfig):
     @property
     def num_layers(self) -> int:
         return self.n_layer + 2  # embedding, n_layer blocks, head (final norm + output projection)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.n_embd
 
     def tp_divides(self) -> Optional[dict[str, int]]:
         return {"n_head": self.n_head, "vocab_size": self.vocab_size}  # MLP width 4 C = 4 n_head hs follows

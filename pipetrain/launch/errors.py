@@ -14,17 +14,13 @@ from pathlib import Path
 from typing import Optional
 
 from pipetrain.launch.host_memory import oom_hint
-from pipetrain.parallel.layout import DIMS, Layout
+from pipetrain.parallel.layout import Layout
 
 
 def rank_text(rank: int, layout: Optional[Layout] = None) -> str:
-    """A global rank and, where the world is more than one pipeline, its place in the layout:
-    'rank 3 (pp 1, dp_replicate 1)'. Under data parallel a bare number reads as a pipeline index."""
-    if layout is None or layout.world == layout.pp or not 0 <= rank < layout.world:
-        return f"rank {rank}"
-    c = layout.coords(rank)
-    dims = [f"{name} {getattr(c, name)}" for name in DIMS if name == "pp" or getattr(layout, name) > 1]
-    return f"rank {rank} ({', '.join(dims)})"
+    """A global rank named as its layout names it (Layout.rank_name: 'rank 3 (pp 1, dp_replicate 1)'),
+    or a bare 'rank 3' where the layout is not known."""
+    return f"rank {rank}" if layout is None else layout.rank_name(rank)
 
 
 class RankFailedError(RuntimeError):

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from pipetrain.config.llama import LlamaModelConfig
-from pipetrain.config.models import GPT2ModelConfig, read_pretrained_config
+from pipetrain.config.models import GPT2ModelConfig, ModelConfig, read_pretrained_config
 from pipetrain.models import hf_gpt2
 from pipetrain.models.base import LayeredModel
 from pipetrain.models.gpt2 import GPT2
@@ -283,9 +283,9 @@ class PretrainedWeights:
         self._handles.clear()
 
 
-def pretrained_rule(model: Any) -> Optional[PretrainedWeights]:
+def pretrained_rule(model: ModelConfig) -> Optional[PretrainedWeights]:
     """The init rule of a model config with model.pretrained set (None: seeded initial weights)."""
-    if getattr(model, "pretrained", None) is None:
+    if model.pretrained is None:
         return None
     return PretrainedWeights(model.pretrained, model.knobs())
 
@@ -301,7 +301,7 @@ def hf_config(cfg: LlamaModelConfig | GPT2ModelConfig, *, dtype: str) -> dict[st
     written for the HF class computing the same maths: GPT2LMHeadModel (hf_gpt2.py), Qwen3
     (QK-norm), Qwen2 (q, k, v biases) or Llama (everything else, Mistral's shapes included: no
     sliding window)."""
-    if getattr(cfg, "pretrained", None) is not None:
+    if cfg.pretrained is not None:
         out = read_json(folder_of(cfg.pretrained) / CONFIG)
         out["dtype" if "dtype" in out else "torch_dtype"] = HF_DTYPES[dtype]  # "dtype": transformers 5's spelling
         if isinstance(cfg, GPT2ModelConfig):  # export writes GPT2LMHeadModel's keys, from a GPT2Model folder too
@@ -336,10 +336,10 @@ def hf_config(cfg: LlamaModelConfig | GPT2ModelConfig, *, dtype: str) -> dict[st
     return out
 
 
-def check_pretrained(cfg: Any) -> Optional[dict[str, str]]:
+def check_pretrained(cfg: ModelConfig) -> Optional[dict[str, str]]:
     """check_folder for a model config with model.pretrained set (the CLI calls it before
     launching); None when there is nothing to check."""
-    if getattr(cfg, "pretrained", None) is None:
+    if cfg.pretrained is None:
         return None
     with torch.device("meta"):
         model = GPT2(**cfg.knobs()) if isinstance(cfg, GPT2ModelConfig) else Llama(**cfg.knobs())

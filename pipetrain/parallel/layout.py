@@ -81,6 +81,17 @@ class Layout:
         p, r = divmod(rest, self.dp_replicate)
         return Coords(p, r, s, c, t)
 
+    def rank_name(self, rank: int) -> str:
+        """A global rank and, where the world is more than one pipeline, its place in the layout:
+        'rank 3 (pp 1, dp_replicate 1)' (pp and each degree above 1). Under data parallel a bare number
+        reads as a pipeline index, and the user kills, reads the log of, and restarts global ranks.
+        The one way ranks are named: launch/errors.py rank_text, runtime/comm.py (through RankNames)."""
+        if self.world == self.pp or not 0 <= rank < self.world:
+            return f"rank {rank}"
+        c = self.coords(rank)
+        dims = [f"{name} {getattr(c, name)}" for name in DIMS if name == "pp" or getattr(self, name) > 1]
+        return f"rank {rank} ({', '.join(dims)})"
+
     def rank_of(self, pp: int, dp_replicate: int = 0, dp_shard: int = 0, cp: int = 0, tp: int = 0) -> int:
         return (((pp * self.dp_replicate + dp_replicate) * self.dp_shard + dp_shard) * self.cp + cp) * self.tp + tp
 

@@ -20,7 +20,6 @@ find a box by its offsets).
 from __future__ import annotations
 
 import itertools
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -30,11 +29,7 @@ from pipetrain.compat import local_shape_and_offset
 from pipetrain.parallel.tp import Split, TPGroup
 from pipetrain.runtime.ep_comm import EPGroup
 from pipetrain.runtime.stage_protocol import Stage
-
-
-def _dtensor_type():
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
+from pipetrain.runtime.sync import dtensor_type
 
 
 @dataclass(frozen=True)
@@ -70,7 +65,7 @@ class SplitWeights:
         assert split is not None and group is not None, f"{name} is not split"
         runs = [[(0, 0, n)] for n in t.shape]  # per dimension: (start in t, start in the unsplit tensor, length)
         runs[split.dim] = split.runs(group.size, group.rank)
-        dtensor = _dtensor_type()
+        dtensor = dtensor_type()
         local = t.detach()
         if dtensor is not None and isinstance(t, dtensor):  # its dp shard of the tp slice (t.shape is the slice's)
             shape, offset = local_shape_and_offset(t.shape, t.device_mesh, t.placements)
@@ -108,7 +103,7 @@ class SplitWeights:
 
     def keep_shard(self, name: str, mine: torch.Tensor, into: torch.Tensor) -> None:
         """Copy `mine` (this rank's tp slice or experts of `name`) into `into`: under FSDP2 its dp shard."""
-        dtensor = _dtensor_type()
+        dtensor = dtensor_type()
         with torch.no_grad():
             if dtensor is not None and isinstance(into, dtensor):
                 shape, offset = local_shape_and_offset(mine.shape, into.device_mesh, into.placements)

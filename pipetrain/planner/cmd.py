@@ -20,7 +20,7 @@ from rich.table import Table
 
 from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
 from pipetrain.partition.costs import fuse_weight_grads
-from pipetrain.models.sleep import sleep_layer_costs
+from pipetrain.plan import costing_model, measured_layer_costs, model_layer_costs, seq_len
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Row, search
 from pipetrain.planner.workload import Device, Workload
@@ -32,7 +32,6 @@ PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
 CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "ep", "cp", "v", "microbatches", "microbatch_size", "recompute",
                "recompute_ranks", "partition", "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
                "exposed_comm_ms", "memory_budget", "reason")
-HIDDEN_KNOBS = ("n_embd", "hidden_size", "hidden", "d_hidden")  # the width crossing a stage boundary
 # activation values per token and unit of width a block keeps whole under tp without sequence parallel:
 # the norms' inputs and outputs, the column-parallel layers' (replicated) inputs (models/gpt2.py: ln_1, c_attn,
 # ln_2, c_fc inputs of its 17 C; models/llama.py: the two RMSNorms' 3 C each); other models: all of it
@@ -42,23 +41,17 @@ PARTITIONS = {"uniform": "uniform", "params": "params", "flops": "flops", "balan
 
 
 def workload(config: Config) -> Workload:
+    """The model's work as the planner reads it: its layers' costs per microbatch size (plan.py's
+    model_layer_costs or measured_layer_costs, as a run costs them) and what crosses and stays."""
     m, p = config.model, config.plan
-    seq = config.data.seq_len if m.has_seq else 1
+    seq = seq_len(config)
     first_stage: Optional[Callable[[int], list[float]]] = None
-    model = None  # the real models', built below (the sleep model is pure Python)
-    if isinstance(m, SleepModelConfig):
-        costs = sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
-                                  params_per_layer=m.params_per_layer)
-
-        def layers(mbs: int):
-            return costs  # the sleep model's times are per microbatch, whatever its size
-    elif measuring(config):  # F, B, W and saved bytes measured here, one layer at a time
-        from pipetrain.models.profile import profile_layers, saved_bytes_per_token
+    model = costing_model(m)  # on meta: models/profile.py materialises a layer at a time; None: model=sleep
+    if model is not None and measuring(config):  # F, B, W and saved bytes measured here, one layer at a time
+        from pipetrain.models.profile import saved_bytes_per_token
         from pipetrain.execution import profile_device
-        from pipetrain.plan import build_model
 
         dev = profile_device(config)
-        model = build_model(m, device="meta")  # shapes only: models/profile.py materialises a layer at a time
         precision = config.trainer.precision  # bf16: saved bytes under the stages' autocast
 
         @functools.lru_cache(maxsize=None)  # each view once per microbatch size (layers and the ratio read it)
@@ -69,9 +62,7 @@ def workload(config: Config) -> Workload:
 
         def layers(mbs: int):  # saved bytes as a later stage keeps them (its residual stream in bf16)
             return [dataclasses.replace(c, activation_bytes_per_token=a)
-                    for c, a in zip(profile_layers(model, batch=mbs, seq=seq, device=dev, precision=precision,
-                                                   threads=config.trainer.threads_per_rank),
-                                    activations(mbs, True))]
+                    for c, a in zip(measured_layer_costs(config, model, microbatch=mbs), activations(mbs, True))]
 
         def first_stage_ratio(mbs: int) -> list[float]:  # the first stage's residual stream stays fp32
             later, first = activations(mbs, True), activations(mbs, False)
@@ -80,13 +71,12 @@ def workload(config: Config) -> Workload:
         if precision != "fp32":
             first_stage = first_stage_ratio
     else:
-        from pipetrain.plan import build_model
-
-        model = build_model(m, device="meta")
         tflops = p.tflops or config.sim.tflops
 
         def layers(mbs: int):  # the Workload holds the loss's bytes (`in_head`, below) apart from the head's
-            costs = model.cost_model(microbatch=mbs, seq=seq, tflops=tflops)
+            costs = model_layer_costs(m, model, microbatch=mbs, seq=seq, tflops=tflops)
+            if not in_head:
+                return costs
             head = costs[-1]
             return [*costs[:-1], dataclasses.replace(
                 head, activation_bytes_per_token=max(head.activation_bytes_per_token - in_head, 0.0))]
@@ -98,7 +88,7 @@ def workload(config: Config) -> Workload:
         loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=config.trainer.precision)
         copies = autocast_weight_bytes(model, precision=config.trainer.precision)
     in_head = loss_bytes if m.has_seq else 0.0  # a language model's analytic head counts the loss (mlp's not)
-    hidden = next(getattr(m, k) for k in HIDDEN_KNOBS if hasattr(m, k))
+    hidden, vocab = m.hidden_size, m.vocab_size or 0
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
     w_keep = p.w_keep
     # trainer.compile: B computes the weight gradients too and frees what F saved. The layers in the view a
@@ -113,9 +103,9 @@ def workload(config: Config) -> Workload:
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
                     first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
                     fused_backward=config.trainer.compile, first_stage_activation_ratio=first_stage, hidden=hidden,
-                    vocab=getattr(m, "vocab_size", 0), value_bytes=cross,
+                    vocab=vocab, value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
-                    loss_grad_bytes_per_token=8.0 * getattr(m, "vocab_size", 0) if m.has_seq else 0.0,
+                    loss_grad_bytes_per_token=8.0 * vocab if m.has_seq else 0.0,
                     loss_bytes_per_token=loss_bytes, weight_copy_bytes=tuple(copies),
                     fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"), tied=tied_weights(model))
 

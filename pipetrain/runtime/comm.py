@@ -43,14 +43,20 @@ import datetime
 import queue
 import threading
 from collections import defaultdict
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from pipetrain.compat import set_group_timeout
-from pipetrain.parallel.layout import DIMS, Layout
 from pipetrain.schedules.p2p import Group, Message, RankTransfers
+
+
+class RankNames(Protocol):
+    """What names a global rank in messages: parallel/layout.py's Layout, read through this alone, so
+    runtime/ (which parallel/ builds on) imports nothing of parallel/."""
+
+    def rank_name(self, rank: int) -> str: ...
 
 
 class P2PError(RuntimeError):
@@ -149,7 +155,7 @@ class P2P:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.group = group
         self._global = group_ranks  # pipeline rank -> global rank (None: the same)
-        self._layout: Optional[Layout] = None  # name_ranks: coordinates in the messages
+        self._layout: Optional[RankNames] = None  # name_ranks: coordinates in the messages
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
         self.nccl = backend == "nccl"
         self.timed_waits = host_timed_wait(backend)
@@ -257,9 +263,10 @@ class P2P:
         self._streams.clear()
 
     # ---- naming ranks ---------------------------------------------------------------
-    def name_ranks(self, layout: Layout) -> None:
+    def name_ranks(self, layout: RankNames) -> None:
         """Messages give global ranks their coordinates: a pipeline index alone ("rank 0") names
-        dp x tp ranks at once, and the user kills, reads the log of, and restarts global ranks."""
+        dp x tp ranks at once, and the user kills, reads the log of, and restarts global ranks.
+        `layout` is the run's Layout (parallel/layout.py), read through its rank_name only."""
         self._layout = layout
 
     def short(self, pipeline_rank: int) -> str:
@@ -267,14 +274,9 @@ class P2P:
         return f"rank {self._peer(pipeline_rank)}"
 
     def name(self, pipeline_rank: int) -> str:
-        """'rank G', or 'rank G (pp p, dp_replicate r)' (each degree above 1) when the layout has
-        more than the pipeline."""
-        g, layout = self._peer(pipeline_rank), self._layout
-        if layout is None or layout.world == layout.pp:
-            return f"rank {g}"
-        c = layout.coords(g)
-        dims = ", ".join(f"{d} {getattr(c, d)}" for d in DIMS if d == "pp" or getattr(layout, d) > 1)
-        return f"rank {g} ({dims})"
+        """'rank G', or as name_ranks' layout names it: 'rank G (pp p, dp_replicate r)'."""
+        g = self._peer(pipeline_rank)
+        return f"rank {g}" if self._layout is None else self._layout.rank_name(g)
 
     # ---- posting and waiting ------------------------------------------------------
     def _peer(self, pipeline_rank: int) -> int:

@@ -46,9 +46,10 @@ from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.reduce import last_weight_grad
 
 
-def _dtensor_type() -> Optional[type]:
+def dtensor_type() -> Optional[type]:
     """torch's DTensor class if torch.distributed.tensor is loaded (FSDP2 loads it), else None:
-    importing it costs ~0.5 s per rank, which a run without FSDP2 need not pay."""
+    importing it costs ~0.5 s per rank, which a run without FSDP2 need not pay. The one copy of this
+    check (parallel/split_weights.py reads it here: runtime/ stands below parallel/)."""
     module = sys.modules.get("torch.distributed.tensor")
     return None if module is None else module.DTensor
 
@@ -57,7 +58,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: an FSDP2 DTensor's local shard, a plain tensor itself.
     Tied or mirrored copies are sharded alike (same shape, same mesh), so their local shards
     correspond element by element."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
 
@@ -152,7 +153,7 @@ class GradSync:
         each bucket's sum starts once this rank's last weight gradient of its stages ran (module
         docstring). Only for plain tensors summed as they are (no data or tensor parallel reduce
         before: the caller says); {} for FSDP2's sharded gradients. `rank` is the pipeline rank."""
-        if rank != self.rank or any(_dtensor_type() is not None and isinstance(p, _dtensor_type())
+        if rank != self.rank or any(dtensor_type() is not None and isinstance(p, dtensor_type())
                                     for ps in self.local.values() for p in ps):
             return {}
         ends = {r: last_weight_grad(schedule, r) for r in range(schedule.num_ranks)}
@@ -221,7 +222,7 @@ class GradSync:
             return
         for p in ps:
             if p.grad is None:
-                dtensor = _dtensor_type()
+                dtensor = dtensor_type()
                 p.grad = (dtensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False)
                           if dtensor is not None and isinstance(p, dtensor) else value.clone())
             else:

@@ -64,7 +64,7 @@ def eval_batches(tokens: np.ndarray, *, seq_len: int, rows: int) -> Iterator[tup
 def evaluate_file(trainer: Trainer, path: str) -> dict[str, Any]:
     """Collective over every rank: the exact mean loss over the windows of the eval tokens."""
     cfg = trainer.config
-    vocab = getattr(cfg.model, "vocab_size", 0)
+    vocab = cfg.model.vocab_size or 0
     tokens = eval_tokens(cfg.data, vocab_size=vocab)  # ids checked against model.vocab_size
     t = cfg.data.seq_len
     windows = num_windows(len(tokens), t)

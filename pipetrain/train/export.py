@@ -97,7 +97,7 @@ def source(config: Config, ckpt: Optional[Path], model: object) -> tuple[Fill, s
 
 
 def tokenizer_source(config: Config) -> Optional[Path]:
-    for where in (config.data.tokenizer_dir, getattr(config.model, "pretrained", None)):
+    for where in (config.data.tokenizer_dir, config.model.pretrained):
         if where and any((folder_of(where) / f).is_file() for f in TOKENIZER_FILES):
             return folder_of(where)
     return None
@@ -195,7 +195,7 @@ def check_out(config: Config, run_dir: Path, ckpt: Optional[Path]) -> Path:
 def _read_from(config: Config, run_dir: Path, ckpt: Optional[Path]) -> list[tuple[str, Path]]:
     """(what, folder) of every folder the export reads from or runs in: never replaced."""
     out = []
-    if getattr(config.model, "pretrained", None):
+    if config.model.pretrained:
         out.append(("model.pretrained's folder", folder_of(config.model.pretrained)))
     if config.data.tokenizer_dir:
         out.append(("data.tokenizer_dir", folder_of(config.data.tokenizer_dir)))

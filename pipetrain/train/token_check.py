@@ -49,7 +49,7 @@ def check_token_ids(config: Config) -> None:
     >= model.vocab_size. mode=eval reads the validation shards when there are any, else data.path's."""
     from pipetrain.config import Mode
 
-    d, vocab_size = config.data, getattr(config.model, "vocab_size", None)
+    d, vocab_size = config.data, config.model.vocab_size
     if d.name != "tokens" or vocab_size is None or config.mode not in (Mode.train, Mode.eval):
         return
     train, val = d.token_shards()

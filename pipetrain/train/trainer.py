@@ -63,7 +63,7 @@ class Trainer:
         # the model's shapes (meta) for the data; pretrained_files: the model.pretrained files this rank read
         self.pipe, model, self.pretrained_files = rank_pipeline(config, plan, self.groups, self.parallel, self.device)
         self.data = build_data(config.data, seed=config.trainer.seed,
-                               vocab_size=getattr(config.model, "vocab_size", 0), model=model) if train_data else None
+                               vocab_size=config.model.vocab_size or 0, model=model) if train_data else None
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         if config.model.moe_config is not None:
             attach_moe_hooks(self.pipe.stages.values(), self.optimizer, microbatches=config.pipeline.microbatches,
