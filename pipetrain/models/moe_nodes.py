@@ -25,6 +25,7 @@ from torch import nn
 from pipetrain.models.moe_block import MoEBlock
 from pipetrain.runtime.ep_comm import exchange, expert_major, source_major
 from pipetrain.runtime.stage_protocol import Node
+from pipetrain.schedules.fb_pairs import ATTN, COMBINE, DISPATCH, EXPERTS, POST
 
 
 def single_node(layer: nn.Module, key: str, name: str = "layer") -> list[Node]:
@@ -69,14 +70,14 @@ def block_nodes(block: nn.Module, key: str) -> list[Node]:
             return (r.recv, r.send, g) if forward else (r.send, r.recv, g)
         return of
 
-    nodes = [Node("attn", key, ("x",), ("x1", "xs", "gates", "flat", "aux", "moe"), fn=attn,
+    nodes = [Node(ATTN, key, ("x",), ("x1", "xs", "gates", "flat", "aux", "moe"), fn=attn,
                   modules=(block.input_layernorm, block.self_attn, block.post_attention_layernorm, mlp.router))]
     if g is not None:
-        nodes.append(Node("dispatch", key, ("xs",), ("xs",), comm=splits(True)))
-    nodes.append(Node("experts", key, ("xs", "moe"), ("ys",), fn=experts, modules=(ex,)))
+        nodes.append(Node(DISPATCH, key, ("xs",), ("xs",), comm=splits(True)))
+    nodes.append(Node(EXPERTS, key, ("xs", "moe"), ("ys",), fn=experts, modules=(ex,)))
     if g is not None:
-        nodes.append(Node("combine", key, ("ys",), ("ys",), comm=splits(False)))
+        nodes.append(Node(COMBINE, key, ("ys",), ("ys",), comm=splits(False)))
     shared = () if mlp.shared_experts is None else (mlp.shared_experts,)
-    nodes.append(Node("post", key, ("ys", "gates", "flat", "x1", "aux", "moe"), ("x",), fn=post,
+    nodes.append(Node(POST, key, ("ys", "gates", "flat", "x1", "aux", "moe"), ("x",), fn=post,
                       modules=shared))
     return nodes

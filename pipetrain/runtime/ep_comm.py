@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from pipetrain.compat import cuda_sleep, cuda_sleep_cycles_per_ms
 from pipetrain.runtime import collectives
+from pipetrain.schedules.fb_pairs import COMBINE, DISPATCH  # the all-to-alls' labels: the nodes' names
 
 
 @dataclass(frozen=True)
@@ -219,10 +220,10 @@ def dispatch(x: torch.Tensor, counts: torch.Tensor, g: EPGroup) -> tuple[torch.T
     """x (N, H) sorted by global expert id, counts (E,) per expert -> (this rank's rows (M, H) in
     local-expert-major order, their counts per local expert (E/ep,), what combine needs)."""
     local_counts, routed = exchange(counts, g, x.device)
-    rows = _AllToAll.apply(x, routed.recv, routed.send, g, "dispatch")  # (M, H): by source rank, then by local expert
+    rows = _AllToAll.apply(x, routed.recv, routed.send, g, DISPATCH)  # (M, H): by source rank, then by local expert
     return expert_major(rows, routed), local_counts, routed
 
 
 def combine(y: torch.Tensor, routed: Routed, g: EPGroup) -> torch.Tensor:
     """The experts' rows (M, H) in dispatch's local order -> (N, H) back in x's order on its rank."""
-    return _AllToAll.apply(source_major(y, routed), routed.send, routed.recv, g, "combine")
+    return _AllToAll.apply(source_major(y, routed), routed.send, routed.recv, g, COMBINE)

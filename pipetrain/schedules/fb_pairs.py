@@ -28,11 +28,14 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple, Sequence
 
-MOE_NODES = ("attn", "dispatch", "experts", "combine", "post")
-COMM_NODES = frozenset({"dispatch", "combine"})
+# An MoE block's nodes (models/moe_nodes.py builds them under these names; runtime/overlap.py pairs
+# them by these names): one constant each, so a renamed node cannot silently leave a pair serial.
+ATTN, DISPATCH, EXPERTS, COMBINE, POST = "attn", "dispatch", "experts", "combine", "post"
+MOE_NODES = (ATTN, DISPATCH, EXPERTS, COMBINE, POST)
+COMM_NODES = frozenset({DISPATCH, COMBINE})
 PAIR_ORDER: tuple[tuple[str, str], ...] = (
-    ("B", "post"), ("B", "combine"), ("F", "attn"), ("F", "dispatch"), ("B", "experts"),
-    ("B", "dispatch"), ("F", "experts"), ("F", "combine"), ("B", "attn"), ("F", "post"))
+    ("B", POST), ("B", COMBINE), ("F", ATTN), ("F", DISPATCH), ("B", EXPERTS),
+    ("B", DISPATCH), ("F", EXPERTS), ("F", COMBINE), ("B", ATTN), ("F", POST))
 
 
 def chain_ms(f: Mapping[str, float], b: Mapping[str, float], order: Sequence[tuple[str, str]] = PAIR_ORDER, *,
