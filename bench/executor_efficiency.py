@@ -111,7 +111,7 @@ def main() -> None:
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     per_run: dict[tuple[int, int, str], list[list[float]]] = {}
     per_run_costs: dict[tuple[int, int, str], list[list[float]]] = {}  # the same steps simulated at their own costs
-    for run in range(args.runs):  # every case once per run, so a slow moment lands on one run of each
+    for _ in range(args.runs):  # every case once per run, so a slow moment lands on one run of each
         for P, M in cases:
             spawn_local(rank_main, P, work, M, args.layer_ms, args.steps, args.lookahead)
             measured = json.loads((work / f"measured_P{P}_M{M}.json").read_text())

@@ -74,7 +74,7 @@ def test_bubble_equals_published(name, P):
 @pytest.mark.parametrize("name", ["zbh2", "zbv"])
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_zbh2_and_zbv_at_most_zbh1(name, P):
-    for _, p, M, v in [c for c in CASES if c[0] == name and c[1] == P]:
+    for _, _, M, v in [c for c in CASES if c[0] == name and c[1] == P]:
         if not registry.get("zbh1").is_valid(P, M):
             continue
         _, res = rank_share_equal(name, P, M, v)
