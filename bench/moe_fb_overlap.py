@@ -163,7 +163,6 @@ def batches(args: argparse.Namespace, ep_index: int) -> list[tuple[torch.Tensor,
 
 class PipetrainRow:
     def __init__(self, schedule: str, fb_overlap: str, groups, eg, args: argparse.Namespace) -> None:
-        from pipetrain.parallel.layout import Layout
         from pipetrain.parallel.parallelize import Parallelize
         from pipetrain.schedules import registry
         from pipetrain.train.pipeline import Transport, build_rank_pipeline
