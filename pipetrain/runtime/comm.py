@@ -172,7 +172,8 @@ class P2P:
         self.plan: Optional[RankTransfers] = None
         # id(plan) -> (plan, its groups per boundary as posted): worked out at a plan's first step
         self._prepared: dict[int, tuple[RankTransfers, list[list[_Prepared]]]] = {}
-        self._streams: dict[Optional[int], _Stream] = {}  # in order mode: peer (or None: all) -> stream, kept across steps
+        # in order mode: peer (or None: all) -> stream, kept across steps
+        self._streams: dict[Optional[int], _Stream] = {}
 
     # ---- one step -----------------------------------------------------------------
     def begin(self, plan: RankTransfers, buffer_for: Callable[[Message], torch.Tensor]) -> None:
