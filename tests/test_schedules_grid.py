@@ -50,7 +50,8 @@ def test_complete_deadlock_free_and_round_trips(name, P, M, v):
 
 
 def rank_share_equal(name, P, M, v, share=1.0):
-    """Simulate with F = B = W = `share` per rank's share of the model (stage cost = share / stages of one copy per rank)."""
+    """Simulate with F = B = W = `share` per rank's share of the model (stage cost = share / stages of
+    one copy per rank)."""
     sched = registry.build(name, P, M, v)
     per_stage = share / (sched.placement.stages_per_rank / sched.placement.param_copies)
     res = simulate(sched, StageCosts.uniform(sched.placement.num_stages, per_stage, per_stage, per_stage))
