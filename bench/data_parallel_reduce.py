@@ -152,7 +152,8 @@ def summarize(args: argparse.Namespace, measured: dict) -> dict:
             "makespan_with_reduce_ms": {"measured": median(mine, "makespan_with_reduce_ms"),
                                         "simulated": median(mine, "simulated_makespan_with_reduce_ms"),
                                         "simulated_configured_costs": round(configured.makespan_with_reduce, 3)},
-            "makespan_ms": {"measured": median(mine, "makespan_ms"), "simulated": median(mine, "simulated_makespan_ms")},
+            "makespan_ms": {"measured": median(mine, "makespan_ms"),
+                            "simulated": median(mine, "simulated_makespan_ms")},
             "step_time_s": median(mine, "step_time_s"),
             "per_step": {"makespan_ms": [r["makespan_ms"] for r in mine],
                          "makespan_with_reduce_ms": [r["makespan_with_reduce_ms"] for r in mine],
@@ -180,7 +181,8 @@ def main() -> None:
         measured = json.loads((Path(tmp) / "measured.json").read_text())
     calib = measured["calibration"]
     result = {"setup": {"layout": "pp=2 x dp_replicate=2 (4 gloo ranks)", "model": "sleep, 8 layers",
-                        "layer_ms": args.layer_ms, "params_per_layer": args.params, "schedule": "interleaved_1f1b (v=2)",
+                        "layer_ms": args.layer_ms, "params_per_layer": args.params,
+                        "schedule": "interleaved_1f1b (v=2)",
                         "microbatches": 4, "rounds": args.rounds, "steps_per_round": args.steps},
               "machine": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]},
@@ -191,7 +193,8 @@ def main() -> None:
         print(f"{name:22s} exposed reduce {e['measured']:7.2f} ms measured vs {e['simulated']:7.2f} simulated; "
               f"step {m['measured']:7.2f} ms measured vs {m['simulated']:7.2f} simulated")
     r = result["overlapped_over_at_end"]
-    print(f"calibrated {calib['dp_bandwidth_gbs']:.3f} GB/s ({calib['all_reduce_ms']:.1f} ms per stage); overlapped / at end: "
+    print(f"calibrated {calib['dp_bandwidth_gbs']:.3f} GB/s ({calib['all_reduce_ms']:.1f} ms per stage); "
+          "overlapped / at end: "
           f"{r['measured']:.3f} measured, {r['simulated']:.3f} simulated, wall step {r['step_time_s']:.3f}")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -101,7 +101,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layer-ms", type=float, default=10.0, help="F, B and W time of one sleep layer")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lookahead", type=int, default=1, help="pipeline.p2p_lookahead: receives posted this many actions early")
+    ap.add_argument("--lookahead", type=int, default=1,
+                    help="pipeline.p2p_lookahead: receives posted this many actions early")
     ap.add_argument("--cases", default=",".join(f"{P}x{M}" for P, M in CASES), help="PxM pairs, comma separated")
     ap.add_argument("--runs", type=int, default=3, help="spawns of every case, one after another; a row's ratio is "
                                                            "the median of the runs' (issue #31: median of 3)")
@@ -111,7 +112,7 @@ def main() -> None:
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     per_run: dict[tuple[int, int, str], list[list[float]]] = {}
     per_run_costs: dict[tuple[int, int, str], list[list[float]]] = {}  # the same steps simulated at their own costs
-    for run in range(args.runs):  # every case once per run, so a slow moment lands on one run of each
+    for _ in range(args.runs):  # every case once per run, so a slow moment lands on one run of each
         for P, M in cases:
             spawn_local(rank_main, P, work, M, args.layer_ms, args.steps, args.lookahead)
             measured = json.loads((work / f"measured_P{P}_M{M}.json").read_text())
@@ -133,7 +134,8 @@ def main() -> None:
                         "ratio_runs": [round(m / sim, 4) for m in meds]})
         r = results[-1]
         print(f"P={P:<2} M={M:<3} {name:>10}: measured {r['measured_ms']:8.1f} ms  simulated "
-              f"{r['simulated_ms']:8.1f} ms  ratio {r['ratio']:.3f} (runs {', '.join(f'{x:.3f}' for x in r['ratio_runs'])}); "
+              f"{r['simulated_ms']:8.1f} ms  ratio {r['ratio']:.3f} "
+              f"(runs {', '.join(f'{x:.3f}' for x in r['ratio_runs'])}); "
               f"at its own action times {r['simulated_own_costs_ms']:.1f} ms, ratio {r['ratio_own_costs']:.3f}",
               flush=True)
     worst = max(r["ratio"] for r in results)
@@ -144,7 +146,8 @@ def main() -> None:
                                "cpus": __import__("os").cpu_count(), "worst_ratio": worst, "target": 1.10,
                                "worst_ratio_P4_M16": max(p4, default=None), "target_P4_M16": 1.05,
                                "results": results}, indent=2) + "\n")
-    print(f"worst ratio {worst:.3f} (target <= 1.10)" + (f"; P=4 M=16 worst {max(p4):.3f} (target <= 1.05)" if p4 else "")
+    print(f"worst ratio {worst:.3f} (target <= 1.10)"
+          + (f"; P=4 M=16 worst {max(p4):.3f} (target <= 1.05)" if p4 else "")
           + f"; wrote {out}")
 
 

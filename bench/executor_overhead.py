@@ -168,10 +168,11 @@ class FloorSide:
     posts the send of its output; B / BW receive the output's gradient the same way, run one
     autograd engine call (B: into the stage input only, keeping the graph; W: into the weights;
     BW: both) and post the send of the input's gradient; every send is waited for at the end
-    of the step, then DualPipe's mirrored copies are summed (GradSync, as torch's side does). It runs copies of pipetrain's StageModules. What it leaves out is what
-    an executor adds: a P2P plan, posting ahead, buffers, timeouts and error text, the mean
-    loss all-reduce of the non-finite check, bookkeeping. Checked equal (loss and gradients)
-    to pipetrain's side before any timing."""
+    of the step, then DualPipe's mirrored copies are summed (GradSync, as torch's side does). It
+    runs copies of pipetrain's StageModules. What it leaves out is what an executor adds: a P2P
+    plan, posting ahead, buffers, timeouts and error text, the mean loss all-reduce of the
+    non-finite check, bookkeeping. Checked equal (loss and gradients) to pipetrain's side before any
+    timing."""
 
     name = "floor"
 
@@ -434,7 +435,8 @@ def overall(rows: list[dict[str, Any]], target_us: float, floor_bound: float,
                 "pipetrain_over_floor_median": statistics.median(over_floor),
                 "pipetrain_over_floor_max": max(over_floor),
                 "rows_pipetrain_within_floor_bound": sum(x <= floor_bound for x in over_floor),
-                "floor_bounds_met": max(over_floor) <= floor_bound and statistics.median(over_floor) <= floor_median_bound})
+                "floor_bounds_met": (max(over_floor) <= floor_bound
+                                     and statistics.median(over_floor) <= floor_median_bound)})
     for side in SIDES:
         for key in ("share", "share_without_p2p_wait"):
             splits = [r[side]["phases"]["all_ranks"][key] for r in rows if side in r and "phases" in r[side]]
@@ -459,9 +461,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{pt['us_per_action_main_thread']:9.1f} {th.get('us_per_action_main_thread', nan):7.1f} "
               f"{r.get('pipetrain_over_torch_main_thread', nan):6.3f} {fl.get('us_per_action_main_thread', nan):7.1f} "
               f"{r.get('pipetrain_over_floor_main_thread', nan):6.3f} | {'':>14} {pt['us_per_action_process']:9.1f} "
-              f"{th.get('us_per_action_process', nan):7.1f} {r.get('pipetrain_over_torch_process', nan):6.3f} | {per_rank}")
-    print("(CPU per compute action, median over steps, all ranks together; ratio = pipetrain / torch or floor, lower is "
-          "cheaper; process = main thread + gloo's socket threads)")
+              f"{th.get('us_per_action_process', nan):7.1f} "
+              f"{r.get('pipetrain_over_torch_process', nan):6.3f} | {per_rank}")
+    print("(CPU per compute action, median over steps, all ranks together; ratio = pipetrain / torch or floor, "
+          "lower is cheaper; process = main thread + gloo's socket threads)")
 
 
 def main() -> None:

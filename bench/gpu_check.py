@@ -73,8 +73,9 @@ def gpu_tier(cpu: bool, work: Path) -> dict:
     log = Path(os.environ.get("PIPETRAIN_GPU_LOG", work / "gpu_tier.log"))
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider",
-                             "tests/test_gpu.py"], cwd=REPO, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT,
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "gpu", "-n", "0",
+                             "-p", "no:cacheprovider", "tests/test_gpu.py"],
+                            cwd=REPO, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT,
                             timeout=480).returncode
     tail = log.read_text().strip().splitlines()
     print("\n".join(tail[-25:]), flush=True)
@@ -253,8 +254,8 @@ def main() -> None:
     result["runs"]["eager"] = train(run, "eager", work)
     write()
     result["fb_overlap"] = fb_overlap(work)
-    print(f"fb_overlap: rc {result['fb_overlap']['returncode']}, checks {json.dumps(result['fb_overlap'].get('checks'))}",
-          flush=True)
+    print(f"fb_overlap: rc {result['fb_overlap']['returncode']}, "
+          f"checks {json.dumps(result['fb_overlap'].get('checks'))}", flush=True)
     write()
     if args.compile:
         result["runs"]["compiled"] = train(run + ["trainer.compile=true"], "compiled", work)

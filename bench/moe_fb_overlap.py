@@ -42,7 +42,8 @@ SwiGLU) and every token all-to-all an emulated network delay (runtime/ep_comm.py
 sleep until start + delay, no CPU), so the overlap's saving does not depend on the machine's load
 (tests/test_moe_fb_overlap_bench.py runs it small in CI).
 
-Usage: python bench/moe_fb_overlap.py [--layouts pp1,pp2] [--rounds 3] [--steps 3] [--deterministic | --single] [--out FILE]
+Usage: python bench/moe_fb_overlap.py [--layouts pp1,pp2] [--rounds 3] [--steps 3]
+                                     [--deterministic | --single] [--out FILE]
 """
 
 from __future__ import annotations
@@ -163,7 +164,6 @@ def batches(args: argparse.Namespace, ep_index: int) -> list[tuple[torch.Tensor,
 
 class PipetrainRow:
     def __init__(self, schedule: str, fb_overlap: str, groups, eg, args: argparse.Namespace) -> None:
-        from pipetrain.parallel.layout import Layout
         from pipetrain.parallel.parallelize import Parallelize
         from pipetrain.schedules import registry
         from pipetrain.train.pipeline import Transport, build_rank_pipeline

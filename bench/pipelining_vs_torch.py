@@ -3,10 +3,10 @@
 Both sides get the same GPT-2 (same seed, so the same initial weights), the same stage cut
 (pipetrain's layers, embedding + blocks + head, split into the schedule's number of chunks
 by pipetrain's balanced partition, --partition; with equal layer counts the V schedules'
-rank 0 would hold the two cheap ends, embedding and head, and rank 1 the four middle blocks), the same stage -> rank placement (asserted against torch's
-own mapping: loop = stage s on rank s % P, V = rank r holds stages r and 2P-1-r), the same
-data (one global batch; torch chunks it with `tensor_split`, pipetrain gets the same
-chunks as its microbatches) and the same-named schedule:
+rank 0 would hold the two cheap ends, embedding and head, and rank 1 the four middle blocks), the
+same stage -> rank placement (asserted against torch's own mapping: loop = stage s on rank s % P, V
+= rank r holds stages r and 2P-1-r), the same data (one global batch; torch chunks it with
+`tensor_split`, pipetrain gets the same chunks as its microbatches) and the same-named schedule:
 
     gpipe            ScheduleGPipe              interleaved_1f1b  ScheduleInterleaved1F1B
     1f1b             Schedule1F1B               looped_bfs        ScheduleLoopedBFS
@@ -368,7 +368,8 @@ def run_baseline(key: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), *args.argv, *m, "--baseline-child", "--threads", str(threads),
            *(["--accumulate"] if micro else [])]
     n = args.degree if key.endswith("_concurrent") else 1
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(n)]
     runs = []
     for proc in procs:
         out, err = proc.communicate()
@@ -582,11 +583,13 @@ def print_table(res: dict, args: argparse.Namespace) -> None:
           f"best pipetrain ({s['best_pipetrain_schedule']}) / 2-thread baseline "
           f"{s['best_pipetrain_over_baseline_2t']:.3f}; ceiling ({args.degree} 1-thread microbatched runs at once, "
           f"{s['ceiling_tokens_per_s']:.0f} tok/s, {s['ceiling_over_solo_x_p']:.3f} of {args.degree} x one alone) / "
-          f"2-thread baseline {s['ceiling_over_baseline_2t']:.3f}, best / ceiling {s['best_pipetrain_over_ceiling']:.3f} "
+          f"2-thread baseline {s['ceiling_over_baseline_2t']:.3f}, "
+          f"best / ceiling {s['best_pipetrain_over_ceiling']:.3f} "
           f"(/ {args.degree} x one alone {s['best_pipetrain_over_ceiling_solo_x_p']:.3f})")
     if "planner_row" in s:
         pr = s["planner_row"]
-        vs = f", torch on the same cut {pr['torch']['tokens_per_s']:.0f} (ratio {pr['ratio_median']:.3f})" if "torch" in pr else ""
+        vs = (f", torch on the same cut {pr['torch']['tokens_per_s']:.0f} (ratio {pr['ratio_median']:.3f})"
+              if "torch" in pr else "")
         print(f"planner's pick (schedule=auto partition=profile, P={args.degree}): {pr['schedule']} v={pr['v']} "
               f"M={pr['microbatches']} cut {pr['cut']}: {pr['pipetrain']['tokens_per_s']:.0f} tok/s{vs}; "
               f"/ ceiling {pr['pipetrain_over_ceiling']:.3f} (/ {args.degree} x one alone "
@@ -628,7 +631,8 @@ def cpu_model() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=4, help="timed pairs of steps (one per side) per schedule per round, after 1 warm-up step per side")
+    ap.add_argument("--steps", type=int, default=4, help="timed pairs of steps (one per side) per schedule per round, "
+                                                         "after 1 warm-up step per side")
     ap.add_argument("--degree", type=int, default=2, help="pipeline ranks P")
     ap.add_argument("--microbatches", type=int, default=8, help="M")
     ap.add_argument("--batch", type=int, default=16, help="global batch (microbatch = batch / M)")

@@ -35,7 +35,8 @@ from pathlib import Path
 
 SWEEP = ["model=sleep", "model.layers=8", "model.params_per_layer=250000", "plan.world_size=4", "data.batch_size=16",
          "plan.schedules=[1f1b,zbh1,zbv,zb_auto]", "plan.microbatch_sizes=[1,2]", "plan.memory_gb=0.025",
-         "plan.prune=false", "cluster.dp_bandwidth_gbs=0.7"]  # gloo all-reduce as bench/data_parallel_reduce.py measured it
+         "plan.prune=false",
+         "cluster.dp_bandwidth_gbs=0.7"]  # gloo all-reduce as bench/data_parallel_reduce.py measured it
 
 
 def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -96,7 +97,8 @@ def main() -> None:
                    f"plan.microbatch_sizes=[{row['microbatch_size']}]", f"plan.virtual_stages=[{max(row['v'], 2)}]"]
             s = train_row(one, calibrated, args.steps, work / f"run{i}_{rnd}", work)
             got = s["plan_row"]
-            assert (got["schedule"], got["pp"], got["microbatches"]) == (row["schedule"], row["pp"], row["microbatches"])
+            assert ((got["schedule"], got["pp"], got["microbatches"])
+                    == (row["schedule"], row["pp"], row["microbatches"]))
             runs[i].append(s)
             print(f"round {rnd + 1} #{row['rank']:<3} pp{row['pp']} x dp{row['dp']} {row['schedule']:>8} "
                   f"M={row['microbatches']:<3} predicted {s['plan_pred_step_ms']:8.1f} ms  measured "

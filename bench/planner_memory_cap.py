@@ -63,7 +63,8 @@ def main() -> None:
             measured = [s[f"memory/peak_gb/rank{r}"] for r in range(len(got["memory_per_rank"]))]
             expected = [expected_gb(m) for m in got["memory_per_rank"]]
             errors = [m / e - 1 for m, e in zip(measured, expected)]
-            results.append({"model": model, "precision": precision, "plan_rank": row["rank"], "schedule": row["schedule"],
+            results.append({"model": model, "precision": precision, "plan_rank": row["rank"],
+                            "schedule": row["schedule"],
                             "microbatches": row["microbatches"], "microbatch_size": row["microbatch_size"],
                             "recompute": row["recompute"], "pred_peak_gb": row["pred_peak_gb"],
                             "expected_gb_per_rank": [round(e, 6) for e in expected],

@@ -94,7 +94,8 @@ def main() -> None:
         equal = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     event = hurt["event"]
     result = {
-        "what": "launch.max_restarts=2, one of 2 ranks SIGKILLed after step 7 of 20, checkpoints every 5 (GPT-2 tiny, fp32, gloo)",
+        "what": ("launch.max_restarts=2, one of 2 ranks SIGKILLed after step 7 of 20, checkpoints every 5 "
+                 "(GPT-2 tiny, fp32, gloo)"),
         "completed": hurt["returncode"] == 0 and ref.returncode == 0, "bitwise_equal": equal,
         "message": event.get("text"), "restart_s": hurt["restart_s"], "to_message_s": hurt["to_message_s"],
         "lost_steps": (event.get("failed_step") or 0) - (event.get("resumed_step") or 0),

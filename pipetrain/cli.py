@@ -102,7 +102,8 @@ def run(config: Config, run_dir: Path) -> Any:
         if "submitted" in result:  # cluster=slurm from a login node: the job evaluates
             return result
         console.print(f"eval: loss {result['loss']:.6f} over {result['tokens']:,} tokens of {result['file']} "
-                      f"({result['tokens_per_s']:,.0f} tokens/s) -> {run_dir / EVAL_FILE}", markup=False, highlight=False)
+                      f"({result['tokens_per_s']:,.0f} tokens/s) -> {run_dir / EVAL_FILE}",
+                      markup=False, highlight=False)
         return result
     result = launch(config, plan, run_dir)
     if planned is not None and not quiet:

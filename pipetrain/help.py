@@ -145,7 +145,8 @@ def render(argv: Sequence[str]) -> str:
         lines += [f" {title or 'top level'}:", *_rows(items, shown)]
     lines += ["", "examples:"]
     lines += [f"  {cmd}\n      {what}" for cmd, what in EXAMPLES]
-    lines += ["", "more: README.md and docs/; --version; --hydra-help (Hydra's own flags); --cfg job (the composed config)"]
+    lines += ["", "more: README.md and docs/; --version; --hydra-help (Hydra's own flags); "
+                  "--cfg job (the composed config)"]
     return "\n".join(lines) + "\n"
 
 

@@ -61,7 +61,8 @@ class Plan:
     # Data parallel: per stage id, the ms its gradient reduction keeps a rank's communication
     # lane busy (bytes over cluster.dp_bandwidth_gbs, schedules/reduce_cost.py); None when dp = 1.
     reduce_ms: tuple[float, ...] | None = None
-    recompute_stages: frozenset[int] = frozenset()  # stage ids whose layers recompute (trainer.activation_checkpointing)
+    # stage ids whose layers recompute (trainer.activation_checkpointing)
+    recompute_stages: frozenset[int] = frozenset()
     compiled_stages: frozenset[int] = frozenset()  # stage ids whose layers are compiled (trainer.compile): BW, no W
     # what simulate_layout returned for this plan: `simulated.result` is mode=simulate's simulation
     simulated: SimulatedPlan | None = dataclasses.field(default=None, repr=False, compare=False)

@@ -137,7 +137,8 @@ def documents(path: Path, fmt: str, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {n} is not JSON ({e.msg}): give a jsonl file, one object a line")
+                    raise ValueError(
+                        f"{path} line {n} is not JSON ({e.msg}): give a jsonl file, one object a line") from None
                 if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                     raise ValueError(f"{path} line {n} has no string field {text_field!r}: set --text-field to "
                                      "the field that holds the text")

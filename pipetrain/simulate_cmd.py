@@ -108,7 +108,8 @@ def sequence_and_expert_records(config: Config, plan: Plan) -> dict:
     if par.ep > 1:
         a2a = [(l.comm_f_ms, l.comm_b_ms) for l in plan.layer_costs]
         out["expert_parallel"] = {"ep": par.ep, "ep_bandwidth_gbs": rounded(cl.ep_bandwidth_gbs),
-                                  "a2a_f_ms": rounded(sum(f for f, _ in a2a)), "a2a_b_ms": rounded(sum(b for _, b in a2a)),
+                                  "a2a_f_ms": rounded(sum(f for f, _ in a2a)),
+                                 "a2a_b_ms": rounded(sum(b for _, b in a2a)),
                                   "fb_overlap_per_layer": bool(plan.stage_costs.layers)}
     return out
 
@@ -121,7 +122,8 @@ def check_outputs(config: Config, run_dir: Optional[Path]) -> None:
     if run_dir is None:  # planned without a run directory (tests, the planner): nothing is written
         return
     prof = Path(run_dir) / PROFILE_DIR
-    if config.mode is Mode.train and config.profile.enabled and (prof.exists() or prof.is_symlink()) and not prof.is_dir():
+    if (config.mode is Mode.train and config.profile.enabled
+            and (prof.exists() or prof.is_symlink()) and not prof.is_dir()):
         raise ValueError(f"profile.enabled=true writes profile/rank<r>.json into {prof}, which is a file: move that "
                          f"file away, or set hydra.run.dir to another directory (or profile.enabled=false)")
 
@@ -138,7 +140,8 @@ def plan_and_simulate(
     """The checks every run does before any process starts: partition, validate, simulate, report."""
     check_outputs(config, run_dir)
     if config.partition.name == "profile":
-        console.print(f"partition=profile: timing every layer of model={config.model.name} (cached after the first run)")
+        console.print(
+            f"partition=profile: timing every layer of model={config.model.name} (cached after the first run)")
     plan = make_plan(config)
     result: SimResult = plan.simulated.result  # plan.py simulate_layout: the path the planner takes too
     record = render.result_record(

@@ -83,7 +83,8 @@ def train_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             names.TOKENS_PER_S: summ.get(names.TOKENS_PER_S),
             # simulated with the run's measured costs where it measured a step, else simulate.json's
             names.BUBBLE_SIM: summ.get(names.BUBBLE_SIM, sim["bubble_fraction_mean"]),
-            names.BUBBLE: summ.get(names.BUBBLE), names.PEAK_GB: summ.get(names.PEAK_GB), names.LOSS: summ.get(names.LOSS),
+            names.BUBBLE: summ.get(names.BUBBLE), names.PEAK_GB: summ.get(names.PEAK_GB),
+            names.LOSS: summ.get(names.LOSS),
         })
     return rows
 

@@ -420,7 +420,8 @@ def function_bodies(source: str, where: str) -> dict[str, list[str]]:
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
             body = n.body[1:] if ast.get_docstring(n) is not None else n.body
             if sum(isinstance(s, ast.stmt) for b in body for s in ast.walk(b)) >= 2:
-                out.setdefault(ast.dump(ast.Module(body=body, type_ignores=[])), []).append(f"{where}:{n.lineno} {n.name}")
+                out.setdefault(ast.dump(ast.Module(body=body, type_ignores=[])), []).append(
+                    f"{where}:{n.lineno} {n.name}")
     return out
 
 

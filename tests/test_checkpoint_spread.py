@@ -44,7 +44,7 @@ def pick_on_every_rank(rank: int, world: int, out: Path, run: Path, cases: dict[
         reads: list[str] = []
         notes: list[str] = []
 
-        def read(path: Path) -> str:
+        def read(path: Path, reads: list[str] = reads) -> str:  # this case's list, bound now
             reads.append(f"{path.parent.name}/{path.name}")
             return dirs.sha256(path)
 

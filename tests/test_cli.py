@@ -81,13 +81,13 @@ def test_recipe_then_cli_override(tmp_path):
 
 
 def test_custom_schedule_file_round_trips(tmp_path):
-    first = run_cli(["mode=simulate", "model=sleep", "schedule=zbh1", "pipeline.degree=4", "sim.timeline=false", f"hydra.run.dir={tmp_path / 'a'}"],
-                    cwd=tmp_path)
+    first = run_cli(["mode=simulate", "model=sleep", "schedule=zbh1", "pipeline.degree=4", "sim.timeline=false",
+                     f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     csv = tmp_path / "my_schedule.csv"
     csv.write_text("# exported from zbh1\n" + (tmp_path / "a" / "schedule.csv").read_text())
-    second = run_cli(["mode=simulate", "model=sleep", "schedule=custom", f"schedule.path={csv}", "pipeline.degree=4", "sim.timeline=false",
-                      f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path)
+    second = run_cli(["mode=simulate", "model=sleep", "schedule=custom", f"schedule.path={csv}", "pipeline.degree=4",
+                      "sim.timeline=false", f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     a = json.loads((tmp_path / "a" / "simulate.json").read_text())
     b = json.loads((tmp_path / "b" / "simulate.json").read_text())

@@ -58,7 +58,8 @@ def test_compiled_stages_train_as_eager(compose, tmp_path: Path):
         for name, t in got["params"].items():
             torch.testing.assert_close(t, ref["params"][name], rtol=0, atol=1e-4, msg=name)
     zbv = plans["zbv"].schedule
-    written = Schedule.from_csv(zbv.to_csv(), name="zbv", placement=zbv.placement, num_microbatches=zbv.num_microbatches)
+    written = Schedule.from_csv(zbv.to_csv(), name="zbv", placement=zbv.placement,
+                                num_microbatches=zbv.num_microbatches)
     measured = torch.load(tmp_path / "zbv.rank0.pt")["measured"]
     assert measured == [[str(step) for step in written.steps[r]] for r in range(2)]
     ops = {a.op.value for r in range(2) for a in written.actions(r)}

@@ -151,7 +151,8 @@ def test_a_run_on_a_terminal_keeps_its_console_plain_in_the_run_dir(tmp_path):
     assert lines[-1] == plain(done)[1] and lines[-1].startswith("done: 3 steps, loss ")
     assert ESC not in text and "\r" not in text
     assert not [ln for ln in lines if ln.startswith("training ")]  # the transient bar went, as on the terminal
-    assert [ln.split(" loss")[0] for ln in lines if re.match(r"step \d+/3 ", ln)] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert ([ln.split(" loss")[0] for ln in lines if re.match(r"step \d+/3 ", ln)]
+            == ["step 1/3", "step 2/3", "step 3/3"])
     assert sum(ln.startswith("USDT:") for ln in lines) >= 2  # Kineto's chatter: in the log only
     assert not (run / "cli.log").exists()  # Hydra's empty job log is no longer left
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
@@ -208,7 +209,8 @@ def test_a_refused_run_prints_its_error_line_every_time(tmp_path):
     (["trainer.max_step=10"], "trainer.max_step is not a config key; did you mean trainer.max_steps?"),
     (["model=llama-tny"], "model=llama-tny is not a model option; did you mean model=llama-tiny?"),
     (["model=llama-tny", "--help"], "model=llama-tny is not a model option; did you mean model=llama-tiny?"),
-    (["-m", "mode=simulate", "schedule=zbv,zbvv"], "schedule=zbvv is not a schedule option; did you mean schedule=zbv?"),
+    (["-m", "mode=simulate", "schedule=zbv,zbvv"],
+     "schedule=zbvv is not a schedule option; did you mean schedule=zbv?"),
     (["model=sleep", "model.f_m=1"], "model.f_m is not a config key; did you mean model.f_ms?"),
 ])
 def test_a_typo_is_one_line_with_the_nearest_name(tmp_path, args, line):

@@ -61,7 +61,8 @@ def shorten(cmd: str, *, keep_checkpoints: bool = True) -> str:
     if "trainer.max_steps=" in cmd:  # a block that resumes keeps 2 steps at least, so the resume continues past
         least = 2 if keep_checkpoints else 1  # the first run; otherwise one step checks the command as well as 20
         return re.sub(r"trainer\.max_steps=(\d+)",
-                      lambda m: f"trainer.max_steps={m.group(1) if int(m.group(1)) <= 5 else max(least, int(m.group(1)) // 50)}",
+                      lambda m: ("trainer.max_steps="
+                                 f"{m.group(1) if int(m.group(1)) <= 5 else max(least, int(m.group(1)) // 50)}"),
                       cmd) + tail
     return f"{cmd} trainer.max_steps=1{tail}"
 
@@ -145,7 +146,9 @@ def missing_paths(cmd: str, cwd: Path) -> list[str]:
 
 def test_the_docs_have_commands_to_check():
     where = [c.where.split(":")[0] for c in CASES]
-    assert sum(w.endswith(".md") for w in where) >= 15 and len({w for w in where if w.startswith("docs/")}) >= 8 and len({w for w in where if w.startswith("recipes/")}) >= 4
+    assert (sum(w.endswith(".md") for w in where) >= 15
+            and len({w for w in where if w.startswith("docs/")}) >= 8
+            and len({w for w in where if w.startswith("recipes/")}) >= 4)
     assert any(c.gpu for c in CASES)  # and each is checked: test_a_command_bigger_than_a_laptop_says_so_and_only_then
 
 
@@ -161,7 +164,8 @@ def test_command_runs_as_written(case, tmp_path):
         err = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith("USDT:")]
         no_slurm = not any(Path(p, "sbatch").exists() for p in os.environ["PATH"].split(":"))
         if cmd.startswith("pipetrain ") and "cluster=slurm" in cmd and no_slurm:
-            assert res.returncode == 2 and len(err) == 1 and "sbatch" in err[0], (cmd, res.stderr)  # says it needs SLURM
+            # says it needs SLURM
+            assert res.returncode == 2 and len(err) == 1 and "sbatch" in err[0], (cmd, res.stderr)
         elif case.refused:
             assert res.returncode != 0 and len(err) == 1 and "error" in err[0], (cmd, res.stderr)
         elif missing:

@@ -55,8 +55,10 @@ def test_eval_checks_the_file_it_reads(compose, tmp_path):
     np.save(good, (np.arange(4096) % 500).astype(np.uint32))
     np.save(bad, np.full(4096, 600, dtype=np.uint32))
     base = ["model=gpt2-tiny", "data=tokens", f"data.path={good}", f"data.val_path={bad}", "data.seq_len=32"]
-    assert _error(compose, ["mode=eval", *base], tokens=True).startswith(f"data.val_path={bad}: {bad} holds token id 600")
-    data_schema.check_token_ids(compose(["mode=train", "data.val_path=null", *base[:3], "data.seq_len=32"]))  # good file
+    assert _error(compose, ["mode=eval", *base], tokens=True).startswith(
+        f"data.val_path={bad}: {bad} holds token id 600")
+    # a good file
+    data_schema.check_token_ids(compose(["mode=train", "data.val_path=null", *base[:3], "data.seq_len=32"]))
 
 
 def test_a_long_stream_is_sampled_end_to_end(tmp_path, monkeypatch):
@@ -88,7 +90,8 @@ def test_a_negative_token_id_is_one_line_before_the_start(compose, tmp_path):
 
 
 def test_eval_on_the_builtin_corpus_fails_at_compose(compose):
-    assert _error(compose, ["mode=eval"]) == "mode=eval reads token files: set data=tokens data.path=FILE (got data=builtin)"
+    assert (_error(compose, ["mode=eval"])
+            == "mode=eval reads token files: set data=tokens data.path=FILE (got data=builtin)")
 
 
 def test_a_profile_folder_that_is_a_file_fails_before_the_start(compose, tmp_path):

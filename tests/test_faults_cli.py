@@ -141,8 +141,8 @@ def test_two_launches_of_one_run_name_at_once_leave_the_winners_files(tmp_path):
     show: the one that takes the lock leaves what it writes alone (its .hydra/ included), the other is refused
     in one line and writes nothing there (issue #44: it was refused 5-10 s in, after writing its command, tables
     and simulation files there, and the winner's .hydra/config.yaml ended with its seed in 3 of 5 tries)."""
-    cmd = [sys.executable, "-m", "pipetrain.cli", "mode=train", *TINY, "trainer.max_steps=1", "trainer.ckpt_at_end=false",
-           "logger=[jsonl]", "run.name=both"]
+    cmd = [sys.executable, "-m", "pipetrain.cli", "mode=train", *TINY, "trainer.max_steps=1",
+           "trainer.ckpt_at_end=false", "logger=[jsonl]", "run.name=both"]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     (tmp_path / "pair").mkdir()
     procs = {seed: subprocess.Popen([*cmd, f"trainer.seed={seed}"], cwd=tmp_path / "pair", env=env, text=True,
@@ -212,7 +212,8 @@ def test_lock_of_a_gone_launcher_is_kept_while_a_rank_of_its_run_lives(tmp_path)
 
 
 def test_unnamed_runs_never_share_a_directory(tmp_path):
-    procs = [subprocess.Popen([sys.executable, "-m", "pipetrain.cli", "mode=simulate", "model=sleep", "sim.timeline=false"],
+    procs = [subprocess.Popen([sys.executable, "-m", "pipetrain.cli", "mode=simulate", "model=sleep",
+                               "sim.timeline=false"],
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
     for p in procs:
         assert p.wait(timeout=120) == 0, p.stderr.read().decode()[-2000:]
@@ -262,7 +263,8 @@ def test_named_run_resumes_after_its_launcher_was_killed(tmp_path):
     assert "took over the lock" in res.stdout  # the killed launcher's lock
     assert _step_files(run)[-1].parent.name == "step_000024"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 25))  # the steps logged after the checkpoint and redone: one row each
+    # the steps logged after the checkpoint and redone: one row each
+    assert [r["step"] for r in rows] == list(range(1, 25))
     # the losses of the uninterrupted run, step for step (issue 25: resumes "with the uninterrupted losses")
     ref = [c if c != "run.name=long" else "run.name=ref" for c in cmd if c != "trainer.resume=auto"]
     res = subprocess.run(ref, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -91,6 +91,7 @@ def test_overlap_layers_split_each_layers_totals_into_nodes(shared):
             share = 2 * 2 * 3 * 128 * 128 / l.flops_per_token if l.a2a_values_per_token else 0.0
             post = shared * 2 * 3 * 128 * 128 / l.flops_per_token if l.a2a_values_per_token else 0.0
             assert nodes.f.experts == pytest.approx(share * (l.f_ms - l.comm_f_ms))
-            assert nodes.f.post == pytest.approx(post * (l.f_ms - l.comm_f_ms)) and (nodes.f.post > 0) == bool(shared and post)
+            assert (nodes.f.post == pytest.approx(post * (l.f_ms - l.comm_f_ms))
+                    and (nodes.f.post > 0) == bool(shared and post))
             assert sum(nodes.backward(with_w=True)) == pytest.approx(l.b_ms + l.w_ms, rel=1e-12)
     assert sum(1 for stage in per_stage for n in stage if n.f.a2a) == 8, "moe-tiny's 8 blocks are MoE"

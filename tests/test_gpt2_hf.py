@@ -40,7 +40,8 @@ def save_hf(folder: Path, form: str) -> Path:
     if form == "legacy":
         hf.transformer.save_pretrained(folder)
         weights = safetensors_torch.load_file(folder / "model.safetensors")
-        mask = torch.tril(torch.ones(SHAPE["n_positions"], SHAPE["n_positions"])).view(1, 1, *[SHAPE["n_positions"]] * 2)
+        mask = torch.tril(torch.ones(SHAPE["n_positions"], SHAPE["n_positions"])).view(
+            1, 1, *[SHAPE["n_positions"]] * 2)
         weights.update({f"h.{i}.attn.bias": mask.clone() for i in range(SHAPE["n_layer"])})
         safetensors_torch.save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     else:

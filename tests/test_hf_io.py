@@ -76,7 +76,8 @@ def hf_loss(folder: Path, tokens: Path) -> float:
 @pytest.mark.parametrize("case", list(CASES))
 def test_pretrained_folder_gives_hf_logits(case, folders, compose):
     config = compose(["mode=train", *BASE, f"model.pretrained={folders[case]}", f"data.path={folders[case]}.bin"])
-    assert config.model.hidden_size == 64 and any("hidden_size=64 (was 128)" in c for c in config.model.pretrained_changes)
+    assert (config.model.hidden_size == 64
+            and any("hidden_size=64 (was 128)" in c for c in config.model.pretrained_changes))
     model = build_model(config.model, device="meta")
     rule = PretrainedWeights(config.model.pretrained, config.model.knobs())
     idx = torch.randint(0, 96, (2, 80), generator=torch.Generator().manual_seed(1))
@@ -116,7 +117,8 @@ def test_each_rank_opens_only_the_files_holding_its_keys(folders, compose, tmp_p
         got = json.loads((tmp_path / f"opened{rank}.json").read_text())
         assert sorted(got["opened"]) == sorted({weight_map[k] for k in got["keys"]})
         seen.append(set(got["opened"]))
-    assert len(set(weight_map.values())) > 10 and seen[0].isdisjoint(seen[1] - {weight_map["model.layers.1.mlp.down_proj.weight"]})
+    assert (len(set(weight_map.values())) > 10
+            and seen[0].isdisjoint(seen[1] - {weight_map["model.layers.1.mlp.down_proj.weight"]}))
     assert seen[0] | seen[1] == set(weight_map.values()) and len(seen[0]) < len(set(weight_map.values()))
 
 

@@ -102,7 +102,8 @@ def test_cluster_config_errors_name_the_knob(kwargs, knob):
 @pytest.mark.pure
 def test_ranks_must_fill_the_nodes():
     assert ClusterConfig(name="slurm", nodes=2).tasks_per_node(16) == 8
-    with pytest.raises(ValueError, match="cluster.nodes=2 x cluster.ranks_per_node=4 = 8 tasks, but pipeline.degree=16"):
+    with pytest.raises(ValueError,
+                       match="cluster.nodes=2 x cluster.ranks_per_node=4 = 8 tasks, but pipeline.degree=16"):
         ClusterConfig(name="slurm", nodes=2, ranks_per_node=4).check_world(16)
     with pytest.raises(ValueError, match="set cluster.nodes to a divisor of 3"):
         ClusterConfig(name="slurm", nodes=2).check_world(3)

@@ -80,7 +80,7 @@ def test_cost_model_activations_are_what_autograd_keeps(qk_norm):
     for i in (0, 1, 3):
         seen: set[int] = set()
 
-        def pack(tensor):
+        def pack(tensor, seen: set = seen):  # this layer's set, bound now
             if tensor.untyped_storage().data_ptr() not in weights:
                 seen.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
             return tensor

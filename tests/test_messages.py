@@ -111,7 +111,8 @@ def test_a_stopped_rank_is_reported_within_the_p2p_timeout_and_named(tmp_path):
     env = dict(os.environ, WANDB_MODE="offline")
     env.pop("HYDRA_FULL_ERROR", None)
     args = [*ARGS, "data.batch_size=8", "logger=[jsonl]", "trainer.ckpt_every=0", "trainer.ckpt_at_end=false",
-            "pipeline.degree=2", "parallel.dp_replicate=2", f"pipeline.p2p_timeout_s={timeout_s}", f"hydra.run.dir={run}"]
+            "pipeline.degree=2", "parallel.dp_replicate=2", f"pipeline.p2p_timeout_s={timeout_s}",
+            f"hydra.run.dir={run}"]
     with (tmp_path / "err.txt").open("w") as err:  # a file: the stopped rank holds the launcher's stderr open
         job = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", *args], cwd=tmp_path, env=env,
                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
@@ -141,7 +142,8 @@ def test_a_stopped_rank_is_reported_within_the_p2p_timeout_and_named(tmp_path):
     assert re.match(r"pipetrain: error: rank 1 \(pp 0, dp_replicate 1\) failed: stuck or dead \(killed by SIGKILL\): "
                     r"rank \d \(pp \d, dp_replicate \d\) timed out first: ", lines[0]), lines[0]
     assert (re.search(rf"P2PError: rank 3 \(pp 1, dp_replicate 1\): \d+F\d+ on rank 3 waiting for the activation of "
-                      rf"0F\d+ from rank 1 \(pp 0, dp_replicate 1\) timed out after {timeout_s}s: rank 1 is stuck or dead",
+                      rf"0F\d+ from rank 1 \(pp 0, dp_replicate 1\) timed out after {timeout_s}s: "
+                      rf"rank 1 is stuck or dead",
                       lines[0])
             or lines[0].endswith(f"waited {timeout_s}s in a collective (pipeline.p2p_timeout_s bounds every wait "
                                  f"after the first step)")), lines[0]

@@ -48,7 +48,8 @@ def test_sweep_jobs_log_one_set_of_names_everywhere_and_group_in_wandb(tmp_path)
         # TensorBoard: every number of every row, under the same name
         board = tensorboard_scalars(run_dir / "tensorboard")
         for step, row in rows.items():
-            want = {k: v for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            want = {k: v for k, v in row.items()
+                    if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
             assert set(board[step]) == set(want)
             assert all(board[step][k] == pytest.approx(v, rel=1e-6) for k, v in want.items())
         # wandb: the same names in its history, and the run in the sweep's group

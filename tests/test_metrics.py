@@ -40,8 +40,9 @@ def samples_from_sim(sim, *, wait_ms: float = 0.0, skew_ms: float = 0.0) -> list
         # every rank leaves the step's loss all-reduce at one moment, 1 ms after the last action
         # on the common axis: on rank r's own clock that is skew_ms * r earlier
         out.append(RankSample(rank=r, step_ms=sim.makespan, timings=timings, comm=comm,
-                              peak_activation_sets=sim.peak_activations_per_rank[r], peak_activation_bytes=1000 * (r + 1),
-                              param_bytes=10, grad_bytes=10, optimizer_bytes=20, sync_ms=sim.makespan + 1.0 - skew_ms * r))
+                              peak_activation_sets=sim.peak_activations_per_rank[r],
+                              peak_activation_bytes=1000 * (r + 1), param_bytes=10, grad_bytes=10,
+                              optimizer_bytes=20, sync_ms=sim.makespan + 1.0 - skew_ms * r))
     return out
 
 
@@ -145,7 +146,8 @@ def test_gpu_reserved_peak_is_reported_beside_the_allocated_one_and_absent_on_cp
                          peak_reserved_bytes_per_rank=[5000, 10000])
     out = summary.to_json()
     assert out["memory/peak_gb"] == 6000e-9 and out["memory/peak_reserved_gb/rank1"] == 10000e-9
-    assert "memory/peak_reserved_gb" not in RunSummary(**{**summary.__dict__, "peak_reserved_bytes_per_rank": []}).to_json()
+    assert "memory/peak_reserved_gb" not in RunSummary(
+        **{**summary.__dict__, "peak_reserved_bytes_per_rank": []}).to_json()
 
 
 def test_rank_means_the_global_rank_in_every_view():
@@ -185,7 +187,8 @@ def test_rank_means_the_global_rank_in_every_view():
 
 def test_metrics_line_starts_with_the_step():
     rec = {"step": 100, "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "perf/tokens_per_s": 12345.0,
-           "perf/step_time_s": 0.05, "perf/mfu": 0.12, "pipeline/bubble_measured": 0.2, "pipeline/bubble_simulated": 0.19,
+           "perf/step_time_s": 0.05, "perf/mfu": 0.12, "pipeline/bubble_measured": 0.2,
+           "pipeline/bubble_simulated": 0.19,
            "memory/peak_gb": 0.003, "memory/peak_gb/rank0": 0.002,
            "memory/peak_gb/rank1": 0.003, "memory/activations_gb/rank0": 0.001}
     line = metrics_line(rec, 200, 12.0)
@@ -251,7 +254,8 @@ def test_a_full_disk_never_tears_a_metrics_row(compose, tmp_path):
 
     disk = tmp_path / "disk"
     disk.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                           capture_output=True, text=True)
     if mount.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {mount.stderr.strip()}")
     logger = JsonlLogger()

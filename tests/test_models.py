@@ -502,7 +502,7 @@ def test_autocast_weight_copies_are_what_a_bf16_forward_saves_of_its_weights():
     for i, layer in enumerate(model.layers):
         saved: dict[int, int] = {}
 
-        def pack(t):
+        def pack(t, saved: dict[int, int] = saved):  # this layer's dict, bound now
             if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t

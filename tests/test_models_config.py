@@ -12,8 +12,8 @@ import pytest
 from conftest import assert_torch_free
 from pipetrain.compose import CONF_DIR
 from pipetrain.config import (
-    LLAMA_OPTIONS, MODEL_OPTIONS, MOE_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, LlamaModelConfig, MLPModelConfig,
-    SleepModelConfig,
+    LLAMA_OPTIONS, MODEL_OPTIONS, MOE_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, LlamaModelConfig,
+    MLPModelConfig, SleepModelConfig,
 )
 from pipetrain.plan import make_plan
 from pipetrain.schedules.simulate import StageCosts

@@ -56,7 +56,8 @@ def test_simulated_step_grows_as_the_ep_bandwidth_shrinks(tmp_path):
     plan, record = plan_and_simulate(compose_config([*SIM, "parallel.ep=2"]), tmp_path, Console(file=io.StringIO()),
                                      timeline=False, write=False)
     a2a = sum(l.comm_f_ms for l in plan.layer_costs)  # simulate.json says what the stage costs include
-    assert record["expert_parallel"]["ep"] == 2 and record["expert_parallel"]["a2a_f_ms"] == pytest.approx(a2a, rel=1e-3)
+    assert (record["expert_parallel"]["ep"] == 2
+            and record["expert_parallel"]["a2a_f_ms"] == pytest.approx(a2a, rel=1e-3))
 
 
 def test_plan_rows_carry_ep_in_the_table_and_json(tmp_path):

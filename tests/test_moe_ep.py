@@ -6,12 +6,13 @@ FSDP2-sharded over their own (here one-rank) mesh with the whole dp as divide fa
 zbv (split backward: the all-to-all's backward runs inside B) and dualpipev (DualPipe's mirror; whole
 stages, and node by node with every F&B pair's forward and backward interleaved, pipeline.fb_overlap=on:
 FSDP2's parameters gathered by the reducer, issue #29), and interleaved 1F1B paired for the same overlap
-(Megatron's combined 1F1B) the losses of steps 1-3 and the parameters after 3 clipped AdamW steps equal a single process training
-on the same microbatches (test_tensor_parallel.py's bounds), and ep=1 at the same layout too: no
-"gradients doubled with EP=2". Under balance=aux_free ep=2 against ep=1 directly (issue #28): the
-losses of 3 steps within 1e-6 relative, every token routed alike with no choice near a tie, every
-reduced gradient of every step within fp32's reassociation bound (tests/_parity.py, which a planted
-1.001 on one layer's expert gradients exceeds), and the router biases moved by those steps bitwise equal.
+(Megatron's combined 1F1B) the losses of steps 1-3 and the parameters after 3 clipped AdamW steps
+equal a single process training on the same microbatches (test_tensor_parallel.py's bounds), and
+ep=1 at the same layout too: no "gradients doubled with EP=2". Under balance=aux_free ep=2 against
+ep=1 directly (issue #28): the losses of 3 steps within 1e-6 relative, every token routed alike with
+no choice near a tie, every reduced gradient of every step within fp32's reassociation bound
+(tests/_parity.py, which a planted 1.001 on one layer's expert gradients exceeds), and the router
+biases moved by those steps bitwise equal.
 """
 
 from __future__ import annotations

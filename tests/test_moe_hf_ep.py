@@ -77,7 +77,7 @@ def _load(rank: int, world: int, out: Path, runs: list) -> None:
     for name, config, plan in runs:
         rules = []
 
-        def keep(model_config):  # the trainer's own rule, kept here so this rank's reads can be counted
+        def keep(model_config, rules: list = rules):  # the trainer's own rule, kept to count this run's reads
             rules.append(pretrained_rule(model_config))
             return rules[-1]
 

@@ -78,7 +78,8 @@ def test_measured_bubble_matches_the_simulated_one(sleep_runs, schedule):
     # 4 ranks on 2 loaded cores; the tight bound (within 0.03, issue 6) is a benchmark on a
     # quiet machine: bench/measured_bubble.py.
     assert BUSY_RATIO <= (1 - measured) / (1 - simulated) <= 1 / BUSY_RATIO, (schedule, measured, simulated)
-    for m, s in zip(*([last[f"pipeline/{k}/rank{r}"] for r in range(4)] for k in ("bubble_measured", "bubble_simulated"))):
+    for m, s in zip(*([last[f"pipeline/{k}/rank{r}"] for r in range(4)]
+                      for k in ("bubble_measured", "bubble_simulated"))):
         assert BUSY_RATIO <= (1 - m) / (1 - s) <= 1 / BUSY_RATIO, last
     # the simulator was fed what the layers really took: ~20 ms F and ~40 ms BW per 1F1B stage
     # (2 layers: F sleeps twice, BW four times, SleepB and SleepW per layer), ~10 ms each of F, B

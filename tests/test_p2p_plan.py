@@ -124,7 +124,8 @@ def test_crossed_hand_written_plan_is_refused_in_one_line(tmp_path):
     line = str(e.value).splitlines()[0]
     assert line == ("schedule 'custom': ranks 0 and 1 issue two messages in opposite orders: rank 0 issues the "
                     "activation of 0F1 before the input gradient of 1B0, rank 1 the other way round; on NCCL (one "
-                    "in-order stream per pair) that deadlocks: reorder the schedule so both ranks meet them in one order")
+                    "in-order stream per pair) that deadlocks: reorder the schedule so both ranks meet them in one "
+                    "order")
 
 
 def test_swapped_receives_are_refused_naming_both_messages(tmp_path):

@@ -27,7 +27,8 @@ def test_every_package_is_listed_in_pyproject():
 @pytest.mark.slow
 def test_wheel_ships_configs_and_runs_outside_the_repo(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         str(REPO)],
         check=True, capture_output=True, timeout=300,
     )
     wheel = next(tmp_path.glob("pipetrain-*.whl"))
@@ -43,7 +44,8 @@ def test_wheel_ships_configs_and_runs_outside_the_repo(tmp_path):
     env.pop("HYDRA_FULL_ERROR", None)
     work = tmp_path / "elsewhere"
     work.mkdir()
-    code = "import sys, pipetrain.cli as c; assert c.__file__.startswith(sys.argv[1]); sys.argv = sys.argv[1:]; c.main()"
+    code = ("import sys, pipetrain.cli as c; assert c.__file__.startswith(sys.argv[1]); "
+            "sys.argv = sys.argv[1:]; c.main()")
     res = subprocess.run(
         [sys.executable, "-S", "-c", code, str(site), "+recipe=sleep-p8", "schedule=dualpipev", "sim.timeline=false",
          f"hydra.run.dir={work / 'run'}"],

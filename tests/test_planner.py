@@ -62,7 +62,8 @@ def test_a_row_predicts_what_its_config_simulates(compiled, recompute):
     every stage or (plan.recompute_partial) on the first ranks' stages (trainer.recompute_stages)."""
     partial = recompute == "partial"
     cfg = compose_config([*SLEEP, "plan.memory_gb=1", "sim.comm_ms=0.5", "plan.schedules=[1f1b,zbh1,zbv,zb_auto]",
-                          f"trainer.compile={str(compiled).lower()}", f"plan.recompute=[{'true' if partial else recompute}]",
+                          f"trainer.compile={str(compiled).lower()}",
+                          f"plan.recompute=[{'true' if partial else recompute}]",
                           f"plan.recompute_partial={str(partial).lower()}"])
     rows, _ = make_rows(cfg)
     assert any(r.candidate.schedule != "1f1b" for r in rows[:6])
@@ -208,7 +209,8 @@ def test_recompute_memory_keeps_each_layers_input_and_one_layer_recomputing():
     bounds16 = partition(layers, 2, bf16.candidate.partition).bounds
     assert bf16.memory[0].activations == pytest.approx(2 * 263_168)
     loss = (cfg.model.vocab_size * 4 + 8) * tokens  # log-probabilities and int64 targets
-    assert bf16.memory[1].activations == pytest.approx(len(bounds16[1]) * hidden * 2 * tokens + loss, rel=1e-3)  # 1 in flight
+    # 1 in flight
+    assert bf16.memory[1].activations == pytest.approx(len(bounds16[1]) * hidden * 2 * tokens + loss, rel=1e-3)
     assert keep.total < full.total
     # rank 0 alone recomputing: its memory is the all-recompute row's, rank 1's the plain row's
     some = by["rank 0"].memory
@@ -232,8 +234,9 @@ def test_recompute_keeps_inputs_until_w_on_its_stages_only(w_keep):
     stage that does not recompute frees (1 - w_keep) at B. zb_auto is searched under the same rule, so
     its rows fit the budgets they were searched for (before: with w_keep=0, the all-recompute zb_auto
     row was OOM on rank 1 at 0.02 GB and rank 1 of the partial zbh1 row was costed as if w_keep were 1)."""
-    cfg = compose_config(["mode=plan", "model=gpt2-tiny", "plan.world_size=2", "plan.pp=[2]", "plan.microbatch_sizes=[2]",
-                          "plan.schedules=[zbh1,zb_auto]", "plan.recompute=[false,true]", "plan.recompute_partial=true",
+    cfg = compose_config(["mode=plan", "model=gpt2-tiny", "plan.world_size=2", "plan.pp=[2]",
+                          "plan.microbatch_sizes=[2]", "plan.schedules=[zbh1,zb_auto]", "plan.recompute=[false,true]",
+                          "plan.recompute_partial=true",
                           "plan.prune=false", "data.batch_size=32", "data.seq_len=64", "plan.memory_gb=0.03",
                           "plan.margin=0", f"plan.w_keep={w_keep}"])
     rows = {(r.candidate.schedule, r.candidate.recompute_label): r for r in make_rows(cfg)[0] if r.candidate.pp == 2}
@@ -295,8 +298,8 @@ def test_plan_partitions_searches_the_cut_and_a_row_trains_its_own():
     """plan.partitions tries each strategy; a row's partition is the one its config trains with (it
     simulates to the row's step time); strategies that cut alike are one row (the first listed)."""
     base = ["mode=plan", "model=gpt2", "plan.world_size=4", "plan.memory_gb=8", "data.batch_size=16",
-            "data.seq_len=256", "plan.schedules=[1f1b,zbv]", "plan.pp=[4]", "plan.microbatch_sizes=[1]", "plan.prune=false",
-            "plan.p2p_gbs=1000000"]  # transfers free, as mode=simulate's sim.comm_ms=0 has them
+            "data.seq_len=256", "plan.schedules=[1f1b,zbv]", "plan.pp=[4]", "plan.microbatch_sizes=[1]",
+            "plan.prune=false", "plan.p2p_gbs=1000000"]  # transfers free, as mode=simulate's sim.comm_ms=0 has them
     cfg = compose_config([*base, "plan.partitions=[uniform,params,flops,balanced]"])
     rows, meta = make_rows(cfg)
     by = {(r.candidate.schedule, r.candidate.partition): r for r in rows}
@@ -350,11 +353,13 @@ def test_one_group_transport_refuses_rows_that_would_hang_on_nccl():
     (["plan.pp=[4]", "plan.virtual_stages=[4]", "plan.schedules=[interleaved_1f1b]", "model.layers=8"],
      "every layout cuts the model into more stages than its 8 layers (the fewest: 16)"),
     (["plan.global_batch=3", "plan.microbatch_sizes=[2]"], "make plan.global_batch a multiple of dp x a microbatch"),
-    (["plan.max_microbatches=2", "plan.microbatch_sizes=[1]"], "every row needs more than plan.max_microbatches=2 microbatches"),
+    (["plan.max_microbatches=2", "plan.microbatch_sizes=[1]"],
+     "every row needs more than plan.max_microbatches=2 microbatches"),
     # context parallel is a factor of the world too
     (["model=llama-tiny", "plan.cp=[8]"], "no cp x tp of plan.cp=[8] and plan.tp=[1] divides the world of 4 ranks"),
-    (["model=llama-tiny", "plan.cp=[2]", "plan.pp=[4]"], "no pipeline degree in plan.pp=[4] divides the world of 4 "
-                                                         "ranks (pp x dp x cp in plan.cp=[2] = world): list some of 1, 2"),
+    (["model=llama-tiny", "plan.cp=[2]", "plan.pp=[4]"],
+     "no pipeline degree in plan.pp=[4] divides the world of 4 ranks (pp x dp x cp in plan.cp=[2] = world): "
+     "list some of 1, 2"),
 ])
 def test_an_empty_plan_space_says_why_first(overrides, why):
     from pipetrain.planner.cmd import plan_candidates
@@ -363,5 +368,6 @@ def test_an_empty_plan_space_says_why_first(overrides, why):
     with pytest.raises(ValueError) as info:
         plan_candidates(config)
     msg = str(info.value)
-    head = f"the plan space is empty for world 4 and global batch {config.plan.global_batch or config.data.batch_size}: "
+    head = ("the plan space is empty for world 4 and global batch "
+            f"{config.plan.global_batch or config.data.batch_size}: ")
     assert msg.startswith(head + why) and "\n" not in msg

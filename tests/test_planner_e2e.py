@@ -72,8 +72,8 @@ def test_calibrated_memory_prediction_matches_each_rank(tmp_path, model, precisi
     run_dir = tmp_path / "run"
     searched = ["plan.recompute=[false,true]", "plan.recompute_partial=true", "plan.prune=false"] \
         if model == "llama-tiny" else []
-    res = run_cli([f"model={model}", f"trainer.precision={precision}", "schedule=auto", "partition=profile", "plan.calibrate=false", "plan.margin=0",
-                   "plan.memory_gb=0.2", *searched,
+    res = run_cli([f"model={model}", f"trainer.precision={precision}", "schedule=auto", "partition=profile",
+                   "plan.calibrate=false", "plan.margin=0", "plan.memory_gb=0.2", *searched,
                    "plan.schedules=[1f1b,zbh1]", "plan.pp=[2]", "plan.microbatch_sizes=[2]", "trainer.max_steps=2",
                    "trainer.eval_every=0", "trainer.ckpt_at_end=false", "logger=[console]", f"hydra.run.dir={run_dir}"],
                   cwd=tmp_path, env_extra={"WANDB_MODE": "offline", "PIPETRAIN_CACHE_DIR": str(tmp_path / "cache")})

@@ -61,7 +61,8 @@ def test_tied_weights_on_two_ranks_hold_one_sync_copy():
     embedding and head live on different ranks (pp=2); one temporary sum where both stages sit on one
     rank (zbv at pp=1); nothing where one stage holds both layers (one Parameter)."""
     tie = (((0, 3), PARAMS),)
-    split, plain = peak(work(tied=tie), Candidate("1f1b", 2, 1, 1, 4, 1)), peak(work(), Candidate("1f1b", 2, 1, 1, 4, 1))
+    split, plain = (peak(work(tied=tie), Candidate("1f1b", 2, 1, 1, 4, 1)),
+                    peak(work(), Candidate("1f1b", 2, 1, 1, 4, 1)))
     for r in range(2):
         assert split[r].total - plain[r].total == pytest.approx(PARAMS * 4)
     assert peak(work(tied=tie), Candidate("zbv", 1, 1, 2, 4, 1))[0].grad_copies == pytest.approx(PARAMS * 4)

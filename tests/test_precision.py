@@ -125,7 +125,8 @@ def test_one_rank_hands_bf16_over_locally():
             for b in uniform_bounds(len(model.layers), 2)]  # biases are cast but not saved
     bf16 = runs["bf16"][0]
     # (0.68 measured with the smaller stage's copies per set; all-fp32 activations would be about 1)
-    assert bf16.peak_activation_bytes - bf16.peak_activation_sets * min(cast) < 0.75 * runs["fp32"][0].peak_activation_bytes
+    assert (bf16.peak_activation_bytes - bf16.peak_activation_sets * min(cast)
+            < 0.75 * runs["fp32"][0].peak_activation_bytes)
 
 
 @pytest.mark.dist

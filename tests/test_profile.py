@@ -16,7 +16,8 @@ def test_each_rank_writes_a_trace_with_its_action_ranges(tmp_path):
     run = tmp_path / "run"
     res = run_cli(["model=mlp", "schedule=zbh1", "pipeline.microbatches=4", "data.batch_size=8",
                    "trainer.max_steps=3", "trainer.log_every=1", "sim.timeline=false", "logging.timeline=false",
-                   "profile.enabled=true", "profile.start_step=2", "profile.steps=2", f"hydra.run.dir={run}"], cwd=tmp_path)
+                   "profile.enabled=true", "profile.start_step=2", "profile.steps=2", f"hydra.run.dir={run}"],
+                  cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "profile: steps 2-3 -> " in res.stdout
     schedule = registry.build("zbh1", 2, 4)

@@ -10,7 +10,8 @@ from conftest import assert_torch_free
 
 pytestmark = pytest.mark.pure
 
-PURE_DIRS = ["pipetrain/schedules", "pipetrain/partition", "pipetrain/metrics", "pipetrain/loggers", "pipetrain/planner"]
+PURE_DIRS = ["pipetrain/schedules", "pipetrain/partition", "pipetrain/metrics", "pipetrain/loggers",
+             "pipetrain/planner"]
 REPO = Path(__file__).resolve().parents[1]
 
 

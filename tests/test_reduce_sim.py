@@ -212,6 +212,7 @@ def test_measured_reduce_beside_the_simulated():
     assert f"| reduce {most:.0f}ms (sim {most:.0f}ms)" in line
     assert rank_table(m).columns[-1].header == "reduce\nms/sim"
     trace = measured_trace(m)
-    assert {e["name"] for e in trace["traceEvents"] if e.get("cat") == "reduce"} == {f"{s}REDUCE_GRAD" for s in range(4)}
+    assert ({e["name"] for e in trace["traceEvents"] if e.get("cat") == "reduce"}
+            == {f"{s}REDUCE_GRAD" for s in range(4)})
     plain = simulate(registry.build("zbv", 2, 4, 2))
     assert "pipeline/reduce_exposed_ms/rank0" not in measure_step(2, plain.schedule, samples_from_sim(plain)).record()

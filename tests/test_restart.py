@@ -201,8 +201,8 @@ def test_root_cause_of_a_timed_out_wait_is_the_rank_that_never_came():
                         "every wait after the first step)")
     p2p = "P2PError: rank 3: 1F0 on rank 3 waiting for ... from rank 1 timed out after 3s: rank 1 is stuck or dead"
     err = root_cause({3: record(5, p2p)}, {}, layout=layout)  # exit codes unknown; ranks 0-2 wrote nothing
-    assert str(err) == f"rank 0 (pp 0, dp_replicate 0) failed: stuck or dead (left no error of its own): rank 3 (pp 1, " \
-                       f"dp_replicate 1) timed out first: {p2p}"
+    assert str(err) == ("rank 0 (pp 0, dp_replicate 0) failed: stuck or dead (left no error of its own): "
+                        f"rank 3 (pp 1, dp_replicate 1) timed out first: {p2p}")
     # every rank wrote one: the first timeout is the cause, as any first error
     err = root_cause({r: record(5 + r, p2p) for r in range(4)}, {}, layout=layout)
     assert str(err) == f"rank 0 (pp 0, dp_replicate 0) failed: {p2p}"

@@ -65,7 +65,8 @@ def test_reductions_and_dualpipe_pairs_parse_in_torch():
     for sched in (schedule, registry.build("dualpipe", 4, 8, 2)):
         for r in range(sched.num_ranks):
             cells = sched.cells(r)
-            assert [_Action.from_str(t) for t in sched.to_csv().splitlines()[r].split(",")] == [as_torch(c) for c in cells]
+            assert ([_Action.from_str(t) for t in sched.to_csv().splitlines()[r].split(",")]
+                    == [as_torch(c) for c in cells])
     assert any(isinstance(c, Reduce) for c in schedule.cells(0))
     pairs = [c for r in range(4) for c in registry.build("dualpipe", 4, 8, 2).cells(r) if isinstance(c, Overlap)]
     assert pairs and "OVERLAP_F_B" in registry.build("dualpipe", 4, 8, 2).to_csv()

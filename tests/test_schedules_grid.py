@@ -50,7 +50,8 @@ def test_complete_deadlock_free_and_round_trips(name, P, M, v):
 
 
 def rank_share_equal(name, P, M, v, share=1.0):
-    """Simulate with F = B = W = `share` per rank's share of the model (stage cost = share / stages of one copy per rank)."""
+    """Simulate with F = B = W = `share` per rank's share of the model (stage cost = share / stages of
+    one copy per rank)."""
     sched = registry.build(name, P, M, v)
     per_stage = share / (sched.placement.stages_per_rank / sched.placement.param_copies)
     res = simulate(sched, StageCosts.uniform(sched.placement.num_stages, per_stage, per_stage, per_stage))
@@ -74,7 +75,7 @@ def test_bubble_equals_published(name, P):
 @pytest.mark.parametrize("name", ["zbh2", "zbv"])
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_zbh2_and_zbv_at_most_zbh1(name, P):
-    for _, p, M, v in [c for c in CASES if c[0] == name and c[1] == P]:
+    for _, _, M, v in [c for c in CASES if c[0] == name and c[1] == P]:
         if not registry.get("zbh1").is_valid(P, M):
             continue
         _, res = rank_share_equal(name, P, M, v)

@@ -123,7 +123,8 @@ def test_template_errors_are_one_line():
 @pytest.mark.pure
 def test_an_edited_template_renders_and_a_misspelled_placeholder_is_named(tmp_path):
     mine = tmp_path / "mine.sbatch"
-    mine.write_text(template_text().replace("#SBATCH --time=@time_min@", "#SBATCH --time=@time_min@\n#SBATCH --exclusive"))
+    mine.write_text(template_text().replace("#SBATCH --time=@time_min@",
+                                            "#SBATCH --time=@time_min@\n#SBATCH --exclusive"))
     assert "#SBATCH --exclusive" in sbatch_for(["cluster=slurm", "model=sleep"], template=mine).splitlines()
     mine.write_text(template_text().replace("@nodes@", "@node@"))
     with pytest.raises(ValueError, match="names @node@, which is not one of @name@, @nodes@") as err:
@@ -192,7 +193,8 @@ def test_wait_keeps_the_command_until_the_job_ends_and_failures_are_one_line(slu
                      env_extra=dict(env, FAKE_JOB_EXIT="3"), timeout=120)
     err = [line for line in failed.stderr.splitlines() if line.strip()]
     assert failed.returncode != 0 and len(err) == 1, failed.stderr
-    assert err[0].startswith("pipetrain: error: SLURM job 4242 ended with exit status 3: see ") and "slurm-4242.out" in err[0]
+    assert (err[0].startswith("pipetrain: error: SLURM job 4242 ended with exit status 3: see ")
+            and "slurm-4242.out" in err[0])
     refused = run_cli([*args[:-1], f"hydra.run.dir={tmp_path / 'run3'}"], cwd=tmp_path,
                       env_extra=dict(env, FAKE_SBATCH_REFUSES="1"), timeout=120)
     err = [line for line in refused.stderr.splitlines() if line.strip()]
@@ -230,6 +232,7 @@ def test_previewed_script_starts_the_ranks_through_srun_and_trains(slurm_bin, tm
     stamp = (saved / "meta.json").stat().st_mtime_ns
     requeued = run_in_allocation(script, dict(env, SLURM_RESTART_COUNT="1"), tmp_path)
     assert requeued.returncode == 0, requeued.stdout[-3000:] + requeued.stderr[-3000:]
-    assert "requeued by SLURM (1x)" in requeued.stdout and f"resumed from {saved.resolve()} at step 2" in requeued.stdout
+    assert ("requeued by SLURM (1x)" in requeued.stdout
+            and f"resumed from {saved.resolve()} at step 2" in requeued.stdout)
     assert "nothing to do: resumed at step 2" in requeued.stdout
     assert (saved / "meta.json").stat().st_mtime_ns == stamp

@@ -11,8 +11,10 @@ def test_jobs_expand_in_hydras_order_and_the_first_bad_one_is_named():
     argv = ["-m", "--config-dir", "/x", "mode=simulate", "model=sleep", "schedule=1f1b,dualpipe", "pipeline.degree=2,3"]
     assert sweep_overrides(argv) == ["mode=simulate", "model=sleep", "schedule=1f1b,dualpipe", "pipeline.degree=2,3"]
     jobs = sweep_jobs(sweep_overrides(argv))
-    assert [j[2:] for j in jobs] == [["schedule=1f1b", "pipeline.degree=2"], ["schedule=1f1b", "pipeline.degree=3"],
-                                     ["schedule=dualpipe", "pipeline.degree=2"], ["schedule=dualpipe", "pipeline.degree=3"]]
+    assert [j[2:] for j in jobs] == [["schedule=1f1b", "pipeline.degree=2"],
+                                     ["schedule=1f1b", "pipeline.degree=3"],
+                                     ["schedule=dualpipe", "pipeline.degree=2"],
+                                     ["schedule=dualpipe", "pipeline.degree=3"]]
     with pytest.raises(ValueError, match=r"^sweep job #3 \(.*schedule=dualpipe pipeline.degree=3\): dualpipe needs an "
                                          r"even pipeline.degree \(got 3\).*no job of the 4 was started"):
         check_sweep(argv)

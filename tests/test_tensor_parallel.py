@@ -8,10 +8,10 @@ tp=1) training on the same batches within 1e-6 (the last stage's loss is the voc
 no rank holds the whole logits), every step's reduced gradients within fp32's reassociation bound
 (tests/_parity.py: per tensor, tau_k x (its norm + its share of the step's gradient), tau_k = 32 U,
 256 U, 4096 U at steps 1-3), and the parameters after 3 AdamW steps (tp slices gathered) within 1e-6
-(measured: losses 3.6e-7, parameters 3.4e-7 on 2 CPU cores; BASE says why optim.eps is 1e-6). The gradients are compared, not
-only the weights: AdamW's update m / sqrt(v) hides a gradient scaled by a constant.
-The clipped steps (optim.grad_clip=0.05 clips every step here) check the gradient norm over
-tp-sharded and tp-replicated weights: a norm off by a factor would move every weight.
+(measured: losses 3.6e-7, parameters 3.4e-7 on 2 CPU cores; BASE says why optim.eps is 1e-6). The
+gradients are compared, not only the weights: AdamW's update m / sqrt(v) hides a gradient scaled by
+a constant. The clipped steps (optim.grad_clip=0.05 clips every step here) check the gradient norm
+over tp-sharded and tp-replicated weights: a norm off by a factor would move every weight.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ BASE = ["mode=train", "model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32",
         "logger=[jsonl]", "pipeline.degree=2"]
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp1": [],
            "shard2": ["parallel.dp_shard=2", "pipeline.microbatches=2"],  # 2 pipelines x 2 microbatches of 1
-           "shard2-tp2": ["parallel.dp_shard=2", "parallel.tp=2", "pipeline.microbatches=2"]}  # FSDP2 shards of tp slices
+           # FSDP2 shards of tp slices
+           "shard2-tp2": ["parallel.dp_shard=2", "parallel.tp=2", "pipeline.microbatches=2"]}
 
 
 def train(compose, run_dir: Path, layout: str, *extra: str) -> Path:

@@ -123,8 +123,9 @@ def test_a_resume_with_more_steps_keeps_the_cosine_it_was_started_with(tmp_path)
 
     from conftest import run_cli
 
-    base = ["model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32", "pipeline.microbatches=2", "logger=[console,jsonl]",
-            "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=1", "trainer.eval_every=0", "trainer.log_every=1"]
+    base = ["model=gpt2-tiny", "data.batch_size=4", "data.seq_len=32", "pipeline.microbatches=2",
+            "logger=[console,jsonl]", "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=1",
+            "trainer.eval_every=0", "trainer.log_every=1"]
 
     def lrs(run) -> dict[int, float]:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -56,7 +56,8 @@ FB_OVERLAP = ("off", "auto", "on")  # pipeline.fb_overlap
 class PipelineConfig:
     degree: int = 2  # P: pipeline ranks
     microbatches: int = 8  # M: microbatches per optimizer step, for every schedule
-    p2p_timeout_s: float = 300.0  # longest wait for a peer's tensor before the rank fails (NCCL: the pair groups' watchdog)
+    # longest wait for a peer's tensor before the rank fails (NCCL: the pair groups' watchdog)
+    p2p_timeout_s: float = 300.0
     # Receives are posted this many actions before the action that consumes them (0 = just in
     # time); receive buffers alive per rank stay <= lookahead + 1, whatever the microbatch count.
     p2p_lookahead: int = 1
@@ -101,7 +102,8 @@ class ScheduleConfig:
     virtual_stages: int = 1  # v: stages per rank (interleaved / looped BFS; V and mirror fix it at 2)
     path: Optional[str] = None  # schedule=custom: a .csv or .txt file
     placement: str = "loop"  # schedule=custom: loop | v | mirror
-    # schedule=zb_auto: live activation sets per rank, one value for all ranks or one per rank; null = 2*degree-1 (ZB-H2's)
+    # schedule=zb_auto: live activation sets per rank, one value for all ranks or one per rank;
+    # null = 2*degree-1 (ZB-H2's)
     memory_budget: Optional[list[float]] = None
     w_keep: float = 1.0  # schedule=zb_auto: share of a microbatch's activations B keeps for W (1: all, until W)
 
@@ -341,7 +343,8 @@ class Config:
                                  f"of {value}")
         if self.parallel.sequence_parallel and self.data.seq_len % tp:
             raise ValueError(f"parallel.sequence_parallel splits the sequence across parallel.tp={tp} ranks but "
-                             f"data.seq_len={self.data.seq_len} does not divide: set data.seq_len to a multiple of {tp}")
+                             f"data.seq_len={self.data.seq_len} does not divide: "
+                             f"set data.seq_len to a multiple of {tp}")
 
     def _check_data(self) -> None:
         d, m, mb, dp = self.data, self.model, self.pipeline.microbatches, self.parallel.dp

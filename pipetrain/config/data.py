@@ -47,7 +47,8 @@ class DataConfig:
     (trainer.seed, k, split): a resumed run sees exactly the data it would have seen."""
 
     name: str = "builtin"  # builtin | text | tokens | synthetic
-    batch_size: int = 16  # the global batch: sequences per optimizer step, split over dp pipelines x pipeline.microbatches
+    # the global batch: sequences per optimizer step, split over dp pipelines x pipeline.microbatches
+    batch_size: int = 16
     seq_len: int = 64  # tokens per sequence (GPT-2: <= model.block_size); short enough for a CPU step
     path: Optional[str] = None  # data=text: a text file; data=tokens: a token file, a folder of shards or a glob
     # data=tokens: validation shards (a file, folder or glob); then nothing of data.path is held out

@@ -47,7 +47,8 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         if self.trace_step == 0 or self.trace_step < -1:
-            raise ValueError(f"logging.trace_step must be a step number >= 1 or -1 for the last (got {self.trace_step})")
+            raise ValueError(
+                f"logging.trace_step must be a step number >= 1 or -1 for the last (got {self.trace_step})")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"logging.peak_tflops must be > 0 TFLOP/s (got {self.peak_tflops}), or null")
 

@@ -15,7 +15,8 @@ PLAN_PARTITIONS = ("uniform", "params", "flops", "balanced", "profile")  # the s
 
 @dataclass
 class PlannerConfig:
-    world_size: Optional[int] = None  # ranks to plan for; null = plan.nodes x plan.devices_per_node, else the configured layout's
+    # ranks to plan for; null = plan.nodes x plan.devices_per_node, else the configured layout's
+    world_size: Optional[int] = None
     nodes: int = 1  # with plan.devices_per_node, the world when plan.world_size is null
     devices_per_node: Optional[int] = None  # devices (ranks) per node
     memory_gb: float = 80.0  # memory budget per device, GB (10^9 bytes)
@@ -25,12 +26,19 @@ class PlannerConfig:
     p2p_latency_ms: Optional[float] = None  # per transfer; null = sim.comm_ms
     dp_gbs: Optional[float] = None  # per-rank gradient-reduction bandwidth, GB/s; null = cluster.dp_bandwidth_gbs
     optim_gbs: float = 0.0  # memory bandwidth of the optimizer step, GB/s (0: the step is not timed)
-    action_overhead_ms: float = 0.0  # framework time per F, B, W or BW action beyond its layers' (fitted by plan.calibrate)
-    layer_overhead_ms: float = 0.0  # framework time per layer and op (F, B, W) beyond the model's costs (fitted by plan.calibrate)
-    reduce_latency_ms: float = 0.0  # fixed cost of each stage's data-parallel gradient reduction (calibrated like the above)
-    step_overhead_ms: float = 0.0  # fixed cost per optimizer step outside the pipeline (loss, grad norm, optimizer launch)
-    tp_latency_ms: float = 0.0  # fixed cost of each tensor-parallel collective (fitted by plan.calibrate when plan.tp lists tp > 1)
-    calibrate: Optional[bool] = None  # time layers and train short runs here to fit the overheads above; null = on for schedule=auto training on local CPU ranks
+    # framework time per F, B, W or BW action beyond its layers' (fitted by plan.calibrate)
+    action_overhead_ms: float = 0.0
+    # framework time per layer and op (F, B, W) beyond the model's costs (fitted by plan.calibrate)
+    layer_overhead_ms: float = 0.0
+    # fixed cost of each stage's data-parallel gradient reduction (calibrated like the above)
+    reduce_latency_ms: float = 0.0
+    # fixed cost per optimizer step outside the pipeline (loss, grad norm, optimizer launch)
+    step_overhead_ms: float = 0.0
+    # fixed cost of each tensor-parallel collective (fitted by plan.calibrate when plan.tp lists tp > 1)
+    tp_latency_ms: float = 0.0
+    # time layers and train short runs here to fit the overheads above; null = on for schedule=auto
+    # training on local CPU ranks
+    calibrate: Optional[bool] = None
     calibrate_steps: int = 5  # steps of each calibration run (the first is warm-up and not counted)
     margin: float = 0.05  # fraction of the predicted peak added for fragmentation and workspaces
     # GB per GPU outside the caching allocator (CUDA context, NCCL's communicator buffers), added to every
@@ -40,7 +48,8 @@ class PlannerConfig:
     schedules: Optional[list[str]] = None  # schedules to try; null = every built-in
     pp: Optional[list[int]] = None  # pipeline degrees to try; null = every divisor of the world
     tp: list[int] = field(default_factory=lambda: [1])  # tensor-parallel degrees to try (world = pp x dp x tp)
-    sequence_parallel: bool = False  # rows with tp > 1 also split activations on the sequence (parallel.sequence_parallel)
+    # rows with tp > 1 also split activations on the sequence (parallel.sequence_parallel)
+    sequence_parallel: bool = False
     # expert-parallel degrees to try (ep borrows dp's ranks, its rows FSDP2-sharded); null = for an MoE model
     # every divisor of model.moe.num_experts, for a dense one [1]
     ep: Optional[list[int]] = None
@@ -73,14 +82,15 @@ class PlannerConfig:
             raise ValueError("plan.nodes, plan.top and plan.max_microbatches must be >= 1")
         self._check_world()
         if self.calibrate_steps < 2:
-            raise ValueError(f"plan.calibrate_steps must be >= 2: the first step is warm-up (got {self.calibrate_steps})")
+            raise ValueError(
+                f"plan.calibrate_steps must be >= 2: the first step is warm-up (got {self.calibrate_steps})")
         for knob in ("memory_gb", "p2p_gbs", "time_limit_s"):
             if not getattr(self, knob) > 0:
                 raise ValueError(f"plan.{knob} must be > 0 (got {getattr(self, knob)})")
         if self.dp_gbs is not None and not self.dp_gbs > 0:
             raise ValueError(f"plan.dp_gbs must be > 0 (got {self.dp_gbs})")
-        for knob in ("optim_gbs", "margin", "action_overhead_ms", "layer_overhead_ms", "reduce_latency_ms", "step_overhead_ms",
-                     "tp_latency_ms"):
+        for knob in ("optim_gbs", "margin", "action_overhead_ms", "layer_overhead_ms", "reduce_latency_ms",
+                     "step_overhead_ms", "tp_latency_ms"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"plan.{knob} must be >= 0 (got {getattr(self, knob)})")
         if (self.gpu_overhead_gb or 0) < 0:

@@ -35,8 +35,9 @@ class ProfileConfig:
         """Rules that need the rest of the config (called by Config.__post_init__)."""
         last = self.start_step + self.steps - 1
         if self.enabled and last > max_steps:
-            raise ValueError(f"profile.start_step={self.start_step} with profile.steps={self.steps} ends at step {last}, "
-                             f"past trainer.max_steps={max_steps}: lower them or raise trainer.max_steps")
+            raise ValueError(f"profile.start_step={self.start_step} with profile.steps={self.steps} "
+                             f"ends at step {last}, past trainer.max_steps={max_steps}: "
+                             "lower them or raise trainer.max_steps")
 
     def captures(self, step: int) -> bool:
         """Whether step `step` (counted from 1) is profiled."""

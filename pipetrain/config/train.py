@@ -1,4 +1,5 @@
-"""Schemas of the training loop (`trainer.*`), the optimizer (`optim.*`) and mode=export (`export.*`). Pure: no torch."""
+"""Schemas of the training loop (`trainer.*`), the optimizer (`optim.*`) and mode=export (`export.*`).
+Pure: no torch."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ class TrainerConfig:
             if not self.activation_checkpointing:
                 raise ValueError("trainer.recompute_stages names the stages that recompute: set "
                                  "trainer.activation_checkpointing=true too (or drop trainer.recompute_stages)")
-            if min(self.recompute_stages, default=0) < 0 or len(set(self.recompute_stages)) < len(self.recompute_stages):
+            if (min(self.recompute_stages, default=0) < 0
+                    or len(set(self.recompute_stages)) < len(self.recompute_stages)):
                 raise ValueError(f"trainer.recompute_stages must list distinct stage ids >= 0 "
                                  f"(got {list(self.recompute_stages)})")
         if self.precision not in PRECISIONS:

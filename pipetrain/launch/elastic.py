@@ -108,10 +108,11 @@ def root_cause(records: dict[int, dict], failures: dict[int, ProcessFailure], ru
     first, often a peer that only lost its connection; every rank that raised wrote an error file
     with the time in ns (pipetrain.launch.errors.record_error), and the earliest is the cause, unless
     it only says a peer went away (LOST) or that a wait timed out (TIMED_OUT) and some rank of
-    the layout wrote none: then that rank, dead or stuck until it was killed, is. Without any the agent's report is all there is. `restarts`: the run
-    used up launch.max_restarts restarts (the line says so); `exits`: every worker's exit code
-    where known (the agent reports only the first failed one's; a negative one is a signal's), and
-    under ENDED_FIRST those of the workers that ended before the launcher stopped the others."""
+    the layout wrote none: then that rank, dead or stuck until it was killed, is. Without any the
+    agent's report is all there is. `restarts`: the run used up launch.max_restarts restarts (the
+    line says so); `exits`: every worker's exit code where known (the agent reports only the first
+    failed one's; a negative one is a signal's), and under ENDED_FIRST those of the workers that
+    ended before the launcher stopped the others."""
     timed = {r: m for r, m in records.items() if "time_ns" in m.get("extraInfo", {})}
     first = min(timed, key=lambda r: (int(timed[r]["extraInfo"]["time_ns"]), r)) if timed else None
     # ranks without an error file; those that ended by themselves (not by the launcher's kill) first

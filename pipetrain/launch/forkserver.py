@@ -46,7 +46,8 @@ def inherited_environ(extra: dict[str, str]) -> Iterator[None]:
 # torch._dynamo, which every torch optimizer imports when it takes its parameters (torch wraps
 # add_param_group in _disable_dynamo): ~2.5 s of CPU paid once here rather than once per rank.
 # First: pipetrain.launch.parent, which makes the server die with its launcher (read it for why).
-PRELOAD = ["pipetrain.launch.parent", "torch", "torch.distributed", "torch._dynamo", "pipetrain.launch.rank", "pipetrain.train.trainer"]
+PRELOAD = ["pipetrain.launch.parent", "torch", "torch.distributed", "torch._dynamo", "pipetrain.launch.rank",
+           "pipetrain.train.trainer"]
 # The environment this module was imported with: in the server, the one every forked rank inherits
 # before it takes the launcher's (`adopt`).
 _IMPORT_ENV = dict(os.environ)

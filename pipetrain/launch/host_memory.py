@@ -18,7 +18,8 @@ from typing import Any, Optional
 STATE_BYTES = 16  # fp32 weight + gradient + AdamW's exp_avg and exp_avg_sq, per parameter
 ADVICE = ("use a smaller model (or data.batch_size / data.seq_len for the activations), spread the ranks over "
           "machines (cluster=slurm), or train on GPUs (trainer.device=cuda)")
-_OOM = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate (\d+) bytes")
+_OOM = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): "
+                  r"you tried to allocate (\d+) bytes")
 
 
 def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> Optional[int]:

@@ -25,10 +25,11 @@ Entry = Callable[["Config", "Plan", Path], dict]
 
 def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] = None) -> dict:
     """Run `entry(config, plan, run_dir)` (default: the trainer's rank_main) on the world's
-    ranks (pipeline.degree x parallel.dp_replicate x parallel.dp_shard) as config.cluster says; return rank 0's result ({} on the other ranks of an
-    already-launched job). A failed rank raises RankFailedError (launch/errors.py) with that
-    rank's one-line message. cluster=slurm outside a SLURM job submits instead: its job reruns
-    the pipetrain command (whose mode picks the entry) and this returns {"submitted": job id}."""
+    ranks (pipeline.degree x parallel.dp_replicate x parallel.dp_shard) as config.cluster says;
+    return rank 0's result ({} on the other ranks of an already-launched job). A failed rank raises
+    RankFailedError (launch/errors.py) with that rank's one-line message. cluster=slurm outside a
+    SLURM job submits instead: its job reruns the pipetrain command (whose mode picks the entry) and
+    this returns {"submitted": job id}."""
     cluster = config.cluster
     layout = config.layout
     cluster.check_world(layout.world, world_text(*layout.shape))

@@ -71,7 +71,8 @@ def check_writable(run_dir: Path, *, checkpoints: bool) -> None:
     """Before any rank starts: the run directory (and checkpoints/ when the run saves) take a file."""
     run_dir = Path(run_dir)
     for path, fix in ((run_dir, "set run.name or hydra.run.dir to a directory you can write"),
-                      (run_dir / "checkpoints", "make it writable, or set trainer.ckpt_every=0 trainer.ckpt_at_end=false")):
+                      (run_dir / "checkpoints",
+                       "make it writable, or set trainer.ckpt_every=0 trainer.ckpt_at_end=false")):
         if path.name == "checkpoints" and not checkpoints:
             continue
         why = _unwritable(path)
@@ -181,7 +182,8 @@ class RunLock:
             where = f"run directory {self.path.parent} is in use by pid {pid} on {host} (since {other.get('started')})"
             if host == self.mine["host"]:
                 raise ValueError(f"{where}: {fix}")
-            raise ValueError(f"{where}: if that run is gone, delete {self.path}; or set another run.name / hydra.run.dir")
+            raise ValueError(
+                f"{where}: if that run is gone, delete {self.path}; or set another run.name / hydra.run.dir")
         live = {p.name.rsplit("rank", 1)[1]: r for p, r in self._ranks().items() if self._live(r)}
         if live:  # its launcher is gone but some of its ranks still run (and save into checkpoints/)
             ranks = ", ".join(f"rank {r} (pid {rec['pid']} on {rec.get('host')})" for r, rec in live.items())

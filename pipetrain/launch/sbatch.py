@@ -1,4 +1,4 @@
-"""The sbatch script of a run: `srun pipetrain cluster=slurm <overrides>` with its #SBATCH lines.
+r"""The sbatch script of a run: `srun pipetrain cluster=slurm <overrides>` with its #SBATCH lines.
 
 One template (templates/pipetrain.sbatch, shipped in the package) serves three uses: this
 module's preview, a script to edit and submit by hand, and what `cluster=slurm` submits from a
@@ -6,7 +6,8 @@ login node (launch/submit.py writes it into the run directory and runs sbatch on
 printed script is what would be submitted, and it runs as it stands: it starts the ranks with
 srun and the `pipetrain` command, no pickled job behind it.
 
-    python -m pipetrain.launch.sbatch cluster=slurm cluster.nodes=2 cluster.gpus_per_node=8 pipeline.degree=16 > run.sbatch
+    python -m pipetrain.launch.sbatch cluster=slurm cluster.nodes=2 cluster.gpus_per_node=8 \
+        pipeline.degree=16 > run.sbatch
     python -m pipetrain.launch.sbatch --template my.sbatch cluster=slurm ...   # your edited copy
 
 Template: `@name@` placeholders; a line whose value is unset (a knob left null) is written as

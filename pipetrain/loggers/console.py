@@ -78,11 +78,12 @@ def rank_table(m: StepMeasurement) -> Table:
     rows = m.rank_rows()
     ops = [op for op in OPS if any(row[f"{op.lower()}_ms"] > 0 for row in rows)]
     dp = m.data_parallel
-    which = "" if m.is_world else f" of pipeline 0 (ranks {', '.join(map(str, m.global_ranks))}; every pipeline runs it)"
+    which = ("" if m.is_world
+             else f" of pipeline 0 (ranks {', '.join(map(str, m.global_ranks))}; every pipeline runs it)")
     table = Table(title=f"step {m.step} per rank{which}: measured vs simulated",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    heads = ["rank", "stages", "bubble\n%", "sim\n%", "peak\nmem", "of it\nact", *(f"{op}\nms" for op in ops), "wait\nms",
-             *(("reduce\nms/sim",) if dp else ())]  # one column: the table stays within 80 columns
+    heads = ["rank", "stages", "bubble\n%", "sim\n%", "peak\nmem", "of it\nact", *(f"{op}\nms" for op in ops),
+             "wait\nms", *(("reduce\nms/sim",) if dp else ())]  # one column: the table stays within 80 columns
     for h in heads:
         table.add_column(h, justify="right", no_wrap=True)
     for row in rows:
@@ -149,5 +150,6 @@ class ConsoleLogger(Logger):
         trend = f"{change:.0f}% lower" if change >= 0 else f"{-change:.0f}% higher"
         resumed = f" (resumed at step {summary.resumed_at})" if summary.resumed_at else ""
         of = f" (step {summary.first_loss_step})" if summary.first_loss_step != 1 else ""
-        self.console.print(f"done: {summary.steps} steps{resumed}, loss {first:.4f}{of} -> {final:.4f} ({trend}){bubble}; "
+        self.console.print(f"done: {summary.steps} steps{resumed}, "
+                           f"loss {first:.4f}{of} -> {final:.4f} ({trend}){bubble}; "
                            f"{self.info.run_dir}", highlight=False, soft_wrap=True)

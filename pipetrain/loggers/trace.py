@@ -116,7 +116,8 @@ def _collectives(trace: ChromeTrace, m: StepMeasurement, r: int, tid: int) -> in
 def measured_trace(m: StepMeasurement) -> dict[str, Any]:
     """Chrome trace event format of one measured step (see the module docstring)."""
     sched = m.schedule
-    trace = ChromeTrace(f"pipetrain {sched.name} P={sched.num_ranks} M={sched.num_microbatches}: step {m.step} (measured)")
+    trace = ChromeTrace(f"pipetrain {sched.name} P={sched.num_ranks} M={sched.num_microbatches}: "
+                        f"step {m.step} (measured)")
     P = sched.num_ranks
     for r in range(P):  # named by global rank: under data / tensor parallel, pipeline 0's
         trace.thread(r, f"rank {m.global_ranks[r]} (stage {'|'.join(map(str, sched.placement.stages_of(r)))})",

@@ -4,12 +4,13 @@ or in shards listed by model.safetensors.index.json; keys are HF's names (llama.
 In (`model.pretrained=DIR`): `check_folder` runs once before any rank starts and reads only
 the files' headers (the first bytes: key, dtype, shape), so a missing, extra or mis-shaped key
 fails in one line naming it, and so does a file that is not what it claims (a git-lfs
-pointer, a shard shorter than its header says, an index that is not JSON), naming the file. Each rank then materializes its stages from `PretrainedWeights`,
-an init rule (models/init.py) that reads one tensor at a time with safetensors' `safe_open`,
-opening a file only when one of the rank's own keys lives in it (the index's weight_map says
-which): a rank holding blocks 0-3 of a 16-shard checkpoint opens the shards holding those. Under
-expert parallel a rank reads only its own experts (`init_block`: materialize asks for the rows it
-keeps), and `read` counts the bytes this process read, per HF key.
+pointer, a shard shorter than its header says, an index that is not JSON), naming the file. Each
+rank then materializes its stages from `PretrainedWeights`, an init rule (models/init.py) that reads
+one tensor at a time with safetensors' `safe_open`, opening a file only when one of the rank's own
+keys lives in it (the index's weight_map says which): a rank holding blocks 0-3 of a 16-shard
+checkpoint opens the shards holding those. Under expert parallel a rank reads only its own experts
+(`init_block`: materialize asks for the rows it keeps), and `read` counts the bytes this process
+read, per HF key.
 
 A tied head (tie_word_embeddings) is the embedding: a folder has no lm_head.weight then (as
 save_pretrained writes it); one that has it anyway has it ignored. Out (`mode=export`):

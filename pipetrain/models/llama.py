@@ -184,7 +184,8 @@ class DecoderLayer(nn.Module):
         """Megatron's split: q, k, v, gate, up column-parallel, o and down row-parallel; a tp rank keeps
         H/tp query and KV/tp key/value heads (query head j still reads KV head j // (H/KV): tp divides KV)."""
         if not isinstance(self.mlp, MLP):
-            raise ValueError(f"parallel.tp: no tensor-parallel plan for a {type(self.mlp).__name__} MLP: set parallel.tp=1")
+            raise ValueError(
+                f"parallel.tp: no tensor-parallel plan for a {type(self.mlp).__name__} MLP: set parallel.tp=1")
         attn = self.self_attn
         partial_sp = ["input_layernorm.weight", "post_attention_layernorm.weight"]
         partial_sp += ["self_attn.o_proj.bias"] if attn.o_proj.bias is not None else []

@@ -52,7 +52,8 @@ from pipetrain.files import write_text_atomic
 from pipetrain.models.base import COMPUTE_DTYPES, LayeredModel
 from pipetrain.partition.costs import LayerCost
 
-CACHE_FORMAT = 3  # 3: one layer at a time under the run's autocast (2: the whole model in fp32; 1: torch's default threads)
+# 3: one layer at a time under the run's autocast (2: the whole model in fp32; 1: torch's default threads)
+CACHE_FORMAT = 3
 
 
 def default_cache_dir() -> Path:

@@ -149,14 +149,16 @@ class LocalParts:
 
         properties = TensorProperties.create_from_tensor(self.local)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                                                      properties=properties, size=self.shape))
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                              properties=properties, size=self.shape))
                 for offsets, (sizes, _) in self.boxes.items()]
 
     def __create_chunk_list__(self) -> list[Any]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, (sizes, _) in self.boxes.items()]
+        return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                for offsets, (sizes, _) in self.boxes.items()]
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         return self.boxes[tuple(index.offset)][1]

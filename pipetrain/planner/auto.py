@@ -44,8 +44,8 @@ def choose(config: Config, run_dir: Path, console: Console) -> tuple[Config, Row
     best = rows[0]
     c = best.candidate
     recompute = {"no": "", "yes": ", recompute"}.get(c.recompute_label, f", recompute on {c.recompute_label}")
-    console.print(f"plan: training row 1 of {meta['candidates']}: {c.layout}, {c.schedule} v={c.v}, M={c.microbatches}, "
-                  f"microbatch {c.microbatch_size}{recompute}; predicted "
+    console.print(f"plan: training row 1 of {meta['candidates']}: {c.layout}, {c.schedule} v={c.v}, "
+                  f"M={c.microbatches}, microbatch {c.microbatch_size}{recompute}; predicted "
                   f"{best.pred_step_ms:.1f} ms/step, peak {best.pred_peak_gb:.3g} GB on rank {best.peak.rank}",
                   markup=False, highlight=False)
     return apply_row(config, best), best
@@ -90,7 +90,8 @@ def report(row: Row, run_dir: Path, console: Console, *, allocator_peak: bool) -
     if measured_gb is not None and comparable_gb is not None:
         unseen = "" if comparable_gb == row.pred_peak_gb else (
             f" (of {row.pred_peak_gb:.3g}: the allocator does not see plan.gpu_overhead_gb)" if allocator_peak else
-            f" (of {row.pred_peak_gb:.3g}: a CPU run does not see the layer a backward recomputes or the gradient copies)")
+            f" (of {row.pred_peak_gb:.3g}: a CPU run does not see the layer a backward recomputes "
+            "or the gradient copies)")
         line += (f"; peak memory {comparable_gb:.3g} GB predicted{unseen}, {measured_gb:.3g} GB measured "
                  f"({100 * out['peak_memory_error']:+.1f}%)")
     console.print(line, markup=False, highlight=False)

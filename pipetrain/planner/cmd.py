@@ -29,9 +29,9 @@ from pipetrain.planner.space import Candidate, candidates, why_empty
 from pipetrain.schedules import registry
 
 PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
-CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "ep", "cp", "v", "microbatches", "microbatch_size", "recompute",
-               "recompute_ranks", "partition", "feasible", "pred_step_ms", "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank",
-               "exposed_comm_ms", "memory_budget", "reason")
+CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "ep", "cp", "v", "microbatches", "microbatch_size",
+               "recompute", "recompute_ranks", "partition", "feasible", "pred_step_ms", "tokens_per_s", "bubble",
+               "pred_peak_gb", "peak_rank", "exposed_comm_ms", "memory_budget", "reason")
 # activation values per token and unit of width a block keeps whole under tp without sequence parallel:
 # the norms' inputs and outputs, the column-parallel layers' (replicated) inputs (models/gpt2.py: ln_1, c_attn,
 # ln_2, c_fc inputs of its 17 C; models/llama.py: the two RMSNorms' 3 C each); other models: all of it
@@ -147,7 +147,8 @@ def calibrating(config: Config) -> bool:
     return run_device(config) == "cpu"
 
 
-GPU_OVERHEAD_GB = 1.5  # CUDA context (~0.5 GB) + NCCL buffers of a few communicators: plan.gpu_overhead_gb's null on CUDA
+# CUDA context (~0.5 GB) + NCCL buffers of a few communicators: plan.gpu_overhead_gb's null on CUDA
+GPU_OVERHEAD_GB = 1.5
 
 
 def gpu_overhead_gb(config: Config) -> float:
@@ -170,9 +171,10 @@ def device(config: Config) -> Device:
                   p2p_latency_ms=config.sim.comm_ms if p.p2p_latency_ms is None else p.p2p_latency_ms,
                   dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, tp_gbs=config.cluster.tp_bandwidth_gbs,
                   ep_gbs=config.cluster.ep_bandwidth_gbs, cp_gbs=config.cluster.cp_bandwidth_gbs,
-                  cp_rotate=config.parallel.cp_rotate, fb_overlap=fb_overlap(config), optim_gbs=p.optim_gbs, margin=p.margin,
-                  action_overhead_ms=p.action_overhead_ms, layer_overhead_ms=p.layer_overhead_ms, reduce_latency_ms=p.reduce_latency_ms,
-                  step_overhead_ms=p.step_overhead_ms, tp_latency_ms=p.tp_latency_ms,
+                  cp_rotate=config.parallel.cp_rotate, fb_overlap=fb_overlap(config), optim_gbs=p.optim_gbs,
+                  margin=p.margin, action_overhead_ms=p.action_overhead_ms, layer_overhead_ms=p.layer_overhead_ms,
+                  reduce_latency_ms=p.reduce_latency_ms, step_overhead_ms=p.step_overhead_ms,
+                  tp_latency_ms=p.tp_latency_ms,
                   lookahead=config.pipeline.p2p_lookahead, reduce_dtype=config.parallel.reduce_dtype,
                   p2p_transport=config.pipeline.p2p_transport)
 
@@ -342,7 +344,8 @@ def run_plan(config: Config, run_dir: Path, console: Console | None = None) -> d
     write(rows, meta, run_dir)
     console.print(table(rows, top=config.plan.top))
     merged = f" ({meta['merged']} cut alike by another partition: one row each)" if meta["merged"] else ""
-    console.print(f"{meta['candidates']} candidates{merged}, {meta['simulated']} rows simulated, {meta['feasible']} feasible "
+    console.print(f"{meta['candidates']} candidates{merged}, {meta['simulated']} rows simulated, "
+                  f"{meta['feasible']} feasible "
                   f"under {meta['memory_gb']:g} GB per device, in {meta['elapsed_s']:.1f} s -> "
                   f"{run_dir / PLAN_FILE}, {PLAN_CSV}", markup=False, highlight=False)
     return {**meta, "best": rows[0].to_json() if rows else None}

@@ -22,7 +22,8 @@ def check_tp(config: Config) -> None:
     p, m, world = config.plan, config.model, world_size(config)
     for tp in p.tp:
         if world % tp:
-            raise ValueError(f"plan.tp lists {tp}, which does not divide the world of {world} ranks: drop it from plan.tp")
+            raise ValueError(
+                f"plan.tp lists {tp}, which does not divide the world of {world} ranks: drop it from plan.tp")
         if tp == 1:
             continue
         divides = m.tp_divides()
@@ -33,7 +34,8 @@ def check_tp(config: Config) -> None:
                              f"family have one): set plan.tp=[1]")
         for knob, value in divides.items():
             if value % tp:
-                raise ValueError(f"plan.tp lists {tp}, which does not divide model.{knob}={value}: drop it from plan.tp")
+                raise ValueError(
+                    f"plan.tp lists {tp}, which does not divide model.{knob}={value}: drop it from plan.tp")
         if p.sequence_parallel and m.has_seq and config.data.seq_len % tp:
             raise ValueError(f"plan.sequence_parallel splits data.seq_len={config.data.seq_len} across plan.tp {tp}: "
                              f"set data.seq_len to a multiple of {tp} or drop {tp} from plan.tp")
@@ -65,6 +67,6 @@ def cp_degrees(config: Config) -> list[int]:
             raise ValueError(f"plan.cp lists {cp} but model={m.name} is not a dense Llama-family model (context "
                              f"parallel splits Llama attention; MoE is not supported yet): set plan.cp=[1]")
         if seq % (2 * cp):
-            raise ValueError(f"plan.cp lists {cp}, which cuts data.seq_len={seq} into {2 * cp} chunks: set data.seq_len "
-                             f"to a multiple of {2 * cp} or drop {cp} from plan.cp")
+            raise ValueError(f"plan.cp lists {cp}, which cuts data.seq_len={seq} into {2 * cp} chunks: "
+                             f"set data.seq_len to a multiple of {2 * cp} or drop {cp} from plan.cp")
     return list(config.plan.cp)

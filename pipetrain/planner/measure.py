@@ -56,9 +56,9 @@ def _run_config(config: Config, row_config: Callable[[Candidate], Config], sched
 def calibrate(config: Config, work: Workload, *, world: int, mbs: int, partition: str,
               row_config: Callable[[Candidate], Config], run_dir: Path,
               note: Callable[[str], Any] = print) -> dict[str, float]:
-    """The overheads (plan.<key>, KEYS; tp_latency_ms only where plan.tp lists tp > 1) fitted from the runs, rounded to 1 us.
-    `row_config`: the config that trains a candidate (planner/cmd.py's apply_row); `partition`: the
-    planner's strategy name for the configured partition."""
+    """The overheads (plan.<key>, KEYS; tp_latency_ms only where plan.tp lists tp > 1) fitted from
+    the runs, rounded to 1 us. `row_config`: the config that trains a candidate (planner/cmd.py's
+    apply_row); `partition`: the planner's strategy name for the configured partition."""
     from pipetrain.launch import prestart
 
     check(config, world)
@@ -100,13 +100,15 @@ def _train(cfg: Config, out: Path, note: Callable[[str], Any]) -> tuple[list[dic
 
     plan = make_plan(cfg)
     par = cfg.parallel
-    note(f"plan.calibrate: {cfg.plan.calibrate_steps} steps of {cfg.schedule.name}, pp{cfg.pipeline.degree} x dp{par.dp}"
+    note(f"plan.calibrate: {cfg.plan.calibrate_steps} steps of {cfg.schedule.name}, "
+         f"pp{cfg.pipeline.degree} x dp{par.dp}"
          + (f" x tp{par.tp}" if par.tp > 1 else "") + f", microbatch {cfg.microbatch_size} -> {out}")
     launch(cfg, plan, out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][1:]
     step_s = json.loads((out / "summary.json").read_text()).get(names.STEP_TIME)
     if not step_s:
-        raise ValueError(f"plan.calibrate: the {cfg.schedule.name} run measured no step time: raise plan.calibrate_steps")
+        raise ValueError(
+            f"plan.calibrate: the {cfg.schedule.name} run measured no step time: raise plan.calibrate_steps")
     return rows, step_s * 1e3, plan
 
 

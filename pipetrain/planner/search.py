@@ -125,8 +125,8 @@ class _Evaluator:
                                    vocab=w.vocab, value_bytes=w.value_bytes, bandwidth_gbs=self.device.tp_gbs,
                                    replicated_bytes_per_token=w.tp_replicated_bytes_per_token,
                                    latency_ms=self.device.tp_latency_ms)
-            self._layers[key] = tuple(dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l
-                                      for l in split)
+            self._layers[key] = tuple(
+                dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l for l in split)
         return self._layers[key]
 
     def cut(self, c: Candidate) -> Partition:
@@ -221,7 +221,8 @@ class _Evaluator:
             f"chunk{k}": (stages, p * grad) for k, (stages, p) in enumerate(zip(chunk_stages, part.chunk_params()))}
         layer_chunk = {i: k for k, rng in enumerate(part.bounds) for i in rng}
         for n, (layers, numel) in enumerate(self.work.tied):  # a stage holding two of the layers holds one copy
-            holding[f"tied{n}"] = (sorted({s for i in layers for s in chunk_stages[layer_chunk[i]]}), numel / c.tp * grad)
+            holding[f"tied{n}"] = (sorted({s for i in layers for s in chunk_stages[layer_chunk[i]]}),
+                                   numel / c.tp * grad)
         weights = {name: ([pl.rank_of(s) for s in stages], nbytes) for name, (stages, nbytes) in holding.items()}
         if c.dp * c.tp * c.cp == 1:  # GradSync.early: each rank's copies go into their sum's buffer from its last W on
             for stages, nbytes in holding.values():

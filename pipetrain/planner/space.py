@@ -66,7 +66,8 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
     ranks). `recompute_partial`: where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp)."""
     out = []
     for cp, tp, pp in [(c, t, p) for c in cp_degrees for t in tp_degrees if world % (c * t) == 0
-                       for p in (pp_degrees or [q for q in range(1, world // (c * t) + 1) if world // (c * t) % q == 0])]:
+                       for p in (pp_degrees
+                                 or [q for q in range(1, world // (c * t) + 1) if world // (c * t) % q == 0])]:
         if world % (pp * tp * cp):
             continue
         dp, sp = world // (pp * tp * cp), sequence_parallel and tp > 1
@@ -104,8 +105,9 @@ def _layout_rows(pp: int, dp: int, tp: int, sp: bool, ep: int, cp: int, dp_shard
 
 
 def why_empty(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
-              microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], pp_degrees: Optional[Sequence[int]] = None,
-              max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,), cp_degrees: Sequence[int] = (1,)) -> str:
+              microbatch_sizes: Sequence[int], virtual_stages: Sequence[int],
+              pp_degrees: Optional[Sequence[int]] = None, max_microbatches: int = 256,
+              tp_degrees: Sequence[int] = (1,), cp_degrees: Sequence[int] = (1,)) -> str:
     """Why `candidates` found nothing, the first of its filters that left no row, with the knob to change."""
     inner = [c * t for c in cp_degrees for t in tp_degrees if world % (c * t) == 0]  # cp x tp inside every pp x dp
     layouts = [(k, pp) for k in inner

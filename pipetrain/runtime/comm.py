@@ -121,9 +121,13 @@ class _Stream:
             try:
                 if failed is None:
                     peer = posted.group.peer
+
+                    def what(peer: Optional[int] = peer) -> str:  # this group's peer, bound now (formatted on failure)
+                        return f"its in-order stream's group with {self.comm.name(peer)}"
+
                     self.comm._post(posted)
                     for work in posted.send_works + [w for ws in posted.recv_works.values() for w in ws]:
-                        self.comm._wait(work, lambda: f"its in-order stream's group with {self.comm.name(peer)}", peer)
+                        self.comm._wait(work, what, peer)
             except BaseException as e:  # handed to the main thread, which raises it where it waits
                 failed = e
             posted.error = failed
@@ -168,7 +172,8 @@ class P2P:
         self.plan: Optional[RankTransfers] = None
         # id(plan) -> (plan, its groups per boundary as posted): worked out at a plan's first step
         self._prepared: dict[int, tuple[RankTransfers, list[list[_Prepared]]]] = {}
-        self._streams: dict[Optional[int], _Stream] = {}  # in order mode: peer (or None: all) -> stream, kept across steps
+        # in order mode: peer (or None: all) -> stream, kept across steps
+        self._streams: dict[Optional[int], _Stream] = {}
 
     # ---- one step -----------------------------------------------------------------
     def begin(self, plan: RankTransfers, buffer_for: Callable[[Message], torch.Tensor]) -> None:

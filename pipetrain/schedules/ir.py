@@ -143,7 +143,8 @@ def parse_action(text: str, *, torch_names: bool = False) -> Action:
     """`5B1` in pipetrain's names, or with `torch_names` `5I1` (torch's B is our BW)."""
     m = (_TORCH_ACTION_RE if torch_names else _ACTION_RE).match(text.strip())
     if m is None:
-        ops = "F, I (input gradient), W, B (full backward), e.g. 0F3, 1B2" if torch_names else "F, B, W, BW (e.g. 0F3, 1BW2)"
+        ops = ("F, I (input gradient), W, B (full backward), e.g. 0F3, 1B2" if torch_names
+               else "F, B, W, BW (e.g. 0F3, 1BW2)")
         raise ValueError(f"cannot parse action {text!r}: write {{stage}}{{op}}{{microbatch}} with op one of {ops}")
     return Action(_FROM_TORCH[m.group(2)] if torch_names else Op(m.group(2)), int(m.group(1)), int(m.group(3)))
 

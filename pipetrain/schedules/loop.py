@@ -119,11 +119,11 @@ def interleaved_1f1b(P: int, M: int, v: int) -> Steps:
     for r in range(P):
         total = v * M  # forwards (= backwards) this rank runs: M microbatches x v stages
 
-        def fwd(k: int) -> Action:
+        def fwd(k: int, r: int = r) -> Action:  # r bound at definition: this rank, whenever it is called
             c, m = _interleaved_unit(k, P, v, forward=True)
             return _f(c * P + r, m)
 
-        def bwd(k: int) -> Action:
+        def bwd(k: int, r: int = r) -> Action:
             c, m = _interleaved_unit(k, P, v, forward=False)
             return _bw(c * P + r, m)
 

@@ -64,9 +64,10 @@ def pair_fb(schedule: Schedule) -> Schedule:
     when both end, so a backward whose input gradient comes (through other ranks) from the forward
     beside it cannot join it; each candidate is kept only if the schedule still runs to the end and
     no later (deps.walk at F = W = 1, B = BW = 2, a pair the sum of its parts: the overlap must not
-    be needed to pay for the pair's later hand-off of its forward's output). The parts keep their order and count, so the point-to-point plan,
-    hand-written communication and REDUCE_GRAD boundaries stay where they were; an existing pair
-    (DualPipe's) is left as it is. Run serially, a pair does exactly what its two actions did."""
+    be needed to pay for the pair's later hand-off of its forward's output). The parts keep their
+    order and count, so the point-to-point plan, hand-written communication and REDUCE_GRAD
+    boundaries stay where they were; an existing pair (DualPipe's) is left as it is. Run serially, a
+    pair does exactly what its two actions did."""
     rows = [list(row) for row in schedule.steps]
     marked = [_marker_boundaries(schedule, r) for r in range(schedule.num_ranks)]
     best = _unit_makespan(schedule)

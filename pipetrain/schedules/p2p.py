@@ -319,7 +319,8 @@ def build_plan(schedule: Schedule, rank: int, *, lookahead: int = 1,
     return RankTransfers(rank, tuple(parts), tuple(needs), tuple(issue))
 
 
-def build_plans(schedule: Schedule, *, lookahead: int = 1, unit_walk: Optional[Walk] = None) -> tuple[RankTransfers, ...]:
+def build_plans(schedule: Schedule, *, lookahead: int = 1,
+                unit_walk: Optional[Walk] = None) -> tuple[RankTransfers, ...]:
     """Every rank's plan; `unit_walk`: the schedule's unit-cost walk if the caller has it."""
     if schedule.comms:
         return tuple(_explicit_plan(schedule, r) for r in range(schedule.num_ranks))

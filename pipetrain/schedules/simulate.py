@@ -218,7 +218,8 @@ def reduce_lanes(schedule: Schedule, timeline: Sequence[Sequence[TimedStep]],
     """Per rank, its reductions on one serial lane: each starts at max(end of the step holding
     the action before its mark, lane free) and takes `reduce_ms[stage]`."""
     if len(reduce_ms) != schedule.placement.num_stages:
-        raise ValueError(f"reduce_ms covers {len(reduce_ms)} stages but the schedule has {schedule.placement.num_stages}")
+        raise ValueError(
+            f"reduce_ms covers {len(reduce_ms)} stages but the schedule has {schedule.placement.num_stages}")
     if min(reduce_ms, default=0.0) < 0:
         raise ValueError("reduce times must be >= 0 ms")
     lanes = []

@@ -16,11 +16,12 @@ size C, V the vocabulary, s bytes per value:
 Sequence parallel (Korthikanti et al. 2022) replaces each all-reduce by a reduce-scatter plus an
 all-gather: the same ring bytes, 2(tp-1)/tp x S per all-reduce and (tp-1)/tp x S per all-gather
 (schedules/reduce_cost.py: ring_factor), over `cluster.tp_bandwidth_gbs`, plus `latency_ms` per
-collective (0 unless the planner calibrated it: gloo on CPU pays about a millisecond each). Parameters stored per rank divide by tp (norms and position embeddings, replicated, are
-rounded in); activation bytes divide by tp under sequence parallel (every saved activation is
-split), and are left whole without it (conservative: the split attention and MLP activations
-are most of them, the replicated norms' inputs are not). The loss's logits are apart from the
-layers (planner/memory.py: loss_rank_bytes): vocab-parallel, each tp rank keeps V/tp of them.
+collective (0 unless the planner calibrated it: gloo on CPU pays about a millisecond each).
+Parameters stored per rank divide by tp (norms and position embeddings, replicated, are rounded in);
+activation bytes divide by tp under sequence parallel (every saved activation is split), and are
+left whole without it (conservative: the split attention and MLP activations are most of them, the
+replicated norms' inputs are not). The loss's logits are apart from the layers (planner/memory.py:
+loss_rank_bytes): vocab-parallel, each tp rank keeps V/tp of them.
 
 Layers are told apart by name: "embed" and "head" (GPT-2 and Llama), every other layer is a block
 (the sleep model's layers too). Pure Python, no torch.
@@ -78,7 +79,8 @@ def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden:
 def tp_rank_layers(layers: Sequence[LayerCost], *, tp: int, sequence_parallel: bool, tokens: int, hidden: int,
                    vocab: int, value_bytes: int, bandwidth_gbs: float,
                    replicated_bytes_per_token: float = 0.0, latency_ms: float = 0.0) -> list[LayerCost]:
-    """One tp rank's layers (tp_layer_costs: compute / tp plus the TP collectives, parameters / tp). Activations: / tp under sequence parallel; without it a block keeps its replicated part
+    """One tp rank's layers (tp_layer_costs: compute / tp plus the TP collectives, parameters / tp).
+    Activations: / tp under sequence parallel; without it a block keeps its replicated part
     (`replicated_bytes_per_token`, the norms') whole and splits the rest (Korthikanti et al. 2022:
     sbh (10 + 24 / t) for their 34); 0 leaves the blocks' activations whole (tp_cost's bound)."""
     split = tp_layer_costs(layers, tp=tp, tokens=tokens, hidden=hidden, vocab=vocab, bytes_per_value=value_bytes,

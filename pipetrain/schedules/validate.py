@@ -151,7 +151,8 @@ def check_p2p(schedule: Schedule, *, lookahead: int = 1, unit_walk: Walk | None 
     try:
         check_plan(schedule, lookahead=lookahead, unit_walk=unit_walk, streams=streams)
     except PlanError as e:
-        raise ScheduleError(f"schedule {schedule.name!r}: {e}{_p2p_fix(schedule, lookahead, unit_walk, streams)}") from None
+        raise ScheduleError(
+            f"schedule {schedule.name!r}: {e}{_p2p_fix(schedule, lookahead, unit_walk, streams)}") from None
 
 
 def hangs_on_nccl(schedule: Schedule, *, lookahead: int, transport: str) -> bool:

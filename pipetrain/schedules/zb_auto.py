@@ -158,7 +158,8 @@ class _Builder:
             if i > 0:
                 for j in range(self.P):
                     behind = j > 0 and self.nf[j] >= self.nf[j - 1]
-                    if self.nf[j] < self.M and not behind and (self.fits_f(j) or self.nw[j] < self.nb[j] or self.nf[j] <= i):
+                    if (self.nf[j] < self.M and not behind
+                            and (self.fits_f(j) or self.nw[j] < self.nb[j] or self.nf[j] <= i)):
                         self.fill_before(Op.F, j, self.nf[j])
                         self.put(Op.F, j)
             for j in range(self.P - 1, -1, -1):
@@ -229,7 +230,8 @@ SPECS: tuple[ScheduleSpec, ...] = (
         check=check_zb_auto,
         description=(
             "Zero-bubble schedule searched greedily for the run's F, B, W and P2P costs under a per-rank "
-            "activation budget (schedule.memory_budget; default 2P-1, ZB-H2's), after Qi et al. 2024's automatic scheduling."
+            "activation budget (schedule.memory_budget; default 2P-1, ZB-H2's), "
+            "after Qi et al. 2024's automatic scheduling."
         ),
         fixed_stages_per_rank=1,
         analytic_bubble=None,

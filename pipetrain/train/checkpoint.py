@@ -389,7 +389,7 @@ def _restore(target: Checkpointable, targets: dict[str, torch.Tensor], adam: dic
     other local copy, AdamW's state, RNG."""
     sync, opt = target.sync, target.optimizer
     with torch.no_grad():
-        for name, copies in sync.local.items():
+        for copies in sync.local.values():
             for p in copies[1:]:
                 p.copy_(copies[0])
     for name, state in adam.items():  # every copy gets its own tensors: AdamW updates them in place

@@ -181,7 +181,7 @@ def newest_good(root: Path, *, deep: bool = False, note: Note = silent,
     """The newest whole checkpoint under `root` (None: there is none). Damaged newer ones are
     reported by name and why; when every one is damaged the run refuses rather than start over."""
     bad: list[str] = []
-    for step, path in reversed(step_dirs(root)):
+    for _, path in reversed(step_dirs(root)):
         why = damage(path, deep=deep, check_bytes=check_bytes)
         if why is None:
             for text in bad:

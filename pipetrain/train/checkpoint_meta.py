@@ -58,7 +58,8 @@ def check_compatible(meta: dict[str, Any], config: Config, path: Path) -> list[s
     """Raise (one line) if the model differs; return notes on changed layout / training knobs."""
     if meta.get("format") != FORMAT:
         raise ValueError(f"trainer.resume: {path} has checkpoint format {meta.get('format')!r}, "
-                         f"this pipetrain reads {FORMAT}: resume with the version that wrote it, or start a new run (a new run.name)")
+                         f"this pipetrain reads {FORMAT}: resume with the version that wrote it, "
+                         "or start a new run (a new run.name)")
     old, new = meta["fingerprint"], fingerprint(config)
     model = _changes(old["model"], new["model"])
     if model:

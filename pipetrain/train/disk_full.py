@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from pipetrain.files import DiskFull  # a save ran out of space: its staged files are removed, the checkpoints before it untouched
+# a save ran out of space: its staged files are removed, the checkpoints before it untouched
+from pipetrain.files import DiskFull
 from pipetrain.train.checkpoint_dirs import list_checkpoints, step_dir
 
 __all__ = ["DiskFull", "disk_full", "full_error", "one_line_if_full"]

@@ -168,10 +168,12 @@ class Monitor:
         act = [s.peak_activation_bytes for s in m.samples]
         self.peak_memory = [max(a, b) for a, b in zip(self.peak_memory, mem)] if self.peak_memory else mem
         self.world_peak = max(self.world_peak, m.world_peak_memory_bytes or 0)
-        self.peak_activations = [max(a, b) for a, b in zip(self.peak_activations, act)] if self.peak_activations else act
+        self.peak_activations = ([max(a, b) for a, b in zip(self.peak_activations, act)]
+                                 if self.peak_activations else act)
         reserved = [s.cuda_reserved_bytes for s in m.samples]
         if all(b is not None for b in reserved):
-            self.peak_reserved = [max(a, b) for a, b in zip(self.peak_reserved, reserved)] if self.peak_reserved else reserved
+            self.peak_reserved = ([max(a, b) for a, b in zip(self.peak_reserved, reserved)]
+                                  if self.peak_reserved else reserved)
 
     def note(self, text: str) -> None:
         for lg in self.loggers:

@@ -194,8 +194,9 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
 
 def rank_pipeline(config: Config, plan: Plan, groups: RankGroups, parallelize: Parallelize,
                   device: torch.device) -> tuple[RankPipeline, LayeredModel, list[str]]:
-    """This rank's pipeline as `config` and `plan` (the schedule and the cut) make it, its transport over `groups`; also the model on the meta device (its shapes, for the
-    data) and the model.pretrained files this rank read (its values, not the seeded init)."""
+    """This rank's pipeline as `config` and `plan` (the schedule and the cut) make it, its transport
+    over `groups`; also the model on the meta device (its shapes, for the data) and the
+    model.pretrained files this rank read (its values, not the seeded init)."""
     torch.manual_seed(config.trainer.seed)  # dropout; weights come from (seed, name)
     model = build_model(config.model, device="meta")  # shapes only: each rank materializes its stages
     weights = pretrained_rule(config.model)

@@ -156,7 +156,8 @@ class Trainer:
             self.skipped_in_a_row += 1
             if self.skipped_in_a_row >= cfg.trainer.max_skipped_steps:
                 raise NonFiniteLoss(
-                    f"{self.skipped_in_a_row} non-finite steps in a row (loss {loss} / grad norm {norm} at step {step + 1}, "
+                    f"{self.skipped_in_a_row} non-finite steps in a row "
+                    f"(loss {loss} / grad norm {norm} at step {step + 1}, "
                     f"trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}): lower optim.lr, raise "
                     f"optim.warmup_steps, or raise trainer.max_skipped_steps")
         else:
@@ -225,7 +226,8 @@ class Trainer:
                 else f"resume with trainer.resume={saved}")
         if self.rank == 0:
             self.stopped = write_stopped(self.run_dir, signum=signum, step=step, checkpoint=saved, resume=hint)
-            self.monitor.note(f"{signal_name(signum)}: stopped after step {step}" + (f", saved {saved}" if saved else ""))
+            self.monitor.note(f"{signal_name(signum)}: stopped after step {step}"
+                              + (f", saved {saved}" if saved else ""))
         else:
             self.stopped = {}
 
