@@ -70,7 +70,7 @@ def test_init_block_reads_only_the_block_and_equals_the_whole_cut(layout, mixtra
 def _load(rank: int, world: int, out: Path, runs: list) -> None:
     import torch.distributed as dist
 
-    import pipetrain.train.trainer as trainer_module
+    import pipetrain.train.pipeline as pipeline_module  # where a rank's pipeline reads model.pretrained
     from pipetrain.models.hf import pretrained_rule
     from pipetrain.train.trainer import Trainer
 
@@ -81,7 +81,7 @@ def _load(rank: int, world: int, out: Path, runs: list) -> None:
             rules.append(pretrained_rule(model_config))
             return rules[-1]
 
-        trainer_module.pretrained_rule = keep
+        pipeline_module.pretrained_rule = keep
         trainer = Trainer(config, plan, out / name)
         experts = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
                    for _, n, p in trainer.pipe.named_parameters() if ".experts.w" in n}
