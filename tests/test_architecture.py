@@ -440,3 +440,22 @@ def test_no_function_body_is_written_twice():
     planted = {"a.py": helper.format("one"), "b.py": "x = 1\n\n" + helper.format("two")}
     assert written_twice(planted) == [["a.py:1 _dtensor_type", "b.py:3 _dtensor_type"]]
     assert written_twice({str(p.relative_to(ROOT)): p.read_text() for p in sorted(ROOT.rglob("*.py"))}) == []
+
+
+def test_the_architecture_doc_names_every_module():
+    """#45: docs/architecture.md's layout names each module's job; a module added without a line
+    there fails here (its file name must appear in its folder's paragraph of the layout)."""
+    import re
+
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    layout = doc.split("## Layout\n\n```\n", 1)[1].split("```", 1)[0]
+    paragraphs = re.split(r"\n(?=\S)", layout)  # one per folder: it starts at column 0
+    by_folder = {para.split()[0].rstrip("/"): para for para in paragraphs if para.strip()}
+    missing = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name == "__init__.py" or "corpus" in path.parts:
+            continue
+        folder = str(path.parent.relative_to(ROOT.parent))
+        if not re.search(rf"\b{re.escape(path.name)}\b", by_folder.get(folder, "")):
+            missing.append(str(path.relative_to(ROOT.parent)))
+    assert missing == [], missing
