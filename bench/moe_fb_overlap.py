@@ -131,8 +131,8 @@ class FixedTimeExperts(Experts):
     f_ms: float = 0.0
     b_ms: float = 0.0
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return _FixedTime.apply(super().forward(x, counts), self.f_ms, self.b_ms)
+    def local_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # this rank's experts
+        return _FixedTime.apply(super().local_forward(x, counts), self.f_ms, self.b_ms)
 
 
 def build_model(args: argparse.Namespace) -> Llama:
@@ -141,7 +141,7 @@ def build_model(args: argparse.Namespace) -> Llama:
                   num_key_value_heads=args.heads, max_position_embeddings=args.seq,
                   moe=dict(num_experts=args.experts, top_k=args.top_k, intermediate_size=args.expert_width,
                            balance="aux_free", experts_impl=args.experts_impl))
-    if args.deterministic:  # in place, before expert parallel subclasses it (parallel/ep.py shard_experts)
+    if args.deterministic:  # in place: the bench's own stand-in for the experts' compute
         for m in model.modules():
             if type(m) is Experts:
                 m.__class__ = FixedTimeExperts

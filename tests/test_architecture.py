@@ -459,3 +459,19 @@ def test_the_architecture_doc_names_every_module():
         if not re.search(rf"\b{re.escape(path.name)}\b", by_folder.get(folder, "")):
             missing.append(str(path.relative_to(ROOT.parent)))
     assert missing == [], missing
+
+
+def class_swaps(tree: ast.AST) -> list[int]:
+    """Lines where a module's class is replaced at run time (`obj.__class__ = ...`)."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in node.targets)]
+
+
+def test_no_class_is_swapped_at_run_time():
+    """#45: expert parallel made a stacked-experts module dispatch and combine by swapping its class
+    for a subclass, which node execution then probed with getattr(ex, "ep_group"). The experts now
+    declare their group (models/moe.py Experts.ep_group) and keep their class. A planted swap is caught."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(ROOT.rglob("*.py"))
+             for line in class_swaps(ast.parse(path.read_text()))]
+    assert found == []
+    assert class_swaps(ast.parse("m.__class__ = type('X', (Mixin, type(m)), {})\n")) == [1]

@@ -1,4 +1,6 @@
-"""A Mixture-of-Experts layer (pure torch, no torch.distributed): router, routed experts, shared experts.
+"""A Mixture-of-Experts layer: router, routed experts, shared experts. Its maths are plain torch;
+under expert parallel its experts declare the group they hold a block of (`Experts.ep_group`, set by
+parallel/ep.py) and their forward goes through runtime/ep_comm.py's dispatch and combine.
 
     out = sum_{e in top-k(x)} gate_e(x) * expert_e(x)  [+ sigmoid(x w_s) *] shared(x)
 
@@ -24,6 +26,8 @@ from torch import nn
 
 from pipetrain.config.moe import MoEConfig
 from pipetrain.models.moe_router import Router, Routing, balance_loss, capacity, tokens_per_expert, within_capacity
+from pipetrain.runtime import ep_comm
+from pipetrain.runtime.ep_comm import EPGroup
 
 
 class MoEOutput(NamedTuple):
@@ -76,9 +80,21 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, hidden))  # gate_proj per expert
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, hidden))  # up_proj
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # down_proj
+        # Expert parallel (parallel/ep.py: shard_experts): the group this module holds a block of the
+        # E experts over (its w1, w2, w3 are that block's rows, under the unsplit names); None: all E.
+        self.ep_group: Optional[EPGroup] = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (N, H) sorted by expert, counts (E,) -> (N, H)."""
+        """x (N, H) sorted by global expert, counts (E,) -> (N, H) in x's order: this module's experts,
+        or under expert parallel dispatch -> this rank's experts -> combine (node-level execution runs
+        the same pieces as nodes of their own: models/moe_nodes.py)."""
+        if self.ep_group is None:
+            return self.local_forward(x, counts)
+        rows, local_counts, routed = ep_comm.dispatch(x, counts, self.ep_group)
+        return ep_comm.combine(self.local_forward(rows, local_counts), routed, self.ep_group)
+
+    def local_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This module's own experts on x (N, H) sorted by its expert, counts per its expert -> (N, H)."""
         if self.impl == "grouped":
             return self.forward_grouped(x, counts)
         return self.forward_loop(x, counts)

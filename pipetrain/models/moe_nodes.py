@@ -40,7 +40,7 @@ def block_nodes(block: nn.Module, key: str) -> list[Node]:
     if not isinstance(mlp, MoEBlock):
         return single_node(block, key)
     ex = mlp.experts
-    g = getattr(ex, "ep_group", None)  # set by parallel/ep.py's ExpertParallel mixin
+    g = ex.ep_group  # the EP group its experts are a block of (models/moe.py Experts), None: all of them
 
     def attn(x: torch.Tensor) -> tuple:
         x1 = x + block.self_attn(block.input_layernorm(x))  # (B, T, H)
@@ -55,7 +55,7 @@ def block_nodes(block: nn.Module, key: str) -> list[Node]:
     def experts(rows: torch.Tensor, info: tuple) -> tuple:
         a, routed = info
         if routed is None:
-            return (ex(rows, a.d.counts),)
+            return (ex.local_forward(rows, a.d.counts),)
         local_counts, r = routed
         return (source_major(ex.local_forward(expert_major(rows, r), local_counts), r),)
 

@@ -3,9 +3,10 @@
 A layer declares where its stacked experts are (`ep_plan()`: module paths whose parameters are
 (E, ...) tensors, one expert per row, and whose forward takes (rows sorted by expert, counts per
 expert)). `shard_experts` keeps this rank's block of such a module's experts, rows
-[i E/ep, (i+1) E/ep) of every stacked weight under the unsplit name, and wraps its forward in
-dispatch and combine (runtime/ep_comm.py): the router and the rest of the layer run on this rank's tokens as
-before. The stage records the split (`ep_shards`: local name -> Split(0, E)) so materializing and
+[i E/ep, (i+1) E/ep) of every stacked weight under the unsplit name, and declares the group on it
+(`ep_group`), so its forward dispatches and combines (runtime/ep_comm.py): the router and the rest
+of the layer run on this rank's tokens as before. No class is swapped: the module keeps its own.
+The stage records the split (`ep_shards`: local name -> Split(0, E)) so materializing and
 checkpoints hold and save experts by their global index (a run resumes at another ep).
 
 Under data parallel the experts are FSDP2-sharded over their own mesh, the expert-data-parallel
@@ -18,12 +19,11 @@ from __future__ import annotations
 
 from typing import Optional, Protocol, runtime_checkable
 
-import torch
 from torch import nn
 
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.tp import Split
-from pipetrain.runtime.ep_comm import EPGroup, combine, dispatch
+from pipetrain.runtime.ep_comm import EPGroup
 
 
 @runtime_checkable
@@ -33,28 +33,10 @@ class ExpertsPlanned(Protocol):
     def ep_plan(self) -> tuple[str, ...]: ...
 
 
-class ExpertParallel(nn.Module):
-    """Mixed into a stacked-experts module in place (FSDP2's way: the instance's class becomes a
-    subclass), so its parameters keep their unsplit names: its forward runs the inherited one on
-    the rows dispatch brings to this rank's experts."""
-
-    ep_group: EPGroup
-    ep_split: Split
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (N, H) this rank's tokens sorted by global expert, counts (E,) -> (N, H) in x's order."""
-        rows, local_counts, routed = dispatch(x, counts, self.ep_group)
-        return combine(super().forward(rows, local_counts), routed, self.ep_group)
-
-    def local_forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This rank's experts alone on rows (M, H) by local expert, counts (E/ep,) (node-level execution:
-        the all-to-alls around them are nodes of their own, runtime/nodes.py)."""
-        return super().forward(rows, counts)
-
-
 def shard_experts(experts: nn.Module, g: EPGroup) -> Split:
     """Keep rows [i E/ep, (i+1) E/ep) of every stacked weight of `experts` (on meta: shapes only)
-    and make it dispatch and combine; returns how its weights are split (Split(0, E))."""
+    and declare the group on it (`ep_group`: its forward then dispatches and combines, models/moe.py);
+    returns how its weights are split (Split(0, E))."""
     sizes = {p.shape[0] for p in experts.parameters()}
     if len(sizes) != 1 or next(iter(sizes)) % g.size:
         raise ValueError(f"parallel.ep={g.size} must divide the number of experts ({sorted(sizes)}): "
@@ -63,10 +45,8 @@ def shard_experts(experts: nn.Module, g: EPGroup) -> Split:
     block = slice(g.rank * num // g.size, (g.rank + 1) * num // g.size)
     for name, p in list(experts.named_parameters(recurse=False)):
         setattr(experts, name, nn.Parameter(p.detach()[block].clone(), requires_grad=p.requires_grad))
-    cls = type(experts)
-    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
-    experts.ep_group, experts.ep_split = g, Split(0, num)
-    return experts.ep_split
+    experts.ep_group = g
+    return Split(0, num)
 
 
 def parallelize_experts(stage: nn.Module, g: EPGroup) -> nn.Module:
@@ -85,8 +65,10 @@ def parallelize_experts(stage: nn.Module, g: EPGroup) -> nn.Module:
 
 
 def expert_modules(stage: nn.Module) -> list[nn.Module]:
-    """The local experts of every ExpertParallel in the stage (what FSDP2 shards over the EDP mesh)."""
-    return [m for m in stage.modules() if isinstance(m, ExpertParallel)]
+    """The stage's stacked-experts modules split over the EP group (what FSDP2 shards over the EDP
+    mesh): the owners of the parameters `stage.ep_shards` names, in order, each once."""
+    paths = dict.fromkeys(name.rpartition(".")[0] for name in stage.ep_shards)
+    return [stage.get_submodule(path) for path in paths]
 
 
 def expert_parallel(groups: RankGroups) -> Optional[EPGroup]:
