@@ -165,7 +165,7 @@ def test_stage_module_is_a_stage():
 
 
 def test_parallel_imports_nothing_of_models():
-    """The model families declare their tensor-parallel plans (parallel/tp_spec.py, imported
+    """The model families declare their tensor-parallel plans (parallel/layer_spec.py, imported
     downward by models/); parallel/ applies them without knowing a model class."""
     reached = {m for m in closure("pipetrain.parallel") if m.startswith("pipetrain.models")}
     assert reached == set()
@@ -475,3 +475,24 @@ def test_no_class_is_swapped_at_run_time():
              for line in class_swaps(ast.parse(path.read_text()))]
     assert found == []
     assert class_swaps(ast.parse("m.__class__ = type('X', (Mixin, type(m)), {})\n")) == [1]
+
+
+def layer_contract() -> set[str]:
+    """The methods parallel/layer_spec.py's protocols declare (what a layer offers), and BlockRule's."""
+    tree = ast.parse((ROOT / "parallel" / "layer_spec.py").read_text())
+    methods = {f.name for c in tree.body if isinstance(c, ast.ClassDef) and c.name.endswith("Planned")
+               for f in c.body if isinstance(f, ast.FunctionDef)}
+    return methods | {"init_block"}
+
+
+def test_the_layer_contract_is_read_with_isinstance_not_getattr():
+    """#45: what a layer offers to tp, ep, cp and node-level execution is declared in one pure file
+    (parallel/layer_spec.py) and read with isinstance of its protocols; `getattr(layer, "nodes", None)`
+    (models/split.py) and `hasattr(rule, "init_block")` (models/init.py) hid a misspelt method as a
+    silent fallback. A planted read is caught."""
+    names = layer_contract()
+    assert {"tp_plan", "ep_plan", "cp_plan", "nodes"} <= names
+    assert reflective_reads('n = getattr(layer, "nodes", None)\n', names) == ["1 getattr(..., 'nodes')"]
+    found = [f"{p.relative_to(ROOT)}:{hit}" for p in sorted(ROOT.rglob("*.py"))
+             for hit in reflective_reads(p.read_text(), names)]
+    assert found == []

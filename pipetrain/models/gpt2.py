@@ -29,7 +29,7 @@ from torch import nn
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
-from pipetrain.parallel.tp_spec import Column, CrossEntropy, TPLayerPlan
+from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
 
 # Knob values per preset; every preset uses dropout 0.0 and bias True unless overridden.
 # gpt2-tiny: 8 blocks (enough for 8 stages), width 128, and a 512-token (byte-level-sized)

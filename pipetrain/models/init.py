@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -57,6 +57,7 @@ class InitRule(Protocol):
     def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None: ...
 
 
+@runtime_checkable
 class BlockRule(InitRule, Protocol):
     """A rule that can also fill just `block` = (dim, start, stop) of the parameter of unsplit `shape`
     (`value` has the block's shape) without producing the rest: models/hf.py's PretrainedWeights."""
@@ -130,7 +131,7 @@ def materialize(module: nn.Module, rule: InitRule, held: Held, *, seed: int, dev
         done.add(id(p))
         key = canonical.get(name, name)
         shape = held.full_shape(key, p)
-        block = held.block(key) if hasattr(rule, "init_block") else None
+        block = held.block(key) if isinstance(rule, BlockRule) else None
         if block is None:
             value = torch.empty(shape, dtype=torch.float32, device="cpu")
             rule.init_parameter(key, value, param_generator(seed, key))
@@ -138,5 +139,5 @@ def materialize(module: nn.Module, rule: InitRule, held: Held, *, seed: int, dev
         else:
             dim, start, stop = block
             value = torch.empty((*shape[:dim], stop - start, *shape[dim + 1:]), dtype=torch.float32, device="cpu")
-            rule.init_block(key, shape, block, value, param_generator(seed, key))  # type: ignore[attr-defined]
+            rule.init_block(key, shape, block, value, param_generator(seed, key))
             held.keep_shard(key, value, p)

@@ -42,7 +42,7 @@ from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values, 
 from pipetrain.models.moe_nodes import block_nodes
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
-from pipetrain.parallel.tp_spec import Column, CrossEntropy, TPLayerPlan
+from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
 from pipetrain.runtime.stage_protocol import Node
 
 INIT_STD = 0.02  # HF's initializer_range for every Llama-family config

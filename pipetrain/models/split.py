@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipetrain.models.base import LayeredModel, LossFn
 from pipetrain.models.init import InitRule, init_parameters
+from pipetrain.parallel.layer_spec import NodesPlanned
 from pipetrain.models.moe_nodes import single_node
 from pipetrain.runtime.stage_protocol import Node
 
@@ -77,10 +78,9 @@ class StageModule(nn.Module):
             return None
         plan = []
         for key, layer in self.layers.items():
-            nodes = getattr(layer, "nodes", None)
             end = self.is_last and int(key) == self.layer_range.stop - 1
             name = "embed" if int(key) == 0 else "head" if end else "layer"
-            plan.append(nodes(key) if nodes is not None else single_node(layer, key, name))
+            plan.append(layer.nodes(key) if isinstance(layer, NodesPlanned) else single_node(layer, key, name))
         return plan
 
     @property

@@ -31,12 +31,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, fields
-from typing import Optional, Protocol, runtime_checkable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipetrain.parallel.layer_spec import ContextPlanned
 from pipetrain.runtime import collectives
 
 SEQ = 2  # (B, heads, T, head_dim): the sequence dimension attention's inputs carry
@@ -298,13 +299,6 @@ class ContextAttention:
         """A (B, T, C) tensor crossing between stages, as this cp rank holds it: (B, T/cp, C)."""
         b, t, *rest = shape
         return (b, t // self.g.size, *rest)
-
-
-@runtime_checkable
-class ContextPlanned(Protocol):
-    """A layer that says which of its modules attend across positions (they get a ContextAttention)."""
-
-    def cp_plan(self) -> tuple[str, ...]: ...
 
 
 def parallelize_context(stage: torch.nn.Module, context: ContextAttention) -> torch.nn.Module:

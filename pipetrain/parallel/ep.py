@@ -17,20 +17,14 @@ with EP=2" bug class).
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import Optional
 
 from torch import nn
 
+from pipetrain.parallel.layer_spec import ExpertsPlanned
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.tp import Split
 from pipetrain.runtime.ep_comm import EPGroup
-
-
-@runtime_checkable
-class ExpertsPlanned(Protocol):
-    """A layer that says where its stacked experts are."""
-
-    def ep_plan(self) -> tuple[str, ...]: ...
 
 
 def shard_experts(experts: nn.Module, g: EPGroup) -> Split:

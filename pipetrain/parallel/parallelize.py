@@ -1,7 +1,7 @@
 """One rank's stages parallelized in torchtitan's order, from declared steps.
 
     cut (models/split.py, on the meta device)
-      -> tensor parallel      parallel/tp_plan.py, from each layer's declared plan (parallel/tp_spec.py)
+      -> tensor parallel      parallel/tp_plan.py, from each layer's declared plan (parallel/layer_spec.py)
       -> expert parallel      parallel/ep.py: this rank's block of each declared stacked-experts module
       -> context parallel     parallel/cp.py: declared attention modules attend over the cp group's K/V
       -> activation recompute trainer.activation_checkpointing / plan.recompute_stages

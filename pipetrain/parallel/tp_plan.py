@@ -1,6 +1,6 @@
 """Tensor parallel applied to one stage after the cut and before FSDP2 (torchtitan's order:
 pipeline split, then tensor parallel, then data parallel), from the plan each layer declares
-(models/tp_spec.py: `tp_plan()`; GPT-2 and the Llama family have one). This module knows no
+(parallel/layer_spec.py: `tp_plan()`; GPT-2 and the Llama family have one). This module knows no
 model class: it turns a plan's column / row / vocab-parallel paths into parallel/tp.py's layers.
 
   column-parallel   rows of the weight (and bias); the output stays split; a projection inside
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
-from pipetrain.parallel.tp_spec import TPLayerPlan, TPPlanned
+from pipetrain.parallel.layer_spec import TPLayerPlan, TPPlanned
 from pipetrain.parallel.loss_parallel import vocab_parallel_cross_entropy
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.tp import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,

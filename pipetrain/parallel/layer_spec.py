@@ -1,10 +1,18 @@
-"""How a model family's pipeline layer splits over a tensor-parallel group, declared as data.
+"""The layer contract: what a pipeline layer offers to tensor, expert and context parallel and to
+node-level execution, declared as data and methods the layer has, read with isinstance (never getattr).
 
-Each layer class of a family that supports tensor parallel has a `tp_plan()` method returning a
-`TPLayerPlan`: which of its sub-modules are column-parallel, row-parallel or a vocab-parallel
-embedding, which attributes count heads (divided by tp), and which whole weights see only part of
-the work (their gradients are summed over the tp group after each step). `parallel/tp_plan.py`
-applies any such plan without knowing the model classes: the models import this vocabulary
+  tp_plan() -> TPLayerPlan   tensor parallel: which sub-modules are column-parallel, row-parallel or a
+                             vocab-parallel embedding, which attributes count heads (divided by tp), which
+                             whole weights see part of the work (summed over tp after each step); applied
+                             by parallel/tp_plan.py
+  ep_plan() -> paths         expert parallel: the stacked-experts modules ((E, ...) weights; their forward
+                             takes rows sorted by expert and counts), split by parallel/ep.py
+  cp_plan() -> paths         context parallel: the modules that attend across positions (parallel/cp.py)
+  nodes(key) -> [Node]       node-level execution (runtime/stage_protocol.py Node): the layer's forward as
+                             nodes, named by schedules/fb_pairs.py's constants for an MoE block
+                             (models/moe_nodes.py); a layer without it runs as one node
+
+parallel/ applies any of these without knowing the model classes: the models import this vocabulary
 (downward), parallel/ imports nothing of models/ (torchtitan keeps each model's `parallelize_fn`
 beside the model the same way). This file imports no torch.
 """
@@ -12,7 +20,7 @@ beside the model the same way). This file imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -54,3 +62,24 @@ class TPPlanned(Protocol):
     """A layer that declares its tensor-parallel plan."""
 
     def tp_plan(self) -> TPLayerPlan: ...
+
+
+@runtime_checkable
+class ExpertsPlanned(Protocol):
+    """A layer that says where its stacked experts are."""
+
+    def ep_plan(self) -> tuple[str, ...]: ...
+
+
+@runtime_checkable
+class ContextPlanned(Protocol):
+    """A layer that says which of its modules attend across positions (they get a ContextAttention)."""
+
+    def cp_plan(self) -> tuple[str, ...]: ...
+
+
+@runtime_checkable
+class NodesPlanned(Protocol):
+    """A layer that runs as nodes under node-level execution (runtime/stage_protocol.py Node)."""
+
+    def nodes(self, key: str) -> list[Any]: ...
