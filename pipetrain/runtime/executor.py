@@ -106,8 +106,7 @@ class Executor:
                                                  for step, text in zip(schedule.steps[rank], texts)]
         self._eval_program: list[Part] = [(a, need, sends[a], f"{a}{on}")
                                           for a, need in zip(self._eval_plan.parts, self._eval_plan.waits)]
-        # whose input (a chain's start) / target (its end) it reads
-        fs = [a for a in schedule.actions(rank) if a.op is Op.F]
+        fs = [a for a in schedule.actions(rank) if a.op is Op.F]  # whose input / target (chain ends) it reads
         self._reads = ({a.microbatch for a in fs if pl.prev_stage(a.stage) is None},
                        {a.microbatch for a in fs if pl.next_stage(a.stage) is None})
         # each held stage's neighbours in its chain (None: it starts / ends it), looked up per action

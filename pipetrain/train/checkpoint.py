@@ -41,7 +41,6 @@ to the `note` callback the caller passes (the trainer hands them to its loggers)
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import os
 import shutil
@@ -58,6 +57,7 @@ from pipetrain.config import Config, Mode
 from pipetrain.config.train import TrainerConfig
 from pipetrain.train.checkpoint_dirs import (CKPT_DIR, FRESH, META, Note, manifest, prune, refuse_overwrite,
                                           resolve_resume, silent, step_dir)
+from pipetrain.train.checkpoint_dcp import planners
 from pipetrain.train.checkpoint_group import CheckpointGroup, pick
 from pipetrain.train.disk_full import one_line_if_full
 from pipetrain.train.restart import slurm_requeues
@@ -188,41 +188,6 @@ def save_state_dict(target: Checkpointable, *, copy: bool = False) -> dict[str, 
             out.update({f"optim.{k}.{name}": _as_saved(target, name, state[k], copy=copy) for k in _adam_keys(opt)})
     out.update(_rng_state())
     return out
-
-
-def is_parts(obj: Any) -> bool:
-    """A rank's parts of an unsplit tensor (parallel/split_weights.py LocalParts): not a tensor, but it
-    speaks DCP's chunk protocol (the one DTensor implements)."""
-    return not isinstance(obj, torch.Tensor) and hasattr(obj, "__get_tensor_shard__")
-
-
-@functools.cache
-def planners() -> tuple[type, type]:
-    """DCP's default save and load planners, which also find a box of a LocalParts by its offsets
-    (DCP looks objects up by isinstance(torch.Tensor); DTensor's own hooks do the rest) and keep
-    LocalParts through the load's set-up (which would replace what it does not know by None).
-    The state dicts are flat (train/checkpoint.py's keys), so a key is its flattened key."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-
-    def find(planner: Any, index: Any, default: Any) -> Any:
-        obj = planner.state_dict.get(index.fqn)
-        return obj.__get_tensor_shard__(index) if is_parts(obj) else default(index)
-
-    class SavePlanner(DefaultSavePlanner):
-        def lookup_object(self, index: Any) -> Any:
-            return find(self, index, super().lookup_object)
-
-    class LoadPlanner(DefaultLoadPlanner):
-        def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-            parts = {k: v for k, v in state_dict.items() if is_parts(v)}
-            super().set_up_planner(state_dict, *args, **kwargs)
-            state_dict.update(parts)
-            self.state_dict.update(parts)
-
-        def lookup_tensor(self, index: Any) -> torch.Tensor:
-            return find(self, index, super().lookup_tensor)
-
-    return SavePlanner, LoadPlanner
 
 
 # ---- save ----------------------------------------------------------------------------------------

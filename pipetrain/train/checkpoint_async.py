@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from pipetrain.config import Config
 from pipetrain.train.checkpoint import (
-    Checkpointable, TrainState, barrier, commit_staged, planners, prepare_staging, save_state_dict, world_rank,
+    Checkpointable, TrainState, barrier, commit_staged, prepare_staging, save_state_dict, world_rank,
 )
+from pipetrain.train.checkpoint_dcp import planners
 from pipetrain.train.checkpoint_dirs import Note, silent, step_dir
 from pipetrain.train.disk_full import one_line_if_full
 
