@@ -179,9 +179,9 @@ class PipetrainRow:
         self.ex, self.mbs, self.stages = self.rp.executor, batches(args, groups.ep_index), self.rp.stages
         self.records: list[dict] = []
         # the serial row's per-node times: the simulator's input
-        self.nodes = timed_nodes(self.ex.nodes) if fb_overlap == "serial" else None
+        self.nodes = timed_nodes(self.ex.passes) if fb_overlap == "serial" else None
         self.steps = self.sched.steps[groups.pp_rank]
-        self.syncs = SyncCount(self.ex.nodes) if args.device == "cuda" and fb_overlap == "on" else None
+        self.syncs = SyncCount(self.ex.passes) if args.device == "cuda" and fb_overlap == "on" else None
 
     def zero_grad(self) -> None:
         for mod in self.stages.values():
@@ -202,7 +202,7 @@ class PipetrainRow:
             rec[f"{key}_ms"] = sum(e.total_ms for _, e in evs)
             rec[f"{key}_exposed_ms"] = sum(e.exposed_ms for _, e in evs)
         if self.nodes is not None:
-            rec["costs"] = stage_costs(res.timings, self.ex.nodes.log, self.nodes, self.ex.nodes.plans, self.steps)
+            rec["costs"] = stage_costs(res.timings, self.ex.passes.log, self.nodes, self.ex.passes.plans, self.steps)
         self.records.append(rec)
 
 

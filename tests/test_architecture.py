@@ -496,3 +496,33 @@ def test_the_layer_contract_is_read_with_isinstance_not_getattr():
     found = [f"{p.relative_to(ROOT)}:{hit}" for p in sorted(ROOT.rglob("*.py"))
              for hit in reflective_reads(p.read_text(), names)]
     assert found == []
+
+
+# node-by-node execution: the executor reaches it only through runtime/stage_passes.py's interface
+NODE_MODE = {"pipetrain.runtime.nodes"}
+
+
+def node_mode_in_executor(text: str) -> list[str]:
+    """What of node mode the executor reaches past the StagePasses interface: imports of runtime/nodes.py
+    (NodeForward, NodeBackward) and of overlap.py beyond `stage_passes`, the one constructor."""
+    path = ROOT / "runtime" / "executor.py"
+    found = sorted(imported_modules(path, "pipetrain.runtime.executor", set(modules()), text) & NODE_MODE)
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module == "pipetrain.runtime.overlap":
+            found += [f"overlap.{a.name}" for a in node.names if a.name != "stage_passes"]
+    return found
+
+
+def test_the_executor_runs_every_pass_through_one_interface():
+    """#45: the executor held three ways of running a stage (whole, node by node, an interleaved F&B
+    pair) behind two flags. It now calls runtime/stage_passes.py's StagePasses (forward, backward, pair);
+    node mode is runtime/overlap.py's NodeExecution. executor.py stays under 300 lines, every file under
+    400. A planted import of node mode and a planted long file are caught."""
+    executor = (ROOT / "runtime" / "executor.py").read_text()
+    assert node_mode_in_executor(executor) == []
+    planted = executor + ("\nfrom pipetrain.runtime.nodes import NodeForward\n"
+                          "from pipetrain.runtime.overlap import fb_order\n")
+    assert node_mode_in_executor(planted) == ["pipetrain.runtime.nodes", "overlap.fb_order"]
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in sorted(ROOT.rglob("*.py"))}
+    assert lines["runtime/executor.py"] < 300
+    assert [f for f, n in lines.items() if n > 400] == []

@@ -215,7 +215,7 @@ def late_and_skewed(rank: int, world: int, out) -> None:
     sched = registry.build("1f1b", world, 4)
     rp = build_rank_pipeline(model, uniform_bounds(len(model.layers), world), sched, rank, microbatch_size=MB,
                              transport=Transport(timeout_s=60), seed=0)
-    rp.executor.clock = StepClock(torch.device("cpu"), host_clock=lambda: time.perf_counter() + SKEW_S * rank)
+    rp.executor.recorder.clock = StepClock(torch.device("cpu"), host_clock=lambda: time.perf_counter() + SKEW_S * rank)
     log: list = []
     for s, mod in rp.stages.items():
         mod.register_forward_pre_hook(lambda *_, s=s: log.append(("F", s)))

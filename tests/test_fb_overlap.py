@@ -44,6 +44,7 @@ def stages_of(rank: int):
 def ep_rank(rank: int, world: int, out) -> None:
     from pipetrain.models.moe_block import set_aux_loss_scale
     from pipetrain.runtime.executor import Executor
+    from pipetrain.runtime.overlap import NodeExecution
     from pipetrain.schedules import registry
 
     got = {}
@@ -56,10 +57,10 @@ def ep_rank(rank: int, world: int, out) -> None:
         if mode == "off":
             got[mode] = {"timings": result.timings, "step_ms": result.step_ms}
             continue
-        assert ex.nodes is not None and ex.nodes.interleave == (mode == "on")
-        got[mode] = {"loss": result.loss, "log": list(ex.nodes.log.started), "a2a": ex.nodes.log.summary(),
+        assert isinstance(ex.passes, NodeExecution) and ex.passes.interleave == (mode == "on")
+        got[mode] = {"loss": result.loss, "log": list(ex.passes.log.started), "a2a": ex.passes.log.summary(),
                      "timings": result.timings, "step_ms": result.step_ms,
-                     "spans": [span[0] for span in ex.nodes.log.spans],
+                     "spans": [span[0] for span in ex.passes.log.spans],
                      "grads": {n: p.grad for st in stages.values() for n, p in st.named_parameters()}}
     torch.save(got, out / f"rank{rank}.pt")
 
@@ -221,7 +222,7 @@ def pp2_ep2_rank(rank: int, world: int, out) -> None:
         for st in rp.stages.values():
             set_aux_loss_scale(st, 1.0 / M)
         loss = rp.train_step(rank_batches(groups.ep_index)).loss
-        got[mode] = {"loss": loss, "log": list(rp.executor.nodes.log.started),
+        got[mode] = {"loss": loss, "log": list(rp.executor.passes.log.started),
                      "grads": {f"{s}:{n}": p.grad for s, n, p in rp.named_parameters()}}
         rp.close()
     torch.save({"pp": groups.pp_rank, **got}, out / f"rank{rank}.pt")

@@ -13,7 +13,8 @@ import torch
 from pipetrain.models.llama import Llama
 from pipetrain.partition.uniform import uniform_bounds
 from pipetrain.runtime.executor import Executor
-from pipetrain.runtime.overlap import fb_order, node_execution
+from pipetrain.runtime.overlap import NodeExecution, fb_order, stage_passes
+from pipetrain.runtime.stage_passes import WholeStages
 from pipetrain.schedules import registry
 from pipetrain.models.split import split_model
 
@@ -84,16 +85,17 @@ def test_fb_overlap_knob_refuses_in_one_line(monkeypatch):
         PipelineConfig(fb_overlap="yes")
     stages = dict(enumerate(split_model(tiny_moe(), uniform_bounds(6, 2))))
     cpu = torch.device("cpu")
-    assert node_execution(stages, "off", cpu) is None
-    assert node_execution(stages, "auto", cpu) is None, "no all-to-all to hide (ep=1): whole stages"
-    assert node_execution(stages, "on", cpu).interleave
+    assert isinstance(stage_passes(stages, "off", cpu), WholeStages)
+    assert isinstance(stage_passes(stages, "auto", cpu), WholeStages), "no all-to-all to hide (ep=1): whole stages"
+    assert isinstance(stage_passes(stages, "serial", cpu), NodeExecution)
+    assert stage_passes(stages, "on", cpu).interleave
     stages[1].checkpoint_layers = True
     with pytest.raises(ValueError, match="stage 1 cannot run node by node.*set pipeline.fb_overlap=auto or off"):
-        node_execution(stages, "on", cpu)
+        stage_passes(stages, "on", cpu)
     stages[1].checkpoint_layers = False
     cuda = torch.device("cuda")  # nothing of CUDA is touched before these answers
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=1 puts in one hardware queue.*fb_overlap=auto"):
-        node_execution(stages, "on", cuda)
-    assert node_execution(stages, "auto", cuda) is None, "one hardware queue: whole stages"
-    assert node_execution(stages, "on", cpu).stream is None
+        stage_passes(stages, "on", cuda)
+    assert isinstance(stage_passes(stages, "auto", cuda), WholeStages), "one hardware queue: whole stages"
+    assert stage_passes(stages, "on", cpu).stream is None

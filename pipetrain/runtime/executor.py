@@ -1,36 +1,27 @@
 """The one interpreter of a rank's action list.
 
-It knows nothing about schedule names. Where an input comes from, where an output
-goes, which stage computes the loss, whether a neighbour is local or remote: all of it
-comes from the schedule's placement. Per action:
+It knows nothing about schedule names. Where an input comes from, where an output goes, which
+stage computes the loss, whether a neighbour is local or remote: all of it comes from the
+schedule's placement, worked out once per rank (schedules/program.py). Per action:
 
-  F(s, m)    input = the microbatch (first stage of its chain), the local output of prev(s),
-             or the received activation; run the stage; its loss on the chain's last stage,
-             else hand the output to next(s).
+  F(s, m)    input = the microbatch (first stage of a chain), the local output of prev(s), or the
+             received activation; run the stage; the loss on a chain's last stage, else to next(s).
   B(s, m)    input gradient only (runtime/backward.py); keep what W needs; send it back.
-  W(s, m)    weight gradients from what B kept.
-  BW(s, m)   both at once.
-  F&B        its forward, then its backward; under pipeline.fb_overlap (runtime/overlap.py) the
-             stages run node by node (runtime/nodes.py) and the pair's nodes interleave, so one
-             microbatch's expert-parallel all-to-alls run under the other's compute.
+  W(s, m)    weight gradients from what B kept.         BW(s, m)   both at once.
+  F&B        its forward, then its backward; under pipeline.fb_overlap interleaved node by node.
 
-Under data parallel the schedule carries `{stage}REDUCE_GRAD` marks (schedules/reduce.py):
-there the stage's gradient reduction is started (runtime/grad_reduce.py), and after the
-last action the executor waits for all of them; that wait is the step's exposed reduce time.
-Without, `grads_done` starts the sums of mirrored copies there (runtime/sync.py GradSync.early).
+How a pass of a stage runs (whole, or node by node) is runtime/stage_passes.py's: the interpreter
+calls `passes.forward`, `passes.backward` and, for an interleaved F&B pair, `passes.pair`.
 
-After the last action, the summed loss is all-reduced so every rank (rank 0 logs it) holds the
-step's mean loss (over every pipeline's microbatches under data parallel); a loss's backward starts
-from 1/M, so gradients are the mean (runtime/step_loss.py). Inputs and targets move to the device
-once per step, pinned and non-blocking (runtime/batch.py). Mixed precision: runtime/precision.py.
-
-What a step measures (timings, comm events, activation memory, when reductions started and
-ended, the closing all-reduce's mark that puts every rank on one axis) is the recorder's
-(runtime/recorder.py): the interpreter calls it at fixed points and knows nothing of clocks.
-`measure=False` (the trainer's unlogged steps) swaps in a recorder that records nothing.
-
-Everything per action that does not change from step to step (the message an action receives
-and the one it sends, its name in error messages) is worked out once, in `_program`.
+Under data parallel the schedule carries `{stage}REDUCE_GRAD` marks (schedules/reduce.py): there
+the stage's gradient reduction starts (runtime/grad_reduce.py); after the last action the executor
+waits for all of them (the step's exposed reduce time). Without, `grads_done` starts the sums of
+mirrored copies there (runtime/sync.py GradSync.early). The summed loss is then all-reduced so every
+rank holds the step's mean loss (every pipeline's microbatches); a loss's backward starts from 1/M
+(runtime/step_loss.py). Inputs and targets move to the device once per step (runtime/batch.py);
+mixed precision: runtime/precision.py. What a step measures (timings, comm events, activation
+memory, reductions, the closing all-reduce's mark that puts every rank on one axis) is the
+recorder's (runtime/recorder.py); `measure=False` (unlogged steps) swaps in one that records nothing.
 """
 
 from __future__ import annotations
@@ -38,80 +29,49 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import defaultdict
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from pipetrain.runtime.backward import backward_full, backward_input, backward_weight
+from pipetrain.runtime.backward import backward_weight
 from pipetrain.runtime.batch import counted_targets, to_device
-from pipetrain.runtime.clock import StepClock
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.grad_reduce import GradReducer
-from pipetrain.runtime.nodes import NodeBackward, NodeForward
-from pipetrain.runtime.overlap import node_execution
+from pipetrain.runtime.overlap import stage_passes
 from pipetrain.runtime.precision import Precision
 from pipetrain.runtime.recorder import Recorder, StepRecorder
+from pipetrain.runtime.stage_passes import WholeStages
 from pipetrain.runtime.stage_protocol import Stage
 from pipetrain.runtime.step_loss import StepLoss
 from pipetrain.runtime.step_result import StepResult
 from pipetrain.schedules.ir import Action, Op, Schedule
-from pipetrain.schedules.p2p import Message, build_plan, crossings, forward_plan
-
-# One atomic action as the interpreter runs it: (action, the message it receives from another
-# rank, the one it sends to another rank (None: local or none), its name in error messages).
-Part = tuple[Action, Optional[Message], Optional[Message], str]
+from pipetrain.schedules.p2p import Message
+from pipetrain.schedules.program import Part, rank_program
 
 
 class Executor:
     """Runs one rank's part of a schedule on its stage modules."""
 
-    def __init__(
-        self,
-        schedule: Schedule,
-        rank: int,
-        stages: Mapping[int, Stage],
-        *,
-        comm: Optional[P2P],
-        recv_buffer: Optional[Callable[[Message], torch.Tensor]] = None,
-        device: torch.device | str = "cpu",
-        loss_group: Optional[dist.ProcessGroup] = None,
-        lookahead: int = 1,
-        reducer: Optional[GradReducer] = None,
-        compute_dtype: Optional[torch.dtype] = None,
-        fb_overlap: str = "off",
-        a2a_timeout_s: Optional[float] = None,
-        grads_done: Optional[Mapping[int, Callable[[], None]]] = None,
-    ) -> None:
-        pl = schedule.placement
-        want = set(pl.stages_of(rank))
+    def __init__(self, schedule: Schedule, rank: int, stages: Mapping[int, Stage], *, comm: Optional[P2P],
+                 recv_buffer: Optional[Callable[[Message], torch.Tensor]] = None, device: torch.device | str = "cpu",
+                 loss_group: Optional[dist.ProcessGroup] = None, lookahead: int = 1,
+                 reducer: Optional[GradReducer] = None, compute_dtype: Optional[torch.dtype] = None,
+                 fb_overlap: str = "off", a2a_timeout_s: Optional[float] = None,
+                 grads_done: Optional[Mapping[int, Callable[[], None]]] = None) -> None:
+        """`fb_overlap`: pipeline.fb_overlap (runtime/overlap.py stage_passes); `grads_done`: boundary ->
+        what starts there besides the plan's communication (runtime/sync.py GradSync.early)."""
+        want = set(schedule.placement.stages_of(rank))
         if set(stages) != want:
             raise ValueError(f"rank {rank} must hold stages {sorted(want)}, got {sorted(stages)}")
         if comm is None and schedule.num_ranks > 1:
             raise ValueError("a pipeline of several ranks needs a P2P transport")
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.comm, self.recv_buffer, self.device = comm, recv_buffer, torch.device(device)
-        self.loss_group = loss_group
         self._step_loss = StepLoss(self.device, loss_group, schedule.num_microbatches)
         self.precision = Precision(self.device, compute_dtype)
-        # The point-to-point plans (pure; validated before any process started): training, evaluate()'s
-        self._plan = build_plan(schedule, rank, lookahead=lookahead)
-        self._eval_plan = forward_plan(self._plan)
-        sends = {a: out for a, _, out in crossings(schedule, rank)}
         on = f" on {comm.short(rank)}" if comm is not None else ""  # the global rank (rank: its pipeline index)
-        waits = dict(zip(self._plan.parts, self._plan.waits))
-        texts = [str(step) for step in schedule.steps[rank]]
-        # Per step of the rank's list, its parts (two for an F&B pair), worked out once.
-        self._program: list[tuple[Part, ...]] = [tuple((a, waits[a], sends[a], text + on) for a in step.parts())
-                                                 for step, text in zip(schedule.steps[rank], texts)]
-        self._eval_program: list[Part] = [(a, need, sends[a], f"{a}{on}")
-                                          for a, need in zip(self._eval_plan.parts, self._eval_plan.waits)]
-        fs = [a for a in schedule.actions(rank) if a.op is Op.F]  # whose input / target (chain ends) it reads
-        self._reads = ({a.microbatch for a in fs if pl.prev_stage(a.stage) is None},
-                       {a.microbatch for a in fs if pl.next_stage(a.stage) is None})
-        # each held stage's neighbours in its chain (None: it starts / ends it), looked up per action
-        self._prev = {s: pl.prev_stage(s) for s in want}
-        self._next = {s: pl.next_stage(s) for s in want}
+        self.program = prog = rank_program(schedule, rank, lookahead=lookahead, where=on)
         self.reducer = reducer
         # boundary -> what starts there: the stages' dp reductions, and `grads_done` (sums across copies)
         self._hooks: dict[int, list[Callable[[], None]]] = defaultdict(list)
@@ -121,38 +81,21 @@ class Executor:
             raise ValueError("a gradient reducer needs a schedule with REDUCE_GRAD marks (schedules/reduce.py)")
         for b, done in (grads_done or {}).items():
             self._hooks[b].append(done)
-        self._forward_only = False
-        self._bare = False  # step(), evaluate(): nothing recorded and no autocast, so no context per action
-        self.recorder = StepRecorder(self.device, texts, reducer)
-        self._unmeasured = Recorder()
+        # evaluate(); a step (or evaluate()) with nothing recorded and no autocast: no context per action
+        self._forward_only = self._bare = False
+        self.recorder = StepRecorder(self.device, list(prog.texts), reducer)
         self._rec: Recorder = self.recorder
+        self._unmeasured = Recorder()
         self.measure = True  # False: a step records nothing but its loss (the trainer's unlogged steps)
-        if fb_overlap == "auto" and not any(len(parts) == 2 for parts in self._program):
-            fb_overlap = "off"  # no F&B pair to overlap in (1F1B, ZB): whole stages, no node overhead
-        self.nodes = node_execution(stages, fb_overlap, self.device, timeout_s=a2a_timeout_s)  # None: run whole
+        self.profile_ranges = False  # every action a `PP:<action>` torch.profiler range (captured steps)
+        self.passes = stage_passes(stages, fb_overlap, self.device, timeout_s=a2a_timeout_s,
+                                   pairs=any(len(parts) == 2 for parts in prog.steps))
+        # evaluate()'s forwards: whole stages, node mode or not
+        self._whole = self.passes if isinstance(self.passes, WholeStages) else WholeStages(stages)
         # F&B steps that interleave: the backward's gradient must be at hand (local, or its receive
         # posted before the pair: p2p_lookahead >= 1) as its first node runs before the forward ends.
-        self._paired = set() if self.nodes is None or not self.nodes.interleave else {
-            i for i, parts in enumerate(self._program)
-            if len(parts) == 2 and parts[0][0].op is Op.F and (parts[1][1] is None or lookahead >= 1)}
-
-    @property
-    def clock(self) -> StepClock:
-        """The measured steps' clock (replaceable: a clock with another host timer measures alike)."""
-        return self.recorder.clock
-
-    @clock.setter
-    def clock(self, clock: StepClock) -> None:
-        self.recorder.clock = clock
-
-    @property
-    def profile_ranges(self) -> bool:
-        """Every action a `PP:<action>` torch.profiler range (the trainer sets it for its captured steps)."""
-        return self.recorder.profile_ranges
-
-    @profile_ranges.setter
-    def profile_ranges(self, on: bool) -> None:
-        self.recorder.profile_ranges = self._unmeasured.profile_ranges = on
+        self._paired = {i for i, parts in enumerate(prog.steps) if self.passes.interleave and len(parts) == 2
+                        and parts[0][0].op is Op.F and (parts[1][1] is None or lookahead >= 1)}
 
     def close(self) -> None:
         """Release what outlives a step: the point-to-point transport's threads (in-order mode)."""
@@ -164,17 +107,14 @@ class Executor:
         """Run every action of this rank once; `microbatches[m]` is (input, target) of microbatch m."""
         rec = self._use(self.recorder if self.measure else self._unmeasured)
         self._reset(microbatches)
-        if self.nodes is not None:
-            self.nodes.log.begin_step()
         if self.comm is not None:
-            self.comm.begin(self._plan, self.recv_buffer)
+            self.comm.begin(self.program.plan, self.recv_buffer)
         if self.reducer is not None:
             self.reducer.begin()
-            if self.nodes is not None:
-                self.reducer.gather()
+        self.passes.begin_step(self.reducer)
         rec.begin_step()
         boundary = 0  # index of the next atomic action: where the plan issues communication
-        for index, parts in enumerate(self._program):
+        for index, parts in enumerate(self.program.steps):
             rec.begin(index)
             if index in self._paired:
                 self._issue(boundary)
@@ -206,7 +146,7 @@ class Executor:
 
     def _use(self, rec: Recorder) -> Recorder:
         """The step's recorder; with nothing to record and no autocast, no context per action."""
-        self._rec = rec
+        self._rec, rec.profile_ranges = rec, self.profile_ranges
         self._bare = rec is self._unmeasured and not rec.profile_ranges and not self.precision.mixed
         return rec
 
@@ -227,102 +167,74 @@ class Executor:
         for hook in self._hooks.get(boundary, ()):
             hook()
 
-    def _reduce(self, s: int) -> None:
+    def _reduce(self, s: int) -> None:  # a REDUCE_GRAD mark
         self._rec.reduce_issued(s)
         with self._rec.range(f"{s}REDUCE_GRAD"):
             self.reducer.reduce(s)  # type: ignore[union-attr]
 
     def _forward(self, a: Action, need: Optional[Message], send: Optional[Message], where: str) -> None:
         x = self._input(a, need, where)
-        if self.nodes is not None and not self._forward_only:
-            run = self.nodes.forward(a.stage, a.microbatch, x, lambda: self._node_ctx(a.stage, a.microbatch))
-            self.nodes.run(run.layers())
-            self._forward_done(a, x, run, send)
-            return
-        if self._bare:  # nothing to record, no autocast: no context to enter
-            out = self._stage_forward(a, x)
-        else:
-            with self._rec.saving(a.stage, a.microbatch), self.precision.autocast():
-                out = self._stage_forward(a, x)
-        self._forward_out(a, x, out, send)
+        passes = self._whole if self._forward_only else self.passes
+        out, saved = passes.forward(a.stage, a.microbatch, x, self._head, None if self._bare else self._wrap)
+        self._forward_out(a, x, out, send, saved)
 
-    def _stage_forward(self, a: Action, x: torch.Tensor) -> torch.Tensor:
-        out = self.stages[a.stage](x)
-        return out if self._next[a.stage] is not None else self._loss(a.stage, a.microbatch, out)
+    def _head(self, s: int, m: int, out: torch.Tensor) -> torch.Tensor:  # the loss on a chain's last stage
+        return out if self.program.next[s] is not None else self._loss(s, m, out)
+
+    @contextlib.contextmanager
+    def _wrap(self, s: int, m: int) -> Iterator[None]:  # a pass's compute: the recorder's saved-bytes hooks, autocast
+        with self._rec.saving(s, m), self.precision.autocast():
+            yield
 
     def _input(self, a: Action, need: Optional[Message], where: str) -> torch.Tensor:
-        prev = self._prev[a.stage]
+        prev = self.program.prev[a.stage]
         x = self._inputs[a.microbatch] if prev is None else self._take("act", prev, a.microbatch, need, where)
         if x.is_floating_point() and not self._forward_only:
             # the first stage too (its input grad dropped): B does B's share, as schedule and simulator assume
             x = x.detach().requires_grad_(True)
         return x
 
-    @contextlib.contextmanager
-    def _node_ctx(self, s: int, m: int):
-        with self._rec.saving(s, m), self.precision.autocast():
-            yield
-
-    def _forward_done(self, a: Action, x: torch.Tensor, run: NodeForward, send: Optional[Message]) -> None:
-        """The last node ran: the loss on the chain's last stage, then as a whole forward ends."""
-        out = run.output()
-        if self._next[a.stage] is None:
-            with self._node_ctx(a.stage, a.microbatch):
-                out = self._loss(a.stage, a.microbatch, out)
-        self._forward_out(a, x, out, send, run)
-
-    def _forward_out(self, a: Action, x: torch.Tensor, out: torch.Tensor, send: Optional[Message],
-                     run: Optional[NodeForward] = None) -> None:
+    def _forward_out(self, a: Action, x: torch.Tensor, out: torch.Tensor, send: Optional[Message], saved: Any) -> None:
         s, m = a.stage, a.microbatch
-        if self._next[s] is not None:
+        if self.program.next[s] is not None:
             out = self.precision.to_boundary(out)
             self._give("act", s, m, out.detach(), send)
         if not self._forward_only:
-            self._ctx[(s, m)] = (x, out, run)
+            self._ctx[(s, m)] = (x, out, saved)
 
     def _backward(self, a: Action, need: Optional[Message], send: Optional[Message], where: str) -> None:
-        x, out, grad, bwd = self._backward_start(a, need, where)
-        if bwd is not None:
-            self.nodes.run(bwd.layers())  # type: ignore[union-attr]
-            self._backward_done(a, bwd.input_grad(), bwd.works, send)
-        elif a.op is Op.B:
-            grads, work = backward_input([out], [grad], [x], self._weights(a.stage))
-            self._backward_done(a, grads[0], [work], send)
-        else:
-            self._backward_done(a, backward_full([out], [grad], [x], self._weights(a.stage))[0], [], send)
+        gx, works = self.passes.backward(a.stage, a.microbatch, *self._backward_start(a, need, where),
+                                         split=a.op is Op.B)
+        self._backward_done(a, gx, works, send)
 
-    def _backward_start(self, a: Action, need: Optional[Message], where: str):
-        x, out, run = self._ctx.pop((a.stage, a.microbatch))
-        nxt = self._next[a.stage]
+    def _backward_start(self, a: Action, need: Optional[Message], where: str) -> tuple:
+        x, out, saved = self._ctx.pop((a.stage, a.microbatch))
+        nxt = self.program.next[a.stage]
         grad = self._step_loss.seed(out) if nxt is None else self._take("grad", nxt, a.microbatch, need, where)
         assert grad is None or grad.dtype == out.dtype, f"{where}: gradient {grad.dtype} for output {out.dtype}"
-        bwd = None if run is None else NodeBackward(run, out, grad, split=a.op is Op.B)
-        return x, out, grad, bwd
+        return x, out, grad, saved
 
     def _backward_done(self, a: Action, grad: Optional[torch.Tensor], works: list, send: Optional[Message]) -> None:
         if a.op is Op.B:
             self._wstore[(a.stage, a.microbatch)] = works  # what W needs (backward.WeightGradWork per node)
         else:
             self._rec.freed(a.stage, a.microbatch)
-        if self._prev[a.stage] is not None:
+        if self.program.prev[a.stage] is not None:
             self._give("grad", a.stage, a.microbatch, grad, send)
 
     def _pair(self, parts: tuple[Part, ...], boundary: int) -> None:
-        """An F&B step, its nodes interleaved (runtime/overlap.py); the plan's communication before the
-        backward part is issued as soon as the forward's output exists."""
+        """An F&B step interleaved (runtime/overlap.py); the backward's P2P issued once the forward's output exists."""
         (fa, fneed, fsend, fwhere), (ba, bneed, bsend, bwhere) = parts
         x = self._input(fa, fneed, fwhere)
-        run = self.nodes.forward(fa.stage, fa.microbatch, x,  # type: ignore[union-attr]
-                                 lambda: self._node_ctx(fa.stage, fa.microbatch))
-        bwd = self._backward_start(ba, bneed, bwhere)[3]
-        assert bwd is not None, "node mode runs every forward by nodes"
+        _, out, grad, saved = self._backward_start(ba, bneed, bwhere)
 
-        def forward_done() -> None:
-            self._forward_done(fa, x, run, fsend)
+        def forward_done(f_out: torch.Tensor, f_saved: Any) -> None:
+            self._forward_out(fa, x, f_out, fsend, f_saved)
             self._issue(boundary + 1)
 
-        self.nodes.pair(run, bwd, forward_done)  # type: ignore[union-attr]
-        self._backward_done(ba, bwd.input_grad(), bwd.works, bsend)
+        gx, works = self.passes.pair((fa.stage, fa.microbatch, x), (out, grad, saved),  # type: ignore[attr-defined]
+                                     split=ba.op is Op.B, head=self._head, wrap=self._wrap, forward_done=forward_done)
+        self._backward_done(ba, gx, works, bsend)
 
     # ---- data movement: local hand-off or point-to-point ------------------------------
     def _give(self, kind: str, s: int, m: int, tensor: torch.Tensor, send: Optional[Message]) -> None:
@@ -340,31 +252,25 @@ class Executor:
         self._rec.received(need, since)
         return tensor
 
-    # ---- around the interpreter ---------------------------------------------------------
     def evaluate(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]:
-        """Forward only (validation): this rank's F actions in schedule order, no graph kept.
-
-        The loss returned is the mean over every counted target of every microbatch (token ids
-        of -1 are padding, not counted; mode=eval pads its last batch so), each microbatch's
-        mean weighted by its count; with full microbatches, the mean of their means.
-
-        Dropping the backward actions from a deadlock-free schedule keeps it deadlock-free:
-        a forward only ever waits for forwards, in the same per-rank order as in training.
-        """
+        """Forward only (validation): this rank's F actions in schedule order, whole stages, no graph kept;
+        still deadlock-free (a forward only waits for forwards, in training's per-rank order). The loss is
+        the mean over every counted target of every microbatch (ids of -1 are padding: mode=eval pads its
+        last batch so), each microbatch's mean weighted by its count."""
         self._reset(microbatches)
         self._use(self._unmeasured)
         self._forward_only = True
         comm = self.comm
         if comm is not None:
-            comm.begin(self._eval_plan, self.recv_buffer)
+            comm.begin(self.program.eval_plan, self.recv_buffer)
         try:
             with torch.no_grad():
-                for boundary, (a, need, send, where) in enumerate(self._eval_program):
+                for boundary, (a, need, send, where) in enumerate(self.program.eval_steps):
                     if comm is not None:
                         comm.issue(boundary)
                     self._forward(a, need, send, where)
                 if comm is not None:
-                    comm.issue(len(self._eval_program))
+                    comm.issue(len(self.program.eval_steps))
                     comm.finish()
         finally:
             self._forward_only = False
@@ -376,13 +282,11 @@ class Executor:
         if len(microbatches) != M:
             raise ValueError(f"expected {M} microbatches (pipeline.microbatches), got {len(microbatches)}")
         self._batch = microbatches  # as given (evaluate() counts targets on the host)
-        inputs, targets = self._reads
-        self._inputs = {m: to_device(microbatches[m][0], self.device) for m in sorted(inputs)}
-        self._targets = {m: to_device(microbatches[m][1], self.device) for m in sorted(targets)}
-        # Per step: an FSDP2 stage's parameters are the unsharded tensors only after its first forward.
-        self._params: dict[int, list[torch.nn.Parameter]] = {}
-        # (stage, microbatch) -> its input, output and, in node mode, its node forward
-        self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Optional[NodeForward]]] = {}
+        self._inputs = {m: to_device(microbatches[m][0], self.device) for m in sorted(self.program.inputs)}
+        self._targets = {m: to_device(microbatches[m][1], self.device) for m in sorted(self.program.targets)}
+        self._whole.begin_step(None)
+        # (stage, microbatch) -> its input, output and what its backward needs (stage_passes.py)
+        self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Any]] = {}
         self._wstore: dict = {}  # (stage, microbatch) -> what its B kept for its W (backward.WeightGradWork per node)
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         self._step_loss.reset()
@@ -393,8 +297,3 @@ class Executor:
         # evaluate(): weighted by its targets, so the mean is per token
         self._step_loss.add(loss, counted_targets(self._batch[m][1]) if self._forward_only else None)
         return loss
-
-    def _weights(self, s: int) -> list[torch.nn.Parameter]:
-        if s not in self._params:
-            self._params[s] = [p for p in self.stages[s].parameters() if p.requires_grad]
-        return self._params[s]

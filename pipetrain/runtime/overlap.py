@@ -13,7 +13,7 @@ the longer side to run serially at the end. The order is a pure function of the 
 every rank of an EP group, running the same schedule on the same stages, starts the same all-to-alls
 in the same order (what gloo's tags and NCCL's per-communicator order need).
 
-`pipeline.fb_overlap` (config/__init__.py PipelineConfig): off (no nodes: the executor as before), auto
+`pipeline.fb_overlap` (config/__init__.py PipelineConfig): off (whole stages: runtime/stage_passes.py), auto
 (nodes and overlap when every local stage has a node plan and one of them an all-to-all), on (the
 same, refused in one line where impossible). The executor also takes `serial`: nodes, no interleave
 (the reference the interleaved order is tested against, bitwise). On CUDA the all-to-alls run on a
@@ -25,13 +25,15 @@ stages and refuses `on` in one line: one queue would run each all-to-all after t
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+import contextlib
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from pipetrain.config.cluster import ONE_QUEUE, one_hw_queue
 from pipetrain.runtime.nodes import A2ALog, NodeBackward, NodeForward, Step
-from pipetrain.runtime.stage_protocol import Node, OverlapStage
+from pipetrain.runtime.stage_passes import Grads, Head, StagePasses, WholeStages, Wrap
+from pipetrain.runtime.stage_protocol import Node, OverlapStage, Stage
 from pipetrain.schedules.fb_pairs import MOE_NODES, PAIR_ORDER
 
 FB_OVERLAP = ("off", "auto", "on")
@@ -51,7 +53,8 @@ def fb_order(forward: list[list[Step]], backward: list[list[Step]]) -> list[Step
 
 
 class NodeExecution:
-    """The node plans of a rank's stages, and how an F&B pair runs (interleaved or serial)."""
+    """The node plans of a rank's stages, run as runtime/stage_passes.py's StagePasses: each pass node by
+    node, and an F&B pair's two passes interleaved (`pair`) or one after the other (serial)."""
 
     def __init__(self, plans: Mapping[int, list[list[Node]]], *, interleave: bool,
                  timeout_s: Optional[float] = None, device: torch.device = torch.device("cpu")) -> None:
@@ -60,8 +63,52 @@ class NodeExecution:
         # CUDA: the all-to-alls' stream (priority -1: its kernels go first when both streams have work)
         self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
 
-    def forward(self, stage: int, microbatch: int, x: torch.Tensor, wrap: Callable) -> NodeForward:
-        return NodeForward(self.plans[stage], stage, microbatch, x, self.log, wrap, self.stream)
+    def begin_step(self, reducer: Any) -> None:
+        self.log.begin_step()
+        if reducer is not None:
+            reducer.gather()  # nodes bypass the stage modules' forward hooks that would unshard FSDP2's parameters
+
+    def forward(self, s: int, m: int, x: torch.Tensor, head: Head, wrap: Wrap) -> tuple[torch.Tensor, NodeForward]:
+        run = self._start(s, m, x, wrap)
+        self.run(run.layers())
+        return self._head(run, head, wrap), run
+
+    def backward(self, s: int, m: int, x: torch.Tensor, out: torch.Tensor, grad: Optional[torch.Tensor],
+                 saved: NodeForward, *, split: bool) -> Grads:
+        bwd = NodeBackward(saved, out, grad, split=split)
+        self.run(bwd.layers())
+        return bwd.input_grad(), bwd.works
+
+    def pair(self, f: tuple[int, int, torch.Tensor], b: tuple[torch.Tensor, Optional[torch.Tensor], NodeForward], *,
+             split: bool, head: Head, wrap: Wrap, forward_done: Callable[[torch.Tensor, NodeForward], None]) -> Grads:
+        """F(f = stage, microbatch, input) and the backward of b = (output, its gradient, its forward's run), their
+        nodes interleaved (fb_order) when `interleave`; `forward_done(output, run)` right after the forward's
+        last node (its output goes to the next stage or the loss while the backward still runs)."""
+        run = self._start(*f, wrap)
+        bwd = NodeBackward(b[2], b[0], b[1], split=split)
+        f_steps = run.layers()
+        if not self.interleave:
+            self.run(f_steps)
+            forward_done(self._head(run, head, wrap), run)
+            self.run(bwd.layers())
+            return bwd.input_grad(), bwd.works
+        last = f_steps[-1][-1][1]  # the step, not the node: F and B of one stage share node objects
+        for _, step in fb_order(f_steps, bwd.layers()):
+            step()
+            if step is last:
+                forward_done(self._head(run, head, wrap), run)
+        return bwd.input_grad(), bwd.works
+
+    def _start(self, s: int, m: int, x: torch.Tensor, wrap: Wrap) -> NodeForward:
+        ctx = (lambda: wrap(s, m)) if wrap is not None else contextlib.nullcontext
+        return NodeForward(self.plans[s], s, m, x, self.log, ctx, self.stream)
+
+    @staticmethod
+    def _head(run: NodeForward, head: Head, wrap: Wrap) -> torch.Tensor:
+        """The executor's head (the loss on a chain's last stage) of the last node's output, in the pass's context."""
+        out = run.output()
+        with wrap(run.stage, run.microbatch) if wrap is not None else contextlib.nullcontext():
+            return head(run.stage, run.microbatch, out)
 
     @staticmethod
     def run(steps: list[list[Step]]) -> None:
@@ -69,35 +116,22 @@ class NodeExecution:
             for _, step in layer:
                 step()
 
-    def pair(self, fwd: NodeForward, bwd: NodeBackward, forward_done: Callable[[], None]) -> None:
-        """Both passes, interleaved; `forward_done` right after the forward's last node (its output
-        goes to the next stage or the loss while the backward still runs)."""
-        if not self.interleave:
-            self.run(fwd.layers())
-            forward_done()
-            self.run(bwd.layers())
-            return
-        f_steps = fwd.layers()
-        last = f_steps[-1][-1][1]  # the step, not the node: F and B of one stage share node objects
-        for _, step in fb_order(f_steps, bwd.layers()):
-            step()
-            if step is last:
-                forward_done()
 
-
-def node_execution(stages: Mapping[int, object], fb_overlap: str, device: torch.device, *,
-                   timeout_s: Optional[float] = None) -> Optional[NodeExecution]:
-    """How a rank runs its stages under pipeline.fb_overlap (module docstring); None: whole stages."""
+def stage_passes(stages: Mapping[int, Stage], fb_overlap: str, device: torch.device, *,
+                 timeout_s: Optional[float] = None, pairs: bool = True) -> StagePasses:
+    """How a rank runs its stages' passes under pipeline.fb_overlap (module docstring): node by node, or
+    whole (WholeStages); `pairs`: whether the rank's list has an F&B pair to overlap in (auto runs a list
+    without, 1F1B's or ZB's, on whole stages: no node overhead)."""
     if fb_overlap not in (*FB_OVERLAP, "serial"):
         raise ValueError(f"pipeline.fb_overlap must be {' or '.join(FB_OVERLAP)} (got {fb_overlap!r})")
-    if fb_overlap == "off":
-        return None
+    if fb_overlap == "off" or (fb_overlap == "auto" and not pairs):
+        return WholeStages(stages)
     plans = {s: st.fb_plan() if isinstance(st, OverlapStage) else None for s, st in stages.items()}
     missing = [s for s, p in plans.items() if p is None]
     a2a = any(n.comm is not None for p in plans.values() if p for layer in p for n in layer)
     one_queue = one_hw_queue(device.type)
     if fb_overlap == "auto" and (missing or not a2a or one_queue):
-        return None
+        return WholeStages(stages)
     if missing:
         raise ValueError(f"pipeline.fb_overlap={fb_overlap}: stage {missing[0]} cannot run node by node (activation "
                          f"recompute, or a model without node plans): set pipeline.fb_overlap=auto or off")
