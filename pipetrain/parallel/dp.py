@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipetrain.parallel.mesh import RankGroups
+from pipetrain.runtime.batch import Batch
 from pipetrain.runtime.grad_reduce import BucketAllReduce, GradReducer
 
 if TYPE_CHECKING:
@@ -67,7 +68,6 @@ def data_parallel(config: Config, groups: RankGroups) -> Optional[DataParallel]:
     return DataParallel(groups, DTYPES[par.reduce_dtype], DTYPES[param] if param else None)
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), (B, T) each
 
 
 def local_rows(batch: Batch, dp_index: int, dp: int) -> Batch:

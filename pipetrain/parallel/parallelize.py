@@ -24,20 +24,28 @@ and the parallel layers' counts of a step (`take_stats`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Collection, Mapping, Optional, Protocol
 
 from torch import nn
 
 from pipetrain.parallel.cp import ContextAttention, context_parallel, local_positions, parallelize_context
-from pipetrain.parallel.dp import Batch, DataParallel, data_parallel, local_rows
+from pipetrain.parallel.dp import DataParallel, data_parallel, local_rows
 from pipetrain.parallel.ep import expert_parallel, parallelize_experts
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.split_weights import SplitWeights
 from pipetrain.parallel.tp_plan import TensorParallel, tensor_parallel
+from pipetrain.runtime.batch import Batch
 from pipetrain.runtime.ep_comm import EPGroup
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
+
+
+class StagesPlan(Protocol):
+    """What Parallelize.build reads of a plan (pipetrain.plan.Plan): which stages recompute, which compile."""
+
+    recompute_stages: frozenset[int]
+    compiled_stages: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -54,9 +62,9 @@ class Parallelize:
     rows: tuple[int, int] = (0, 1)  # (this pipeline's index, pipelines): which rows of a global batch it trains
 
     @classmethod
-    def build(cls, config: Config, plan: Any, groups: RankGroups) -> Parallelize:
+    def build(cls, config: Config, plan: StagesPlan, groups: RankGroups) -> Parallelize:
         """This rank's parallel setup: each parallelism from its degree in the layout (None where it is
-        1), recompute and compile from `plan` (pipetrain.plan.Plan: recompute_stages, compiled_stages)."""
+        1), recompute and compile from `plan`."""
         return cls(tp=tensor_parallel(config, groups), ep=expert_parallel(groups),
                    cp=context_parallel(groups, config.data.seq_len, config.parallel.cp_rotate),
                    recompute=plan.recompute_stages, compiled=plan.compiled_stages, dp=data_parallel(config, groups),

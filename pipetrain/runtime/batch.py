@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) each: a batch or a microbatch
+
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device`: to a GPU from pinned memory, non-blocking (the stream goes on; the

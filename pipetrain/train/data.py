@@ -31,8 +31,8 @@ from pipetrain.config.data import BYTE_VOCAB, DataConfig, split_sizes
 from pipetrain.config.shards import Shard
 from pipetrain.train.token_check import FULL_SCAN_TOKENS  # up to it, the vocabulary check reads all data up front
 from pipetrain.train.tokenizer import load_tokenizer
+from pipetrain.runtime.batch import Batch
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 SPLITS = ("train", "val")
 CORPUS_FILE = "corpus/stdlib_docs.txt.gz"  # package data of pipetrain.train; provenance in corpus/README.md
 
