@@ -496,3 +496,30 @@ def test_the_layer_contract_is_read_with_isinstance_not_getattr():
     found = [f"{p.relative_to(ROOT)}:{hit}" for p in sorted(ROOT.rglob("*.py"))
              for hit in reflective_reads(p.read_text(), names)]
     assert found == []
+
+
+EP_PHASES = {"exchange", "expert_major", "source_major", "all_to_all"}  # runtime/ep_comm.py's MoE phase pieces
+
+
+def ep_phase_uses(text: str) -> set[str]:
+    """The runtime/ep_comm.py phase functions a module's source imports or calls as `ep_comm.<name>`."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module == "pipetrain.runtime.ep_comm":
+            found |= {a.name for a in node.names} & EP_PHASES
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ep_comm"
+              and node.attr in EP_PHASES):
+            found.add(node.attr)
+    return found
+
+
+def test_an_moe_layer_is_composed_once():
+    """#45: dispatch -> experts -> combine was written twice, in Experts.forward (ep_comm.dispatch and
+    combine) and in node execution's closures (models/moe_nodes.py). It is composed in models/moe.py
+    (MoE.phases) alone, which whole stages and nodes both run: no other module uses ep_comm's pieces of
+    it (node execution's async `start` is not one). A planted use is caught."""
+    users = sorted(name for name, path in modules().items()
+                   if name != "pipetrain.runtime.ep_comm" and ep_phase_uses(path.read_text()))
+    assert users == ["pipetrain.models.moe"]
+    assert ep_phase_uses("from pipetrain.runtime.ep_comm import exchange, start\n") == {"exchange"}
+    assert ep_phase_uses("y = ep_comm.source_major(x, r)\n") == {"source_major"}
