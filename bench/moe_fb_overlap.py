@@ -131,8 +131,8 @@ class FixedTimeExperts(Experts):
     f_ms: float = 0.0
     b_ms: float = 0.0
 
-    def local_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # this rank's experts
-        return _FixedTime.apply(super().local_forward(x, counts), self.f_ms, self.b_ms)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # this rank's experts
+        return _FixedTime.apply(super().forward(x, counts), self.f_ms, self.b_ms)
 
 
 def build_model(args: argparse.Namespace) -> Llama:

@@ -1,7 +1,7 @@
 """pipetrain/compat.py's version-dependent readers handle both layouts: FSDP2's state holds a list of
 parameter groups in torch 2.13 and one group in 2.11 (where the H200 check's FSDP2 test failed on the
 newer attribute name). That private torch, OmegaConf and Hydra APIs are reached only through compat.py
-and compat_hydra.py is checked in tests/test_architecture.py."""
+and compat_hydra.py is checked in tests/test_one_home.py."""
 
 from types import SimpleNamespace
 

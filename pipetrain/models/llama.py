@@ -39,7 +39,7 @@ from pipetrain.config.moe import MoEConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
 from pipetrain.models.moe_block import MoEBlock
 from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values, experts_active
-from pipetrain.models.moe_nodes import block_nodes
+from pipetrain.models.moe_nodes import block_nodes, single_node
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
@@ -165,12 +165,21 @@ class DecoderLayer(nn.Module):
                                MoEBlock(moe, hidden=hidden, model_intermediate=intermediate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x1, h = self.attend(x)
+        return x1 + self.mlp(h)
+
+    def attend(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, H) -> (x1, h): the residual stream after attention and its pre-MLP norm."""
+        x1 = x + self.self_attn(self.input_layernorm(x))
+        return x1, self.post_attention_layernorm(x1)
 
     def nodes(self, key: str) -> list[Node]:
-        """This block's forward as nodes for node-level execution (models/moe_nodes.py)."""
-        return block_nodes(self, key)
+        """This block's forward as nodes for node-level execution (models/moe_nodes.py): an MoE block's
+        attention, then its MoE's phases, then the residual; a dense block one node."""
+        if not isinstance(self.mlp, MoEBlock):
+            return single_node(self, key)
+        return block_nodes(self.mlp, key, attend=self.attend,
+                           attend_modules=(self.input_layernorm, self.self_attn, self.post_attention_layernorm))
 
     def cp_plan(self) -> tuple[str, ...]:
         """The attention modules context parallel gives the cp group's K/V (parallel/cp.py)."""

@@ -1,6 +1,6 @@
 """A Mixture-of-Experts layer: router, routed experts, shared experts. Its maths are plain torch;
 under expert parallel its experts declare the group they hold a block of (`Experts.ep_group`, set by
-parallel/ep.py) and their forward goes through runtime/ep_comm.py's dispatch and combine.
+parallel/ep.py) and the layer sends each row to the rank holding its expert and back.
 
     out = sum_{e in top-k(x)} gate_e(x) * expert_e(x)  [+ sigmoid(x w_s) *] shared(x)
 
@@ -14,11 +14,26 @@ Qwen2-MoE's `shared_expert` with `shared_expert_gate`).
 Token order is deterministic: assignments are stable-sorted by expert id, so each expert sees its
 tokens in token order; the weighted outputs are put back in (token, k) order and summed over k.
 Routing maths, balancing and capacity: moe_router.py; the knobs: pipetrain/config/moe.py.
+
+The forward is one ordered list of phases (`MoE.phases`, the one place it is composed), each a plain
+function of named values, named as the nodes they become (schedules/fb_pairs.py):
+
+  attn      route: (B, T, H) h -> rows xs (N, H) expert-major, gates (T, K), flat (T, H), aux (), and
+            the Plan (no gradient in it); under expert parallel the counts exchange (ep_comm.exchange)
+  dispatch  ep only: all-to-all of xs to the ranks holding their experts (received by source rank)
+  experts   this rank's experts on xs by local expert (ep: ep_comm.expert_major, then source_major back)
+  combine   ep only: the reverse all-to-all, rows ys (N, H) home in xs's order
+  post      gather: gates, sum over top-k, shared experts of flat -> out, h's shape
+
+Whole-stage execution (`MoE.forward`, `run_whole`) runs them in order, each all-to-all started and
+waited at once (ep_comm.all_to_all, autograd's backward the reverse); node execution
+(models/moe_nodes.py) runs the very same list as Nodes, the block's attention before attn and its
+residual after post, each all-to-all started async (runtime/nodes.py).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +41,9 @@ from torch import nn
 
 from pipetrain.config.moe import MoEConfig
 from pipetrain.models.moe_router import Router, Routing, balance_loss, capacity, tokens_per_expert, within_capacity
-from pipetrain.runtime import ep_comm
-from pipetrain.runtime.ep_comm import EPGroup
+from pipetrain.runtime.ep_comm import EPGroup, Routed, all_to_all, exchange, expert_major, source_major
+from pipetrain.runtime.stage_protocol import Node
+from pipetrain.schedules.fb_pairs import ATTN, COMBINE, DISPATCH, EXPERTS, POST
 
 
 class MoEOutput(NamedTuple):
@@ -59,13 +75,16 @@ def dispatch(ids: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int) 
     return Dispatch(slots // k, slots, counts)
 
 
-class Assignment(NamedTuple):
-    """A layer's routing of its tokens (MoE.assign): scores and choices, demand, dropped share, order."""
+class Plan(NamedTuple):
+    """What route tells the later phases of one forward; no tensor of it needs a gradient, so node
+    execution hands it from node to node as it is (gates, flat and aux travel as values of their own)."""
 
-    routing: Routing
+    d: Dispatch  # this rank's kept assignments in expert-major order
     counts: torch.Tensor  # (E,) int64 assignments per expert before any drop
     dropped: torch.Tensor  # () share of assignments over capacity
-    d: Dispatch
+    local_counts: torch.Tensor  # rows per expert this rank runs: d.counts, or (E/ep,) received under ep
+    routed: Optional[Routed]  # expert parallel: the all-to-alls' splits, the received rows' expert-major order
+    shape: torch.Size  # the layer input's: (B, T, H) or (T, H)
 
 
 class Experts(nn.Module):
@@ -85,16 +104,9 @@ class Experts(nn.Module):
         self.ep_group: Optional[EPGroup] = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (N, H) sorted by global expert, counts (E,) -> (N, H) in x's order: this module's experts,
-        or under expert parallel dispatch -> this rank's experts -> combine (node-level execution runs
-        the same pieces as nodes of their own: models/moe_nodes.py)."""
-        if self.ep_group is None:
-            return self.local_forward(x, counts)
-        rows, local_counts, routed = ep_comm.dispatch(x, counts, self.ep_group)
-        return ep_comm.combine(self.local_forward(rows, local_counts), routed, self.ep_group)
-
-    def local_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This module's own experts on x (N, H) sorted by its expert, counts per its expert -> (N, H)."""
+        """This module's experts on x (N, H) sorted by its expert, counts per its expert -> (N, H) in x's
+        order. Under expert parallel the layer's phases bring this rank's rows here and take them home
+        (MoE.phases)."""
         if self.impl == "grouped":
             return self.forward_grouped(x, counts)
         return self.forward_loop(x, counts)
@@ -162,35 +174,78 @@ class MoE(nn.Module):
             self.shared_experts = SharedExperts(hidden=hidden, intermediate=width, gated=config.shared_gate)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
-        flat = x.reshape(-1, x.shape[-1])  # (T, H), T = B x seq
-        a = self.assign(flat)
-        y = self.experts(flat[a.d.tokens], a.d.counts)  # (N, H) expert-major
-        out = self.gather(y, a, a.routing.gates, flat, x)
-        return MoEOutput(out, self.aux_loss(a.routing, x), a.counts, a.dropped)
+        env = run_whole(self.phases(), {"h": x})
+        plan = env["plan"]
+        return MoEOutput(env["out"], env["aux"], plan.counts, plan.dropped)
 
-    def assign(self, flat: torch.Tensor) -> "Assignment":
-        """Route the (T, H) tokens: top-k, capacity, the expert-major order (the first half of forward;
-        node-level execution runs the halves as separate nodes around the experts)."""
+    def phases(self, layer: str = "", *, hooks: bool = True) -> list[Node]:
+        """The forward as one ordered list of phases (module docstring), reading "h" and writing "out".
+        `layer`: the nodes' layer key (node execution). `hooks`: call the experts module, running its
+        forward hooks (whole stages: FSDP2 all-gathers the experts there), else its forward alone (node
+        execution calls no hook: the executor's reducer gathers, parallel/fsdp.py FsdpReduce.gather)."""
+        g = self.experts.ep_group
+        call = self.experts if hooks else self.experts.forward
+
+        def experts(xs: torch.Tensor, plan: Plan) -> tuple[torch.Tensor]:
+            return (self.run_experts(call, xs, plan),)
+
+        def post(ys: torch.Tensor, gates: torch.Tensor, flat: torch.Tensor, aux: torch.Tensor,
+                 plan: Plan) -> tuple[torch.Tensor]:
+            return (self.gather(ys, gates, flat, aux, plan),)
+
+        # named as the nodes they become in a block (schedules/fb_pairs.py): its attention joins route in
+        # the attn node, its residual gather in the post node (models/moe_nodes.py)
+        route = Node(ATTN, layer, ("h",), ("xs", "gates", "flat", "aux", "plan"), fn=self.route,
+                     modules=(self.router,))
+        work = Node(EXPERTS, layer, ("xs", "plan"), ("ys",), fn=experts, modules=(self.experts,))
+        shared = () if self.shared_experts is None else (self.shared_experts,)
+        gather = Node(POST, layer, ("ys", "gates", "flat", "aux", "plan"), ("out",), fn=post, modules=shared)
+        if g is None:
+            return [route, work, gather]
+        there = Node(DISPATCH, layer, ("xs",), ("xs",), comm=_splits(g, back=False))
+        back = Node(COMBINE, layer, ("ys",), ("ys",), comm=_splits(g, back=True))
+        return [route, there, work, back, gather]
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Plan]:
+        """h (B, T, H) or (T, H) -> (xs (N, H) the kept rows expert-major, gates (T, K), flat (T, H), aux (),
+        the Plan): top-k, capacity, the expert-major order, the balance loss and, under expert parallel,
+        the counts exchange (blocking: the splits are host values)."""
         c = self.config
+        flat = h.reshape(-1, h.shape[-1])  # (T, H), T = B x seq
         routing = self.router(flat)
         counts = tokens_per_expert(routing.ids, c.num_experts)  # (E,) demand, before any drop
         cap = capacity(c, flat.shape[0])
         keep = None if cap is None else within_capacity(routing.ids, routing.gates, num_experts=c.num_experts,
                                                          cap=cap)
         dropped = torch.zeros((), device=flat.device) if keep is None else 1.0 - keep.float().mean()
-        return Assignment(routing, counts, dropped, dispatch(routing.ids, keep, c.num_experts))
+        d = dispatch(routing.ids, keep, c.num_experts)
+        aux = self.aux_loss(routing, h)
+        g = self.experts.ep_group
+        local_counts, routed = (d.counts, None) if g is None else exchange(d.counts, g, flat.device)
+        plan = Plan(d, counts, dropped, local_counts, routed, h.shape)
+        return flat[d.tokens], routing.gates, flat, aux, plan
 
-    def gather(self, y: torch.Tensor, a: "Assignment", gates: torch.Tensor, flat: torch.Tensor,
-               x: torch.Tensor) -> torch.Tensor:
-        """The experts' rows y (N, H) expert-major -> the layer output, x's shape and dtype: gated, summed
-        over k, plus the shared experts of `flat` (the second half of forward)."""
-        y = y.to(gates.dtype) * gates.reshape(-1)[a.d.slots].unsqueeze(-1)  # gates in fp32+
+    @staticmethod
+    def run_experts(call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs: torch.Tensor,
+                    plan: Plan) -> torch.Tensor:
+        """The rows this rank holds (M, H) -> the experts' rows in the same order. Under expert parallel
+        they come by source rank: to local-expert-major order for the experts and back."""
+        if plan.routed is None:
+            return call(xs, plan.local_counts)
+        return source_major(call(expert_major(xs, plan.routed), plan.local_counts), plan.routed)
+
+    def gather(self, ys: torch.Tensor, gates: torch.Tensor, flat: torch.Tensor, aux: torch.Tensor,
+               plan: Plan) -> torch.Tensor:
+        """The experts' rows ys (N, H) expert-major -> the layer output, h's shape and dtype: gated, summed
+        over k, plus the shared experts of `flat`. `aux` is MoEBlock's (it attaches the balance loss)."""
+        slots = plan.d.slots
+        y = ys.to(gates.dtype) * gates.reshape(-1)[slots].unsqueeze(-1)  # gates in fp32+
         # Back to (token, k) order, then a sum over k: no atomics, the same bits on CPU and CUDA.
-        full = y.new_zeros(gates.numel(), y.shape[1]).index_copy(0, a.d.slots, y)  # (T K, H), dropped: 0
+        full = y.new_zeros(gates.numel(), y.shape[1]).index_copy(0, slots, y)  # (T K, H), dropped: 0
         out = full.view(*gates.shape, -1).sum(1)  # (T, H)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        return out.to(x.dtype).view(x.shape)
+        return out.to(flat.dtype).view(plan.shape)
 
     def aux_loss(self, routing: Routing, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -198,3 +253,25 @@ class MoE(nn.Module):
             return torch.zeros((), device=x.device)
         seq_len = x.shape[-2] if c.balance == "seq_aux_loss" and x.dim() == 3 else None
         return c.aux_loss_coef * balance_loss(routing.scores, routing.ids, score_func=c.score_func, seq_len=seq_len)
+
+
+def _splits(g: EPGroup, *, back: bool) -> Callable[[Mapping[str, Any]], tuple[list[int], list[int], EPGroup]]:
+    """A comm phase's (out_splits, in_splits, group) from route's plan: dispatch receives `recv` rows from
+    each rank and sends `send`; combine (`back`) the reverse."""
+    def of(env: Mapping[str, Any]) -> tuple[list[int], list[int], EPGroup]:
+        r = env["plan"].routed
+        return (r.send, r.recv, g) if back else (r.recv, r.send, g)
+    return of
+
+
+def run_whole(phases: list[Node], env: dict[str, Any]) -> dict[str, Any]:
+    """Whole-stage execution of phases: in order over `env` (name -> value), each all-to-all started and
+    waited at once (ep_comm.all_to_all: its backward the reverse all-to-all). Returns `env`."""
+    for p in phases:
+        if p.comm is not None:
+            out_splits, in_splits, g = p.comm(env)
+            env[p.writes[0]] = all_to_all(env[p.reads[0]], out_splits, in_splits, g, p.name)
+        else:
+            assert p.fn is not None, f"phase {p.name} has neither fn nor comm"
+            env.update(zip(p.writes, p.fn(*(env[r] for r in p.reads))))
+    return env

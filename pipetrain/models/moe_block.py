@@ -29,7 +29,7 @@ from torch import nn
 
 from pipetrain.compat import in_backward
 from pipetrain.config.moe import MoEConfig
-from pipetrain.models.moe import MoE
+from pipetrain.models.moe import MoE, Plan
 from pipetrain.models.moe_router import updated_expert_bias
 
 def set_aux_loss_scale(module: nn.Module, scale: float) -> int:
@@ -78,12 +78,21 @@ class MoEBlock(MoE):
         self.forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        res = super().forward(x)
-        self.count(res.tokens_per_expert, res.aux_loss, res.dropped_fraction)
-        return self.attach(res.out, res.aux_loss)
+        return super().forward(x).out  # route counted, gather attached the balance loss
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Plan]:
+        """MoE.route's phase, counting the forward (whole-stage and node execution both run it)."""
+        xs, gates, flat, aux, plan = super().route(h)
+        self.count(plan.counts, aux, plan.dropped)
+        return xs, gates, flat, aux, plan
+
+    def gather(self, ys: torch.Tensor, gates: torch.Tensor, flat: torch.Tensor, aux: torch.Tensor,
+               plan: Plan) -> torch.Tensor:
+        """MoE.gather's phase with the balance loss's gradient attached to the output (AttachAuxLoss)."""
+        return self.attach(super().gather(ys, gates, flat, aux, plan), aux)
 
     def count(self, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor) -> None:
-        """Add one forward's statistics (node-level execution calls it from its routing node)."""
+        """Add one forward's statistics."""
         # Training forwards only: not evaluation (no grad), nor a forward recompute re-runs in backward.
         if torch.is_grad_enabled() and not in_backward():
             with torch.no_grad():

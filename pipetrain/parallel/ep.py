@@ -4,8 +4,9 @@ A layer declares where its stacked experts are (`ep_plan()`: module paths whose 
 (E, ...) tensors, one expert per row, and whose forward takes (rows sorted by expert, counts per
 expert)). `shard_experts` keeps this rank's block of such a module's experts, rows
 [i E/ep, (i+1) E/ep) of every stacked weight under the unsplit name, and declares the group on it
-(`ep_group`), so its forward dispatches and combines (runtime/ep_comm.py): the router and the rest
-of the layer run on this rank's tokens as before. No class is swapped: the module keeps its own.
+(`ep_group`), so the layer's forward sends each routed row to the rank holding its expert and back
+(models/moe.py MoE.phases, over runtime/ep_comm.py): the router and the rest of the layer run on this
+rank's tokens as before. No class is swapped: the module keeps its own.
 The stage records the split (`ep_shards`: local name -> Split(0, E)) so materializing and
 checkpoints hold and save experts by their global index (a run resumes at another ep).
 
@@ -29,7 +30,7 @@ from pipetrain.runtime.ep_comm import EPGroup
 
 def shard_experts(experts: nn.Module, g: EPGroup) -> Split:
     """Keep rows [i E/ep, (i+1) E/ep) of every stacked weight of `experts` (on meta: shapes only)
-    and declare the group on it (`ep_group`: its forward then dispatches and combines, models/moe.py);
+    and declare the group on it (`ep_group`: its layer then dispatches and combines, models/moe.py);
     returns how its weights are split (Split(0, E))."""
     sizes = {p.shape[0] for p in experts.parameters()}
     if len(sizes) != 1 or next(iter(sizes)) % g.size:

@@ -2,24 +2,28 @@
 
 The one module for EP traffic, as comm.py is for point-to-point. An EP group of `ep` ranks splits
 a layer's E experts into ep consecutive blocks of E/ep; every rank routes its own tokens, then
+(the phases of models/moe.py MoE.phases, the one place they are composed)
 
-  dispatch   counts exchange (all_to_all_single of the (E,) assignments per expert, E/ep to each
-             rank), then the tokens, sorted by expert, to the rank holding their expert (uneven
-             all_to_all_single: splits from the counts), then rank-major -> expert-major, so the
-             local experts see their rows contiguous: by local expert, then source rank, then the
-             source's own (token) order. Deterministic: the same bits on every run.
-  combine    the inverse permutation and the reverse all-to-all (splits swapped).
+  exchange      counts exchange (all_to_all_single of the (E,) assignments per expert, E/ep to each
+                rank): the splits and the expert-major order (`Routed`)
+  dispatch      the tokens, sorted by expert, to the rank holding their expert (uneven
+                all_to_all_single: splits from the counts)
+  expert_major  rank-major -> expert-major, so the local experts see their rows contiguous: by local
+                expert, then source rank, then the source's own (token) order. Deterministic: the same
+                bits on every run.
+  source_major  the inverse permutation, then combine: the reverse all-to-all (splits swapped).
 
-Both all-to-alls are autograd functions whose backward is the reverse all-to-all, so the input
-gradient (B) carries them back; the counts need no gradient. Every rank of an EP group runs the
-same schedule on the same stage, so their all-to-alls come in the same order (what NCCL needs:
-one communicator's collectives run in issue order). gloo implements the uneven all-to-all on the CPU.
-In a measured step each all-to-all here (the counts exchange too) reaches the step's record inside
-the action that ran it (runtime/collectives.py): the Chrome trace and moe/a2a_ms.
+Whole-stage execution runs each all-to-all with `all_to_all`, an autograd function whose backward is
+the reverse all-to-all, so the input gradient (B) carries them back; the counts need no gradient.
+Every rank of an EP group runs the same schedule on the same stage, so their all-to-alls come in the
+same order (what NCCL needs: one communicator's collectives run in issue order). gloo implements the
+uneven all-to-all on the CPU. In a measured step each all-to-all here (the counts exchange too)
+reaches the step's record inside the action that ran it (runtime/collectives.py): the Chrome trace
+and moe/a2a_ms.
 
-Node-level execution (runtime/nodes.py) drives the pieces itself: `exchange` (counts, blocking),
-`start` -> `Started.wait()` (the all-to-all without autograd, async_op=True), `expert_major` /
-`source_major` (the permutations). Where the all-to-all runs while this thread computes:
+Node-level execution (runtime/nodes.py) runs the same phases, each all-to-all as `start` ->
+`Started.wait()` (without autograd, async_op=True; it issues the reverse itself). Where the all-to-all
+runs while this thread computes:
 
   CPU (gloo)   on the group's worker threads; `wait()` blocks the host until it has arrived.
   CUDA (NCCL)  on a communication stream of node mode's own (`start(..., stream=)`, design note C4.5):
@@ -49,7 +53,6 @@ import torch.distributed as dist
 
 from pipetrain.compat import cuda_sleep, cuda_sleep_cycles_per_ms
 from pipetrain.runtime import collectives
-from pipetrain.schedules.fb_pairs import COMBINE, DISPATCH  # the all-to-alls' labels: the nodes' names
 
 
 @dataclass(frozen=True)
@@ -216,14 +219,8 @@ def source_major(y: torch.Tensor, routed: Routed) -> torch.Tensor:
     return y.index_select(0, back)
 
 
-def dispatch(x: torch.Tensor, counts: torch.Tensor, g: EPGroup) -> tuple[torch.Tensor, torch.Tensor, Routed]:
-    """x (N, H) sorted by global expert id, counts (E,) per expert -> (this rank's rows (M, H) in
-    local-expert-major order, their counts per local expert (E/ep,), what combine needs)."""
-    local_counts, routed = exchange(counts, g, x.device)
-    rows = _AllToAll.apply(x, routed.recv, routed.send, g, DISPATCH)  # (M, H): by source rank, then by local expert
-    return expert_major(rows, routed), local_counts, routed
-
-
-def combine(y: torch.Tensor, routed: Routed, g: EPGroup) -> torch.Tensor:
-    """The experts' rows (M, H) in dispatch's local order -> (N, H) back in x's order on its rank."""
-    return _AllToAll.apply(source_major(y, routed), routed.send, routed.recv, g, COMBINE)
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], g: EPGroup, what: str) -> torch.Tensor:
+    """Whole-stage execution's all-to-all (models/moe.py run_whole): rows `in_splits[r]` of x (N, H) to
+    rank r, `out_splits[r]` rows from each; blocking, its backward the reverse. `what`: its node's name
+    (schedules/fb_pairs.py DISPATCH | COMBINE), the label "a2a:{what}" ("a2a:{what} B" backward)."""
+    return _AllToAll.apply(x, out_splits, in_splits, g, what)

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple, Sequence
 
-# An MoE block's nodes (models/moe_nodes.py builds them under these names; runtime/overlap.py pairs
-# them by these names): one constant each, so a renamed node cannot silently leave a pair serial.
+# An MoE block's nodes (models/moe.py MoE.phases names its phases so, models/moe_nodes.py adds the
+# block's attention and residual; runtime/overlap.py pairs them by these names): one constant each,
+# so a renamed node cannot silently leave a pair serial.
 ATTN, DISPATCH, EXPERTS, COMBINE, POST = "attn", "dispatch", "experts", "combine", "post"
 MOE_NODES = (ATTN, DISPATCH, EXPERTS, COMBINE, POST)
 COMM_NODES = frozenset({DISPATCH, COMBINE})
