@@ -42,11 +42,13 @@ def inherited_environ(extra: dict[str, str]) -> Iterator[None]:
             os.environ.pop(k, None)
 
 
-# What a rank imports before it runs: the trainer's rank entry and the runtime it drives (~1.8 s of
-# CPU paid once here rather than once per rank). First: pipetrain.launch.parent, which makes the
-# server die with its launcher (read it for why).
+# What a rank imports before it runs: the trainer's rank entry and the runtime it drives, and torch's
+# distributed checkpoint, which a run's save (trainer.ckpt_at_end, on by default) or resume imports
+# (with torch.distributed.tensor and sympy: ~0.5 s, 1 s a rank when both ranks import it at once on 2
+# cores), ~2 s of CPU in all paid once here rather than once per rank, while the launcher composes and
+# checks. First: pipetrain.launch.parent, which makes the server die with its launcher (read it for why).
 PRELOAD = ["pipetrain.launch.parent", "torch", "torch.distributed", "pipetrain.launch.rank",
-           "pipetrain.train.trainer"]
+           "pipetrain.train.trainer", "torch.distributed.checkpoint"]
 # torch._dynamo (~1.4 s more) only where the ranks compile (trainer.compile): the optimizer no longer
 # imports it (compat.AdamW), and a preload that nobody needs is on every run's critical path.
 COMPILE_PRELOAD = ["torch._dynamo"]
