@@ -5,18 +5,21 @@ reaches into and why no public API does the job. Checked on torch 2.13.0 (CPU, g
 suite) and torch 2.11.0+cu130 (an H200 with NCCL 2.28.9: bench/gpu_check.sh); where the two
 differ, both are handled and the function says so. A torch upgrade starts by reading this file.
 Hydra and OmegaConf privates have a torch-free sibling door, compat_hydra.py. Not here: the fork server
-preloads the module `torch._dynamo` by name (launch/forkserver.py PRELOAD, a warm-up import that calls
-nothing in it; the launcher must not import torch, which this file does).
+preloads the module `torch._dynamo` by name where the run compiles (launch/forkserver.py preload(), a
+warm-up import that calls nothing in it; the launcher must not import torch, which this file does).
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
+import sys
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.optim.optimizer import _use_grad_for_differentiable
 
 
 def run_backward(roots: Sequence[Any], seeds: Sequence[torch.Tensor], inputs: Sequence[Any], *,
@@ -186,3 +189,67 @@ def cuda_sleep_cycles_per_ms() -> float:
     last.record()
     last.synchronize()
     return 20_000_000 / first.elapsed_time(last)
+
+
+def to_empty(module: torch.nn.Module, *, device: Any) -> None:
+    """`module.to_empty(device=device)` (uninitialized storage in place of meta tensors), which calls
+    `torch.empty_like(t, device=device)` on every meta tensor: a meta tensor's empty_like runs torch's
+    Python reference (torch._refs), whose stride logic imports torch.fx.experimental.symbolic_shapes and
+    sympy, 0.3-0.6 s of CPU in every rank that builds its model. A plain tensor's storage is made with
+    `torch.empty_strided` on the target device instead (the same shape, strides and dtype; no meta kernel
+    runs); a tensor subclass (DTensor: tp, FSDP2) keeps empty_like, which it dispatches itself. Through
+    `nn.Module._apply`, the private method to_empty itself is built on."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if type(t) in (torch.Tensor, torch.nn.Parameter):
+            return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+        return torch.empty_like(t, device=device)
+
+    module._apply(empty)
+
+
+def _dynamo_loaded() -> bool:
+    """Whether anything in this process imported torch._dynamo (torch.compile does): until then nothing
+    can be tracing, and torch's "do not trace this" wrappers have nothing to do."""
+    return "torch._dynamo" in sys.modules
+
+
+_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)  # the step's body, under torch's wrappers (functools.wraps)
+_TRACED_ADAM_STEP = _use_grad_for_differentiable(_ADAM_STEP)  # what torch.optim.Adam.step is, less the hooks
+
+
+class AdamW(torch.optim.AdamW):
+    """torch.optim.AdamW that imports no torch._dynamo (~1.4 s of CPU in each process that builds an
+    optimizer) in a process that compiles nothing. torch wraps Optimizer.add_param_group, zero_grad,
+    state_dict and load_state_dict in `torch._disable_dynamo`, and Adam.step in the private
+    `_use_grad_for_differentiable`: each imports torch._dynamo on its first call, only to keep dynamo
+    from tracing it (and to call graph_break(), a no-op outside tracing). Until torch._dynamo is
+    imported nothing traces, so these run torch's own bodies (`inspect.unwrap`) directly: the same
+    code, kernels and numbers; once it is imported (trainer.compile) torch's wrappers run as they
+    would. The step's hooks (register_step_pre_hook) are torch's: Optimizer.__init__ wraps this
+    class's step as it wraps AdamW's. Checked on torch 2.13 (tests/test_optim.py)."""
+
+    def step(self, closure: Any = None) -> Any:
+        if _dynamo_loaded():
+            return _TRACED_ADAM_STEP(self, closure)
+        with torch.set_grad_enabled(self.defaults["differentiable"]):  # what _use_grad_for_differentiable sets
+            return _ADAM_STEP(self, closure)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if _dynamo_loaded():
+            return super().add_param_group(param_group)
+        return inspect.unwrap(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if _dynamo_loaded():
+            return super().zero_grad(set_to_none)
+        return inspect.unwrap(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        if _dynamo_loaded():
+            return super().state_dict()
+        return inspect.unwrap(torch.optim.Optimizer.state_dict)(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if _dynamo_loaded():
+            return super().load_state_dict(state_dict)
+        return inspect.unwrap(torch.optim.Optimizer.load_state_dict)(self, state_dict)

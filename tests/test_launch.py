@@ -313,3 +313,20 @@ def test_submitit_local_sweep_of_two_jobs(tmp_path):
     # each job ran as 2 submitit tasks (one per pipeline rank), each with its own log
     task_logs = sorted(p.name.split("_", 1)[1] for p in (sweep / ".submitit").glob("*/*_log.out"))
     assert task_logs == ["0_log.out", "0_log.out", "1_log.out", "1_log.out"], task_logs
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("argv, expected", [
+    ([], False), (["trainer.max_steps=1", "logger=[console,jsonl]"], False), (["mode=eval"], False),
+    (["trainer.compile=true"], True), (["hydra.run.dir=/tmp/x", "schedule=zbv"], False),
+    (["mode=simulate"], None), (["mode=plan"], None), (["mode=export"], None), (["+recipe=sleep-p8"], None),
+    (["cluster=torchrun"], None), (["cluster.backend=nccl"], None), (["trainer.device=cuda"], None),
+    (["--help"], None), (["-m", "schedule=1f1b,zbv"], None), (["--cfg", "job"], None), (["~logger"], None),
+    (["hydra/launcher=submitit_local"], None),
+])
+def test_early_start_only_where_the_command_line_says_a_local_cpu_run(argv, expected):
+    """cli.main starts the ranks' fork server before Hydra composes only where the command line alone
+    says the run trains or evaluates on cluster=local without a GPU request (launcher.early_start)."""
+    from pipetrain.launch.launcher import early_start
+
+    assert early_start(argv) is expected

@@ -75,3 +75,52 @@ def test_the_cosine_ends_at_decay_steps_then_stays_at_min_lr():
     assert lr_at(10, cfg, 10) == lr_at(50, cfg, 10) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="optim.decay_steps must be >= 1"):
         OptimConfig(decay_steps=0)
+
+
+def _adamw_run(make):
+    """Five steps of an AdamW from `make` on two groups (decay, no decay), with a zero_grad between and a
+    state_dict round trip in the middle: the parameters and the state after them."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))]
+    opt = make([{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}])
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(len(calls)))
+    for i in range(5):
+        opt.zero_grad(set_to_none=True)
+        (ps[0].sum() * (i + 1) + ps[1].pow(2).sum()).backward()
+        opt.step()
+        if i == 2:
+            opt.load_state_dict(opt.state_dict())
+    return [p.detach().clone() for p in ps], opt.state_dict(), calls
+
+
+def test_adamw_without_dynamo_is_torchs_adamw():
+    """compat.AdamW runs torch's own bodies: the same parameters and state, bit for bit, and torch's step
+    hooks, whether or not torch._dynamo is imported (this process may have it: then torch's wrappers run)."""
+    from pipetrain.compat import AdamW
+
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ours, ref = _adamw_run(lambda g: AdamW(g, **kw)), _adamw_run(lambda g: torch.optim.AdamW(g, **kw))
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], ref[0]))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(ours[1]["state"].values(), ref[1]["state"].values())
+               for k in a)
+    assert ours[1]["param_groups"] == ref[1]["param_groups"] and ours[2] == ref[2] == [0, 1, 2, 3, 4]
+
+
+def test_the_trainers_optimizer_imports_no_dynamo():
+    """Building and stepping the trainer's optimizer imports no torch._dynamo (~1.4 s of CPU in every rank;
+    the fork server preloads it only for trainer.compile: launch/forkserver.py preload)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from pipetrain.config.train import OptimConfig
+from pipetrain.train.optim import make_optimizer
+p = torch.nn.Parameter(torch.randn(3, 3))
+opt = make_optimizer([p], OptimConfig(lr=1e-3), device=torch.device("cpu"))
+p.sum().backward(); opt.step(); opt.zero_grad(); opt.load_state_dict(opt.state_dict())
+assert "torch._dynamo" not in sys.modules, "torch._dynamo was imported"
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

@@ -39,7 +39,7 @@ def launch_local(config: Config, plan: Plan, run_dir: Path, entry: Entry) -> dic
     backend = resolve_devices(config).cluster.backend  # launch() decided it: the ranks get that config
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     env = CPU_MALLOC_ENV if backend == "gloo" else {}
-    forkserver.warm(backend)
+    forkserver.warm(backend, compile=config.trainer.compile)
     with tempfile.TemporaryDirectory(prefix="pipetrain-elastic-") as logs, inherited_environ(env), \
             _quiet("torch.distributed.elastic", "torch.multiprocessing"), _short_grace(Path(logs)) as exits:
         launch_config = LaunchConfig(

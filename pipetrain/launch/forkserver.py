@@ -42,12 +42,22 @@ def inherited_environ(extra: dict[str, str]) -> Iterator[None]:
             os.environ.pop(k, None)
 
 
-# What a rank imports before it runs: the trainer's rank entry and the runtime it drives, and
-# torch._dynamo, which every torch optimizer imports when it takes its parameters (torch wraps
-# add_param_group in _disable_dynamo): ~2.5 s of CPU paid once here rather than once per rank.
-# First: pipetrain.launch.parent, which makes the server die with its launcher (read it for why).
-PRELOAD = ["pipetrain.launch.parent", "torch", "torch.distributed", "torch._dynamo", "pipetrain.launch.rank",
-           "pipetrain.train.trainer"]
+# What a rank imports before it runs: the trainer's rank entry and the runtime it drives, and torch's
+# distributed checkpoint, which a run's save (trainer.ckpt_at_end, on by default) or resume imports
+# (with torch.distributed.tensor and sympy: ~0.5 s, 1 s a rank when both ranks import it at once on 2
+# cores), ~2 s of CPU in all paid once here rather than once per rank, while the launcher composes and
+# checks. First: pipetrain.launch.parent, which makes the server die with its launcher (read it for why).
+PRELOAD = ["pipetrain.launch.parent", "torch", "torch.distributed", "pipetrain.launch.rank",
+           "pipetrain.train.trainer", "torch.distributed.checkpoint"]
+# torch._dynamo (~1.4 s more) only where the ranks compile (trainer.compile): the optimizer no longer
+# imports it (compat.AdamW), and a preload that nobody needs is on every run's critical path.
+COMPILE_PRELOAD = ["torch._dynamo"]
+
+
+def preload(*, compile: bool = False) -> list[str]:
+    return PRELOAD + (COMPILE_PRELOAD if compile else [])
+
+
 # The environment this module was imported with: in the server, the one every forked rank inherits
 # before it takes the launcher's (`adopt`).
 _IMPORT_ENV = dict(os.environ)
@@ -57,9 +67,10 @@ def start_method(backend: str) -> str:
     return "forkserver" if backend == "gloo" else "spawn"
 
 
-def warm(backend: str = "gloo") -> None:
+def warm(backend: str = "gloo", *, compile: bool = False) -> None:
     """Start the server (if not running) so that its imports overlap the launcher's own work. It
-    starts with the malloc settings above, which every rank it forks keeps (malloc reads them once)."""
+    starts with the malloc settings above, which every rank it forks keeps (malloc reads them once).
+    compile: its ranks will torch.compile, so it preloads torch._dynamo too."""
     if start_method(backend) != "forkserver":
         return
     import threading
@@ -70,7 +81,7 @@ def warm(backend: str = "gloo") -> None:
     # a server started from the main thread (the launcher's, always so far) may ask for it.
     dies_with = {SERVER_ENV: str(os.getpid())} if threading.current_thread() is threading.main_thread() else {}
     with inherited_environ({**CPU_MALLOC_ENV, **dies_with}):
-        multiprocessing.set_forkserver_preload(PRELOAD)
+        multiprocessing.set_forkserver_preload(preload(compile=compile))
         multiprocessing.forkserver.ensure_running()
 
 

@@ -9,7 +9,7 @@ Importing this module loads no torch; each path imports what it needs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from pipetrain.config.parallel import world_text
 from pipetrain.launch import env as rank_env
@@ -74,7 +74,36 @@ def prestart(config: Config) -> None:
     if config.cluster.name == "local" and config.cluster.backend != "nccl" and config.trainer.device != "cuda":
         from pipetrain.launch.forkserver import warm
 
-        warm("gloo")
+        warm("gloo", compile=config.trainer.compile)
+
+
+def prestart_early(argv: Sequence[str]) -> None:
+    """prestart() from the command line alone, at the command's entry (cli.main), where
+    `early_start(argv)` says so: the server's imports then overlap Hydra's composing and the
+    config's checks too (~0.4 s more of them)."""
+    compile = early_start(argv)
+    if compile is not None:
+        from pipetrain.launch.forkserver import warm
+
+        warm("gloo", compile=compile)
+
+
+def early_start(argv: Sequence[str]) -> Optional[bool]:
+    """Whether `pipetrain ARGV` surely wants prestart()'s server (None: not surely; else whether its
+    ranks compile). Only where the command line leaves the shipped defaults' answer standing (mode=train
+    on cluster=local, the CPU unless a GPU fits: prestart's case): no flag, no recipe (one may set the
+    mode), no mode but train or eval, no cluster, backend, device or Hydra launcher override. A config
+    that composes otherwise (a mistake in it) costs the server's start: it dies with the command
+    (launch/parent.py)."""
+    given: dict[str, str] = {}
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if arg.startswith(("-", "~")) or key.lstrip("+").startswith(("recipe", "cluster", "hydra/")):
+            return None
+        given[key.lstrip("+")] = value
+    if given.get("mode", "train") not in ("train", "eval") or given.get("trainer.device", "auto") == "cuda":
+        return None
+    return given.get("trainer.compile", "false").lower() == "true"
 
 
 def _finished(result: dict) -> dict:

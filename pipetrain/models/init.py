@@ -31,6 +31,8 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from pipetrain.compat import to_empty
+
 
 class Held(Protocol):
     """How this rank holds each parameter (parallel/split_weights.py: SplitWeights): its unsplit shape, and
@@ -123,7 +125,7 @@ def materialize(module: nn.Module, rule: InitRule, held: Held, *, seed: int, dev
     One whole parameter is drawn at a time on the CPU, in fp32, as `init_parameters` draws it, so
     the values equal the unsplit model's bit for bit; a BlockRule fills only the block `held` keeps."""
     _no_meta_buffers(module)  # before to_empty, which would leave them uninitialized
-    module.to_empty(device=device)  # the local shapes parallelizing left (a DTensor: its local shard)
+    to_empty(module, device=device)  # the local shapes parallelizing left (a DTensor: its local shard)
     done: set[int] = set()
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in done:

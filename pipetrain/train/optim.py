@@ -9,18 +9,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.compat import foreach_mul_
+from pipetrain.compat import AdamW, foreach_mul_
 from pipetrain.config.train import OptimConfig
 from pipetrain.runtime.sync import local_tensor
 
 
 def make_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig, *, device: torch.device) -> torch.optim.AdamW:
-    """Matrices (>= 2-D: linear and embedding weights) decay; biases and norm gains do not (GPT-2/nanoGPT)."""
+    """Matrices (>= 2-D: linear and embedding weights) decay; biases and norm gains do not (GPT-2/nanoGPT).
+    torch's AdamW, built and stepped without importing torch._dynamo where nothing compiles (compat.AdamW)."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
+    return AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=device.type == "cuda" or None
     )
 
