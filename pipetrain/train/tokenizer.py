@@ -22,6 +22,9 @@ BYTE_EOS = 0
 # Names an end-of-text token goes by, when tokenizer_config.json does not say (GPT-2 / Qwen,
 # Llama 3 base, Llama 2 / Mistral, Gemma).
 HF_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+# Names a beginning-of-text token goes by, when tokenizer_config.json does not say (Llama 3, Llama 2 /
+# Mistral, Gemma). GPT-2 and Qwen have none (GPT-2 reuses <|endoftext|>; data.add_bos refuses them).
+HF_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class TextTokenizer:
     vocab_size: int  # every id it produces is below this
     eos_id: Optional[int]  # the end-of-text id written between documents (None: the tokenizer has none)
     encode_batch: Callable[[list[str]], list[list[int]]]  # texts -> ids, no special tokens added
+    bos_id: Optional[int] = None  # the beginning-of-text id data.add_bos writes (None: the tokenizer has none)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -59,21 +63,21 @@ def hf_tokenizer(tokenizer_dir: Optional[str]) -> TextTokenizer:
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
-    eos = None
-    for name in (_configured_eos(path.parent), *HF_EOS_NAMES):
-        if name is not None and tok.token_to_id(name) is not None:
-            eos = tok.token_to_id(name)
-            break
-    return TextTokenizer("hf", tok.get_vocab_size(with_added_tokens=True), eos, encode_batch)
+    def first_known(names: tuple[Optional[str], ...]) -> Optional[int]:
+        return next((tok.token_to_id(n) for n in names if n is not None and tok.token_to_id(n) is not None), None)
+
+    eos = first_known((_configured(path.parent, "eos_token"), *HF_EOS_NAMES))
+    bos = first_known((_configured(path.parent, "bos_token"), *HF_BOS_NAMES))
+    return TextTokenizer("hf", tok.get_vocab_size(with_added_tokens=True), eos, encode_batch, bos)
 
 
-def _configured_eos(folder: Path) -> Optional[str]:
-    """tokenizer_config.json's eos_token (a string, or a dict with `content`), if any."""
+def _configured(folder: Path, key: str) -> Optional[str]:
+    """tokenizer_config.json's `key` (eos_token, bos_token: a string, or a dict with `content`), if any."""
     path = folder / "tokenizer_config.json"
     if not path.is_file():
         return None
-    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+    token = json.loads(path.read_text(encoding="utf-8")).get(key)
+    return token.get("content") if isinstance(token, dict) else token
 
 
 # GPT-2's pre-tokenisation pattern (openai/gpt-2 src/encoder.py; tiktoken's gpt2 encoding uses the same).
