@@ -30,6 +30,9 @@ DATA_SOURCES = ("builtin", "text", "tokens", "synthetic", "datasets")
 TOKENIZERS = ("byte", "gpt2", "hf")
 HF_TOKENIZER = "tokenizer.json"
 BYTE_VOCAB = 256
+# Names a beginning-of-text token goes by, when tokenizer_config.json does not say (Llama 3, Llama 2 /
+# Mistral, Gemma). GPT-2 and Qwen have none (GPT-2 reuses <|endoftext|>; data.add_bos refuses them).
+HF_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 GPT2_VOCAB = 50257  # 50,000 merges + 256 bytes + <|endoftext|>
 # GPT-2's released vocabulary: token (in GPT-2's byte-to-unicode alphabet) -> id. Its ids are the
 # BPE merge ranks (tiktoken checks that vocab.bpe agrees with it), so it alone defines the encoding.
@@ -134,11 +137,9 @@ class DataConfig:
         """data.add_bos=true needs a tokenizer with a beginning-of-text token: one line where it has none."""
         if not (self.name == "datasets" and self.add_bos):
             return
-        if self.tokenizer_name == "hf":
-            from pipetrain.train.tokenizer import load_tokenizer  # imports `tokenizers`, not torch
-
-            if load_tokenizer("hf", self.tokenizer_dir).bos_id is not None:
-                return
+        if self.tokenizer_name == "hf" and hf_special(find_hf_tokenizer(self.tokenizer_dir), "bos_token",
+                                                      HF_BOS_NAMES) is not None:
+            return
         where = f" ({self.tokenizer_dir})" if self.tokenizer_dir else ""
         raise ValueError(f"data.add_bos=true but data.tokenizer={self.tokenizer_name}{where} has no beginning-of-text "
                          "token: set data.add_bos=false (documents are still separated by EOS)")
@@ -306,6 +307,19 @@ def find_hf_tokenizer(tokenizer_dir: Optional[str]) -> Path:
         raise FileNotFoundError(f"data.tokenizer_dir={tokenizer_dir} must hold {HF_TOKENIZER} (no {path}): "
                                 "point it at a Hugging Face model folder")
     return path
+
+
+def hf_special(tokenizer_json: Path, key: str, names: tuple[str, ...]) -> Optional[str]:
+    """The special token `key` (bos_token, eos_token) of a tokenizer.json, read as plain JSON: the one its
+    folder's tokenizer_config.json names, else the first of `names` it holds; None if it has none."""
+    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    held = {t["content"] for t in spec.get("added_tokens") or []}
+    vocab = (spec.get("model") or {}).get("vocab") or {}
+    held |= set(vocab) if isinstance(vocab, dict) else {v[0] for v in vocab}  # Unigram: [token, score] pairs
+    config = tokenizer_json.parent / "tokenizer_config.json"
+    named = json.loads(config.read_text(encoding="utf-8")).get(key) if config.is_file() else None
+    named = named.get("content") if isinstance(named, dict) else named
+    return next((n for n in (named, *names) if n is not None and n in held), None)
 
 
 def hf_vocab_size(tokenizer_json: Path) -> int:

@@ -37,10 +37,12 @@ class HFSource:
     spec: str
     kind: str  # disk (save_to_disk; one Dataset is data.split whatever its name) | folder (hub layout) | files | hub
     files: tuple[Path, ...] = ()  # kind=files: the files, sorted; kind=disk/folder: every file under it
+    builder_name: str = ""  # kind=files: the `datasets` builder when not the one the suffix names
+    knob: str = "data.path"  # what errors call it (pipetrain-prepare: "input")
 
     @property
     def builder(self) -> str:
-        return BUILDERS[_suffix(self.files[0])]
+        return self.builder_name or BUILDERS[suffix_of(self.files[0])]
 
     def fingerprint(self) -> str:
         """What the source holds, for cache keys: every file's path, size and mtime (a rewritten file
@@ -61,11 +63,11 @@ class HFSource:
                 try:
                     ds = datasets.load_from_disk(self.spec)
                 except IndexError:  # datasets 5.2 cannot concatenate the zero tables of an empty save
-                    raise ValueError(f"data.path={self.spec} is empty (a saved dataset with no rows): give a "
+                    raise ValueError(f"{self.knob}={self.spec} is empty (a saved dataset with no rows): give a "
                                      "source with documents") from None
                 if isinstance(ds, datasets.DatasetDict):
                     if split not in ds:
-                        raise ValueError(f"data.path={self.spec} has no split {split!r} (splits: {', '.join(ds)}): "
+                        raise ValueError(f"{self.knob}={self.spec} has no split {split!r} (splits: {', '.join(ds)}): "
                                          "set data.split (or data.val_split) to one of them")
                     ds = ds[split]
                 return ds.to_iterable_dataset() if streaming else ds
@@ -74,12 +76,12 @@ class HFSource:
                                              split=split, streaming=streaming)
             return datasets.load_dataset(self.spec, split=split, streaming=streaming)
         except ValueError as e:
-            if "split" in str(e).lower() and "data.path=" not in str(e):
-                raise ValueError(f"data.path={self.spec} has no split {split!r} ({_first_line(e)}): set data.split "
+            if "split" in str(e).lower() and f"{self.knob}=" not in str(e):
+                raise ValueError(f"{self.knob}={self.spec} has no split {split!r} ({_first_line(e)}): set data.split "
                                  "(or data.val_split) to one of its splits") from None
             raise
         except OSError as e:  # datasets' DatasetNotFoundError and EmptyDatasetError are FileNotFoundErrors
-            raise ValueError(f"data.path={self.spec}: `datasets` cannot read it ({_first_line(e)})") from None
+            raise ValueError(f"{self.knob}={self.spec}: `datasets` cannot read it ({_first_line(e)})") from None
 
 
 def find_source(spec: str, *, knob: str = "data.path") -> HFSource:
@@ -88,15 +90,15 @@ def find_source(spec: str, *, knob: str = "data.path") -> HFSource:
     if path.is_dir():
         files = tuple(sorted(p for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts))
         if any((path / name).is_file() for name in SAVED):
-            return HFSource(spec, "disk", files)
-        if not any(_suffix(f) in BUILDERS for f in files):
+            return HFSource(spec, "disk", files, knob=knob)
+        if not any(suffix_of(f) in BUILDERS for f in files):
             raise ValueError(f"{knob}={spec} is a folder with no data files (none of {', '.join(BUILDERS)}) and no "
                              "save_to_disk files: point it at a save_to_disk folder, a hub-layout folder or a file")
-        return HFSource(spec, "folder", files)
+        return HFSource(spec, "folder", files, knob=knob)
     matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec))) if glob.has_magic(spec) else (
         [path] if path.is_file() else [])
     if matches:
-        kinds = {_suffix(f) for f in matches}
+        kinds = {suffix_of(f) for f in matches}
         unknown = sorted(k for k in kinds if k not in BUILDERS)
         if unknown:
             raise ValueError(f"{knob}={spec}: `datasets` reads {', '.join(BUILDERS)} files, not "
@@ -104,12 +106,12 @@ def find_source(spec: str, *, knob: str = "data.path") -> HFSource:
         if len({BUILDERS[k] for k in kinds}) > 1:
             raise ValueError(f"{knob}={spec} matches files of several formats ({', '.join(sorted(kinds))}): "
                              "give files of one format")
-        return HFSource(spec, "files", tuple(matches))
+        return HFSource(spec, "files", tuple(matches), knob=knob)
     if glob.has_magic(spec):
         raise FileNotFoundError(f"{knob}={spec} matches no file")
     if not path.is_absolute() and HUB_NAME.fullmatch(spec) and not spec.startswith((".", "~")) \
-            and _suffix(path) not in BUILDERS:
-        return HFSource(spec, "hub")  # read at load time, on a machine with network
+            and suffix_of(path) not in BUILDERS:
+        return HFSource(spec, "hub", knob=knob)  # read at load time, on a machine with network
     where = "" if path.is_absolute() else f" (relative to {os.getcwd()})"
     raise FileNotFoundError(f"{knob}={spec} does not exist{where}: give a file, a glob, a save_to_disk or "
                             "hub-layout folder, or a hub name (owner/name)")
@@ -127,24 +129,24 @@ def check_text_field(ds: Any, *, spec: str, split: str, text_field: str) -> None
                          f"{', '.join(first)}): set data.text_field to the field that holds the text")
 
 
-def texts(ds: Any, *, spec: str, text_field: str, batch: int = 1000) -> Iterator[list[Optional[str]]]:
+def texts(ds: Any, *, where: str, text_field: str, batch: int = 1000) -> Iterator[list[Optional[str]]]:
     """The text of every row, in order, `batch` rows at a time (one Arrow column read per batch);
-    a row whose field is not a string is one line naming the row."""
+    a row whose field is not a string is one line naming the row. `where`: the source, as errors name it."""
     if text_field not in (ds.column_names or []):
-        raise ValueError(f"data.path={spec} has no field {text_field!r} (fields: {', '.join(ds.column_names or [])}): "
+        raise ValueError(f"{where} has no field {text_field!r} (fields: {', '.join(ds.column_names or [])}): "
                          "set data.text_field to the field that holds the text")
     row = 0
     for part in ds.select_columns([text_field]).iter(batch_size=batch):
         column = part[text_field]
         for i, t in enumerate(column):
             if t is not None and not isinstance(t, str):
-                raise ValueError(f"data.path={spec} row {row + i} has a {type(t).__name__} in {text_field!r}, not "
+                raise ValueError(f"{where} row {row + i} has a {type(t).__name__} in {text_field!r}, not "
                                  "a string: set data.text_field to the field that holds the text")
         row += len(column)
         yield column
 
 
-def _suffix(path: Path) -> str:
+def suffix_of(path: Path) -> str:
     suffixes = [s.lower() for s in path.suffixes if s.lower() != ".gz"]
     return suffixes[-1] if suffixes else ""
 

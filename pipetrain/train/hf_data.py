@@ -10,7 +10,7 @@ start: whole documents, never shared with training.
 
 The cache. The stream is written once to `<cache>/pipetrain-packed/<key>/` (cache: $HF_DATASETS_CACHE,
 else `datasets`' own cache folder), key = sha256 of (the source's files with their sizes and mtimes,
-or a hub dataset's fingerprint; split, val_split, val_fraction, text_field; the tokenizer's name
+or the Arrow files a hub dataset was downloaded to; split, val_split, val_fraction, text_field; the tokenizer's name
 and file sha256; add_bos). Every rank calls `build_hf_data`; the first to take the key's flock
 builds the stream into a temporary folder and renames it into place, the others wait on the lock
 and then memory-map it. Why the ranks and not the launcher: a local, torchrun and SLURM launch
@@ -88,7 +88,8 @@ def cached_stream(cfg: DataConfig, tok: TextTokenizer) -> tuple[Path, dict[str, 
     """The folder of the tokenized stream and its meta.json, built now unless another process has
     (or is building it: then this waits on its lock)."""
     source = find_source(cfg.path or "")
-    extra = source.open(cfg.split)._fingerprint if source.kind == "hub" else ""
+    # a hub dataset: the Arrow files `datasets` downloaded it to (their names carry its revision's hash)
+    extra = json.dumps([f["filename"] for f in source.open(cfg.split).cache_files]) if source.kind == "hub" else ""
     folder = cache_root() / "pipetrain-packed" / stream_key(cfg, source, tok, extra)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.with_suffix(".lock"), "w") as lock:
@@ -111,7 +112,7 @@ def write_stream(cfg: DataConfig, source: HFSource, tok: TextTokenizer, out: Pat
     for split, file in ((cfg.split, "train.bin"), *([(cfg.val_split, "val.bin")] if cfg.val_split else [])):
         docs = dropped = tokens = 0
         with open(out / file, "wb") as f:
-            for column in texts(source.open(split), spec=cfg.path or "", text_field=cfg.text_field,
+            for column in texts(source.open(split), where=f"data.path={cfg.path}", text_field=cfg.text_field,
                                 batch=ENCODE_BATCH):
                 present = [t for t in column if t]
                 dropped += len(column) - len(present)

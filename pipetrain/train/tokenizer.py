@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pipetrain.config.data import BYTE_VOCAB, TOKENIZERS, find_gpt2_encoder, find_hf_tokenizer
+from pipetrain.config.data import (
+    BYTE_VOCAB, HF_BOS_NAMES, TOKENIZERS, find_gpt2_encoder, find_hf_tokenizer, hf_special,
+)
 
 # The byte tokenizer has no end-of-text token; NUL never occurs in text, so it separates
 # documents without growing the 256-token vocabulary.
@@ -22,9 +23,6 @@ BYTE_EOS = 0
 # Names an end-of-text token goes by, when tokenizer_config.json does not say (GPT-2 / Qwen,
 # Llama 3 base, Llama 2 / Mistral, Gemma).
 HF_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-# Names a beginning-of-text token goes by, when tokenizer_config.json does not say (Llama 3, Llama 2 /
-# Mistral, Gemma). GPT-2 and Qwen have none (GPT-2 reuses <|endoftext|>; data.add_bos refuses them).
-HF_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 
 
 @dataclass(frozen=True)
@@ -63,21 +61,10 @@ def hf_tokenizer(tokenizer_dir: Optional[str]) -> TextTokenizer:
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
-    def first_known(names: tuple[Optional[str], ...]) -> Optional[int]:
-        return next((tok.token_to_id(n) for n in names if n is not None and tok.token_to_id(n) is not None), None)
-
-    eos = first_known((_configured(path.parent, "eos_token"), *HF_EOS_NAMES))
-    bos = first_known((_configured(path.parent, "bos_token"), *HF_BOS_NAMES))
+    ids = {key: hf_special(path, key, names) for key, names in (("eos_token", HF_EOS_NAMES),
+                                                                  ("bos_token", HF_BOS_NAMES))}
+    eos, bos = (tok.token_to_id(ids[k]) if ids[k] is not None else None for k in ("eos_token", "bos_token"))
     return TextTokenizer("hf", tok.get_vocab_size(with_added_tokens=True), eos, encode_batch, bos)
-
-
-def _configured(folder: Path, key: str) -> Optional[str]:
-    """tokenizer_config.json's `key` (eos_token, bos_token: a string, or a dict with `content`), if any."""
-    path = folder / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    token = json.loads(path.read_text(encoding="utf-8")).get(key)
-    return token.get("content") if isinstance(token, dict) else token
 
 
 # GPT-2's pre-tokenisation pattern (openai/gpt-2 src/encoder.py; tiktoken's gpt2 encoding uses the same).
