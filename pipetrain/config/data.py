@@ -62,11 +62,10 @@ class DataConfig:
     tokenizer: Optional[str] = None
     tokenizer_dir: Optional[str] = None  # gpt2: a folder with GPT-2's encoder.json; hf: a folder with tokenizer.json
     val_fraction: float = 0.1  # the last 10% of the tokens are held out for the validation loss
-    # data=datasets (config/hf_source.py): which split of data.path, and the field holding each document's text
-    split: str = "train"
-    text_field: str = "text"
-    # data=datasets: validation from this split of data.path; null: the last data.val_fraction, as whole documents
-    val_split: Optional[str] = None
+    # data=datasets (config/hf_source.py, train/hf_data.py):
+    split: str = "train"  # data=datasets: the split of data.path trained on
+    text_field: str = "text"  # data=datasets: the field holding each document's text
+    val_split: Optional[str] = None  # data=datasets: validation's split; null: the last val_fraction of the documents
     # data=datasets: true: documents joined by EOS into one stream, cut into rows of seq_len + 1 tokens;
     # false: a row per document (its first seq_len + 1 tokens, the rest of the row padded and not trained on)
     packing: bool = True
