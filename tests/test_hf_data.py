@@ -230,3 +230,4 @@ def test_other_sources_refuse_the_datasets_knobs():
     with pytest.raises(ValueError) as info:
         DataConfig(name="builtin", text_field="body")
     one_line(info.value, "data.text_field", "data=datasets")
+
