@@ -133,6 +133,13 @@ def test_rows_of_an_epoch_are_disjoint_and_cover_the_stream():
     assert sorted(every.tolist()) == sorted(np.concatenate([src.row_ids(j) for j in range(steps)]).tolist())
 
 
+def test_one_epoch_of_all_rows_is_the_whole_stream_once():
+    src = positions(batch_size=100)  # 100 rows of 10 tokens: one step is the whole epoch
+    x, y = src.batch(0)
+    windows = torch.cat([x, y[:, -1:]], dim=1)  # (B, T + 1): each row's tokens
+    assert torch.equal(windows.flatten().sort().values, torch.arange(1000))
+
+
 def test_an_epoch_boundary_starts_a_new_permutation():
     src = positions()
     first = np.concatenate([src.row_ids(j) for j in range(12)])
