@@ -1,4 +1,5 @@
-"""`pipetrain-prepare`: tokenize text, jsonl or parquet documents into llm.c-format token shards.
+"""`pipetrain-prepare`: tokenize documents (text, jsonl, parquet, arrow, csv; save_to_disk and hub-layout
+folders through Hugging Face `datasets`: prepare_in.py) into llm.c-format token shards.
 
     pipetrain-prepare corpus.jsonl --out data/corpus --tokenizer hf --tokenizer-dir ~/models/Llama-3.2-1B
     pipetrain data=tokens data.path=data/corpus model=llama3.2-1b
@@ -22,24 +23,22 @@ has succeeded (pipetrain/prepare_out.py). Imports no torch.
 from __future__ import annotations
 
 import argparse
-import gzip
 import importlib.util
-import json
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from pipetrain.config.data import TOKENIZERS
 from pipetrain.config.shards import LLMC_FORMATS, LLMC_HEADER_BYTES, LLMC_HEADER_INTS
 from pipetrain.config.token_origin import write_record
+from pipetrain.prepare_in import FORMATS, documents, input_files, input_format
 from pipetrain.prepare_out import PartialOut, check_out
 from pipetrain.train.tokenizer import TextTokenizer, load_tokenizer
 
-FORMATS = ("auto", "text", "jsonl", "parquet")
 ENCODE_BATCH = 256  # documents per encode_batch call (the hf tokenizer encodes a batch in parallel)
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
 # 0.5% held out for the validation loss: llm.c's fineweb10B holds out 1 of 100 shards (1%); half
@@ -113,68 +112,8 @@ class ShardWriter:
         return ids[cut:]
 
 
-def input_format(path: Path, fmt: str) -> str:
-    if fmt != "auto":
-        return fmt
-    suffixes = [s for s in path.suffixes if s != ".gz"]
-    last = suffixes[-1] if suffixes else ""
-    return {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}.get(last, "text")
-
-
-def documents(path: Path, fmt: str, text_field: str) -> Iterator[str]:
-    """The documents of one input file: a text file is one document; a jsonl line or a parquet
-    row is one, its `text_field`."""
-    kind = input_format(path, fmt)
-    opener = gzip.open if path.suffix == ".gz" else open
-    if kind == "text":
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            yield f.read()
-    elif kind == "jsonl":
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"{path} line {n} is not JSON ({e.msg}): give a jsonl file, one object a line") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise ValueError(f"{path} line {n} has no string field {text_field!r}: set --text-field to "
-                                     "the field that holds the text")
-                yield record[text_field]
-    else:
-        yield from _parquet_documents(path, text_field)
-
-
-def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq  # optional: only parquet input needs it (check_packages said it is there)
-
-    pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
-        raise ValueError(f"{path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}): "
-                         "set --text-field")
-    for batch in pf.iter_batches(columns=[text_field]):
-        yield from (t for t in batch.column(0).to_pylist() if t is not None)
-
-
-def input_files(inputs: Sequence[str]) -> list[Path]:
-    files: list[Path] = []
-    for spec in inputs:
-        p = Path(spec).expanduser()
-        if p.is_dir():
-            files += sorted(q for q in p.iterdir() if q.is_file())
-        elif p.exists():  # a file, or a pipe: zcat corpus.jsonl.gz | pipetrain-prepare /dev/stdin --format jsonl
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"input {spec} does not exist")
-    if not files:
-        raise ValueError(f"no input files in {', '.join(inputs)}")
-    return files
-
-
 def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tokenizer_dir: Optional[str] = None,
-            fmt: str = "auto", text_field: str = "text", shard_tokens: int = 100_000_000,
+            fmt: str = "auto", text_field: str = "text", split: str = "train", shard_tokens: int = 100_000_000,
             val_fraction: float = VAL_FRACTION, val_min_tokens: int = VAL_MIN_TOKENS, overwrite: bool = False,
             note: Callable[[str], None] = print) -> dict[str, list]:
     """Tokenize `inputs` into shards under `out`, written all at once (prepare_out.PartialOut);
@@ -198,7 +137,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "byte", tokeniz
     dtype = "<u2" if tok.vocab_size <= 1 << 16 else "<u4"
     with PartialOut(out_dir, note) as partial:
         writers = {s: ShardWriter(partial.path, s, shard_tokens, dtype, note) for s in ("train", "val")}
-        docs, text = _write_documents(files, tok, writers, fmt=fmt, text_field=text_field, val_fraction=val_fraction)
+        docs, text = _write_documents(files, tok, writers, fmt=fmt, text_field=text_field, split=split,
+                                      val_fraction=val_fraction)
         if not text:  # only the EOS ids between documents: say so, not "lower --val-min-tokens"
             names = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
             raise ValueError(f"the input is empty: {names} {'holds' if len(files) == 1 else 'hold'} no text "
@@ -253,7 +193,7 @@ def _top_up_val(writers: dict[str, ShardWriter], *, val_fraction: float, val_min
 
 
 def _write_documents(files: list[Path], tok: TextTokenizer, writers: dict[str, ShardWriter], *, fmt: str,
-                     text_field: str, val_fraction: float) -> tuple[int, int]:
+                     text_field: str, split: str, val_fraction: float) -> tuple[int, int]:
     """Encode every document (in batches), EOS first, into its split's writer; returns the count of
     documents and of the tokens of those with text (the EOS ids and whitespace-only documents not
     counted: a file of blank lines is empty, not "351 tokens"). A document goes to validation while
@@ -272,7 +212,7 @@ def _write_documents(files: list[Path], tok: TextTokenizer, writers: dict[str, S
         batch.clear()
 
     for path in files:
-        for doc in documents(path, fmt, text_field):
+        for doc in documents(path, fmt, text_field, split):
             batch.append(doc)
             if len(batch) == ENCODE_BATCH:
                 drain()
@@ -282,13 +222,15 @@ def _write_documents(files: list[Path], tok: TextTokenizer, writers: dict[str, S
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="pipetrain-prepare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("inputs", nargs="+", help="text, jsonl (.jsonl, .jsonl.gz) or parquet files, or folders of them")
+    ap.add_argument("inputs", nargs="+", help="text, jsonl (.jsonl, .jsonl.gz), parquet, arrow or csv files, "
+                    "folders of them, or a save_to_disk or hub-layout folder (read through Hugging Face datasets)")
     ap.add_argument("--out", required=True, help="folder for the shards (new or empty)")
     ap.add_argument("--tokenizer", default="byte", choices=TOKENIZERS)
     ap.add_argument("--tokenizer-dir", help="gpt2: folder with encoder.json; hf: folder with tokenizer.json")
     ap.add_argument("--format", default="auto", choices=FORMATS,
-                    help="auto: from the suffix (.jsonl, .parquet, else text)")
-    ap.add_argument("--text-field", default="text", help="the jsonl field / parquet column holding the text")
+                    help="auto: from the suffix (.jsonl, .parquet, .arrow, .csv, else text)")
+    ap.add_argument("--text-field", default="text", help="the field (jsonl) or column holding the text")
+    ap.add_argument("--split", default="train", help="the split of a save_to_disk or hub-layout folder")
     ap.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (llm.c: 10^8)")
     ap.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
                     help="the share of the tokens held out for validation, as whole documents (0.005: 0.5%%)")
@@ -299,8 +241,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = ap.parse_args(argv)
     try:
         prepare(args.inputs, args.out, tokenizer=args.tokenizer, tokenizer_dir=args.tokenizer_dir, fmt=args.format,
-                text_field=args.text_field, shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
-                val_min_tokens=args.val_min_tokens, overwrite=args.overwrite)
+                text_field=args.text_field, split=args.split, shard_tokens=args.shard_tokens,
+                val_fraction=args.val_fraction, val_min_tokens=args.val_min_tokens, overwrite=args.overwrite)
     except USER_ERRORS as e:
         print(f"pipetrain-prepare: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -117,6 +117,7 @@ NEEDS = {
     ("partition", "manual"): ["partition.boundaries=[5]"],
     ("data", "text"): ["data.path=${oc.env:PIPETRAIN_TEST_TEXT}"],
     ("data", "tokens"): ["data.path=${oc.env:PIPETRAIN_TEST_BIN}"],
+    ("data", "datasets"): ["data.path=${oc.env:PIPETRAIN_TEST_TEXT}"],  # a .txt: datasets' text builder, a line a row
 }
 
 

@@ -269,6 +269,11 @@ def test_every_data_option_composes(compose, tmp_path, name):
         extra = [f"data.path={tmp_path / 'a.txt'}"]
     elif name == "tokens":
         extra = [f"data.path={write_bin(tmp_path / 'a.bin', [i % 500 for i in range(2000)])}"]  # ids < gpt2-tiny's 512
+    elif name == "datasets":
+        from datasets import Dataset
+
+        Dataset.from_dict({"text": ["hello world, " * 20] * 10}).save_to_disk(tmp_path / "saved")
+        extra = [f"data.path={tmp_path / 'saved'}"]
     cfg = compose([f"data={name}", *extra])
     assert isinstance(cfg.data, DataConfig) and cfg.data.name == name
     assert (cfg.data.batch_size, cfg.data.seq_len) == (16, 64)

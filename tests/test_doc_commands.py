@@ -180,7 +180,8 @@ LAPTOP_GB = 16.0  # more than this, predicted by the planner, and a command must
 WEIGHTS_SHARE = StateBytes().param / StateBytes().total  # what mode=eval keeps of a rank's training states
 NOT_SIZED = ("mode=simulate", "mode=plan", "mode=export", "schedule=auto", "schedule=custom")
 # where a rank's memory does not depend on the value: the data's source, the output, the resumed step
-UNSIZED_KEYS = ("data", "data.path", "data.val_path", "data.tokenizer_dir", "hydra.run.dir", "trainer.resume")
+UNSIZED_KEYS = ("data", "data.path", "data.val_path", "data.tokenizer_dir", "hydra.run.dir", "trainer.resume",
+                "data.split", "data.text_field", "data.val_split", "data.packing", "data.add_bos")
 
 
 def _preset(folder: str) -> str:

@@ -22,13 +22,17 @@ from pipetrain.config.shards import Shard, find_shards
 
 # builtin: the corpus shipped in the package (pipetrain/train/corpus/); text: any text file;
 # tokens: token shards (nanoGPT's or llm.c's .bin, .npy; a file, folder or glob, see shards.py);
-# synthetic: random data, for benchmarks.
-DATA_SOURCES = ("builtin", "text", "tokens", "synthetic")
+# synthetic: random data, for benchmarks; datasets: Hugging Face `datasets` (files, folders, hub names),
+# documents packed into rows (config/hf_source.py, train/hf_data.py).
+DATA_SOURCES = ("builtin", "text", "tokens", "synthetic", "datasets")
 # byte: one token per UTF-8 byte; gpt2: GPT-2's BPE through tiktoken; hf: a Hugging Face
 # tokenizer.json through the `tokenizers` package (Llama 3, Qwen, Mistral, ...).
 TOKENIZERS = ("byte", "gpt2", "hf")
 HF_TOKENIZER = "tokenizer.json"
 BYTE_VOCAB = 256
+# Names a beginning-of-text token goes by, when tokenizer_config.json does not say (Llama 3, Llama 2 /
+# Mistral, Gemma). GPT-2 and Qwen have none (GPT-2 reuses <|endoftext|>; data.add_bos refuses them).
+HF_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 GPT2_VOCAB = 50257  # 50,000 merges + 256 bytes + <|endoftext|>
 # GPT-2's released vocabulary: token (in GPT-2's byte-to-unicode alphabet) -> id. Its ids are the
 # BPE merge ranks (tiktoken checks that vocab.bpe agrees with it), so it alone defines the encoding.
@@ -46,7 +50,7 @@ class DataConfig:
     """What the model trains on. The batch of optimizer step k is a pure function of
     (trainer.seed, k, split): a resumed run sees exactly the data it would have seen."""
 
-    name: str = "builtin"  # builtin | text | tokens | synthetic
+    name: str = "builtin"  # builtin | text | tokens | synthetic | datasets
     # the global batch: sequences per optimizer step, split over dp pipelines x pipeline.microbatches
     batch_size: int = 16
     seq_len: int = 64  # tokens per sequence (GPT-2: <= model.block_size); short enough for a CPU step
@@ -58,6 +62,14 @@ class DataConfig:
     tokenizer: Optional[str] = None
     tokenizer_dir: Optional[str] = None  # gpt2: a folder with GPT-2's encoder.json; hf: a folder with tokenizer.json
     val_fraction: float = 0.1  # the last 10% of the tokens are held out for the validation loss
+    # data=datasets (config/hf_source.py, train/hf_data.py):
+    split: str = "train"  # data=datasets: the split of data.path trained on
+    text_field: str = "text"  # data=datasets: the field holding each document's text
+    val_split: Optional[str] = None  # data=datasets: validation's split; null: the last val_fraction of the documents
+    # data=datasets: true: documents joined by EOS into one stream, cut into rows of seq_len + 1 tokens;
+    # false: a row per document (its first seq_len + 1 tokens, the rest of the row padded and not trained on)
+    packing: bool = True
+    add_bos: bool = False  # data=datasets: the tokenizer's BOS before each document (refused where it has none)
 
     def __post_init__(self) -> None:
         if self.name not in DATA_SOURCES:
@@ -72,6 +84,7 @@ class DataConfig:
         if self.tokenizer_dir is not None and self.tokenizer_name == "byte":
             raise ValueError("data.tokenizer_dir is only read by data.tokenizer=gpt2 or data.tokenizer=hf: "
                              "set one of them or drop data.tokenizer_dir")
+        self._check_datasets_knobs()
         if self.val_path is not None and self.name != "tokens":
             raise ValueError(f"data.val_path is only read by data=tokens (got data={self.name}): "
                              "set data=tokens or drop data.val_path")
@@ -94,22 +107,57 @@ class DataConfig:
     @property
     def uses_tokenizer(self) -> bool:
         """Whether text is tokenised (builtin, text); tokens files and synthetic data are ids already."""
-        return self.name in ("builtin", "text")
+        return self.name in ("builtin", "text", "datasets")
 
     @property
     def file(self) -> Path:
-        """data.path with ~ expanded (data=text and data=tokens only)."""
+        """data.path with ~ expanded (data=text, tokens and datasets only)."""
         if self.path is None:
             raise ValueError(f"data={self.name} reads no file")
         return Path(os.path.expanduser(self.path))
 
+    def _check_datasets_knobs(self) -> None:
+        """data=datasets' own knobs: left at their defaults by every other source."""
+        if self.name == "datasets":
+            for knob in ("split", "text_field"):
+                if not getattr(self, knob):
+                    raise ValueError(f"data.{knob} must name a split / field of data.path (got an empty string)")
+            if self.val_split is not None and self.val_split == self.split:
+                raise ValueError(f"data.val_split={self.val_split} is data.split too: validation would train on "
+                                 "its own rows; name another split, or null to hold out data.val_fraction")
+            return
+        changed = [k for k, v in (("split", "train"), ("text_field", "text"), ("val_split", None), ("packing", True),
+                                  ("add_bos", False)) if getattr(self, k) != v]
+        if changed:
+            raise ValueError(f"data.{changed[0]} is only read by data=datasets (got data={self.name}): set "
+                             f"data=datasets or drop data.{changed[0]}")
+
+    def check_bos(self) -> None:
+        """data.add_bos=true needs a tokenizer with a beginning-of-text token: one line where it has none."""
+        if not (self.name == "datasets" and self.add_bos):
+            return
+        if self.tokenizer_name == "hf" and hf_special(find_hf_tokenizer(self.tokenizer_dir), "bos_token",
+                                                      HF_BOS_NAMES) is not None:
+            return
+        where = f" ({self.tokenizer_dir})" if self.tokenizer_dir else ""
+        raise ValueError(f"data.add_bos=true but data.tokenizer={self.tokenizer_name}{where} has no beginning-of-text "
+                         "token: set data.add_bos=false (documents are still separated by EOS)")
+
     def _check_path(self) -> None:
-        if self.name not in ("text", "tokens"):
+        if self.name not in ("text", "tokens", "datasets"):
             if self.path is not None:
                 raise ValueError(
-                    f"data.path is only read by data=text or data=tokens (got data={self.name}): "
-                    "set data=text or data=tokens, or drop data.path"
+                    f"data.path is only read by data=text, data=tokens or data=datasets (got data={self.name}): "
+                    "set one of them, or drop data.path"
                 )
+            return
+        if self.name == "datasets":
+            if not self.path:
+                raise ValueError("data=datasets needs a source: add data.path=FILE, GLOB, FOLDER (save_to_disk or "
+                                 "hub layout) or a hub name (owner/name)")
+            check_hf_source(self)
+            if self.tokenizer is not None:  # null: the root schema chooses it, then calls check_bos
+                self.check_bos()
             return
         if not self.path:
             kind = "a text file" if self.name == "text" else "token shards (a .bin / .npy file, a folder or a glob)"
@@ -181,6 +229,26 @@ class DataConfig:
 
 
 
+def check_hf_source(cfg: DataConfig) -> None:
+    """data=datasets, before any process starts: data.path is a source `datasets` reads, and (when it is
+    on this machine) the first row of data.split (and data.val_split) holds the string data.text_field.
+    A hub name is read by the ranks, on a machine with network."""
+    from pipetrain.config.hf_source import check_text_field, find_source  # imports datasets only when opening
+
+    source = find_source(cfg.path or "")
+    if source.kind == "hub":
+        return
+    saved_dict = Path(os.path.expanduser(cfg.path or ""), "dataset_dict.json").is_file()
+    one_split = source.kind == "files" or (source.kind == "disk" and not saved_dict)
+    if cfg.val_split and one_split:
+        raise ValueError(f"data.path={cfg.path} holds one split (a file, or one saved Dataset), so it has no "
+                         f"data.val_split={cfg.val_split}: drop it (data.val_fraction holds out the last documents)")
+    for split in (cfg.split, *([cfg.val_split] if cfg.val_split else [])):
+        # streaming reads the first row, not the whole source; a saved folder is memory-mapped anyway
+        ds = source.open(split, streaming=source.kind != "disk")
+        check_text_field(ds, spec=cfg.path or "", split=split, text_field=cfg.text_field)
+
+
 def split_sizes(num_tokens: int, val_fraction: float) -> tuple[int, int]:
     """(train, val) token counts: the last `val_fraction` of the token stream is held out,
     so no window of one split ever reads a token of the other."""
@@ -238,6 +306,19 @@ def find_hf_tokenizer(tokenizer_dir: Optional[str]) -> Path:
         raise FileNotFoundError(f"data.tokenizer_dir={tokenizer_dir} must hold {HF_TOKENIZER} (no {path}): "
                                 "point it at a Hugging Face model folder")
     return path
+
+
+def hf_special(tokenizer_json: Path, key: str, names: tuple[str, ...]) -> Optional[str]:
+    """The special token `key` (bos_token, eos_token) of a tokenizer.json, read as plain JSON: the one its
+    folder's tokenizer_config.json names, else the first of `names` it holds; None if it has none."""
+    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    held = {t["content"] for t in spec.get("added_tokens") or []}
+    vocab = (spec.get("model") or {}).get("vocab") or {}
+    held |= set(vocab) if isinstance(vocab, dict) else {v[0] for v in vocab}  # Unigram: [token, score] pairs
+    config = tokenizer_json.parent / "tokenizer_config.json"
+    named = json.loads(config.read_text(encoding="utf-8")).get(key) if config.is_file() else None
+    named = named.get("content") if isinstance(named, dict) else named
+    return next((n for n in (named, *names) if n is not None and n in held), None)
 
 
 def hf_vocab_size(tokenizer_json: Path) -> int:

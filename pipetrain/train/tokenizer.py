@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pipetrain.config.data import BYTE_VOCAB, TOKENIZERS, find_gpt2_encoder, find_hf_tokenizer
+from pipetrain.config.data import (
+    BYTE_VOCAB, HF_BOS_NAMES, TOKENIZERS, find_gpt2_encoder, find_hf_tokenizer, hf_special,
+)
 
 # The byte tokenizer has no end-of-text token; NUL never occurs in text, so it separates
 # documents without growing the 256-token vocabulary.
@@ -30,6 +31,7 @@ class TextTokenizer:
     vocab_size: int  # every id it produces is below this
     eos_id: Optional[int]  # the end-of-text id written between documents (None: the tokenizer has none)
     encode_batch: Callable[[list[str]], list[list[int]]]  # texts -> ids, no special tokens added
+    bos_id: Optional[int] = None  # the beginning-of-text id data.add_bos writes (None: the tokenizer has none)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -59,21 +61,10 @@ def hf_tokenizer(tokenizer_dir: Optional[str]) -> TextTokenizer:
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
-    eos = None
-    for name in (_configured_eos(path.parent), *HF_EOS_NAMES):
-        if name is not None and tok.token_to_id(name) is not None:
-            eos = tok.token_to_id(name)
-            break
-    return TextTokenizer("hf", tok.get_vocab_size(with_added_tokens=True), eos, encode_batch)
-
-
-def _configured_eos(folder: Path) -> Optional[str]:
-    """tokenizer_config.json's eos_token (a string, or a dict with `content`), if any."""
-    path = folder / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+    ids = {key: hf_special(path, key, names) for key, names in (("eos_token", HF_EOS_NAMES),
+                                                                  ("bos_token", HF_BOS_NAMES))}
+    eos, bos = (tok.token_to_id(ids[k]) if ids[k] is not None else None for k in ("eos_token", "bos_token"))
+    return TextTokenizer("hf", tok.get_vocab_size(with_added_tokens=True), eos, encode_batch, bos)
 
 
 # GPT-2's pre-tokenisation pattern (openai/gpt-2 src/encoder.py; tiktoken's gpt2 encoding uses the same).
