@@ -14,10 +14,11 @@ import importlib.util
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipetrain.config.data_sources import SourceConfig, as_sources, check_sources
 from pipetrain.config.shards import Shard, find_shards
 
 # builtin: the corpus shipped in the package (pipetrain/train/corpus/); text: any text file;
@@ -70,8 +71,15 @@ class DataConfig:
     # false: a row per document (its first seq_len + 1 tokens, the rest of the row padded and not trained on)
     packing: bool = True
     add_bos: bool = False  # data=datasets: the tokenizer's BOS before each document (refused where it has none)
+    # data=datasets: a mixture instead of data.path, [{path: A, weight: 0.7}, {path: B, weight: 0.3}] (each may set
+    # split, text_field, name); weight_i / sum is source i's share of the rows (config/data_sources.py)
+    sources: list[SourceConfig] = field(default_factory=list)
+    # data=datasets: read documents through `datasets` streaming, packed on the fly, the position saved in each
+    # checkpoint (train/hf_stream.py); null: true for a hub name or files over 1 GiB (data_sources.STREAM_BYTES)
+    streaming: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        self.sources = as_sources(self.sources)
         if self.name not in DATA_SOURCES:
             raise ValueError(f"data={self.name!r} is unknown: choose data= one of {', '.join(DATA_SOURCES)}")
         for knob in ("batch_size", "seq_len"):
@@ -127,7 +135,7 @@ class DataConfig:
                                  "its own rows; name another split, or null to hold out data.val_fraction")
             return
         changed = [k for k, v in (("split", "train"), ("text_field", "text"), ("val_split", None), ("packing", True),
-                                  ("add_bos", False)) if getattr(self, k) != v]
+                                  ("add_bos", False), ("sources", []), ("streaming", None)) if getattr(self, k) != v]
         if changed:
             raise ValueError(f"data.{changed[0]} is only read by data=datasets (got data={self.name}): set "
                              f"data=datasets or drop data.{changed[0]}")
@@ -152,10 +160,7 @@ class DataConfig:
                 )
             return
         if self.name == "datasets":
-            if not self.path:
-                raise ValueError("data=datasets needs a source: add data.path=FILE, GLOB, FOLDER (save_to_disk or "
-                                 "hub layout) or a hub name (owner/name)")
-            check_hf_source(self)
+            check_sources(self)
             if self.tokenizer is not None:  # null: the root schema chooses it, then calls check_bos
                 self.check_bos()
             return
@@ -227,26 +232,6 @@ class DataConfig:
             "lower data.seq_len or data.val_fraction, or use more data"
         )
 
-
-
-def check_hf_source(cfg: DataConfig) -> None:
-    """data=datasets, before any process starts: data.path is a source `datasets` reads, and (when it is
-    on this machine) the first row of data.split (and data.val_split) holds the string data.text_field.
-    A hub name is read by the ranks, on a machine with network."""
-    from pipetrain.config.hf_source import check_text_field, find_source  # imports datasets only when opening
-
-    source = find_source(cfg.path or "")
-    if source.kind == "hub":
-        return
-    saved_dict = Path(os.path.expanduser(cfg.path or ""), "dataset_dict.json").is_file()
-    one_split = source.kind == "files" or (source.kind == "disk" and not saved_dict)
-    if cfg.val_split and one_split:
-        raise ValueError(f"data.path={cfg.path} holds one split (a file, or one saved Dataset), so it has no "
-                         f"data.val_split={cfg.val_split}: drop it (data.val_fraction holds out the last documents)")
-    for split in (cfg.split, *([cfg.val_split] if cfg.val_split else [])):
-        # streaming reads the first row, not the whole source; a saved folder is memory-mapped anyway
-        ds = source.open(split, streaming=source.kind != "disk")
-        check_text_field(ds, spec=cfg.path or "", split=split, text_field=cfg.text_field)
 
 
 def split_sizes(num_tokens: int, val_fraction: float) -> tuple[int, int]:

@@ -86,7 +86,10 @@ def _default_text(value: Any) -> str:
 
 
 def _nested_schema(annotation: Any) -> type | None:
-    """The dataclass a field holds (Optional[X] included), else None."""
+    """The dataclass a field holds (Optional[X] included), else None (a list of them, data.sources, is one
+    setting: its entries are not keys of their own)."""
+    if typing.get_origin(annotation) in (list, tuple):
+        return None
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     return next((a for a in args if isinstance(a, type) and dataclasses.is_dataclass(a)), None)
 

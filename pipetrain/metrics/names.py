@@ -29,6 +29,9 @@ wandb and TensorBoard.
              sat blocked waiting: all of it when whole stages run, each all-to-all blocking), per rank under
              /rank<r> and their mean, and a2a_overlap = 1 - a2a_exposed_ms / a2a_ms (the share hidden under
              compute: 0 for whole stages, up to 1 with pipeline.fb_overlap's interleaved F&B pairs)
+  data/      the global batch of the step: tokens (input positions holding a document's token, not
+             padding), loss_tokens (targets trained on: != -1), padding (the share of input positions
+             that are padding), per source `data/tokens/<name>` (data=datasets; data.sources' names)
 
 A per-rank or per-stage value is its own scalar (`memory/peak_gb/rank0`), so every logger takes
 the same flat {name: number} dict. `rank<r>` is the global rank: under data / tensor / context
@@ -53,6 +56,7 @@ MAKESPAN_REDUCE, MAKESPAN_REDUCE_SIM = "pipeline/makespan_with_reduce_ms", "pipe
 PEAK_GB, ACTIVATIONS_GB, STATIC_GB = "memory/peak_gb", "memory/activations_gb", "memory/static_gb"
 PEAK_RESERVED_GB = "memory/peak_reserved_gb"
 ACTIVATION_SETS = "memory/activation_sets"
+DATA_TOKENS, DATA_LOSS_TOKENS, DATA_PADDING = "data/tokens", "data/loss_tokens", "data/padding"
 CP_KV_BYTES, CP_COMM_MS = "cp/kv_bytes", "cp/comm_ms"
 CP_GATHERED_GB, CP_PEAK_KV_GB = "cp/gathered_kv_gb", "cp/peak_kv_gb"
 
@@ -125,4 +129,14 @@ def cp_metrics(stats: Sequence[dict[str, float]], ranks: Optional[Sequence[int]]
         values = [round(s.get(key, 0) * unit, 12) for s in stats]  # 12 places: a GB to the byte, without float noise
         out[name] = max(values)
         out.update(per_rank(name, values, ranks))
+    return out
+
+
+def data_metrics(*, tokens: int, loss_tokens: int, positions: int,
+                 per_source: Optional[Mapping[str, int]] = None) -> dict[str, float]:
+    """The `data/` metrics of one global batch: `positions` = batch_size x seq_len input positions, of
+    which `tokens` hold a document's token; `per_source`: source name -> its tokens (its own key each)."""
+    out: dict[str, float] = {DATA_TOKENS: tokens, DATA_LOSS_TOKENS: loss_tokens,
+                             DATA_PADDING: round(1 - tokens / positions, 6) if positions else 0.0}
+    out.update({f"{DATA_TOKENS}/{name}": n for name, n in (per_source or {}).items()})
     return out

@@ -33,6 +33,7 @@ validation rows (cycling within a batch when there are fewer than B).
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -45,8 +46,10 @@ import numpy as np
 import torch
 
 from pipetrain.config.data import DataConfig
+from pipetrain.config.data_sources import SourceConfig, source_list, streams
 from pipetrain.config.hf_source import HFSource, find_source, texts
 from pipetrain.config.token_origin import origin
+from pipetrain.metrics.names import data_metrics
 from pipetrain.models.causal_lm import IGNORE_INDEX
 from pipetrain.runtime.batch import Batch
 from pipetrain.train.tokenizer import TextTokenizer, load_tokenizer
@@ -151,18 +154,21 @@ class PackedRows:
     """Rows of one or two token streams (train, val), in the seeded epoch order of the module docstring."""
 
     def __init__(self, parts: dict[str, np.ndarray], *, batch_size: int, seq_len: int, seed: int, packing: bool,
-                 eos_id: int, what: str) -> None:
+                 eos_id: int, what: str, name: str = "source", min_rows: Optional[int] = None) -> None:
         self.parts, self.batch_size, self.seq_len, self.seed = parts, batch_size, seq_len, seed
-        self.packing, self.eos_id, self.what = packing, eos_id, what
+        self.packing, self.eos_id, self.what, self.name = packing, eos_id, what, name
+        self.last_stats: dict[str, float] = {}  # the data/ metrics of the last training batch (metrics/names.py)
         # packing=false: document d of a split is [starts[d], ends[d]) of its stream
         self.docs = {s: doc_starts(t, eos_id) for s, t in parts.items()} if not packing else {}
         self._perm: dict[str, tuple[int, torch.Tensor]] = {}  # split -> (epoch, permutation): the last one drawn
         rows = {s: self.num_rows(s) for s in parts}
-        if rows["train"] < batch_size:
+        least = batch_size if min_rows is None else min_rows  # a mixture's source needs a row, not a batch
+        if rows["train"] < least:
             unit = f"rows of data.seq_len + 1 = {seq_len + 1} tokens" if packing else "documents"
-            raise ValueError(f"{what} holds {rows['train']:,} training {unit}, fewer than data.batch_size="
-                             f"{batch_size}: lower data.batch_size{' or data.seq_len' if packing else ''}, or use "
-                             "more data")
+            lower = [*(["data.batch_size"] if min_rows is None else []), *(["data.seq_len"] if packing else [])]
+            need = f"data.batch_size={batch_size}" if min_rows is None else "one (a mixture with no rows)"
+            raise ValueError(f"{what} holds {rows['train']:,} training {unit}, fewer than {need}: "
+                             + (f"lower {' or '.join(lower)}, or " if lower else "") + "use more data")
         if "val" in parts and rows["val"] == 0:
             raise ValueError(f"{what}: the validation split holds no row of {seq_len + 1} tokens: raise "
                              "data.val_fraction, lower data.seq_len, or set data.val_fraction=0")
@@ -196,32 +202,60 @@ class PackedRows:
         return self._perm[split][1].numpy()[positions]
 
     def batch(self, step: int, *, split: str = "train") -> Batch:
-        ids = self.row_ids(step, split)
+        x, y, real = self.rows(split, self.row_ids(step, split))
+        if split == "train":
+            self.last_stats = data_metrics(tokens=int(real.sum()), loss_tokens=int((y != IGNORE_INDEX).sum()),
+                                           positions=y.numel(), per_source={self.name: int(real.sum())})
+        return x, y
+
+    def rows(self, split: str, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """(inputs (n, T), targets (n, T), each row's input tokens that are not padding (n,)) of rows `ids`."""
         t1 = self.seq_len + 1
         tokens = self.parts[split]
         if self.packing:
-            window = tokens[ids[:, None] * t1 + np.arange(t1)].astype(np.int64)  # (B, T + 1)
+            window = tokens[ids[:, None] * t1 + np.arange(t1)].astype(np.int64)  # (n, T + 1)
             x = torch.from_numpy(window)
-            return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+            return x[:, :-1].contiguous(), x[:, 1:].contiguous(), np.full(len(ids), self.seq_len)
         starts = self.docs[split]
         ends = np.append(starts[1:], len(tokens))
-        window = np.full((len(ids), t1), self.eos_id, dtype=np.int64)  # (B, T + 1)
-        target = np.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=np.int64)  # (B, T)
+        window = np.full((len(ids), t1), self.eos_id, dtype=np.int64)  # (n, T + 1)
+        target = np.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=np.int64)  # (n, T)
+        real = np.zeros(len(ids), dtype=np.int64)
         for i, d in enumerate(ids):
             doc = tokens[starts[d]:min(ends[d], starts[d] + t1)]
             window[i, :len(doc)] = doc
             target[i, :len(doc) - 1] = doc[1:]
-        return torch.from_numpy(window[:, :-1]).contiguous(), torch.from_numpy(target)
+            real[i] = min(len(doc), self.seq_len)
+        return torch.from_numpy(window[:, :-1]).contiguous(), torch.from_numpy(target), real
 
 
-def build_hf_data(cfg: DataConfig, *, seed: int, vocab_size: int) -> PackedRows:
-    """The data source of data=datasets: the cached stream (built here by the first process to come),
-    memory-mapped, as rows."""
+def build_hf_data(cfg: DataConfig, *, seed: int, vocab_size: int) -> Any:
+    """The data source of data=datasets: data.path's rows (PackedRows), data.sources' mixture of them
+    (train/hf_mix.py), or with streaming documents packed as they are read (train/hf_stream.py)."""
     tok = load_tokenizer(cfg.tokenizer_name, cfg.tokenizer_dir)
     if tok.vocab_size > vocab_size:
         raise ValueError(f"data.tokenizer={tok.name} has {tok.vocab_size:,} tokens but model.vocab_size={vocab_size}: "
                          f"set model.vocab_size >= {tok.vocab_size} or use a tokenizer that fits the model")
-    folder, meta = cached_stream(cfg, tok)
+    sources = source_list(cfg)
+    if streams(cfg):
+        from pipetrain.train.hf_stream import StreamRows
+
+        return StreamRows(cfg, sources, tok, seed=seed)
+    if not cfg.sources:
+        return source_rows(cfg, sources[0], tok, seed=seed, what=f"data.path={cfg.path} ({tok.name} tokens)")
+    from pipetrain.train.hf_mix import MixedRows
+
+    rows = [source_rows(cfg, s, tok, seed=seed, what=f"data.sources: {s.path} ({tok.name} tokens)", min_rows=1)
+            for s in sources]
+    return MixedRows(rows, [s.weight for s in sources], names=[s.label for s in sources], seed=seed)
+
+
+def source_rows(cfg: DataConfig, source: SourceConfig, tok: TextTokenizer, *, seed: int, what: str,
+                min_rows: Optional[int] = None) -> PackedRows:
+    """One source's cached stream (built here by the first process to come), memory-mapped, as rows."""
+    one = copy.copy(cfg)  # data.* with this source's path, split and text field (not checked again)
+    one.path, one.split, one.text_field, one.sources = source.path, source.split, source.text_field, []
+    folder, meta = cached_stream(one, tok)
     dtype = np.dtype(meta["dtype"])
     train = np.memmap(folder / "train.bin", dtype=dtype, mode="r")
     parts = {"train": train}
@@ -230,6 +264,5 @@ def build_hf_data(cfg: DataConfig, *, seed: int, vocab_size: int) -> PackedRows:
     else:
         cut = holdout(train, meta["eos_id"], cfg.val_fraction)
         parts = {"train": train[:cut], **({"val": train[cut:]} if cut < len(train) else {})}
-    what = f"data.path={cfg.path} ({tok.name} tokens)"
     return PackedRows(parts, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed, packing=cfg.packing,
-                      eos_id=meta["eos_id"], what=what)
+                      eos_id=meta["eos_id"], what=what, name=source.label, min_rows=min_rows)
