@@ -132,3 +132,19 @@ def test_bad_mixtures_are_one_line_naming_the_source(tmp_path):
     with pytest.raises(ValueError) as info:
         DataConfig(name="datasets", tokenizer="byte", sources=[{"path": str(web)}, {"path": str(web)}])
     one_line(info.value, "both named 'web'", "name")
+
+
+def test_the_data_metrics_reach_the_row_and_the_console_line(tmp_path):
+    from pipetrain.loggers.console import metrics_line
+    from pipetrain.metrics.step import StepRecord
+
+    src = build_data(mixture(tmp_path), seed=0, vocab_size=256)
+    src.batch(0)
+    row = StepRecord(step=1, loss=2.0, lr=1e-3, grad_norm=1.0, step_time_s=0.1, tokens_per_s=1e3,
+                     data=src.last_stats).row()
+    assert {k: row[k] for k in row if k.startswith("data/")} == {
+        "data/tokens": 128, "data/loss_tokens": 128, "data/padding": 0.0,
+        "data/tokens/web": row["data/tokens/web"], "data/tokens/code": 128 - row["data/tokens/web"]}
+    assert names.scalars(row)["data/tokens/web"] == row["data/tokens/web"]  # what wandb and TensorBoard plot
+    line = metrics_line(row, 10, None)
+    assert "| data 128 tok (loss 128, pad 0.0%) web " in line and " code " in line, line

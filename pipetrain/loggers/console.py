@@ -3,6 +3,8 @@
   - a progress bar with ETA over the steps (on a terminal; piped output gets the lines only),
   - a compact metrics line every trainer.log_every steps (and at the first and last step):
     `step 10/200 loss 2.3456 ... | bubble 21.3% (sim 19.8%) | mem 12.3MB (act 4.5MB) | eta 12s`,
+    with `| data 1.0k tok (loss 1.0k, pad 2.0%) web 70% code 30%` after the speed (data/: the global
+    batch's tokens, those trained on, padding, and each source's share where there are several),
     on GPU `mem 12.3GB (act 4.5GB, reserved 14.1GB)` (allocated peak; reserved, with the cache),
     with `| reduce 18ms (sim 16ms)` after the bubble under data parallel (the most exposed reduce
     time of any rank, measured and simulated); mem and act are per rank (the most of any rank:
@@ -50,6 +52,8 @@ def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> 
     if r.get(names.MFU) is not None:
         speed += f" mfu {100 * r[names.MFU]:.1f}%"
     parts.append(speed)
+    if r.get(names.DATA_TOKENS) is not None:
+        parts.append(data_part(r))
     if r.get(names.BUBBLE) is not None:
         parts.append(f"| bubble {100 * r[names.BUBBLE]:.1f}% (sim {100 * r[names.BUBBLE_SIM]:.1f}%)")
         reduce, reduce_sim = names.of_ranks(r, names.REDUCE), names.of_ranks(r, names.REDUCE_SIM)
@@ -70,6 +74,18 @@ def metrics_line(record: dict[str, Any], total: int, eta_s: Optional[float]) -> 
     if eta_s is not None:
         parts.append(f"| eta {eta_s:.0f}s")
     return " ".join(parts)
+
+
+def data_part(r: dict[str, Any]) -> str:
+    """`| data 1.0k tok (loss 1.0k, pad 2.0%) web 70% code 30%`: the global batch's tokens, those trained on,
+    the padding share, and with several sources each one's share of the tokens."""
+    tokens = r[names.DATA_TOKENS]
+    text = (f"| data {tokens_per_s(tokens)} tok (loss {tokens_per_s(r[names.DATA_LOSS_TOKENS])}, "
+            f"pad {100 * r[names.DATA_PADDING]:.1f}%)")
+    per_source = {k[len(names.DATA_TOKENS) + 1:]: v for k, v in r.items() if k.startswith(names.DATA_TOKENS + "/")}
+    if len(per_source) > 1 and tokens:
+        text += "".join(f" {name} {100 * n / tokens:.0f}%" for name, n in per_source.items())
+    return text
 
 
 def rank_table(m: StepMeasurement) -> Table:

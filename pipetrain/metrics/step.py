@@ -33,6 +33,7 @@ class StepRecord:
     val_loss: Optional[float] = None  # at evaluation steps
     mfu: Optional[float] = None  # model FLOPs utilisation where a peak is known
     measurement: Optional[StepMeasurement] = None  # logged steps, rank 0: every rank's timings and memory
+    data: dict[str, float] = field(default_factory=dict)  # the global batch's data/ metrics (names.data_metrics)
 
     # ---- the measured part (None where the step was not measured) -------------------------
     @property
@@ -67,6 +68,7 @@ class StepRecord:
         out.update({names.TOKENS_PER_S: self.tokens_per_s, names.STEP_TIME: self.step_time_s})
         if self.mfu is not None:
             out[names.MFU] = self.mfu
+        out.update(self.data)
         if self.measurement is not None:
             out.update(self.measurement.record())
         return out
