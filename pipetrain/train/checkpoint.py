@@ -13,8 +13,10 @@ What one checkpoint holds (flat DCP keys, one per canonical name -- see runtime/
   optim.<state>.<name>             AdamW's step / exp_avg / exp_avg_sq for that weight
   rng.cpu.rank<r>, rng.cuda.rank<r>  each rank's torch RNG states
 and meta.json: step, tokens, skipped steps, data position (= step: the batch of step k is a
-function of (seed, k)), world size, and the config fingerprint (model: must match; layout and
-training knobs: may change, a change is reported). The learning rate is a function of the step.
+function of (seed, k)), `data_state` (data.streaming: each source's documents read and its partial
+row, the same on every rank; JSON, so a user can read where a run stood), world size, and the
+config fingerprint (model: must match; layout and training knobs: may change, a change is reported).
+The learning rate is a function of the step.
 
 Copies are written once. A canonical name (a tie group such as GPT-2's wte/lm_head, or a chunk
 DualPipe mirrors onto two ranks) may be held by several ranks and several local Parameters; the
@@ -77,6 +79,9 @@ class TrainState:
     decay_steps: int = 0  # the cosine's length the run was started with (optim.decay_steps or trainer.max_steps)
     first_loss: Optional[float] = None  # step 1's loss: a resumed run's done line starts from it
     resumed_at: Optional[int] = None  # the step this process resumed at (not saved)
+    # a stateful data source's position after `step` (data.streaming: train/hf_stream.py), taken at each save;
+    # None where the batch of step k is a function of (seed, k) alone
+    data: Optional[dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -273,7 +278,8 @@ def commit_staged(tmp: Path, st: TrainState, run_dir: Path, config: Config, *, n
     if world_rank() == 0:
         meta = {"format": FORMAT, "step": st.step, "tokens": st.tokens, "skipped": st.skipped,
                 "decay_steps": st.decay_steps, "first_loss": st.first_loss,
-                "data_position": st.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "data_position": st.step, **({"data_state": st.data} if st.data is not None else {}),
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
                 "fingerprint": fingerprint(config), "files": files}
         _commit(tmp, final, meta)
@@ -343,7 +349,7 @@ def load_checkpoint(target: Checkpointable, path: Path, config: Config, *, note:
     st.step, st.tokens, st.skipped = meta["step"], meta["tokens"], meta.get("skipped", 0)
     # checkpoints from before optim.decay_steps: their cosine ended at their trainer.max_steps
     st.decay_steps = meta.get("decay_steps") or meta["fingerprint"]["training"].get("trainer.max_steps", 0)
-    st.first_loss, st.resumed_at = meta.get("first_loss"), st.step
+    st.first_loss, st.resumed_at, st.data = meta.get("first_loss"), st.step, meta.get("data_state")
     for n in notes:
         note(f"checkpoint: {n}")
     return meta
