@@ -131,9 +131,10 @@ class Trainer:
         assert self.data is not None, "this Trainer was built with train_data=False (mode=eval)"
         batch = self.data.batch(step, split=split)
         if split == "train":  # the data/ metrics of the global batch (metrics/names.py)
-            x, y = batch
-            self.data_stats = getattr(self.data, "last_stats", None) or data_metrics(
+            x, y = batch  # token ids, or (mlp, sleep) a model's own example inputs: no tokens to count
+            self.data_stats = getattr(self.data, "last_stats", None) or (data_metrics(
                 tokens=x.numel(), loss_tokens=int((y != IGNORE_INDEX).sum()), positions=x.numel())
+                if not x.is_floating_point() else {})
         rows = self.parallel.local_batch(batch)
         return split_microbatches(rows, self.config.pipeline.microbatches)
 
