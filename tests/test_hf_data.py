@@ -14,7 +14,8 @@ import torch
 from pipetrain.config.data import DataConfig
 from pipetrain.parallel.dp import local_rows
 from pipetrain.train.data import build_data
-from pipetrain.train.hf_data import PackedRows, build_hf_data
+from pipetrain.train.hf_build import build_hf_data
+from pipetrain.train.hf_data import PackedRows
 from pipetrain.train.tokenizer import BYTE_EOS
 
 datasets = pytest.importorskip("datasets")

@@ -49,7 +49,7 @@ def test_ranks_started_together_tokenize_once_and_read_the_same_stream(tmp_path)
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(tmp_path / "corpus")
     path = tmp_path / "corpus"
     code = ("import sys, hashlib, numpy as np; from pipetrain.config.data import DataConfig; "
-            "from pipetrain.train.hf_data import build_hf_data; "
+            "from pipetrain.train.hf_build import build_hf_data; "
             f"c = DataConfig(name='datasets', path={str(path)!r}, batch_size=4, seq_len=16, tokenizer='byte'); "
             "s = build_hf_data(c, seed=0, vocab_size=256); "
             "print(hashlib.sha256(np.asarray(s.parts['train']).tobytes()).hexdigest())")

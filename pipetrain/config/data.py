@@ -77,6 +77,9 @@ class DataConfig:
     # data=datasets: read documents through `datasets` streaming, packed on the fly, the position saved in each
     # checkpoint (train/hf_stream.py); null: true for a hub name or files over 1 GiB (data_sources.STREAM_BYTES)
     streaming: Optional[bool] = None
+    # attention within each document of a packed row (block-causal, positions restarting per document; documents
+    # end at EOS: runtime/documents.py); null: true for data=datasets with packing, the data with such rows
+    document_mask: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self.sources = as_sources(self.sources)
@@ -139,6 +142,25 @@ class DataConfig:
         if changed:
             raise ValueError(f"data.{changed[0]} is only read by data=datasets (got data={self.name}): set "
                              f"data=datasets or drop data.{changed[0]}")
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether attention stays within each document (data.document_mask, its null resolved)."""
+        return self.document_mask if self.document_mask is not None else self.name == "datasets" and self.packing
+
+    def check_document_mask(self, *, model: str, family: str, cp: int) -> None:
+        """data.document_mask: documents that end at an EOS id the tokenizer names, a model whose attention reads
+        them (GPT-2's, Llama's: runtime/documents.py), no context parallel (its blocks are causal over the row)."""
+        if not (self.name == "datasets" or (self.name == "tokens" and self.tokenizer is not None)):
+            raise ValueError(f"data.document_mask=true needs documents that end at the tokenizer's EOS id: "
+                             f"data=datasets, or data=tokens with the data.tokenizer that wrote them (got "
+                             f"data={self.name}, data.tokenizer={self.tokenizer}): set data.document_mask=false")
+        if family not in ("gpt2", "llama"):
+            raise ValueError(f"data.document_mask=true: model={model} has no attention to keep within documents: "
+                             f"set data.document_mask=false")
+        if cp > 1:
+            raise ValueError(f"data.document_mask with parallel.cp={cp} is not supported yet (context parallel's "
+                             f"blocks are causal over the whole row): set data.document_mask=false or parallel.cp=1")
 
     def check_bos(self) -> None:
         """data.add_bos=true needs a tokenizer with a beginning-of-text token: one line where it has none."""

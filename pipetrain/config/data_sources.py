@@ -17,10 +17,17 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
-if TYPE_CHECKING:
-    from pipetrain.config.data import DataConfig
+class DataConfig(Protocol):
+    """What this file reads of config/data.py's DataConfig (which imports this file: no import back)."""
+
+    path: Optional[str]
+    sources: list[SourceConfig]
+    split: str
+    text_field: str
+    val_split: Optional[str]
+    streaming: Optional[bool]
 
 # data.streaming=null streams a source whose files hold more than this (or a hub name): 1 GiB of text
 # is ~250M tokens, minutes of one core to tokenize up front and as much again on disk for the cache;

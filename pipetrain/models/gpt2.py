@@ -20,7 +20,7 @@ Layers (causal_lm.py): 0 = Embedding (idx (B, T) int64 -> (B, T, C)), 1..n_layer
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,7 @@ from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
+from pipetrain.runtime.documents import Documents
 
 # Knob values per preset; every preset uses dropout 0.0 and bias True unless overridden.
 # gpt2-tiny: 8 blocks (enough for 8 stages), width 128, and a 512-token (byte-level-sized)
@@ -55,12 +56,16 @@ class Embedding(nn.Module):
         self.wpe = embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
         _, t = idx.shape  # (B, T) int64
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}: shorten the sequences")
-        pos = torch.arange(t, dtype=torch.long, device=idx.device)  # (T,)
-        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+        # (T,), or with document masks each token's position in its document (B, T)
+        pos = torch.arange(t, dtype=torch.long, device=idx.device) if docs is None else docs.positions
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) or (B, T, C) -> (B, T, C)
+
+    def documents_plan(self) -> tuple[str, ...]:
+        return ("positions",)  # positions restart per document
 
     def tp_plan(self) -> TPLayerPlan:
         return TPLayerPlan(vocab_embedding="wte")  # wpe stays whole: it is added after the all-reduce
@@ -75,7 +80,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
         qkv = self.c_attn(x)  # (B, T, 3C); tensor parallel: (B, T, 3C/tp), this rank's heads of q, k, v
         b, t, _ = qkv.shape  # T from the projection: sequence parallel hands x in as (B, T/tp, C)
         q, k, v = qkv.chunk(3, dim=2)  # 3 x (B, T, C)
@@ -85,10 +90,13 @@ class CausalSelfAttention(nn.Module):
         k = k.view(b, t, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(b, t, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         # Fused attention (flash / memory-efficient where available); is_causal applies the
-        # lower-triangular mask, so no (T, T) mask buffer is stored.
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, nh, T, hs)
+        # lower-triangular mask, so no (T, T) mask buffer is stored. Document masks: block-causal
+        # per document, the (B, 1, T, T) mask built once per stage forward (runtime/documents.py).
+        p = self.dropout if self.training else 0.0
+        if docs is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask(), dropout_p=p)
         y = y.transpose(1, 2).contiguous().view(b, t, c)  # (B, T, nh, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -115,9 +123,12 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd=n_embd, dropout=dropout, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), docs)
         return x + self.mlp(self.ln_2(x))
+
+    def documents_plan(self) -> tuple[str, ...]:
+        return ("mask",)  # attention block-causal per document
 
     def tp_plan(self) -> TPLayerPlan:
         """c_attn column-parallel per head (rank r holds rows r of q, of k and of v), c_fc column-parallel,

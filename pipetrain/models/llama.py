@@ -43,6 +43,7 @@ from pipetrain.models.moe_nodes import block_nodes, single_node
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
+from pipetrain.runtime.documents import Documents
 from pipetrain.runtime.stage_protocol import Node
 
 INIT_STD = 0.02  # HF's initializer_range for every Llama-family config
@@ -120,7 +121,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim if qk_norm_per_head else kv_heads * head_dim, eps) if qk_norm else None
         self.context: Optional[Any] = None  # context parallel (parallel/cp.py: ContextAttention), set by parallelize
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
+        """`docs` (document masks): block-causal attention, RoPE at each token's position in its document."""
         q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H hd), (B, T, KV hd); sequence parallel: T/tp
         if self.q_norm is not None and self.k_norm is not None and not self.norm_heads:  # OLMoE
             q, k = self.q_norm(q), self.k_norm(k)
@@ -131,13 +133,22 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None and self.norm_heads:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         cp = self.context  # under context parallel x holds this rank's positions of each sequence only
-        cos, sin = self.rotary.tables(t, x.device, q.dtype) if cp is None else cp.tables(self.rotary, x.device, q.dtype)
+        if cp is not None and docs is not None:
+            raise ValueError("data.document_mask with parallel.cp > 1 is not supported yet: set one of them off")
+        if docs is not None:  # the (T, hd) tables at each token's position in its document: (B, 1, T, hd)
+            cos, sin = (c[docs.positions].unsqueeze(1) for c in self.rotary.tables(t, x.device, q.dtype))
+        else:
+            cos, sin = self.rotary.tables(t, x.device, q.dtype) if cp is None else cp.tables(self.rotary, x.device,
+                                                                                               q.dtype)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
+        gqa = self.kv_heads != self.heads  # query head i reads key/value head i // (H / KV), as HF's repeat_kv
         if cp is not None:  # causal by true position, K/V of the other positions from the cp group
             y = cp.attend(q, k, v)
-        else:  # query head i reads key/value head i // (H / KV), as HF's repeat_kv, without copying k and v
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        elif docs is not None:  # block-causal: each query the keys of its own document up to itself
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask(), enable_gqa=gqa)
+        else:  # without copying k and v
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # (B, T, C)
 
 
@@ -164,20 +175,24 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (MLP(hidden=hidden, intermediate=intermediate) if moe is None else
                                MoEBlock(moe, hidden=hidden, model_intermediate=intermediate))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1, h = self.attend(x)
+    def forward(self, x: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
+        x1, h = self.attend(x, docs)
         return x1 + self.mlp(h)
 
-    def attend(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, x: torch.Tensor, docs: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, H) -> (x1, h): the residual stream after attention and its pre-MLP norm."""
-        x1 = x + self.self_attn(self.input_layernorm(x))
+        x1 = x + self.self_attn(self.input_layernorm(x), docs)
         return x1, self.post_attention_layernorm(x1)
+
+    def documents_plan(self) -> tuple[str, ...]:
+        """Document masks: attention block-causal per document, RoPE at positions within the document."""
+        return ("mask", "positions")
 
     def nodes(self, key: str) -> list[Node]:
         """This block's forward as nodes for node-level execution (models/moe_nodes.py): an MoE block's
         attention, then its MoE's phases, then the residual; a dense block one node."""
         if not isinstance(self.mlp, MoEBlock):
-            return single_node(self, key)
+            return single_node(self, key, docs=True)
         return block_nodes(self.mlp, key, attend=self.attend,
                            attend_modules=(self.input_layernorm, self.self_attn, self.post_attention_layernorm))
 

@@ -28,20 +28,25 @@ from pipetrain.models.moe_block import MoEBlock
 from pipetrain.runtime.stage_protocol import Node
 
 
-def single_node(layer: nn.Module, key: str, name: str = "layer") -> list[Node]:
-    """A layer run whole: one compute node from x to x."""
+def single_node(layer: nn.Module, key: str, name: str = "layer", *, docs: bool = False) -> list[Node]:
+    """A layer run whole: one compute node from x to x (`docs`: reading the microbatch's documents too,
+    parallel/layer_spec.py DocumentsPlanned; None without document masks, as the whole stage passes none)."""
+    if docs:
+        return [Node(name, key, ("x", "docs"), ("x",), modules=(layer,),
+                     fn=lambda x, d: (layer(x) if d is None else layer(x, d),))]
     return [Node(name, key, ("x",), ("x",), fn=lambda x: (layer(x),), modules=(layer,))]
 
 
-def block_nodes(mlp: MoEBlock, key: str, *, attend: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+def block_nodes(mlp: MoEBlock, key: str, *, attend: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                 attend_modules: tuple[nn.Module, ...]) -> list[Node]:
-    """A pre-norm decoder block with an MoE MLP as nodes: x1 + mlp(h) where (x1, h) = attend(x) (x1 the
-    residual stream after attention, h its pre-MoE norm; `attend_modules` hold attend's parameters)."""
+    """A pre-norm decoder block with an MoE MLP as nodes: x1 + mlp(h) where (x1, h) = attend(x, docs) (x1 the
+    residual stream after attention, h its pre-MoE norm; docs the microbatch's documents or None;
+    `attend_modules` hold attend's parameters)."""
     route, *middle, gather = mlp.phases(key, hooks=False)
     assert route.fn is not None and gather.fn is not None
 
-    def attn(x: torch.Tensor) -> tuple:
-        x1, h = attend(x)  # (B, T, H) each
+    def attn(x: torch.Tensor, docs: object) -> tuple:
+        x1, h = attend(x, docs)  # (B, T, H) each
         return (x1, *route.fn(h))
 
     def post(*values: object) -> tuple:  # gather's reads, then x1
@@ -49,7 +54,7 @@ def block_nodes(mlp: MoEBlock, key: str, *, attend: Callable[[torch.Tensor], tup
         (out,) = gather.fn(*reads)
         return (x1 + out,)
 
-    return [dataclasses.replace(route, reads=("x",), writes=("x1", *route.writes), fn=attn,
+    return [dataclasses.replace(route, reads=("x", "docs"), writes=("x1", *route.writes), fn=attn,
                                 modules=(*attend_modules, *route.modules)),
             *middle,
             dataclasses.replace(gather, reads=(*gather.reads, "x1"), writes=("x",), fn=post)]

@@ -30,8 +30,9 @@ from torch.utils.checkpoint import checkpoint
 
 from pipetrain.models.base import LayeredModel, LossFn
 from pipetrain.models.init import InitRule, init_parameters
-from pipetrain.parallel.layer_spec import NodesPlanned
+from pipetrain.parallel.layer_spec import DocumentsPlanned, NodesPlanned
 from pipetrain.models.moe_nodes import single_node
+from pipetrain.runtime.documents import Documents
 from pipetrain.runtime.stage_protocol import Node
 
 
@@ -59,14 +60,24 @@ class StageModule(nn.Module):
         self.tp_shards: dict[str, Any] = {}
         self.tp_partial: tuple[str, ...] = ()
         self.ep_shards: dict[str, Any] = {}  # expert parallel (parallel/ep.py): stacked experts -> Split(0, E)
+        # document masks (runtime/documents.py): the layers whose forward takes the documents, and whether
+        # one of them reads the (B, 1, T, T) mask (then built once per forward)
+        reads = {str(i): layers[i].documents_plan() for i in idx if isinstance(layers[i], DocumentsPlanned)}
+        self._reads_docs = frozenset(reads)
+        self._reads_mask = any("mask" in r for r in reads.values())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
+        """`docs` (data.document_mask): the microbatch's documents, its mask built here once for all
+        the layers that read it (DocumentsPlanned) and handed to them as their second argument."""
         recompute = self.checkpoint_layers and torch.is_grad_enabled()
-        for layer in self.layers.values():
+        if docs is not None and self._reads_mask:
+            docs = docs.with_mask()  # (B, 1, T, T)
+        for key, layer in self.layers.items():
+            args = (x, docs) if docs is not None and key in self._reads_docs else (x,)
             # trainer.activation_checkpointing: keep only each layer's input and recompute its
             # forward when the backward (B, or W: non-reentrant checkpoint recomputes again if needed)
-            # unpacks what it saved.
-            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+            # unpacks what it saved (the recompute gets the same documents, mask included).
+            x = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         return x
 
     def fb_plan(self) -> Optional[list[list[Node]]]:
@@ -80,7 +91,9 @@ class StageModule(nn.Module):
         for key, layer in self.layers.items():
             end = self.is_last and int(key) == self.layer_range.stop - 1
             name = "embed" if int(key) == 0 else "head" if end else "layer"
-            plan.append(layer.nodes(key) if isinstance(layer, NodesPlanned) else single_node(layer, key, name))
+            docs = isinstance(layer, DocumentsPlanned)  # the node reads "docs" too
+            plan.append(layer.nodes(key) if isinstance(layer, NodesPlanned) else
+                        single_node(layer, key, name, docs=docs))
         return plan
 
     @property

@@ -8,6 +8,9 @@ node-level execution, declared as data and methods the layer has, read with isin
   ep_plan() -> paths         expert parallel: the stacked-experts modules ((E, ...) weights; their forward
                              takes rows sorted by expert and counts), split by parallel/ep.py
   cp_plan() -> paths         context parallel: the modules that attend across positions (parallel/cp.py)
+  documents_plan() -> reads  document masks (runtime/documents.py): the layer's forward takes the microbatch's
+                             Documents as a second argument, `layer(x, docs)` (None: the whole row causal), and
+                             reads of it "positions" (restarting per document) and/or "mask" (block-causal)
   nodes(key) -> [Node]       node-level execution (runtime/stage_protocol.py Node): the layer's forward as
                              nodes, named by schedules/fb_pairs.py's constants for an MoE block
                              (models/moe_nodes.py); a layer without it runs as one node
@@ -83,3 +86,14 @@ class NodesPlanned(Protocol):
     """A layer that runs as nodes under node-level execution (runtime/stage_protocol.py Node)."""
 
     def nodes(self, key: str) -> list[Any]: ...
+
+
+DOCUMENT_READS = ("positions", "mask")  # what a DocumentsPlanned layer may read of a microbatch's Documents
+
+
+@runtime_checkable
+class DocumentsPlanned(Protocol):
+    """A layer whose forward takes the microbatch's documents, `layer(x, docs)`, and reads of them
+    `documents_plan()` (of DOCUMENT_READS): GPT-2's embedding the positions, attention blocks the mask."""
+
+    def documents_plan(self) -> tuple[str, ...]: ...

@@ -4,12 +4,17 @@ Inputs and targets move to the device once per step, before the step's first act
 pinned memory and without blocking. A host-to-device copy from pageable memory synchronises
 the stream: inside the step (at every first-stage forward, at every loss) the host would wait
 for all the compute queued before it, emptying the GPU's queue each time. Only a few KB move;
-the cost was the wait, not the bytes.
+the cost was the wait, not the bytes. Under document masks each microbatch's documents
+(runtime/documents.py) are computed from its inputs on the host and move with them.
 """
 
 from __future__ import annotations
 
+from typing import Iterable, Optional, Sequence
+
 import torch
+
+from pipetrain.runtime.documents import Documents, documents
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) each: a batch or a microbatch
 
@@ -27,3 +32,24 @@ def counted_targets(target: torch.Tensor) -> int:
     """Targets a microbatch's loss averages over: token ids other than -1 (the loss's
     ignore_index); a regression target (floats) counts as one."""
     return 1 if target.is_floating_point() else int((target != -1).sum())
+
+
+class StepBatch:
+    """A step's microbatches as a rank's executor reads them: the inputs its chains' first stages take and
+    the targets its last stages' losses read, on the device; with `document_eos` set (data.document_mask:
+    the id that ends a document) every microbatch's Documents, which every stage forward of it reads."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.document_eos: Optional[int] = None
+        self.load([], (), ())
+
+    def load(self, microbatches: Sequence[Batch], inputs: Iterable[int], targets: Iterable[int]) -> None:
+        """This step's: `microbatches[m]` is (input, target) of microbatch m; `inputs` / `targets` the m read."""
+        self.given = microbatches  # as given (evaluate() counts targets on the host)
+        self.inputs = {m: to_device(microbatches[m][0], self.device) for m in sorted(inputs)}
+        self.targets = {m: to_device(microbatches[m][1], self.device) for m in sorted(targets)}
+        eos = self.document_eos
+        self.docs: dict[int, Documents] = {} if eos is None else {
+            m: Documents(*(to_device(t, self.device) for t in (d.index, d.positions)))
+            for m, d in ((m, documents(x, eos)) for m, (x, _) in enumerate(microbatches))}

@@ -18,10 +18,11 @@ the stage's gradient reduction starts (runtime/grad_reduce.py); after the last a
 waits for all of them (the step's exposed reduce time). Without, `grads_done` starts the sums of
 mirrored copies there (runtime/sync.py GradSync.early). The summed loss is then all-reduced so every
 rank holds the step's mean loss (every pipeline's microbatches); a loss's backward starts from 1/M
-(runtime/step_loss.py). Inputs and targets move to the device once per step (runtime/batch.py);
-mixed precision: runtime/precision.py. What a step measures (timings, comm events, activation
-memory, reductions, the closing all-reduce's mark that puts every rank on one axis) is the
-recorder's (runtime/recorder.py); `measure=False` (unlogged steps) swaps in one that records nothing.
+(runtime/step_loss.py). Inputs and targets, and under document masks every microbatch's documents
+(runtime/documents.py: each stage pass of the microbatch gets them), move to the device once per step
+(runtime/batch.py StepBatch); mixed precision: runtime/precision.py. What a step measures (timings, comm
+events, activation memory, reductions, the closing all-reduce's mark that puts every rank on one axis)
+is the recorder's (runtime/recorder.py); `measure=False` (unlogged steps) swaps in one that records nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.runtime.backward import backward_weight
-from pipetrain.runtime.batch import counted_targets, to_device
+from pipetrain.runtime.batch import StepBatch, counted_targets
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.overlap import stage_passes
@@ -88,6 +89,7 @@ class Executor:
         self._unmeasured = Recorder()
         self.measure = True  # False: a step records nothing but its loss (the trainer's unlogged steps)
         self.profile_ranges = False  # every action a `PP:<action>` torch.profiler range (captured steps)
+        self.batch = StepBatch(self.device)  # batch.document_eos: data.document_mask's end-of-document id
         self.passes = stage_passes(stages, fb_overlap, self.device, timeout_s=a2a_timeout_s,
                                    pairs=any(len(parts) == 2 for parts in prog.steps))
         # evaluate()'s forwards: whole stages, node mode or not
@@ -111,7 +113,7 @@ class Executor:
             self.comm.begin(self.program.plan, self.recv_buffer)
         if self.reducer is not None:
             self.reducer.begin()
-        self.passes.begin_step(self.reducer)
+        self.passes.begin_step(self.reducer, self.batch.docs)
         rec.begin_step()
         boundary = 0  # index of the next atomic action: where the plan issues communication
         for index, parts in enumerate(self.program.steps):
@@ -188,7 +190,7 @@ class Executor:
 
     def _input(self, a: Action, need: Optional[Message], where: str) -> torch.Tensor:
         prev = self.program.prev[a.stage]
-        x = self._inputs[a.microbatch] if prev is None else self._take("act", prev, a.microbatch, need, where)
+        x = self.batch.inputs[a.microbatch] if prev is None else self._take("act", prev, a.microbatch, need, where)
         if x.is_floating_point() and not self._forward_only:
             # the first stage too (its input grad dropped): B does B's share, as schedule and simulator assume
             x = x.detach().requires_grad_(True)
@@ -281,10 +283,8 @@ class Executor:
         M = self.schedule.num_microbatches
         if len(microbatches) != M:
             raise ValueError(f"expected {M} microbatches (pipeline.microbatches), got {len(microbatches)}")
-        self._batch = microbatches  # as given (evaluate() counts targets on the host)
-        self._inputs = {m: to_device(microbatches[m][0], self.device) for m in sorted(self.program.inputs)}
-        self._targets = {m: to_device(microbatches[m][1], self.device) for m in sorted(self.program.targets)}
-        self._whole.begin_step(None)
+        self.batch.load(microbatches, self.program.inputs, self.program.targets)
+        self._whole.begin_step(None, self.batch.docs)
         # (stage, microbatch) -> its input, output and what its backward needs (stage_passes.py)
         self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Any]] = {}
         self._wstore: dict = {}  # (stage, microbatch) -> what its B kept for its W (backward.WeightGradWork per node)
@@ -293,7 +293,7 @@ class Executor:
 
     def _loss(self, s: int, m: int, out: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of microbatch m, kept for the step's mean; B starts at StepLoss.seed."""
-        loss = self.stages[s].loss(out, self._targets[m])
+        loss = self.stages[s].loss(out, self.batch.targets[m])
         # evaluate(): weighted by its targets, so the mean is per token
-        self._step_loss.add(loss, counted_targets(self._batch[m][1]) if self._forward_only else None)
+        self._step_loss.add(loss, counted_targets(self.batch.given[m][1]) if self._forward_only else None)
         return loss

@@ -25,6 +25,7 @@ import torch
 
 from pipetrain.runtime import collectives
 from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input
+from pipetrain.runtime.documents import Documents
 from pipetrain.runtime.ep_comm import Started, start
 from pipetrain.runtime.stage_protocol import Node
 
@@ -109,10 +110,12 @@ class NodeForward:
     recorder's saved-bytes hooks), `autocast` too."""
 
     def __init__(self, plan: list[list[Node]], stage: int, microbatch: int, x: torch.Tensor, log: A2ALog,
-                 wrap: Callable[[], Any], stream: Optional[torch.cuda.Stream] = None) -> None:
+                 wrap: Callable[[], Any], stream: Optional[torch.cuda.Stream] = None, *,
+                 docs: Optional[Documents] = None) -> None:
         self.plan, self.stage, self.microbatch, self.log, self.wrap = plan, stage, microbatch, log, wrap
         self.stream = stream  # CUDA: the communication stream its all-to-alls run on (runtime/ep_comm.py)
-        self.env: dict[str, Any] = {"x": x}
+        # document masks: the microbatch's documents, their mask built once for the stage's nodes
+        self.env: dict[str, Any] = {"x": x, "docs": None if docs is None else docs.with_mask()}
         # per node run: (node, its leaves, its outputs by name) or, for a comm node, (node, splits)
         self.records: list[tuple[Node, Any, Any]] = []
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from pipetrain.config.cluster import ONE_QUEUE, one_hw_queue
+from pipetrain.runtime.documents import Documents
 from pipetrain.runtime.nodes import A2ALog, NodeBackward, NodeForward, Step
 from pipetrain.runtime.stage_passes import Grads, Head, StagePasses, WholeStages, Wrap
 from pipetrain.runtime.stage_protocol import Node, OverlapStage, Stage
@@ -60,11 +61,13 @@ class NodeExecution:
                  timeout_s: Optional[float] = None, device: torch.device = torch.device("cpu")) -> None:
         self.plans, self.interleave = plans, interleave
         self.log = A2ALog(timeout_s)
+        self._docs: Mapping[int, Documents] = {}
         # CUDA: the all-to-alls' stream (priority -1: its kernels go first when both streams have work)
         self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
 
-    def begin_step(self, reducer: Any) -> None:
+    def begin_step(self, reducer: Any, docs: Mapping[int, Documents]) -> None:
         self.log.begin_step()
+        self._docs = docs  # the step's documents by microbatch (document masks; empty without)
         if reducer is not None:
             reducer.gather()  # nodes bypass the stage modules' forward hooks that would unshard FSDP2's parameters
 
@@ -101,7 +104,7 @@ class NodeExecution:
 
     def _start(self, s: int, m: int, x: torch.Tensor, wrap: Wrap) -> NodeForward:
         ctx = (lambda: wrap(s, m)) if wrap is not None else contextlib.nullcontext
-        return NodeForward(self.plans[s], s, m, x, self.log, ctx, self.stream)
+        return NodeForward(self.plans[s], s, m, x, self.log, ctx, self.stream, docs=self._docs.get(m))
 
     @staticmethod
     def _head(run: NodeForward, head: Head, wrap: Wrap) -> torch.Tensor:

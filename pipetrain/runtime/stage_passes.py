@@ -14,6 +14,8 @@ on a chain's last stage, else the output itself) and `wrap(stage, microbatch)` t
 compute runs in (the recorder's saved-bytes hooks, autocast); `wrap=None`: nothing to enter. A
 forward returns (its output or loss, what its backward needs besides input and output); a backward
 returns (the input's gradient, the weight-gradient work W runs later: runtime/backward.py).
+`begin_step(reducer, docs)`: the step's documents by microbatch under document masks (runtime/documents.py;
+empty without), handed to every forward of their microbatch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol
 import torch
 
 from pipetrain.runtime.backward import WeightGradWork, backward_full, backward_input
+from pipetrain.runtime.documents import Documents
 from pipetrain.runtime.stage_protocol import Stage
 
 Head = Callable[[int, int, torch.Tensor], torch.Tensor]
@@ -33,7 +36,7 @@ Grads = tuple[Optional[torch.Tensor], list[WeightGradWork]]
 class StagePasses(Protocol):
     interleave: bool  # whether `pair` interleaves an F&B pair's two passes
 
-    def begin_step(self, reducer: Any) -> None: ...
+    def begin_step(self, reducer: Any, docs: Mapping[int, Documents]) -> None: ...
 
     def forward(self, s: int, m: int, x: torch.Tensor, head: Head, wrap: Wrap) -> tuple[torch.Tensor, Any]: ...
 
@@ -49,16 +52,19 @@ class WholeStages:
     def __init__(self, stages: Mapping[int, Stage]) -> None:
         self.stages = stages
         self._params: dict[int, list[torch.nn.Parameter]] = {}
+        self._docs: Mapping[int, Documents] = {}  # the step's documents by microbatch (document masks)
 
-    def begin_step(self, reducer: Any) -> None:
+    def begin_step(self, reducer: Any, docs: Mapping[int, Documents]) -> None:
         # an FSDP2 stage's parameters are the unsharded tensors only after its first forward of the step
         self._params.clear()
+        self._docs = docs
 
     def forward(self, s: int, m: int, x: torch.Tensor, head: Head, wrap: Wrap) -> tuple[torch.Tensor, Any]:
+        stage, docs = self.stages[s], self._docs.get(m)
         if wrap is None:
-            return head(s, m, self.stages[s](x)), None
+            return head(s, m, stage(x) if docs is None else stage(x, docs)), None
         with wrap(s, m):
-            return head(s, m, self.stages[s](x)), None
+            return head(s, m, stage(x) if docs is None else stage(x, docs)), None
 
     def backward(self, s: int, m: int, x: torch.Tensor, out: torch.Tensor, grad: Optional[torch.Tensor],
                  saved: Any, *, split: bool) -> Grads:

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, runtime
 
 import torch
 
+from pipetrain.runtime.documents import Documents
+
 
 @runtime_checkable
 class Stage(Protocol):
@@ -31,8 +33,9 @@ class Stage(Protocol):
     ep_shards: Mapping[str, Any]  # local name -> how its experts are split over the ep group (Split(0, E))
     checkpoint_layers: bool  # recompute each layer's forward in its backward
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward of one microbatch: (microbatch, ...) in, the next stage's input out."""
+    def __call__(self, x: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
+        """Forward of one microbatch: (microbatch, ...) in, the next stage's input out. `docs`: the
+        microbatch's documents (runtime/documents.py) under data.document_mask, else None (never passed)."""
         ...
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -48,7 +51,8 @@ class Node:
     """One step of a stage's forward, for node-level execution (runtime/nodes.py, issue #29).
 
     Values flow by name through one environment per microbatch: the stage input and every layer's
-    output is "x"; a node reads `reads` and writes `writes` (later nodes may overwrite a name).
+    output is "x", the microbatch's Documents "docs" (None without document masks); a node reads
+    `reads` and writes `writes` (later nodes may overwrite a name).
     A compute node runs `fn(*reads) -> writes` (a tuple) on detached leaves of its floating inputs, its
     weight gradients those of `params`. A comm node moves its one read to its one write by an
     expert-parallel all-to-all: `comm(env) -> (out_splits, in_splits, EPGroup)`, the reverse in backward.

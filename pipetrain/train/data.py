@@ -177,7 +177,7 @@ def build_data(cfg: DataConfig, *, seed: int, vocab_size: int, model: Any = None
     if cfg.name == "synthetic":
         return SyntheticTokens(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed, vocab_size=vocab_size)
     if cfg.name == "datasets":
-        from pipetrain.train.hf_data import build_hf_data  # imports `datasets` only for data=datasets
+        from pipetrain.train.hf_build import build_hf_data  # imports `datasets` only for data=datasets
 
         return build_hf_data(cfg, seed=seed, vocab_size=vocab_size)
     cfg.check_vocab_fits(vocab_size)

@@ -46,13 +46,13 @@ import numpy as np
 import torch
 
 from pipetrain.config.data import DataConfig
-from pipetrain.config.data_sources import SourceConfig, source_list, streams
+from pipetrain.config.data_sources import SourceConfig
 from pipetrain.config.hf_source import HFSource, find_source, texts
 from pipetrain.config.token_origin import origin
 from pipetrain.metrics.names import data_metrics
 from pipetrain.models.causal_lm import IGNORE_INDEX
 from pipetrain.runtime.batch import Batch
-from pipetrain.train.tokenizer import TextTokenizer, load_tokenizer
+from pipetrain.train.tokenizer import TextTokenizer
 
 CACHE_VERSION = 1  # bump when the stream's layout changes: old caches are then never read
 ENCODE_BATCH = 1000  # documents per encode_batch call (the hf tokenizer encodes a batch in parallel)
@@ -227,27 +227,6 @@ class PackedRows:
             target[i, :len(doc) - 1] = doc[1:]
             real[i] = min(len(doc), self.seq_len)
         return torch.from_numpy(window[:, :-1]).contiguous(), torch.from_numpy(target), real
-
-
-def build_hf_data(cfg: DataConfig, *, seed: int, vocab_size: int) -> Any:
-    """The data source of data=datasets: data.path's rows (PackedRows), data.sources' mixture of them
-    (train/hf_mix.py), or with streaming documents packed as they are read (train/hf_stream.py)."""
-    tok = load_tokenizer(cfg.tokenizer_name, cfg.tokenizer_dir)
-    if tok.vocab_size > vocab_size:
-        raise ValueError(f"data.tokenizer={tok.name} has {tok.vocab_size:,} tokens but model.vocab_size={vocab_size}: "
-                         f"set model.vocab_size >= {tok.vocab_size} or use a tokenizer that fits the model")
-    sources = source_list(cfg)
-    if streams(cfg):
-        from pipetrain.train.hf_stream import StreamRows
-
-        return StreamRows(cfg, sources, tok, seed=seed)
-    if not cfg.sources:
-        return source_rows(cfg, sources[0], tok, seed=seed, what=f"data.path={cfg.path} ({tok.name} tokens)")
-    from pipetrain.train.hf_mix import MixedRows
-
-    rows = [source_rows(cfg, s, tok, seed=seed, what=f"data.sources: {s.path} ({tok.name} tokens)", min_rows=1)
-            for s in sources]
-    return MixedRows(rows, [s.weight for s in sources], names=[s.label for s in sources], seed=seed)
 
 
 def source_rows(cfg: DataConfig, source: SourceConfig, tok: TextTokenizer, *, seed: int, what: str,

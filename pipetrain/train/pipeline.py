@@ -33,10 +33,12 @@ from pipetrain.parallel.parallelize import Parallelize, TensorParallel
 from pipetrain.runtime.sync import GradSync
 from pipetrain.config import Config
 from pipetrain.config.cluster import one_hw_queue
+from pipetrain.config.data import DataConfig
 from pipetrain.plan import Plan, build_model
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.lower import split_on
 from pipetrain.schedules.p2p import TRANSPORT_STREAMS, Kind, Message, exchange_pairs
+from pipetrain.train.tokenizer import load_tokenizer
 
 
 def _pair_groups(schedule: Schedule, t: Transport, device: torch.device) -> Optional[dict[int, dist.ProcessGroup]]:
@@ -205,12 +207,23 @@ def rank_pipeline(config: Config, plan: Plan, groups: RankGroups, parallelize: P
         seq_len=config.data.seq_len, device=device, precision=config.trainer.precision, seed=config.trainer.seed,
         init_rule=weights, parallelize=parallelize, transport=Transport.of(config, groups),
         fb_overlap=config.pipeline.fb_overlap)
+    if config.data.masks_documents:  # attention within each document: the executor cuts rows at this id
+        pipe.executor.batch.document_eos = document_eos(config.data)
     if pipe.executor.comm is not None:  # its errors name global ranks and their pp / dp / tp coordinates
         pipe.executor.comm.name_ranks(config.layout)
     opened = [] if weights is None else weights.opened
     if weights is not None:
         weights.close()
     return pipe, model, opened
+
+
+def document_eos(data: DataConfig) -> int:
+    """The id that ends a document in `data`'s rows (data.document_mask): its tokenizer's EOS."""
+    eos = load_tokenizer(data.tokenizer_name, data.tokenizer_dir).eos_id
+    if eos is None:
+        raise ValueError(f"data.document_mask=true but data.tokenizer={data.tokenizer_name} has no end-of-text id to "
+                         f"cut rows into documents: set data.document_mask=false")
+    return eos
 
 
 def _stage(model: LayeredModel, layers: range, stage_id: int, parallelize: Parallelize, device: torch.device,
