@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from _chat import chat_tokenizer, chats, write_jsonl
 
 from pipetrain.compose import CONF_DIR, recipe_files
 from pipetrain.config import GPT2ModelConfig, Config, DataConfig, Mode, PartitionConfig
@@ -118,6 +119,9 @@ NEEDS = {
     ("data", "text"): ["data.path=${oc.env:PIPETRAIN_TEST_TEXT}"],
     ("data", "tokens"): ["data.path=${oc.env:PIPETRAIN_TEST_BIN}"],
     ("data", "datasets"): ["data.path=${oc.env:PIPETRAIN_TEST_TEXT}"],  # a .txt: datasets' text builder, a line a row
+    # chats, and a tokenizer folder with a chat template (tests/_chat.py)
+    ("data", "sft"): ["data.path=${oc.env:PIPETRAIN_TEST_CHAT}", "data.tokenizer=hf",
+                      "data.tokenizer_dir=${oc.env:PIPETRAIN_TEST_CHAT_TOKENIZER}"],
 }
 
 
@@ -134,6 +138,8 @@ def test_every_shipped_config_composes(compose, tmp_path, monkeypatch):
     tokens.write_bytes(b"".join(i.to_bytes(2, "little") for i in range(200)) * 200)  # 40,000 uint16 tokens below 256
     monkeypatch.setenv("PIPETRAIN_TEST_TEXT", str(text))
     monkeypatch.setenv("PIPETRAIN_TEST_BIN", str(tokens))
+    monkeypatch.setenv("PIPETRAIN_TEST_CHAT", str(write_jsonl(tmp_path / "chat.jsonl", chats(4))))
+    monkeypatch.setenv("PIPETRAIN_TEST_CHAT_TOKENIZER", str(chat_tokenizer(tmp_path / "chat-tokenizer")))
     options = all_shipped_options()
     assert {g for g, _ in options} >= {"cluster", "data", "model", "partition", "pipeline", "schedule"}
     for group, name in options:

@@ -24,8 +24,10 @@ from pipetrain.config.shards import Shard, find_shards
 # builtin: the corpus shipped in the package (pipetrain/train/corpus/); text: any text file;
 # tokens: token shards (nanoGPT's or llm.c's .bin, .npy; a file, folder or glob, see shards.py);
 # synthetic: random data, for benchmarks; datasets: Hugging Face `datasets` (files, folders, hub names),
-# documents packed into rows (config/hf_source.py, train/hf_data.py).
-DATA_SOURCES = ("builtin", "text", "tokens", "synthetic", "datasets")
+# documents packed into rows (config/hf_source.py, train/hf_data.py); sft: chat data through `datasets`, rendered with
+# the tokenizer's chat template, trained on the assistant's tokens (config/sft.py, train/hf_sft.py).
+DATA_SOURCES = ("builtin", "text", "tokens", "synthetic", "datasets", "sft")
+HF_DATA = ("datasets", "sft")  # the sources read through Hugging Face `datasets`, with data.path or data.sources
 # byte: one token per UTF-8 byte; gpt2: GPT-2's BPE through tiktoken; hf: a Hugging Face
 # tokenizer.json through the `tokenizers` package (Llama 3, Qwen, Mistral, ...).
 TOKENIZERS = ("byte", "gpt2", "hf")
@@ -51,7 +53,7 @@ class DataConfig:
     """What the model trains on. The batch of optimizer step k is a pure function of
     (trainer.seed, k, split): a resumed run sees exactly the data it would have seen."""
 
-    name: str = "builtin"  # builtin | text | tokens | synthetic | datasets
+    name: str = "builtin"  # builtin | text | tokens | synthetic | datasets | sft
     # the global batch: sequences per optimizer step, split over dp pipelines x pipeline.microbatches
     batch_size: int = 16
     seq_len: int = 64  # tokens per sequence (GPT-2: <= model.block_size); short enough for a CPU step
@@ -80,6 +82,11 @@ class DataConfig:
     # attention within each document of a packed row (block-causal, positions restarting per document; documents
     # end at EOS: runtime/documents.py); null: true for data=datasets with packing, the data with such rows
     document_mask: Optional[bool] = None
+    # data=sft (config/sft.py): the tokens the loss is on, assistant (the assistant's turns as the chat template
+    # renders them) | all (every token of a sample); and a sample longer than seq_len + 1 tokens: true: its first
+    # seq_len + 1 tokens kept, false: dropped (either counted in the data's description)
+    loss_on: str = "assistant"
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         self.sources = as_sources(self.sources)
@@ -118,7 +125,7 @@ class DataConfig:
     @property
     def uses_tokenizer(self) -> bool:
         """Whether text is tokenised (builtin, text); tokens files and synthetic data are ids already."""
-        return self.name in ("builtin", "text", "datasets")
+        return self.name in ("builtin", "text", *HF_DATA)
 
     @property
     def file(self) -> Path:
@@ -128,8 +135,11 @@ class DataConfig:
         return Path(os.path.expanduser(self.path))
 
     def _check_datasets_knobs(self) -> None:
-        """data=datasets' own knobs: left at their defaults by every other source."""
-        if self.name == "datasets":
+        """data=datasets' own knobs (data=sft's too): left at their defaults by every other source."""
+        from pipetrain.config.sft import check_sft_knobs
+
+        check_sft_knobs(self)
+        if self.name in HF_DATA:
             for knob in ("split", "text_field"):
                 if not getattr(self, knob):
                     raise ValueError(f"data.{knob} must name a split / field of data.path (got an empty string)")
@@ -146,12 +156,12 @@ class DataConfig:
     @property
     def masks_documents(self) -> bool:
         """Whether attention stays within each document (data.document_mask, its null resolved)."""
-        return self.document_mask if self.document_mask is not None else self.name == "datasets" and self.packing
+        return self.document_mask if self.document_mask is not None else self.name in HF_DATA and self.packing
 
     def check_document_mask(self, *, model: str, family: str, cp: int) -> None:
         """data.document_mask: documents that end at an EOS id the tokenizer names, a model whose attention reads
         them (GPT-2's, Llama's: runtime/documents.py), no context parallel (its blocks are causal over the row)."""
-        if not (self.name == "datasets" or (self.name == "tokens" and self.tokenizer is not None)):
+        if not (self.name in HF_DATA or (self.name == "tokens" and self.tokenizer is not None)):
             raise ValueError(f"data.document_mask=true needs documents that end at the tokenizer's EOS id: "
                              f"data=datasets, or data=tokens with the data.tokenizer that wrote them (got "
                              f"data={self.name}, data.tokenizer={self.tokenizer}): set data.document_mask=false")
@@ -161,6 +171,13 @@ class DataConfig:
         if cp > 1:
             raise ValueError(f"data.document_mask with parallel.cp={cp} is not supported yet (context parallel's "
                              f"blocks are causal over the whole row): set data.document_mask=false or parallel.cp=1")
+
+    def check_tokenizer(self) -> None:
+        """What the chosen data.tokenizer must have: a BOS for data.add_bos, a chat template for data=sft."""
+        from pipetrain.config.sft import check_sft_tokenizer
+
+        self.check_bos()
+        check_sft_tokenizer(self)
 
     def check_bos(self) -> None:
         """data.add_bos=true needs a tokenizer with a beginning-of-text token: one line where it has none."""
@@ -174,17 +191,17 @@ class DataConfig:
                          "token: set data.add_bos=false (documents are still separated by EOS)")
 
     def _check_path(self) -> None:
-        if self.name not in ("text", "tokens", "datasets"):
+        if self.name not in ("text", "tokens", *HF_DATA):
             if self.path is not None:
                 raise ValueError(
-                    f"data.path is only read by data=text, data=tokens or data=datasets (got data={self.name}): "
+                    f"data.path is only read by data=text, tokens, datasets or sft (got data={self.name}): "
                     "set one of them, or drop data.path"
                 )
             return
-        if self.name == "datasets":
+        if self.name in HF_DATA:
             check_sources(self)
-            if self.tokenizer is not None:  # null: the root schema chooses it, then calls check_bos
-                self.check_bos()
+            if self.tokenizer is not None:  # null: the root schema chooses it, then calls check_tokenizer
+                self.check_tokenizer()
             return
         if not self.path:
             kind = "a text file" if self.name == "text" else "token shards (a .bin / .npy file, a folder or a glob)"

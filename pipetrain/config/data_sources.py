@@ -105,7 +105,7 @@ def check_sources(cfg: DataConfig) -> None:
         raise ValueError("data.path and data.sources are exclusive: give one source as data.path, or a mixture as "
                          "data.sources=[{path: A, weight: 0.7}, {path: B, weight: 0.3}] and data.path=null")
     if not cfg.path and not cfg.sources:
-        raise ValueError("data=datasets needs a source: add data.path=FILE, GLOB, FOLDER (save_to_disk or hub "
+        raise ValueError(f"data={cfg.name} needs a source: add data.path=FILE, GLOB, FOLDER (save_to_disk or hub "
                          "layout) or a hub name (owner/name), or a mixture data.sources=[{path: ..., weight: ...}]")
     sources = source_list(cfg)
     seen: dict[str, str] = {}
@@ -115,10 +115,10 @@ def check_sources(cfg: DataConfig) -> None:
                              f"{s.label}): give each a name: {{path: ..., weight: ..., name: ...}}")
         seen[s.label] = s.path
     for s in sources:
-        check_hf_source(s, val_split=cfg.val_split)
+        check_hf_source(s, val_split=cfg.val_split, chat=cfg.name == "sft")
 
 
-def check_hf_source(source: SourceConfig, *, val_split: Optional[str]) -> None:
+def check_hf_source(source: SourceConfig, *, val_split: Optional[str], chat: bool = False) -> None:
     """Before any process starts: the source's path is one `datasets` reads, and (when it is on this
     machine) the first row of its split (and data.val_split) holds the string text_field. A hub name is
     read by the ranks, on a machine with network."""
@@ -136,7 +136,12 @@ def check_hf_source(source: SourceConfig, *, val_split: Optional[str]) -> None:
     for split in (source.split, *([val_split] if val_split else [])):
         # streaming reads the first row, not the whole source; a saved folder is memory-mapped anyway
         ds = found.open(split, streaming=found.kind != "disk")
-        check_text_field(ds, spec=source.path, split=split, text_field=source.text_field)
+        if chat:  # data=sft: `messages`, or `prompt` and `completion` (config/sft.py)
+            from pipetrain.config.sft import check_chat_row
+
+            check_chat_row(ds, spec=source.path, split=split)
+        else:
+            check_text_field(ds, spec=source.path, split=split, text_field=source.text_field)
 
 
 def streams(cfg: DataConfig) -> bool:

@@ -35,7 +35,7 @@ def pretrained_defaults(folder: str | None, data: DataConfig, optim: OptimConfig
             data.use_tokenizer("hf", folder)
         elif data.uses_tokenizer:  # checked as byte already (tokenizer_name); data.tokenizer_dir alone was refused
             data.tokenizer = "byte"
-            data.check_bos()  # data.add_bos was left to this choice
+            data.check_tokenizer()  # data.add_bos (and data=sft's chat template) were left to this choice
         # token shards and synthetic data keep null: no tokenizer was chosen, so none is checked (token_origin.py)
     optim.defaults(fine_tune=folder is not None, steps=steps)
 

@@ -168,7 +168,7 @@ def build_data(cfg: DataConfig, *, seed: int, vocab_size: int, model: Any = None
     """The data source of `cfg` (config.data). `vocab_size` is model.vocab_size (token ids
     must be below it); `model`, when given, decides whether the inputs are token ids at all."""
     if model is not None and not takes_token_ids(model):
-        if cfg.name in ("text", "tokens", "datasets"):
+        if cfg.name in ("text", "tokens", "datasets", "sft"):
             raise ValueError(f"data={cfg.name} feeds token ids but model {type(model).__name__} does not read them: "
                              "use a GPT-2 model, or data=synthetic")
         return ModelExamples(model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed)
@@ -176,8 +176,8 @@ def build_data(cfg: DataConfig, *, seed: int, vocab_size: int, model: Any = None
         raise ValueError(f"model.vocab_size must be >= 1 (got {vocab_size})")
     if cfg.name == "synthetic":
         return SyntheticTokens(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed, vocab_size=vocab_size)
-    if cfg.name == "datasets":
-        from pipetrain.train.hf_build import build_hf_data  # imports `datasets` only for data=datasets
+    if cfg.name in ("datasets", "sft"):
+        from pipetrain.train.hf_build import build_hf_data  # imports `datasets` only for data=datasets / sft
 
         return build_hf_data(cfg, seed=seed, vocab_size=vocab_size)
     cfg.check_vocab_fits(vocab_size)

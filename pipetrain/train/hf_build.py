@@ -1,5 +1,5 @@
-"""data=datasets as configured: one source's packed rows (train/hf_data.py), a mixture of sources
-(train/hf_mix.py), or documents streamed and packed as they are read (train/hf_stream.py). Its own
+"""data=datasets as configured: one source's packed rows (train/hf_data.py; data=sft's chats: train/hf_sft.py),
+a mixture of sources (train/hf_mix.py), or documents streamed and packed as they are read (train/hf_stream.py). Its own
 module so that each of those imports only what it builds on (hf_mix and hf_stream build on hf_data).
 """
 
@@ -25,10 +25,15 @@ def build_hf_data(cfg: DataConfig, *, seed: int, vocab_size: int) -> Any:
         from pipetrain.train.hf_stream import StreamRows
 
         return StreamRows(cfg, sources, tok, seed=seed)
+    rows_of = source_rows
+    if cfg.name == "sft":  # chats rendered with the tokenizer's template, loss flags with the tokens
+        from pipetrain.train.hf_sft import sft_rows
+
+        rows_of = sft_rows
     if not cfg.sources:
-        return source_rows(cfg, sources[0], tok, seed=seed, what=f"data.path={cfg.path} ({tok.name} tokens)")
+        return rows_of(cfg, sources[0], tok, seed=seed, what=f"data.path={cfg.path} ({tok.name} tokens)")
     from pipetrain.train.hf_mix import MixedRows
 
-    rows = [source_rows(cfg, s, tok, seed=seed, what=f"data.sources: {s.path} ({tok.name} tokens)", min_rows=1)
+    rows = [rows_of(cfg, s, tok, seed=seed, what=f"data.sources: {s.path} ({tok.name} tokens)", min_rows=1)
             for s in sources]
     return MixedRows(rows, [s.weight for s in sources], names=[s.label for s in sources], seed=seed)

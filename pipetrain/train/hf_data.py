@@ -40,7 +40,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -87,13 +87,18 @@ def stream_key(cfg: DataConfig, source: HFSource, tok: TextTokenizer, extra: str
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
-def cached_stream(cfg: DataConfig, tok: TextTokenizer) -> tuple[Path, dict[str, Any]]:
+Writer = Callable[[DataConfig, HFSource, TextTokenizer, Path], None]
+
+
+def cached_stream(cfg: DataConfig, tok: TextTokenizer, *, writer: Optional[Writer] = None,
+                  key: str = "") -> tuple[Path, dict[str, Any]]:
     """The folder of the tokenized stream and its meta.json, built now unless another process has
-    (or is building it: then this waits on its lock)."""
+    (or is building it: then this waits on its lock). `writer`: what writes it (write_stream; data=sft's
+    train/hf_sft.py writes rendered chats with their loss flags), `key`: what else the stream is a function of."""
     source = find_source(cfg.path or "")
     # a hub dataset: the Arrow files `datasets` downloaded it to (their names carry its revision's hash)
     extra = json.dumps([f["filename"] for f in source.open(cfg.split).cache_files]) if source.kind == "hub" else ""
-    folder = cache_root() / "pipetrain-packed" / stream_key(cfg, source, tok, extra)
+    folder = cache_root() / "pipetrain-packed" / stream_key(cfg, source, tok, extra + key)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
@@ -101,7 +106,7 @@ def cached_stream(cfg: DataConfig, tok: TextTokenizer) -> tuple[Path, dict[str, 
             partial = folder.with_suffix(".partial")
             shutil.rmtree(partial, ignore_errors=True)  # a build killed half-way
             partial.mkdir()
-            write_stream(cfg, source, tok, partial)
+            (writer or write_stream)(cfg, source, tok, partial)
             partial.rename(folder)
     return folder, json.loads((folder / "meta.json").read_text())
 
@@ -139,6 +144,15 @@ def doc_starts(tokens: np.ndarray, eos: int) -> np.ndarray:
     return np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
 
 
+Spans = tuple[np.ndarray, np.ndarray]  # (starts, ends) of rows in a stream, int64 each
+
+
+def doc_spans(tokens: np.ndarray, eos: int) -> Spans:
+    """Each document of a stream as (starts, ends): a document a row (packing=false)."""
+    starts = doc_starts(tokens, eos)
+    return starts, np.append(starts[1:], len(tokens))
+
+
 def holdout(tokens: np.ndarray, eos: int, val_fraction: float) -> int:
     """Where validation starts: the first document start at or after (1 - val_fraction) of the
     stream (len(tokens) when nothing is held out)."""
@@ -154,12 +168,19 @@ class PackedRows:
     """Rows of one or two token streams (train, val), in the seeded epoch order of the module docstring."""
 
     def __init__(self, parts: dict[str, np.ndarray], *, batch_size: int, seq_len: int, seed: int, packing: bool,
-                 eos_id: int, what: str, name: str = "source", min_rows: Optional[int] = None) -> None:
+                 eos_id: int, what: str, name: str = "source", min_rows: Optional[int] = None,
+                 spans: Optional[dict[str, Spans]] = None, loss: Optional[dict[str, np.ndarray]] = None) -> None:
+        """`spans`: each split's rows as (starts, ends) of its stream instead of a document a row (data=sft:
+        whole samples packed into rows, train/hf_sft.py); `loss`: each split's per-token loss flags (0: the
+        token is no target), aligned with `parts`. Both only with packing=false."""
+        assert packing is False or (spans is None and loss is None), "spans and loss flags are rows of whole spans"
         self.parts, self.batch_size, self.seq_len, self.seed = parts, batch_size, seq_len, seed
         self.packing, self.eos_id, self.what, self.name = packing, eos_id, what, name
+        self.loss = loss or {}
         self.last_stats: dict[str, float] = {}  # the data/ metrics of the last training batch (metrics/names.py)
-        # packing=false: document d of a split is [starts[d], ends[d]) of its stream
-        self.docs = {s: doc_starts(t, eos_id) for s, t in parts.items()} if not packing else {}
+        # packing=false: row d of a split is [starts[d], ends[d]) of its stream (a document, or `spans`' rows)
+        self.docs: dict[str, Spans] = spans or ({s: doc_spans(t, eos_id) for s, t in parts.items()}
+                                                if not packing else {})
         self._perm: dict[str, tuple[int, torch.Tensor]] = {}  # split -> (epoch, permutation): the last one drawn
         rows = {s: self.num_rows(s) for s in parts}
         least = batch_size if min_rows is None else min_rows  # a mixture's source needs a row, not a batch
@@ -172,15 +193,16 @@ class PackedRows:
         if "val" in parts and rows["val"] == 0:
             raise ValueError(f"{what}: the validation split holds no row of {seq_len + 1} tokens: raise "
                              "data.val_fraction, lower data.seq_len, or set data.val_fraction=0")
-        self.description = (f"{what}: train {len(parts['train']):,} tokens, {rows['train']:,} rows"
-                            + (f"; val {len(parts['val']):,} tokens, {rows['val']:,} rows" if "val" in parts else "")
-                            + f" ({'packed' if packing else 'a document a row'}, {self.steps_per_epoch:,} steps "
-                            "an epoch)")
+        held = {s: int((self.docs[s][1] - self.docs[s][0]).sum()) if spans else len(t) for s, t in parts.items()}
+        self.description = (f"{what}: train {held['train']:,} tokens, {rows['train']:,} rows"
+                            + (f"; val {held['val']:,} tokens, {rows['val']:,} rows" if "val" in parts else "")
+                            + f" ({'packed' if packing else 'whole samples a row' if spans else 'a document a row'}"
+                            f", {self.steps_per_epoch:,} steps an epoch)")
 
     def num_rows(self, split: str) -> int:
         if self.packing:
             return len(self.parts[split]) // (self.seq_len + 1)
-        return len(self.docs[split])
+        return len(self.docs[split][0])
 
     @property
     def steps_per_epoch(self) -> int:
@@ -216,8 +238,8 @@ class PackedRows:
             window = tokens[ids[:, None] * t1 + np.arange(t1)].astype(np.int64)  # (n, T + 1)
             x = torch.from_numpy(window)
             return x[:, :-1].contiguous(), x[:, 1:].contiguous(), np.full(len(ids), self.seq_len)
-        starts = self.docs[split]
-        ends = np.append(starts[1:], len(tokens))
+        starts, ends = self.docs[split]
+        flags = self.loss.get(split)
         window = np.full((len(ids), t1), self.eos_id, dtype=np.int64)  # (n, T + 1)
         target = np.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=np.int64)  # (n, T)
         real = np.zeros(len(ids), dtype=np.int64)
@@ -225,6 +247,8 @@ class PackedRows:
             doc = tokens[starts[d]:min(ends[d], starts[d] + t1)]
             window[i, :len(doc)] = doc
             target[i, :len(doc) - 1] = doc[1:]
+            if flags is not None:  # a token the loss skips (data=sft: not the assistant's) is no target
+                target[i, :len(doc) - 1][flags[starts[d] + 1:starts[d] + len(doc)] == 0] = IGNORE_INDEX
             real[i] = min(len(doc), self.seq_len)
         return torch.from_numpy(window[:, :-1]).contiguous(), torch.from_numpy(target), real
 

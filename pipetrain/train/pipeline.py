@@ -218,7 +218,12 @@ def rank_pipeline(config: Config, plan: Plan, groups: RankGroups, parallelize: P
 
 
 def document_eos(data: DataConfig) -> int:
-    """The id that ends a document in `data`'s rows (data.document_mask): its tokenizer's EOS."""
+    """The id that ends a document in `data`'s rows (data.document_mask): its tokenizer's EOS; data=sft's
+    samples end at their own separator (train/hf_sft.py: chat turns may end at EOS)."""
+    if data.name == "sft":
+        from pipetrain.train.hf_sft import separator
+
+        return separator(data.tokenizer_dir)
     eos = load_tokenizer(data.tokenizer_name, data.tokenizer_dir).eos_id
     if eos is None:
         raise ValueError(f"data.document_mask=true but data.tokenizer={data.tokenizer_name} has no end-of-text id to "
