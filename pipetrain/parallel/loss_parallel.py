@@ -63,7 +63,8 @@ class _VocabParallelCE(torch.autograd.Function):
         # a new tensor, not the saved softmax changed in place: a split backward (runtime/backward.py)
         # may run this node twice when it recomputes a weight group from the outputs
         d = softmax.scatter_add(-1, index.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))  # (N, V/tp)
-        d.mul_((grad * counted / counted.sum()).unsqueeze(-1))
+        # clamp: a microbatch with no counted target (its seed is 0, runtime/step_loss.py) gets 0, not 0/0
+        d.mul_((grad * counted / counted.sum().clamp(min=1)).unsqueeze(-1))
         return d.to(ctx.dtype), None, None, None
 
 

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Callable, Collection, Mapping, Optional, Proto
 
 from torch import nn
 
-from pipetrain.parallel.cp import ContextAttention, context_parallel, local_positions, parallelize_context
+import torch
+
+from pipetrain.parallel.cp import ContextAttention, context_parallel, local_positions, parallelize_context, positions
 from pipetrain.parallel.dp import DataParallel, data_parallel, local_rows
 from pipetrain.parallel.ep import expert_parallel, parallelize_experts
 from pipetrain.parallel.mesh import RankGroups
@@ -36,6 +38,7 @@ from pipetrain.parallel.split_weights import SplitWeights
 from pipetrain.parallel.tp_plan import TensorParallel, tensor_parallel
 from pipetrain.runtime.batch import Batch
 from pipetrain.runtime.ep_comm import EPGroup
+from pipetrain.runtime.step_loss import GlobalTokens
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -74,6 +77,23 @@ class Parallelize:
         """This rank's part of a global batch: its pipeline's 1/dp of the rows, and under context
         parallel the positions this rank holds of them."""
         return local_positions(local_rows(batch, *self.rows), self.cp)
+
+    def global_tokens(self, batch: Batch, microbatches: int) -> Optional[GlobalTokens]:
+        """The global batch's loss tokens (targets != -1) and the ranks averaging gradients (dp x cp), where
+        the loss units count unequal ones; a unit is what one loss averages over: a pipeline's microbatch
+        (its dp slice cut in M, as local_batch and split_microbatches cut it) at one cp rank's positions.
+        None where every unit counts the same: each microbatch's seed is then 1/M (runtime/step_loss.py)."""
+        _, y = batch
+        dp = self.rows[1]
+        if y.is_floating_point() or y.dim() != 2 or y.shape[0] % (dp * microbatches):
+            return None  # a model's own examples; a batch that does not cut is refused where it is cut
+        counted = (y != -1).reshape(dp * microbatches, -1, y.shape[1])  # (dp M, rows, T): -1 is IGNORE_INDEX
+        cp = 1 if self.cp is None else self.cp.g.size
+        units = counted.sum((1, 2)) if cp == 1 else torch.stack(
+            [counted[:, :, positions(y.shape[1], cp, r)].sum((1, 2)) for r in range(cp)])  # (dp M) or (cp, dp M)
+        if bool((units == units.flatten()[0]).all()):
+            return None
+        return GlobalTokens(int(counted.sum()), dp * cp)
 
     def split_weights(self, stages: Mapping[int, nn.Module]) -> SplitWeights:
         """The weights of `stages` split across ranks (tp slices, ep experts; saved and materialized

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.runtime.backward import backward_weight
-from pipetrain.runtime.batch import StepBatch, counted_targets
+from pipetrain.runtime.batch import Batch, StepBatch, counted_targets
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.overlap import stage_passes
@@ -44,7 +44,7 @@ from pipetrain.runtime.precision import Precision
 from pipetrain.runtime.recorder import Recorder, StepRecorder
 from pipetrain.runtime.stage_passes import WholeStages
 from pipetrain.runtime.stage_protocol import Stage
-from pipetrain.runtime.step_loss import StepLoss
+from pipetrain.runtime.step_loss import GlobalTokens, StepLoss
 from pipetrain.runtime.step_result import StepResult
 from pipetrain.schedules.ir import Action, Op, Schedule
 from pipetrain.schedules.p2p import Message
@@ -105,10 +105,10 @@ class Executor:
             self.comm.close()
 
     # ---- the interpreter ----------------------------------------------------------------
-    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """Run every action of this rank once; `microbatches[m]` is (input, target) of microbatch m."""
+    def step(self, microbatches: Sequence[Batch], tokens: Optional[GlobalTokens] = None) -> StepResult:
+        """Run every action of this rank once; `microbatches[m]`: microbatch m (`tokens`: runtime/step_loss.py)."""
         rec = self._use(self.recorder if self.measure else self._unmeasured)
-        self._reset(microbatches)
+        self._reset(microbatches, tokens)
         if self.comm is not None:
             self.comm.begin(self.program.plan, self.recv_buffer)
         if self.reducer is not None:
@@ -210,9 +210,9 @@ class Executor:
         self._backward_done(a, gx, works, send)
 
     def _backward_start(self, a: Action, need: Optional[Message], where: str) -> tuple:
-        x, out, saved = self._ctx.pop((a.stage, a.microbatch))
+        x, out, saved = self._ctx.pop((a.stage, m := a.microbatch))
         nxt = self.program.next[a.stage]
-        grad = self._step_loss.seed(out) if nxt is None else self._take("grad", nxt, a.microbatch, need, where)
+        grad = self._step_loss.seed(out, m) if nxt is None else self._take("grad", nxt, m, need, where)
         assert grad is None or grad.dtype == out.dtype, f"{where}: gradient {grad.dtype} for output {out.dtype}"
         return x, out, grad, saved
 
@@ -279,7 +279,7 @@ class Executor:
         self._ctx.clear()
         return self._step_loss.mean()
 
-    def _reset(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _reset(self, microbatches: Sequence[Batch], tokens: Optional[GlobalTokens] = None) -> None:
         M = self.schedule.num_microbatches
         if len(microbatches) != M:
             raise ValueError(f"expected {M} microbatches (pipeline.microbatches), got {len(microbatches)}")
@@ -289,11 +289,11 @@ class Executor:
         self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Any]] = {}
         self._wstore: dict = {}  # (stage, microbatch) -> what its B kept for its W (backward.WeightGradWork per node)
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._step_loss.reset()
+        self._step_loss.reset(tokens, [y for _, y in microbatches])
 
     def _loss(self, s: int, m: int, out: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of microbatch m, kept for the step's mean; B starts at StepLoss.seed."""
         loss = self.stages[s].loss(out, self.batch.targets[m])
-        # evaluate(): weighted by its targets, so the mean is per token
-        self._step_loss.add(loss, counted_targets(self.batch.given[m][1]) if self._forward_only else None)
+        w = counted_targets(self.batch.given[m][1]) if self._forward_only else self._step_loss.count(m)  # per token
+        self._step_loss.add(loss, w)
         return loss

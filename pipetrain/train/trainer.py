@@ -28,6 +28,7 @@ from pipetrain.config import Config
 from pipetrain.metrics.names import data_metrics
 from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.models.causal_lm import IGNORE_INDEX
+from pipetrain.runtime.step_loss import GlobalTokens
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.timeouts import bound_waits
 from pipetrain.parallel.parallelize import Parallelize
@@ -80,6 +81,7 @@ class Trainer:
         self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state, splits)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.data_stats: dict[str, float] = {}  # the data/ metrics of the last training batch
+        self.step_tokens: Optional[GlobalTokens] = None  # its loss tokens, where its microbatches count unequal ones
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
         self.saver = (AsyncSaver(config, self.run_dir, note=self.monitor.note)  # checkpoint.async_save
                       if config.checkpoint.async_save else None)
@@ -135,6 +137,9 @@ class Trainer:
             self.data_stats = getattr(self.data, "last_stats", None) or (data_metrics(
                 tokens=x.numel(), loss_tokens=int((y != IGNORE_INDEX).sum()), positions=x.numel())
                 if not x.is_floating_point() else {})
+        # the loss is the mean over the global batch's loss tokens: counted here, before it is cut for this rank
+        self.step_tokens = self.parallel.global_tokens(batch, self.config.pipeline.microbatches) \
+            if split == "train" else None
         rows = self.parallel.local_batch(batch)
         return split_microbatches(rows, self.config.pipeline.microbatches)
 
@@ -152,7 +157,8 @@ class Trainer:
             comm.set_timeout(max(cfg.trainer.compile_timeout_s, cfg.pipeline.p2p_timeout_s))
         self.pipe.executor.measure = measure  # unlogged steps record nothing but the loss (runtime/recorder.py)
         self.parallel.take_stats()  # the parallel layers' counts of this step only (an eval's forwards count too)
-        result = self.pipe.train_step(self.microbatches(step))
+        microbatches = self.microbatches(step)
+        result = self.pipe.train_step(microbatches, self.step_tokens)
         if first_compiled:
             comm.set_timeout(cfg.pipeline.p2p_timeout_s)
         if not self._stepped:  # from now on a collective waits on a peer no longer than a transfer does
