@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipetrain.compose import CONF_DIR, check_overrides, check_recipe_args, config_dirs, register_all, to_config
 from pipetrain.config import Config, Mode
+from pipetrain.config.finetune import with_family
 from pipetrain.launch import RankFailedError, RunStopped, prestart_early
 from pipetrain.launch.rundir import RunLock, check_args
 from pipetrain.sweep import check_sweep, sweep_overrides
@@ -230,6 +231,7 @@ def main() -> None:
     if "--version" in argv:
         print(version())
         return
+    argv = sys.argv[1:] = with_family(argv)  # model.pretrained=DIR alone: the preset of DIR's family
     prestart_early(argv)  # the ranks' fork server, before Hydra composes, where the command line says train
     register_all()
     try:

@@ -139,3 +139,26 @@ def test_cli_header_names_the_tokenizer_and_the_defaults(hf_folder, tmp_path):
     assert ("fine-tune defaults: optim.lr=2e-05 optim.min_lr=2e-06 optim.warmup_steps=1 (model.pretrained; set "
             "them to override)") in out, out
     assert "step 1/2" in out and "lr 2.0e-05" in out, out  # warm-up of 1 step: step 1 trains at the peak
+
+
+@pytest.mark.pure
+def test_a_folder_alone_names_its_family(hf_folder, compose, tmp_path):
+    """#46's command `pipetrain model.pretrained=DIR data=sft ...` names no model=: the folder's
+    config.json model_type picks the preset that carries its family, whose knobs config.json then sets;
+    a model= or a recipe on the command line is left to decide, and a folder without config.json too."""
+    from pipetrain.config.finetune import with_family
+
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB).save_pretrained(gpt2)
+    mixtral = tmp_path / "mixtral"
+    transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, num_local_experts=4, vocab_size=VOCAB).save_pretrained(mixtral)
+    args = ["mode=simulate", f"model.pretrained={hf_folder}"]
+    assert with_family(args) == [*args, "model=llama-tiny"]
+    assert with_family([f"model.pretrained={gpt2}"])[-1] == "model=gpt2"
+    assert with_family([f"model.pretrained={mixtral}"])[-1] == "model=moe-tiny"
+    for named in (["model=llama3.2-1b"], ["+recipe=qwen3-0.6b"]):
+        assert with_family([*args, *named]) == [*args, *named]
+    assert with_family([f"model.pretrained={tmp_path}"]) == [f"model.pretrained={tmp_path}"]  # no config.json
+    config = compose(with_family(args))
+    assert (config.model.hidden_size, config.model.num_hidden_layers) == (32, 2), "config.json sets the shape"

@@ -8,17 +8,50 @@ place (`pretrained_defaults`, called by the root schema), and the header lines t
 - optim.lr / optim.min_lr / optim.warmup_steps left null get the fine-tune values (train.py:
   OptimConfig.defaults): a pre-training lr (3e-3) would wreck the pretrained weights in a few steps.
 
+- The model family: a command that names no `model=` (and no recipe, which may) takes the preset of
+  the folder's config.json `model_type` (`with_family`): llama-tiny for the Llama family, moe-tiny for
+  its MoE folders, gpt2 for GPT-2. The folder's config.json then sets every knob over the preset, as
+  with any `model=` of the family, so which preset of it carries them changes nothing.
+
 "Left null" is how a knob the user did not set is told apart: conf/ and the recipes leave these
 null, so anything else was set on the command line or in a recipe, and wins. Pure Python.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Sequence
 
 from pipetrain.config.data import HF_TOKENIZER, DataConfig
+from pipetrain.config.llama import HF_MODEL_TYPES
+from pipetrain.config.moe import HF_MOE_TYPES
 from pipetrain.config.token_origin import RECORD, check_origin, tokenizer_file
 from pipetrain.config.train import OptimConfig
+
+
+def family_preset(folder: str) -> str | None:
+    """The `model=` preset that carries a pretrained folder's family (module docstring); None where its
+    config.json is missing or names a model_type pipetrain does not build (the root schema then says so)."""
+    try:
+        kind = json.loads((Path(folder).expanduser() / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+    if kind == "gpt2":
+        return "gpt2"
+    if kind in HF_MOE_TYPES:
+        return "moe-tiny"
+    return "llama-tiny" if kind in HF_MODEL_TYPES else None
+
+
+def with_family(argv: Sequence[str]) -> list[str]:
+    """`argv` with `model=<preset>` added where it sets model.pretrained but no model= and no recipe."""
+    keys = {a.partition("=")[0].lstrip("+~") for a in argv if "=" in a}
+    folder = next((a.partition("=")[2] for a in argv if a.partition("=")[0].lstrip("+") == "model.pretrained"), None)
+    if not folder or "model" in keys or "recipe" in keys:
+        return list(argv)
+    preset = family_preset(folder)
+    return list(argv) if preset is None else [*argv, f"model={preset}"]
 
 
 def folder_tokenizer(folder: str) -> Path | None:
