@@ -363,8 +363,8 @@ class Config:
             )
         if self.mode is Mode.eval and d.name != "tokens":  # the ranks refused it only once started
             raise ValueError(f"mode=eval reads token files: set data=tokens data.path=FILE (got data={d.name})")
-        if d.masks_documents:  # the model attends within documents, and no context parallel cuts its rows
-            d.check_document_mask(model=m.name, family=m.family, cp=self.parallel.cp)
+        if d.masks_documents:  # the model attends within documents
+            d.check_document_mask(model=m.name, family=m.family)
         vocab = m.vocab_size
         if vocab is not None and self.mode is not Mode.simulate:  # a simulation reads no tokens
             d.check_vocab_fits(vocab)  # token files' ids: train/token_check.py, before the ranks start

@@ -148,9 +148,9 @@ class DataConfig:
         """Whether attention stays within each document (data.document_mask, its null resolved)."""
         return self.document_mask if self.document_mask is not None else self.name == "datasets" and self.packing
 
-    def check_document_mask(self, *, model: str, family: str, cp: int) -> None:
+    def check_document_mask(self, *, model: str, family: str) -> None:
         """data.document_mask: documents that end at an EOS id the tokenizer names, a model whose attention reads
-        them (GPT-2's, Llama's: runtime/documents.py), no context parallel (its blocks are causal over the row)."""
+        them (GPT-2's, Llama's: runtime/documents.py; under context parallel too: parallel/cp.py)."""
         if not (self.name == "datasets" or (self.name == "tokens" and self.tokenizer is not None)):
             raise ValueError(f"data.document_mask=true needs documents that end at the tokenizer's EOS id: "
                              f"data=datasets, or data=tokens with the data.tokenizer that wrote them (got "
@@ -158,9 +158,6 @@ class DataConfig:
         if family not in ("gpt2", "llama"):
             raise ValueError(f"data.document_mask=true: model={model} has no attention to keep within documents: "
                              f"set data.document_mask=false")
-        if cp > 1:
-            raise ValueError(f"data.document_mask with parallel.cp={cp} is not supported yet (context parallel's "
-                             f"blocks are causal over the whole row): set data.document_mask=false or parallel.cp=1")
 
     def check_bos(self) -> None:
         """data.add_bos=true needs a tokenizer with a beginning-of-text token: one line where it has none."""

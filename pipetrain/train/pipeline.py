@@ -26,6 +26,7 @@ from pipetrain.models.hf import pretrained_rule
 from pipetrain.models.init import InitRule, materialize
 from pipetrain.models.split import StageModule, cut_stage, on_meta
 from pipetrain.runtime.comm import P2P
+from pipetrain.runtime.documents import Documents
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.step_result import StepResult
 from pipetrain.parallel.mesh import RankGroups, build_pair_groups
@@ -83,9 +84,11 @@ class RankPipeline:
         """(stage, unsplit name, parameter) for every parameter of every local stage."""
         return [(s, n, p) for s in sorted(self.stages) for n, p in self.stages[s].named_parameters()]
 
-    def train_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """Forward and backward of all microbatches, then gradients summed over copies."""
-        result = self.executor.step(microbatches)
+    def train_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   docs: Optional[Sequence[Documents]] = None) -> StepResult:
+        """Forward and backward of all microbatches (`docs`: their documents, cut from whole rows under
+        context parallel), then gradients summed over copies."""
+        result = self.executor.step(microbatches, docs)
         if self.tp is not None:  # whole weights each tp rank used on part of the tokens / heads
             self.tp.reduce_partial(self.stages)
         self.sync.sync()

@@ -32,6 +32,7 @@ from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.timeouts import bound_waits
 from pipetrain.parallel.parallelize import Parallelize
 from pipetrain.plan import Plan
+from pipetrain.runtime.documents import Documents
 from pipetrain.train.pipeline import rank_pipeline
 from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
@@ -128,6 +129,12 @@ class Trainer:
     def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This pipeline's microbatches of step `step`: its 1/dp rows of the global batch (under context
         parallel their positions this rank holds), split in M."""
+        return self.step_input(step, split)[0]
+
+    def step_input(self, step: int, split: str = "train"
+                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Optional[list[Documents]]]:
+        """`microbatches`, and under context parallel with document masks their documents, cut from the
+        whole rows (Parallelize.local_documents; None: the executor computes them from the microbatches)."""
         assert self.data is not None, "this Trainer was built with train_data=False (mode=eval)"
         batch = self.data.batch(step, split=split)
         if split == "train":  # the data/ metrics of the global batch (metrics/names.py)
@@ -136,7 +143,8 @@ class Trainer:
                 tokens=x.numel(), loss_tokens=int((y != IGNORE_INDEX).sum()), positions=x.numel())
                 if not x.is_floating_point() else {})
         rows = self.parallel.local_batch(batch)
-        return split_microbatches(rows, self.config.pipeline.microbatches)
+        M, eos = self.config.pipeline.microbatches, self.pipe.executor.batch.document_eos
+        return split_microbatches(rows, M), self.parallel.local_documents(batch, eos, M)
 
     def train_step(self, *, measure: bool = False) -> StepRecord:
         """One optimizer step. measure=True (a logged step; every rank alike) gathers every rank's
@@ -152,7 +160,7 @@ class Trainer:
             comm.set_timeout(max(cfg.trainer.compile_timeout_s, cfg.pipeline.p2p_timeout_s))
         self.pipe.executor.measure = measure  # unlogged steps record nothing but the loss (runtime/recorder.py)
         self.parallel.take_stats()  # the parallel layers' counts of this step only (an eval's forwards count too)
-        result = self.pipe.train_step(self.microbatches(step))
+        result = self.pipe.train_step(*self.step_input(step))
         if first_compiled:
             comm.set_timeout(cfg.pipeline.p2p_timeout_s)
         if not self._stepped:  # from now on a collective waits on a peer no longer than a transfer does
@@ -199,7 +207,7 @@ class Trainer:
     def evaluate(self) -> float:
         losses = []
         for i in range(self.config.trainer.eval_batches):
-            losses.append(self.pipe.executor.evaluate(self.microbatches(i, split="val")))
+            losses.append(self.pipe.executor.evaluate(*self.step_input(i, split="val")))
         return sum(losses) / len(losses)
 
     # ---- the loop -------------------------------------------------------------------------
