@@ -361,8 +361,12 @@ class Config:
                 f"pipeline.microbatches={mb} equal microbatches: set data.batch_size to a multiple of {mb * dp} "
                 f"(e.g. {up}), or lower pipeline.microbatches or the dp degrees"
             )
-        if self.mode is Mode.eval and d.name != "tokens":  # the ranks refused it only once started
-            raise ValueError(f"mode=eval reads token files: set data=tokens data.path=FILE (got data={d.name})")
+        if self.mode is Mode.eval and d.name not in ("tokens", "datasets"):  # the ranks refused it only once started
+            raise ValueError(f"mode=eval reads token files or data=datasets' validation rows: set data=tokens "
+                             f"data.path=FILE or data=datasets (got data={d.name})")
+        if self.mode is Mode.eval and d.name == "datasets" and d.streaming:  # train/evaluate.py reads the cache
+            raise ValueError("mode=eval reads every validation row once from the tokenized cache, not a stream: "
+                             "set data.streaming=false")
         if d.masks_documents:  # the model attends within documents
             d.check_document_mask(model=m.name, family=m.family)
         vocab = m.vocab_size
