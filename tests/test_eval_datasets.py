@@ -59,4 +59,4 @@ def test_eval_on_datasets_is_each_documents_mean_loss(case, compose, tmp_path, m
     assert got["document_mask"] and got["split"] == "held out"
     assert got["tokens"] == counted and got["rows"] * 16 == counted  # packed rows: every target counts
     assert abs(got["loss"] - want) < 1e-5, (got["loss"], want)
-    assert abs(causal - want) > 1e-3  # the rows hold several documents: masks change the loss
+    assert abs(causal - want) > 5e-5  # several documents a row: the masks move the loss by 5x the tolerance

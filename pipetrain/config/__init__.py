@@ -369,6 +369,10 @@ class Config:
                              "set data.streaming=false")
         if d.masks_documents:  # the model attends within documents
             d.check_document_mask(model=m.name, family=m.family)
+        if d.masks_documents and self.trainer.compile:  # seen on torch 2.13 CPU, AVX2 kernels: a crash, not an error
+            raise ValueError("trainer.compile=true with data.document_mask: Inductor's compiled block with "
+                             "per-document RoPE positions crashed (segfault) on AVX2 CPUs and is unchecked on "
+                             "CUDA: set trainer.compile=false or data.document_mask=false")
         vocab = m.vocab_size
         if vocab is not None and self.mode is not Mode.simulate:  # a simulation reads no tokens
             d.check_vocab_fits(vocab)  # token files' ids: train/token_check.py, before the ranks start

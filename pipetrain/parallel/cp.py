@@ -24,6 +24,8 @@ RoPE reads each position's place in its document. Allgather masks this rank's qu
 key (B, 1, T/cp, T); the ring restricts that mask to each arriving block, and a block none of whose keys
 shares a document with an earlier-or-equal query of this rank is skipped, not masked: no scores, no
 softmax, no gradient (CPStats.skipped_blocks). The block still travels on: the ring's order is fixed.
+The ring reads the stage's (B, 1, T/cp, T) boolean mask (one byte per query-key pair, built once per
+stage forward): at long sequences a per-block mask from the document indices would hold less.
 
 What the cp traffic costs is counted per rank in a `CPStats` (ContextAttention.stats, read and reset
 by `take()` at a logged step): K/V bytes that arrived from the group (gradients included), host ms
