@@ -365,14 +365,9 @@ class Config:
             raise ValueError(f"mode=eval reads token files or data=datasets' validation rows: set data=tokens "
                              f"data.path=FILE or data=datasets (got data={d.name})")
         if self.mode is Mode.eval and d.name == "datasets" and d.streaming:  # train/evaluate.py reads the cache
-            raise ValueError("mode=eval reads every validation row once from the tokenized cache, not a stream: "
-                             "set data.streaming=false")
+            raise ValueError("mode=eval reads each validation row once from the token cache: set data.streaming=false")
         if d.masks_documents:  # the model attends within documents
-            d.check_document_mask(model=m.name, family=m.family)
-        if d.masks_documents and self.trainer.compile:  # seen on torch 2.13 CPU, AVX2 kernels: a crash, not an error
-            raise ValueError("trainer.compile=true with data.document_mask: Inductor's compiled block with "
-                             "per-document RoPE positions crashed (segfault) on AVX2 CPUs and is unchecked on "
-                             "CUDA: set trainer.compile=false or data.document_mask=false")
+            d.check_document_mask(model=m.name, family=m.family, compile=self.trainer.compile)
         vocab = m.vocab_size
         if vocab is not None and self.mode is not Mode.simulate:  # a simulation reads no tokens
             d.check_vocab_fits(vocab)  # token files' ids: train/token_check.py, before the ranks start
