@@ -42,7 +42,7 @@ def trainer_of(config, run_dir: Path):
 def one_step(trainer) -> tuple[int, dict]:
     """The activation bytes one measured step saved at its peak, and the step's cp counts."""
     trainer.pipe.executor.measure = True
-    result = trainer.pipe.train_step(trainer.microbatches(0))
+    result = trainer.pipe.train_step(trainer.input.read(0)[0])
     return result.peak_activation_bytes, trainer.parallel.take_stats().get("cp", {})
 
 

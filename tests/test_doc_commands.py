@@ -181,7 +181,8 @@ WEIGHTS_SHARE = StateBytes().param / StateBytes().total  # what mode=eval keeps 
 NOT_SIZED = ("mode=simulate", "mode=plan", "mode=export", "schedule=auto", "schedule=custom")
 # where a rank's memory does not depend on the value: the data's source, the output, the resumed step
 UNSIZED_KEYS = ("data", "data.path", "data.val_path", "data.tokenizer_dir", "hydra.run.dir", "trainer.resume",
-                "data.split", "data.text_field", "data.val_split", "data.packing", "data.add_bos")
+                "data.split", "data.text_field", "data.val_split", "data.packing", "data.add_bos", "data.sources",
+                "data.streaming", "data.document_mask", "data.loss_on", "data.truncate")
 
 
 def _preset(folder: str) -> str:

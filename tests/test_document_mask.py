@@ -217,5 +217,6 @@ def test_document_mask_defaults_on_for_packed_datasets_and_is_refused_where_it_c
     assert not compose([*ds, "model=llama-tiny", "data.document_mask=false"]).data.masks_documents
     assert not compose(["model=llama-tiny"]).data.masks_documents  # the built-in corpus: no documents
     assert "data.document_mask=false" in refused(compose, ["model=llama-tiny", "data.document_mask=true"])
-    assert "parallel.cp=1" in refused(compose, [*ds, "model=llama-tiny", "parallel.cp=2", "data.seq_len=64"])
+    assert compose([*ds, "model=llama-tiny", "parallel.cp=2", "data.seq_len=64"]).data.masks_documents  # cp: #46
+    assert "trainer.compile=false" in refused(compose, [*ds, "model=llama-tiny", "trainer.compile=true"])
     assert "no attention" in refused(compose, [*ds, "model=mlp", "data.document_mask=true", "mode=simulate"])

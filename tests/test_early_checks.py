@@ -91,7 +91,8 @@ def test_a_negative_token_id_is_one_line_before_the_start(compose, tmp_path):
 
 def test_eval_on_the_builtin_corpus_fails_at_compose(compose):
     assert (_error(compose, ["mode=eval"])
-            == "mode=eval reads token files: set data=tokens data.path=FILE (got data=builtin)")
+            == "mode=eval reads token files or data=datasets' validation rows: set data=tokens data.path=FILE or "
+               "data=datasets (got data=builtin)")
 
 
 def test_a_profile_folder_that_is_a_file_fails_before_the_start(compose, tmp_path):

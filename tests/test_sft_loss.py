@@ -41,7 +41,7 @@ def gradients(config, run_dir: Path) -> dict:
     losses, grads, weighted = [], [], []
     for _ in range(STEPS):
         losses.append(trainer.train_step().loss)
-        weighted.append(trainer.step_tokens is not None)
+        weighted.append(trainer.input.tokens is not None)
         grads.append(full_tensors(trainer, grads=True))
     return {"losses": losses, "grads": grads, "weighted": weighted}
 

@@ -361,10 +361,13 @@ class Config:
                 f"pipeline.microbatches={mb} equal microbatches: set data.batch_size to a multiple of {mb * dp} "
                 f"(e.g. {up}), or lower pipeline.microbatches or the dp degrees"
             )
-        if self.mode is Mode.eval and d.name != "tokens":  # the ranks refused it only once started
-            raise ValueError(f"mode=eval reads token files: set data=tokens data.path=FILE (got data={d.name})")
-        if d.masks_documents:  # the model attends within documents, and no context parallel cuts its rows
-            d.check_document_mask(model=m.name, family=m.family, cp=self.parallel.cp)
+        if self.mode is Mode.eval and d.name not in ("tokens", "datasets"):  # the ranks refused it only once started
+            raise ValueError(f"mode=eval reads token files or data=datasets' validation rows: set data=tokens "
+                             f"data.path=FILE or data=datasets (got data={d.name})")
+        if self.mode is Mode.eval and d.name == "datasets" and d.streaming:  # train/evaluate.py reads the cache
+            raise ValueError("mode=eval reads each validation row once from the token cache: set data.streaming=false")
+        if d.masks_documents:  # the model attends within documents
+            d.check_document_mask(model=m.name, family=m.family, compile=self.trainer.compile)
         vocab = m.vocab_size
         if vocab is not None and self.mode is not Mode.simulate:  # a simulation reads no tokens
             d.check_vocab_fits(vocab)  # token files' ids: train/token_check.py, before the ranks start

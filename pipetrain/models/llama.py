@@ -133,18 +133,17 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None and self.norm_heads:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         cp = self.context  # under context parallel x holds this rank's positions of each sequence only
-        if cp is not None and docs is not None:
-            raise ValueError("data.document_mask with parallel.cp > 1 is not supported yet: set one of them off")
-        if docs is not None:  # the (T, hd) tables at each token's position in its document: (B, 1, T, hd)
-            cos, sin = (c[docs.positions].unsqueeze(1) for c in self.rotary.tables(t, x.device, q.dtype))
+        if docs is not None:  # the tables at each token's position in its document: (B, 1, T, hd); under
+            n = t if cp is None else cp.seq_len  # context parallel a document may be as long as the whole row
+            cos, sin = (c[docs.positions].unsqueeze(1) for c in self.rotary.tables(n, x.device, q.dtype))
         else:
             cos, sin = self.rotary.tables(t, x.device, q.dtype) if cp is None else cp.tables(self.rotary, x.device,
                                                                                                q.dtype)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
         gqa = self.kv_heads != self.heads  # query head i reads key/value head i // (H / KV), as HF's repeat_kv
-        if cp is not None:  # causal by true position, K/V of the other positions from the cp group
-            y = cp.attend(q, k, v)
+        if cp is not None:  # causal (or per document) by true position, K/V of the other positions from the cp group
+            y = cp.attend(q, k, v, docs)
         elif docs is not None:  # block-causal: each query the keys of its own document up to itself
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask(), enable_gqa=gqa)
         else:  # without copying k and v

@@ -18,6 +18,15 @@ Two ways to reach the other ranks' keys and values (`parallel.cp_rotate`):
 
 Both equal full-sequence attention at a rank's positions (tests/test_cp_attention.py).
 
+Document masks (runtime/documents.py, issue #46): a row's documents come from the whole row (every rank
+has the step's full microbatches) and are cut as its positions are (`ContextAttention.local_documents`);
+RoPE reads each position's place in its document. Allgather masks this rank's queries against every
+key (B, 1, T/cp, T); the ring restricts that mask to each arriving block, and a block none of whose keys
+shares a document with an earlier-or-equal query of this rank is skipped, not masked: no scores, no
+softmax, no gradient (CPStats.skipped_blocks). The block still travels on: the ring's order is fixed.
+The ring reads the stage's (B, 1, T/cp, T) boolean mask (one byte per query-key pair, built once per
+stage forward): at long sequences a per-block mask from the document indices would hold less.
+
 What the cp traffic costs is counted per rank in a `CPStats` (ContextAttention.stats, read and reset
 by `take()` at a logged step): K/V bytes that arrived from the group (gradients included), host ms
 blocked in the cp collectives, gathered K/V the forwards keep for backward, and the most K/V bytes
@@ -39,6 +48,7 @@ import torch.nn.functional as F
 
 from pipetrain.parallel.layer_spec import ContextPlanned
 from pipetrain.runtime import collectives
+from pipetrain.runtime.documents import Documents
 
 SEQ = 2  # (B, heads, T, head_dim): the sequence dimension attention's inputs carry
 
@@ -59,6 +69,7 @@ class CPStats:
     comm_ms: float = 0.0  # host ms blocked in the cp collectives (gloo: the transfer; the ring: its exposed wait)
     gathered_kv_bytes: int = 0  # allgather: the gathered K/V tensors the forwards keep for backward
     peak_kv_bytes: int = 0  # the most K/V bytes held at once inside attention: own block + gathered / in the ring
+    skipped_blocks: int = 0  # ring, document masks: K/V blocks whose attention was skipped (forwards and backwards)
 
     def held(self, *blocks: torch.Tensor) -> None:
         self.peak_kv_bytes = max(self.peak_kv_bytes, sum(b.nbytes for b in blocks))
@@ -191,15 +202,21 @@ class _Ring:
         self.stats.held(*own, *(now if now[0] is not own[0] else ()), *coming)
 
 
-def _block(q, k, v, qpos, kpos, scale):
-    """Scores of one K/V block: (B, H, Tq, Tk) with -inf where the key is later than the query."""
+def _block(q, k, v, qpos, kpos, scale, mask=None):
+    """Scores of one K/V block: (B, H, Tq, Tk) with -inf where the key is later than the query, or with a
+    document mask (B, 1, Tq, Tk) where the key is not an earlier-or-equal one of the query's document."""
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    return s.masked_fill(~(kpos[None, :] <= qpos[:, None]), float("-inf"))
+    return s.masked_fill(~(kpos[None, :] <= qpos[:, None]) if mask is None else ~mask, float("-inf"))
+
+
+def _block_mask(mask: Optional[torch.Tensor], src: int, size: int) -> Optional[torch.Tensor]:
+    """The document mask (B, 1, Tq, T) in gathered order restricted to cp rank src's keys: (B, 1, Tq, T/cp)."""
+    return None if mask is None else mask[..., src * size:(src + 1) * size]
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, seq_len, scale, stats):  # type: ignore[override]
+    def forward(ctx, q, k, v, g, seq_len, scale, stats, mask):  # type: ignore[override]
         heads, ring = q.shape[1], _Ring(g, stats, "cp:ring")
         qpos = positions(seq_len, g.size, g.rank).to(q.device)
         acc = torch.zeros_like(q, dtype=torch.float32)
@@ -212,25 +229,29 @@ class _RingAttention(torch.autograd.Function):
                 (kn, vn), works = ring.start([kb, vb])  # the next block travels while this one is used
                 coming = (kn, vn)
             ring.held((k, v), (kb, vb), coming)
-            s = _block(q.float(), _expand(kb, heads).float(), None, qpos,
-                       positions(seq_len, g.size, src).to(q.device), scale)
-            block_lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq); -inf where no key is visible
-            new = torch.logaddexp(lse, block_lse)
-            p = torch.exp(s - new.unsqueeze(-1)).nan_to_num(0.0)
-            acc = acc * torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1) + \
-                torch.matmul(p, _expand(vb, heads).float())
-            lse = new
+            bmask = _block_mask(mask, src, k.shape[SEQ])
+            if bmask is not None and not bool(bmask.any()):  # no query of this rank sees a key of the block
+                stats.skipped_blocks += 1
+            else:
+                s = _block(q.float(), _expand(kb, heads).float(), None, qpos,
+                           positions(seq_len, g.size, src).to(q.device), scale, bmask)
+                block_lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq); -inf where no key is visible
+                new = torch.logaddexp(lse, block_lse)
+                p = torch.exp(s - new.unsqueeze(-1)).nan_to_num(0.0)
+                acc = acc * torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1) + \
+                    torch.matmul(p, _expand(vb, heads).float())
+                lse = new
             if works is not None:
                 ring.wait(works)
                 kb, vb = kn, vn
         out = acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.g, ctx.seq_len, ctx.scale, ctx.stats = g, seq_len, scale, stats
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         g, seq_len, scale = ctx.g, ctx.seq_len, ctx.scale
         heads, kv, ring = q.shape[1], k.shape[1], _Ring(g, ctx.stats, "cp:ring B")
         qpos = positions(seq_len, g.size, g.rank).to(q.device)
@@ -241,14 +262,18 @@ class _RingAttention(torch.autograd.Function):
         dkb, dvb = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
         for i in range(g.size):
             src = (g.rank - i) % g.size
-            kf, vf = _expand(kb, heads).float(), _expand(vb, heads).float()
-            s = _block(qf, kf, None, qpos, positions(seq_len, g.size, src).to(q.device), scale)
-            p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # (B, H, Tq, Tk)
-            dp = torch.matmul(dof, vf.transpose(-2, -1))
-            ds = p * (dp - delta) * scale
-            dq += torch.matmul(ds, kf)
-            dkb = dkb + _fold(torch.matmul(ds.transpose(-2, -1), qf), kv)
-            dvb = dvb + _fold(torch.matmul(p.transpose(-2, -1), dof), kv)
+            bmask = _block_mask(mask, src, k.shape[SEQ])
+            if bmask is not None and not bool(bmask.any()):  # skipped in the forward: no gradient either
+                ctx.stats.skipped_blocks += 1
+            else:
+                kf, vf = _expand(kb, heads).float(), _expand(vb, heads).float()
+                s = _block(qf, kf, None, qpos, positions(seq_len, g.size, src).to(q.device), scale, bmask)
+                p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # (B, H, Tq, Tk)
+                dp = torch.matmul(dof, vf.transpose(-2, -1))
+                ds = p * (dp - delta) * scale
+                dq += torch.matmul(ds, kf)
+                dkb = dkb + _fold(torch.matmul(ds.transpose(-2, -1), qf), kv)
+                dvb = dvb + _fold(torch.matmul(p.transpose(-2, -1), dof), kv)
             if g.size == 1:
                 continue
             # the block and its gradient so far move on together; the last move takes the gradients
@@ -261,14 +286,16 @@ class _RingAttention(torch.autograd.Function):
             else:
                 (dkb, dvb), works = ring.start([dkb, dvb])
                 ring.wait(works)
-        return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: CPGroup, seq_len: int,
-                   scale: Optional[float] = None, stats: Optional[CPStats] = None) -> torch.Tensor:
-    """As allgather_attention, with K/V blocks passed around the ring (no rank holds them all)."""
+                   scale: Optional[float] = None, stats: Optional[CPStats] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As allgather_attention, with K/V blocks passed around the ring (no rank holds them all); `mask`
+    (B, 1, T/cp, T) bool, keys in gathered order: a document mask (Documents.attention_mask), else causal."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, g, seq_len, scale, CPStats() if stats is None else stats)
+    return _RingAttention.apply(q, k, v, g, seq_len, scale, CPStats() if stats is None else stats, mask)
 
 
 class ContextAttention:
@@ -280,6 +307,7 @@ class ContextAttention:
         self.stats = CPStats()  # this rank's cp traffic, taken at logged steps
         self.rotate = rotate
         self.positions = positions(seq_len, g.size, g.rank)
+        self.gathered = torch.cat([positions(seq_len, g.size, r) for r in range(g.size)])  # (T,) keys' positions
         self._masks: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # allgather: one per (device, dtype)
 
     def tables(self, rotary, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,9 +315,24 @@ class ContextAttention:
         pos = self.positions.to(device)
         return cos[pos], sin[pos]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def local_documents(self, docs: Documents) -> Documents:
+        """A whole row's documents (B, T) cut to this rank's positions (the queries), with the document of
+        every key in gathered order and which keys come at or before each query (runtime/documents.py)."""
+        pos, every = self.positions, self.gathered
+        return Documents(docs.index[:, pos], docs.positions[:, pos], keys=docs.index[:, every],
+                         causal=every[None, :] <= pos[:, None])  # (T/cp, T)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               docs: Optional[Documents] = None) -> torch.Tensor:
+        """`docs` (this rank's cut, `local_documents`): attention within each document, else causal."""
+        if docs is not None and docs.keys is None:
+            raise RuntimeError("context parallel attends within documents cut from whole rows "
+                               "(Parallelize.local_documents): pass them to the step, not only the cut rows")
+        mask = None if docs is None else docs.attention_mask()  # (B, 1, T/cp, T) bool
         if self.rotate == "ring":
-            return ring_attention(q, k, v, self.g, self.seq_len, stats=self.stats)
+            return ring_attention(q, k, v, self.g, self.seq_len, stats=self.stats, mask=mask)
+        if mask is not None:
+            return allgather_attention(q, k, v, self.g, self.seq_len, stats=self.stats, mask=mask)
         key = (str(q.device), q.dtype)
         if key not in self._masks:
             self._masks[key] = causal_mask(self.seq_len, self.g, q.device, q.dtype)

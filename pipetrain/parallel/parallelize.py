@@ -16,7 +16,8 @@ adding a parallelism is one field here, one step in `STEPS` and one degree in th
 
 `Parallelize.build` is the one place a rank's parallel setup is made from the config, the plan and
 the groups; the trainer asks it, and names no single parallelism, for this rank's part of a batch
-(`local_batch`: its pipeline's dp rows, under context parallel the positions it holds), the weights
+(`local_batch`: its pipeline's dp rows, under context parallel the positions it holds, and
+`local_documents`: their documents, cut alike), the weights
 split across ranks (`split_weights`: tp slices and ep experts, for checkpoints and materializing)
 and the parallel layers' counts of a step (`take_stats`).
 """
@@ -37,6 +38,7 @@ from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.split_weights import SplitWeights
 from pipetrain.parallel.tp_plan import TensorParallel, tensor_parallel
 from pipetrain.runtime.batch import Batch
+from pipetrain.runtime.documents import Documents, documents
 from pipetrain.runtime.ep_comm import EPGroup
 from pipetrain.runtime.step_loss import GlobalTokens
 
@@ -94,6 +96,17 @@ class Parallelize:
         if bool((units == units.flatten()[0]).all()):
             return None
         return GlobalTokens(int(counted.sum()), dp * cp)
+
+    def local_documents(self, batch: Batch, eos: Optional[int], microbatches: int) -> Optional[list[Documents]]:
+        """Per microbatch of this rank's part of `batch` its documents (document masks, `eos` ends one), computed
+        from its rows whole and cut as local_batch cuts them: under context parallel, where a rank's own
+        positions cannot say which documents they belong to. None otherwise: the executor computes them
+        from its microbatches (runtime/batch.py)."""
+        if eos is None or self.cp is None:
+            return None
+        x, _ = local_rows(batch, *self.rows)
+        whole, per = documents(x, eos), x.shape[0] // microbatches  # microbatches as train/data.py cuts them
+        return [self.cp.local_documents(whole.rows(m * per, (m + 1) * per)) for m in range(microbatches)]
 
     def split_weights(self, stages: Mapping[int, nn.Module]) -> SplitWeights:
         """The weights of `stages` split across ranks (tp slices, ep experts; saved and materialized

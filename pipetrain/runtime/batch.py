@@ -10,6 +10,7 @@ the cost was the wait, not the bytes. Under document masks each microbatch's doc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from pipetrain.runtime.documents import Documents, documents
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), (B, T) each: a batch or a microbatch
+Docs = Optional[Sequence[Documents]]  # a step's documents per microbatch, where the caller cut them (StepBatch.load)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -44,12 +46,20 @@ class StepBatch:
         self.document_eos: Optional[int] = None
         self.load([], (), ())
 
-    def load(self, microbatches: Sequence[Batch], inputs: Iterable[int], targets: Iterable[int]) -> None:
-        """This step's: `microbatches[m]` is (input, target) of microbatch m; `inputs` / `targets` the m read."""
+    def load(self, microbatches: Sequence[Batch], inputs: Iterable[int], targets: Iterable[int],
+             docs: Docs = None) -> None:
+        """This step's: `microbatches[m]` is (input, target) of microbatch m; `inputs` / `targets` the m read;
+        `docs[m]` microbatch m's documents where the caller cut them from whole rows (context parallel:
+        parallel/parallelize.py local_documents), else computed here from the inputs."""
         self.given = microbatches  # as given (evaluate() counts targets on the host)
         self.inputs = {m: to_device(microbatches[m][0], self.device) for m in sorted(inputs)}
         self.targets = {m: to_device(microbatches[m][1], self.device) for m in sorted(targets)}
         eos = self.document_eos
-        self.docs: dict[int, Documents] = {} if eos is None else {
-            m: Documents(*(to_device(t, self.device) for t in (d.index, d.positions)))
-            for m, d in ((m, documents(x, eos)) for m, (x, _) in enumerate(microbatches))}
+        if docs is None:
+            docs = [] if eos is None else [documents(x, eos) for x, _ in microbatches]
+        self.docs: dict[int, Documents] = {m: self._moved(d) for m, d in enumerate(docs)}
+
+    def _moved(self, d: Documents) -> Documents:
+        """Every tensor of `d` on the device (index, positions; under context parallel keys and causal too)."""
+        return Documents(*(None if t is None else to_device(t, self.device)
+                           for t in (getattr(d, f.name) for f in dataclasses.fields(d))))

@@ -14,6 +14,12 @@ the inputs (runtime/batch.py StepBatch), and hands it to every stage forward of 
 (runtime/stage_protocol.py Stage: `stage(x, docs)`). A stage builds the (B, 1, T, T) mask once per
 forward (`with_mask`), not per layer; its layers that declare parallel/layer_spec.py DocumentsPlanned
 read it. Without document masks nothing of this runs: SDPA's is_causal path, bit for bit as before.
+
+Under context parallel a rank holds some positions of each row (parallel/cp.py: load-balanced chunks), and
+the row's documents are computed from the whole row (every rank has the step's full microbatches) and cut
+the way its positions are (`ContextAttention.local_documents`): `index` and `positions` at this rank's
+positions (the queries), `keys` the document of every position in the order the cp group gathers K/V, and
+`causal` which of those keys come at or before each query. The mask is then (B, 1, T/cp, T).
 """
 
 from __future__ import annotations
@@ -32,14 +38,28 @@ class Documents:
     index: torch.Tensor  # (B, T) int64: 0 at position 0, +1 at each position right after an EOS
     positions: torch.Tensor  # (B, T) int64: the position within its document, 0 where one starts
     mask: Optional[torch.Tensor] = None  # (B, 1, T, T) bool: query i may attend key j (with_mask)
+    # context parallel (parallel/cp.py), None without: the document of each key (B, T_row) in the cp group's
+    # gathered order, and (T, T_row) bool: key j's position in the row at or before query i's
+    keys: Optional[torch.Tensor] = None
+    causal: Optional[torch.Tensor] = None
 
     def with_mask(self) -> Documents:
         """These documents with their attention mask built (once per stage forward, shared by its layers)."""
-        return self if self.mask is not None else dataclasses.replace(self, mask=block_causal(self.index))
+        return self if self.mask is not None else dataclasses.replace(self, mask=self.attention_mask())
 
     def attention_mask(self) -> torch.Tensor:
-        """(B, 1, T, T) bool for scaled_dot_product_attention's attn_mask (broadcast over heads)."""
-        return self.mask if self.mask is not None else block_causal(self.index)
+        """(B, 1, T, T) bool for scaled_dot_product_attention's attn_mask (broadcast over heads); under
+        context parallel (B, 1, T/cp, T_row): this rank's queries, the keys in gathered order."""
+        if self.mask is not None:
+            return self.mask
+        if self.keys is None or self.causal is None:
+            return block_causal(self.index)
+        return (self.index[:, None, :, None] == self.keys[:, None, None, :]) & self.causal  # (B, 1, T/cp, T_row)
+
+    def rows(self, start: int, stop: int) -> Documents:
+        """Rows start..stop of these documents (a microbatch's, as train/data.py split_microbatches cuts)."""
+        cut = [None if t is None else t[start:stop] for t in (self.index, self.positions, self.mask, self.keys)]
+        return Documents(*cut, causal=self.causal)
 
 
 def documents(ids: torch.Tensor, eos: int) -> Documents:

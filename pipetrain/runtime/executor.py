@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.runtime.backward import backward_weight
-from pipetrain.runtime.batch import Batch, StepBatch, counted_targets
+from pipetrain.runtime.batch import Batch, Docs, StepBatch, counted_targets
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.grad_reduce import GradReducer
 from pipetrain.runtime.overlap import stage_passes
@@ -104,11 +104,11 @@ class Executor:
         if self.comm is not None:
             self.comm.close()
 
-    # ---- the interpreter ----------------------------------------------------------------
-    def step(self, microbatches: Sequence[Batch], tokens: Optional[GlobalTokens] = None) -> StepResult:
-        """Run every action of this rank once; `microbatches[m]`: microbatch m (`tokens`: runtime/step_loss.py)."""
+    def step(self, microbatches: Sequence[Batch], tokens: Optional[GlobalTokens] = None, docs: Docs = None
+             ) -> StepResult:
+        """Run every action of this rank once on `microbatches[m]` (tokens: runtime/step_loss.py; docs: batch.py)."""
         rec = self._use(self.recorder if self.measure else self._unmeasured)
-        self._reset(microbatches, tokens)
+        self._reset(microbatches, tokens, docs)
         if self.comm is not None:
             self.comm.begin(self.program.plan, self.recv_buffer)
         if self.reducer is not None:
@@ -238,7 +238,6 @@ class Executor:
                                      split=ba.op is Op.B, head=self._head, wrap=self._wrap, forward_done=forward_done)
         self._backward_done(ba, gx, works, bsend)
 
-    # ---- data movement: local hand-off or point-to-point ------------------------------
     def _give(self, kind: str, s: int, m: int, tensor: torch.Tensor, send: Optional[Message]) -> None:
         if send is None:
             self._local[(kind, s, m)] = tensor
@@ -254,12 +253,12 @@ class Executor:
         self._rec.received(need, since)
         return tensor
 
-    def evaluate(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]:
+    def evaluate(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], docs: Docs = None) -> Optional[float]:
         """Forward only (validation): this rank's F actions in schedule order, whole stages, no graph kept;
         still deadlock-free (a forward only waits for forwards, in training's per-rank order). The loss is
         the mean over every counted target of every microbatch (ids of -1 are padding: mode=eval pads its
         last batch so), each microbatch's mean weighted by its count."""
-        self._reset(microbatches)
+        self._reset(microbatches, docs=docs)
         self._use(self._unmeasured)
         self._forward_only = True
         comm = self.comm
@@ -279,11 +278,12 @@ class Executor:
         self._ctx.clear()
         return self._step_loss.mean()
 
-    def _reset(self, microbatches: Sequence[Batch], tokens: Optional[GlobalTokens] = None) -> None:
+    def _reset(self, microbatches: Sequence[Batch], tokens: Optional[GlobalTokens] = None, docs: Docs = None
+               ) -> None:
         M = self.schedule.num_microbatches
         if len(microbatches) != M:
             raise ValueError(f"expected {M} microbatches (pipeline.microbatches), got {len(microbatches)}")
-        self.batch.load(microbatches, self.program.inputs, self.program.targets)
+        self.batch.load(microbatches, self.program.inputs, self.program.targets, docs)
         self._whole.begin_step(None, self.batch.docs)
         # (stage, microbatch) -> its input, output and what its backward needs (stage_passes.py)
         self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Any]] = {}

@@ -26,6 +26,7 @@ from pipetrain.models.hf import pretrained_rule
 from pipetrain.models.init import InitRule, materialize
 from pipetrain.models.split import StageModule, cut_stage, on_meta
 from pipetrain.runtime.comm import P2P
+from pipetrain.runtime.documents import Documents
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.step_loss import GlobalTokens
 from pipetrain.runtime.step_result import StepResult
@@ -85,10 +86,11 @@ class RankPipeline:
         return [(s, n, p) for s in sorted(self.stages) for n, p in self.stages[s].named_parameters()]
 
     def train_step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                   tokens: Optional[GlobalTokens] = None) -> StepResult:
-        """Forward and backward of all microbatches, then gradients summed over copies. `tokens`: the
-        global batch's loss tokens where microbatches count unequal ones (runtime/step_loss.py)."""
-        result = self.executor.step(microbatches, tokens)
+                   tokens: Optional[GlobalTokens] = None, docs: Optional[Sequence[Documents]] = None) -> StepResult:
+        """Forward and backward of all microbatches, then gradients summed over copies. `tokens`: the global
+        batch's loss tokens where microbatches count unequal ones (runtime/step_loss.py); `docs`: their
+        documents, cut from whole rows under context parallel."""
+        result = self.executor.step(microbatches, tokens, docs)
         if self.tp is not None:  # whole weights each tp rank used on part of the tokens / heads
             self.tp.reduce_partial(self.stages)
         self.sync.sync()

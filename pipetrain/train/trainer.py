@@ -21,14 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from pipetrain.config import Config
-from pipetrain.metrics.names import data_metrics
 from pipetrain.metrics.step import RunSummary, StepRecord
-from pipetrain.models.causal_lm import IGNORE_INDEX
-from pipetrain.runtime.step_loss import GlobalTokens
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.timeouts import bound_waits
 from pipetrain.parallel.parallelize import Parallelize
@@ -38,7 +34,8 @@ from pipetrain.train import checkpoint
 from pipetrain.train.checkpoint import Checkpointable, TrainState
 from pipetrain.train.checkpoint_dirs import Note, silent
 from pipetrain.train.checkpoint_async import AsyncSaver
-from pipetrain.train.data import build_data, split_microbatches
+from pipetrain.train.data import build_data
+from pipetrain.train.step_input import StepInput
 from pipetrain.train.monitor import Monitor
 from pipetrain.train.restart import Restart, StepTracker, restart_count, slurm_requeues, this_restart
 from pipetrain.train.stop import RANKS, StopSignals, hold_presence, signal_name, write_stopped
@@ -80,8 +77,8 @@ class Trainer:
         self.tracker = StepTracker(self.rank)  # the step in progress, for a restart's message
         self.checkpointable = Checkpointable(self.pipe.sync, self.optimizer, self.state, splits)
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
-        self.data_stats: dict[str, float] = {}  # the data/ metrics of the last training batch
-        self.step_tokens: Optional[GlobalTokens] = None  # its loss tokens, where its microbatches count unequal ones
+        self.input = StepInput(self.data, self.parallel, config.pipeline.microbatches,  # a step's batch, cut here
+                               eos=lambda: self.pipe.executor.batch.document_eos)
         self.monitor = Monitor(config, plan, device=self.device, run_dir=self.run_dir)
         self.saver = (AsyncSaver(config, self.run_dir, note=self.monitor.note)  # checkpoint.async_save
                       if config.checkpoint.async_save else None)
@@ -99,7 +96,7 @@ class Trainer:
         loaded = checkpoint.resume(self.checkpointable, self.run_dir, self.config, note=note,
                                    restarted=restarted or requeued)
         self._keep_cosine(loaded is not None, note)
-        self._restore_data(note)
+        self.input.restore(self.state.data, self.state.step, note)
         return this_restart(self.tracker, self.config.layout) if restarted and self.rank == 0 else None
 
     def _keep_cosine(self, loaded: bool, note: Note) -> None:
@@ -112,37 +109,7 @@ class Trainer:
             note(f"lr: the cosine keeps the length the run was started with, {st.decay_steps} steps (trainer.max_steps "
                  f"is now {cfg.trainer.max_steps}): set optim.decay_steps={cfg.trainer.max_steps} to stretch it")
 
-    def _restore_data(self, note: Note) -> None:
-        """A stateful data source (data.streaming) goes to the resumed step's position: the checkpoint's
-        data_state, or where it has none (saved without streaming) by reading the steps before it."""
-        restore = getattr(self.data, "load_state_dict", None)
-        if restore is None or self.state.step == 0:
-            return
-        if self.state.data is not None:
-            restore(self.state.data)
-            return
-        note(f"data: the checkpoint holds no stream position (saved without data.streaming): reading the "
-             f"{self.state.step} steps before it again to find it")
-        for k in range(self.state.step):
-            self.data.batch(k)
-
     # ---- one optimizer step -------------------------------------------------------------
-    def microbatches(self, step: int, split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This pipeline's microbatches of step `step`: its 1/dp rows of the global batch (under context
-        parallel their positions this rank holds), split in M."""
-        assert self.data is not None, "this Trainer was built with train_data=False (mode=eval)"
-        batch = self.data.batch(step, split=split)
-        if split == "train":  # the data/ metrics of the global batch (metrics/names.py)
-            x, y = batch  # token ids, or (mlp, sleep) a model's own example inputs: no tokens to count
-            self.data_stats = getattr(self.data, "last_stats", None) or (data_metrics(
-                tokens=x.numel(), loss_tokens=int((y != IGNORE_INDEX).sum()), positions=x.numel())
-                if not x.is_floating_point() else {})
-        # the loss is the mean over the global batch's loss tokens: counted here, before it is cut for this rank
-        self.step_tokens = self.parallel.global_tokens(batch, self.config.pipeline.microbatches) \
-            if split == "train" else None
-        rows = self.parallel.local_batch(batch)
-        return split_microbatches(rows, self.config.pipeline.microbatches)
-
     def train_step(self, *, measure: bool = False) -> StepRecord:
         """One optimizer step. measure=True (a logged step; every rank alike) gathers every rank's
         timings and memory to rank 0, whose record then carries the step's measurement."""
@@ -157,8 +124,8 @@ class Trainer:
             comm.set_timeout(max(cfg.trainer.compile_timeout_s, cfg.pipeline.p2p_timeout_s))
         self.pipe.executor.measure = measure  # unlogged steps record nothing but the loss (runtime/recorder.py)
         self.parallel.take_stats()  # the parallel layers' counts of this step only (an eval's forwards count too)
-        microbatches = self.microbatches(step)
-        result = self.pipe.train_step(microbatches, self.step_tokens)
+        microbatches, docs = self.input.read(step)
+        result = self.pipe.train_step(microbatches, self.input.tokens, docs)
         if first_compiled:
             comm.set_timeout(cfg.pipeline.p2p_timeout_s)
         if not self._stepped:  # from now on a collective waits on a peer no longer than a transfer does
@@ -200,12 +167,12 @@ class Trainer:
         tokens_per_s = self.tokens_per_step / step_s
         return StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=norm, step_time_s=step_s,
                           tokens_per_s=tokens_per_s, skipped=skipped, mfu=self.monitor.mfu(tokens_per_s),
-                          measurement=measurement, data=self.data_stats)
+                          measurement=measurement, data=self.input.stats)
 
     def evaluate(self) -> float:
         losses = []
         for i in range(self.config.trainer.eval_batches):
-            losses.append(self.pipe.executor.evaluate(self.microbatches(i, split="val")))
+            losses.append(self.pipe.executor.evaluate(*self.input.read(i, split="val")))
         return sum(losses) / len(losses)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -241,8 +208,7 @@ class Trainer:
     def save(self, *, wait: bool) -> Path:
         """Collective: checkpoint the current step, in the background under checkpoint.async_save
         (wait=True: committed before returning, as at the end or on a signal)."""
-        state_dict = getattr(self.data, "state_dict", None)  # data.streaming: the stream's position, at this step
-        self.state.data = state_dict() if state_dict is not None else None
+        self.state.data = self.input.position()  # data.streaming's
         if self.saver is None:
             return checkpoint.save_checkpoint(self.checkpointable, self.run_dir, self.config, note=self.monitor.note)
         path = self.saver.save(self.checkpointable)
