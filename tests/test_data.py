@@ -274,9 +274,15 @@ def test_every_data_option_composes(compose, tmp_path, name):
 
         Dataset.from_dict({"text": ["hello world, " * 20] * 10}).save_to_disk(tmp_path / "saved")
         extra = [f"data.path={tmp_path / 'saved'}"]
+    elif name == "sft":  # chats, and a model folder whose tokenizer has a chat template
+        from _chat import chat_model, chats, write_jsonl
+
+        extra = [f"data.path={write_jsonl(tmp_path / 'chat.jsonl', chats(10))}", "model=llama-tiny",
+                 f"model.pretrained={chat_model(tmp_path / 'tiny-chat')}"]
     cfg = compose([f"data={name}", *extra])
     assert isinstance(cfg.data, DataConfig) and cfg.data.name == name
-    assert (cfg.data.batch_size, cfg.data.seq_len) == (16, 64)
+    # chats are longer than a pre-training toy row: data=sft's rows hold a whole sample or several
+    assert (cfg.data.batch_size, cfg.data.seq_len) == (16, 256 if name == "sft" else 64)
 
 
 def test_missing_file_fails_in_the_config(compose, tmp_path):

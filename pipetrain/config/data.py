@@ -83,9 +83,10 @@ class DataConfig:
     # end at EOS: runtime/documents.py); null: true for data=datasets with packing, the data with such rows
     document_mask: Optional[bool] = None
     # data=sft (config/sft.py): the tokens the loss is on, assistant (the assistant's turns as the chat template
-    # renders them) | all (every token of a sample); and a sample longer than seq_len + 1 tokens: true: its first
-    # seq_len + 1 tokens kept, false: dropped (either counted in the data's description)
+    # renders them) | all (every token of a sample)
     loss_on: str = "assistant"
+    # data=sft: a sample longer than seq_len + 1 tokens: true: its first seq_len + 1 tokens kept, false: dropped
+    # (either counted in the data's description)
     truncate: bool = True
 
     def __post_init__(self) -> None:
