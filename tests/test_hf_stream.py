@@ -5,6 +5,8 @@ mixture streams at its weights; held-out documents never reach training (#46).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -119,3 +121,10 @@ def test_streaming_null_streams_a_hub_name_or_big_files_only(tmp_path):
     path = jsonl(tmp_path / "d.jsonl", DOCS)
     assert not streams(config(path, streaming=None))
     assert streams(config(path, streaming=True))
+    # data=sft renders and caches its chats once: a hub name does not make it stream (the streams rule
+    # read alone here: a DataConfig of data=sft needs a chat-template folder; test_sft.py builds one)
+    sft_hub = dataclasses.replace(config(path, streaming=None), path="owner/name")
+    sft_hub.name = "sft"
+    assert not streams(sft_hub)
+    sft_hub.name = "datasets"
+    assert streams(sft_hub), "the same source under data=datasets: a hub name streams"

@@ -22,6 +22,7 @@ from typing import Any, Optional, Protocol
 class DataConfig(Protocol):
     """What this file reads of config/data.py's DataConfig (which imports this file: no import back)."""
 
+    name: str
     path: Optional[str]
     sources: list[SourceConfig]
     split: str
@@ -145,9 +146,12 @@ def check_hf_source(source: SourceConfig, *, val_split: Optional[str], chat: boo
 
 
 def streams(cfg: DataConfig) -> bool:
-    """data.streaming, or where it is null: whether any source is a hub name or holds > STREAM_BYTES."""
+    """data.streaming, or where it is null: whether any source is a hub name or holds > STREAM_BYTES.
+    data=sft never streams of itself (its chats are rendered and cached once; config/sft.py refuses true)."""
     if cfg.streaming is not None:
         return cfg.streaming
+    if cfg.name == "sft":
+        return False
     from pipetrain.config.hf_source import find_source
 
     for s in source_list(cfg):
