@@ -10,6 +10,8 @@ wall time of each is reported. Cases:
   help                pipetrain --help                               (no torch: tests/test_startup.py)
   simulate-sleep      pipetrain mode=simulate model=sleep            (no torch)
   quickstart-1-step   pipetrain trainer.max_steps=1                  (the README's run, one step)
+`pipetrain` is run as its console script runs it: the entry point the measured tree's pyproject.toml
+declares ([project.scripts]), called from `python -c`, so each tree starts the way a user's does.
 The quickstart's own step (its `perf/step_time_s`, from metrics.jsonl) is reported beside it, so
 start-up = wall - step. `--old REV` adds the quickstart of commit REV (`git archive` into a temporary
 directory, run with PYTHONPATH there and its own conf/), interleaved with the others every round, and
@@ -38,14 +40,24 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
+PIPETRAIN = "<pipetrain>"  # the tree's console script (script())
 CASES = {
     "import-cli": [PY, "-c", "import pipetrain.cli"],
     "import-torch": [PY, "-c", "import torch"],
     "import-rank": [PY, "-c", "import torch, torch.distributed, pipetrain.launch.rank, pipetrain.train.trainer"],
-    "help": [PY, "-m", "pipetrain.cli", "--help"],
-    "simulate-sleep": [PY, "-m", "pipetrain.cli", "mode=simulate", "model=sleep"],
-    "quickstart-1-step": [PY, "-m", "pipetrain.cli", "trainer.max_steps=1", "logger=[console,jsonl]"],
+    "help": [PIPETRAIN, "--help"],
+    "simulate-sleep": [PIPETRAIN, "mode=simulate", "model=sleep"],
+    "quickstart-1-step": [PIPETRAIN, "trainer.max_steps=1", "logger=[console,jsonl]"],
 }
+
+
+def script(tree: Path) -> list[str]:
+    """What the `pipetrain` console script of `tree` runs: its [project.scripts] entry point."""
+    import tomllib
+
+    target = tomllib.loads((tree / "pyproject.toml").read_text())["project"]["scripts"]["pipetrain"]
+    module, _, function = target.split("#")[0].strip().partition(":")
+    return [PY, "-c", f"import sys; sys.argv[0] = 'pipetrain'; from {module} import {function}; sys.exit({function}())"]
 
 
 OLD = "quickstart-1-step@old"
@@ -80,7 +92,8 @@ def check_tree(tree: Path) -> None:
 def run(name: str, cmd: list[str], where: Path, tree: Path = REPO) -> tuple[float, float | None]:
     """(wall seconds, the run's own step seconds where it trained) of one fresh process, pipetrain from `tree`."""
     run_dir = where / f"{name}-{time.monotonic_ns()}"
-    args = cmd + ([f"hydra.run.dir={run_dir}"] if cmd[1:3] == ["-m", "pipetrain.cli"] and "--help" not in cmd else [])
+    args = cmd + ([f"hydra.run.dir={run_dir}"] if cmd[0] == PIPETRAIN and "--help" not in cmd else [])
+    args = [*script(tree), *args[1:]] if cmd[0] == PIPETRAIN else args
     env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=str(tree))
     t0 = time.perf_counter()
     res = subprocess.run(args, cwd=where, env=env, capture_output=True, text=True)
@@ -122,7 +135,8 @@ def main() -> None:
         "median_s": {n: round(statistics.median(v), 3) for n, v in walls.items()},
         "all_s": {n: [round(x, 3) for x in v] for n, v in walls.items()},
         "quickstart_step_s": round(statistics.median(steps["quickstart-1-step"]), 3),
-        "commands": {n: " ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd)) for n, cmd in CASES.items()},
+        "commands": {n: " ".join("pipetrain" if c == PIPETRAIN else Path(c).name if i == 0 else c
+                                 for i, c in enumerate(cmd)) for n, cmd in CASES.items()},
     }
     if a.old:
         old_s = statistics.median(walls[OLD])

@@ -28,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from pipetrain.compose import CONF_DIR, check_overrides, check_recipe_args, config_dirs, register_all, to_config
 from pipetrain.config import Config, Mode
 from pipetrain.config.finetune import with_family
-from pipetrain.launch import RankFailedError, RunStopped, prestart_early
+from pipetrain.launch import RankFailedError, RunStopped
+from pipetrain.launch.forkserver import prestart_early
 from pipetrain.launch.rundir import RunLock, check_args
 from pipetrain.sweep import check_sweep, sweep_overrides
 
@@ -70,12 +71,14 @@ def run(config: Config, run_dir: Path) -> Any:
                           highlight=False)
     if config.mode is not Mode.export:
         prestart(config)  # the ranks' start-up (torch's import) runs beside the checks, before ours
-    from pipetrain.models.hf import check_pretrained
     from pipetrain.execution import run_device
-    from pipetrain.train.checkpoint import preflight  # imports torch: only on these paths
+    from pipetrain.train.checkpoint_meta import preflight
 
     preflight(config, run_dir)  # a bad trainer.resume fails here, not in every rank
-    check_pretrained(config.model)  # a missing, extra or mis-shaped key too
+    if config.model.pretrained:  # the one path of the launcher that imports torch before ranks
+        from pipetrain.models.hf import check_pretrained
+
+        check_pretrained(config.model)  # a missing, extra or mis-shaped key too (the model's keys, built on meta)
     from pipetrain.train.token_check import check_token_ids
 
     check_token_ids(config)  # a token id beyond model.vocab_size in the files the run reads
@@ -97,11 +100,11 @@ def run(config: Config, run_dir: Path) -> Any:
 
         check_host_memory(config, plan)  # a model too large for this machine: one line, before any rank starts
     if config.mode is Mode.eval:
-        from pipetrain.train.evaluate import EVAL_FILE, rank_eval
-
-        result = launch(config, plan, run_dir, entry=rank_eval)
+        result = launch(config, plan, run_dir, entry="pipetrain.train.evaluate:rank_eval")
         if "submitted" in result:  # cluster=slurm from a login node: the job evaluates
             return result
+        from pipetrain.train.evaluate import EVAL_FILE
+
         console.print(f"eval: loss {result['loss']:.6f} over {result['tokens']:,} tokens of {result['file']} "
                       f"({result['tokens_per_s']:,.0f} tokens/s) -> {run_dir / EVAL_FILE}",
                       markup=False, highlight=False)

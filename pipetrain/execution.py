@@ -24,9 +24,9 @@ def run_device(config: Config) -> str:
     """Where this run's ranks compute: trainer.device, its auto resolved as the ranks resolve it."""
     if config.trainer.device != "auto":
         return config.trainer.device
-    import torch
+    from pipetrain.launch.devices import visible_gpus  # no torch where no GPU driver is
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if visible_gpus() > 0 else "cpu"
 
 
 def measures_here(config: Config) -> bool:

@@ -26,6 +26,7 @@ from pipetrain.launch import launch
 from pipetrain.plan import make_plan
 from pipetrain.train import checkpoint as ckpt
 from pipetrain.train import checkpoint_dirs as dirs
+from pipetrain.train import checkpoint_meta
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -54,7 +55,7 @@ def crash_mid_save(rank: int, world: int, out: Path, config, plan, run_dir: Path
 
 
 def train(compose, run_dir: Path, layout: str, *extra: str, fn=None) -> Path:
-    """Train as `pipetrain` would: pipetrain.launch (torch elastic) runs the trainer on every rank.
+    """Train as `pipetrain` would: pipetrain.launch (launch/agent.py) runs the trainer on every rank.
     With `fn`, spawn plain ranks running fn instead (a crash test needs ranks that die mid-save)."""
     config = compose([*BASE, *LAYOUTS[layout], *extra])
     if fn is None:
@@ -90,7 +91,7 @@ def reference(compose, tmp_path_factory) -> Path:
 
 def test_reference_checkpoints_and_meta(reference):
     assert [s for s, _ in dirs.list_checkpoints(reference / "checkpoints")] == [3, 6]
-    meta = ckpt.read_meta(dirs.step_dir(reference, 3))
+    meta = checkpoint_meta.read_meta(dirs.step_dir(reference, 3))
     assert (meta["step"], meta["data_position"], meta["tokens"], meta["world_size"]) == (3, 3, 3 * 4 * 32, 2)
     assert meta["fingerprint"]["layout"]["schedule.name"] == "1f1b"
     assert meta["fingerprint"]["model"]["model.n_layer"] == 8
@@ -107,7 +108,7 @@ def test_resume_same_layout_is_bitwise(compose, reference, tmp_path):
     assert sorted(a) == sorted(b)
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    assert ckpt.read_meta(dirs.step_dir(run, STEPS))["tokens"] == STEPS * 4 * 32
+    assert checkpoint_meta.read_meta(dirs.step_dir(run, STEPS))["tokens"] == STEPS * 4 * 32
 
 
 @pytest.mark.parametrize("layout", ["zbv-P4", "dualpipe-P2", "shard2-P1", "replicate2-P2"])
@@ -166,12 +167,13 @@ def test_resume_errors_are_one_line(compose, reference, tmp_path):
     assert dirs.resolve_resume(None, tmp_path) is None
     assert dirs.resolve_resume(str(reference), tmp_path) == dirs.step_dir(reference, STEPS)  # a run dir: newest
     path = dirs.step_dir(reference, EVERY)
-    meta = ckpt.read_meta(path)
+    meta = checkpoint_meta.read_meta(path)
     with pytest.raises(ValueError, match=r"^trainer.resume: .*model.n_layer: 8 -> 4") as err:
-        ckpt.check_compatible(meta, compose([*BASE, "model.n_layer=4"]), path)
+        checkpoint_meta.check_compatible(meta, compose([*BASE, "model.n_layer=4"]), path)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"^trainer.resume: .*model.n_layer: 8 -> 4"):
-        ckpt.preflight(compose([*BASE, "model.n_layer=4", f"trainer.resume={path}"]), tmp_path)
-    assert ckpt.preflight(compose([*BASE, "trainer.resume=auto"]), reference) == dirs.step_dir(reference, STEPS)
-    notes = ckpt.check_compatible(meta, compose([*BASE, *LAYOUTS["zbv-P4"], "trainer.seed=7"]), path)
+        checkpoint_meta.preflight(compose([*BASE, "model.n_layer=4", f"trainer.resume={path}"]), tmp_path)
+    resumed = checkpoint_meta.preflight(compose([*BASE, "trainer.resume=auto"]), reference)
+    assert resumed == dirs.step_dir(reference, STEPS)
+    notes = checkpoint_meta.check_compatible(meta, compose([*BASE, *LAYOUTS["zbv-P4"], "trainer.seed=7"]), path)
     assert any("pipeline.degree: 2 -> 4" in n for n in notes) and any("trainer.seed" in n for n in notes)

@@ -1,4 +1,4 @@
-"""Launching: cluster config checks, the rank environment, real elastic / torchrun / SLURM-env /
+"""Launching: cluster config checks, the rank environment, real local (launch/agent.py) / torchrun / SLURM-env /
 submitit-local runs on gloo, and the sbatch script for 2 nodes x 8 GPUs."""
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def test_cpu_ranks_fork_from_a_warm_server_yet_start_as_spawned_ones(tmp_path, m
     capfd.readouterr()
     launch(config, plan, tmp_path, entry=inherit_entry)
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["rank"] for r in records] == ["0", "1"]  # what torch elastic set per rank
+    assert [r["rank"] for r in records] == ["0", "1"]  # what the launcher set per rank
     assert all(r["added"] == "yes" and r["removed"] is None for r in records), records
     assert all("forkserver" in r["parent"] and r["ppid"] != os.getpid() for r in records), records
     out = capfd.readouterr().out
@@ -325,8 +325,8 @@ def test_submitit_local_sweep_of_two_jobs(tmp_path):
     (["hydra/launcher=submitit_local"], None),
 ])
 def test_early_start_only_where_the_command_line_says_a_local_cpu_run(argv, expected):
-    """cli.main starts the ranks' fork server before Hydra composes only where the command line alone
-    says the run trains or evaluates on cluster=local without a GPU request (launcher.early_start)."""
-    from pipetrain.launch.launcher import early_start
+    """The command starts the ranks' fork server at its first frame only where the command line alone
+    says the run trains or evaluates on cluster=local without a GPU request (forkserver.early_start)."""
+    from pipetrain.launch.forkserver import early_start
 
     assert early_start(argv) is expected

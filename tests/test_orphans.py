@@ -105,7 +105,7 @@ SPAWNING = textwrap.dedent("""
     from pipetrain.launch.forkserver import Inherit
 
     def rank(inherit):
-        inherit.adopt()  # what every rank does first (launch/rank.py: elastic_worker)
+        inherit.adopt()  # what every rank does first (launch/rank.py: local_worker)
         time.sleep(120)
 
     if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""SIGTERM to `pipetrain` (how SLURM preempts; the elastic agent passes it to every rank): the
+"""SIGTERM to `pipetrain` (how SLURM preempts; the launcher passes it to every rank): the
 ranks finish the step they are in, save it, and the command ends within 30 s with one line
 saying where to resume; resuming repeats the uninterrupted run's losses bitwise."""
 

@@ -1,4 +1,4 @@
-"""launch.max_restarts: a rank SIGKILLed mid-run; torch elastic restarts the workers, which resume
+"""launch.max_restarts: a rank SIGKILLed mid-run; the launcher restarts every rank, which resume
 from the newest verified checkpoint by themselves and end with the uninterrupted run's weights,
 bitwise (fp32). The restart is one line on the console and an events.jsonl record."""
 
@@ -102,8 +102,8 @@ def test_failed_rank_from_the_previous_attempts_error_files(tmp_path, monkeypatc
 @pytest.mark.pure
 def test_failed_rank_is_the_one_that_ended_before_the_launcher_stopped_the_others(tmp_path, monkeypatch):
     """Rank 3 was killed; rank 1, busy, was stopped by the launcher before it wrote its error: both
-    left none. The launcher wrote which had ended by themselves (launch/elastic.py: ENDED)."""
-    from pipetrain.launch.elastic import ENDED_FIRST, root_cause
+    left none. The launcher wrote which had ended by themselves (launch/agent.py: ENDED)."""
+    from pipetrain.launch.agent import ENDED_FIRST, root_cause
     from pipetrain.launch.errors import ENDED
     from pipetrain.parallel.layout import Layout
 
@@ -114,7 +114,7 @@ def test_failed_rank_is_the_one_that_ended_before_the_launcher_stopped_the_other
     (tmp_path / "attempt_0" / ENDED).write_text(json.dumps({"3": -9}))
     assert failed_rank(str(tmp_path / "attempt_1" / "0" / "error.json")) == 3
     lost = {"message": "RuntimeError: Connection closed by peer", "extraInfo": {"time_ns": "5"}}
-    err = root_cause({0: lost, 2: lost}, {}, layout=Layout(2, 2), exits={ENDED_FIRST: {3: -9}, 1: -9, 3: -9})
+    err = root_cause({0: lost, 2: lost}, layout=Layout(2, 2), exits={ENDED_FIRST: {3: -9}, 1: -9, 3: -9})
     assert str(err).startswith("rank 3 (pp 1, dp_replicate 1) failed: killed by SIGKILL; rank 0 (pp 0, "), err
 
 
@@ -159,21 +159,19 @@ def test_restart_lines_under_data_parallel_name_the_global_rank_and_restarts_use
 
 @pytest.mark.pure
 def test_root_cause_is_the_killed_rank_its_peers_lost_and_the_last_attempts(tmp_path):
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-    from pipetrain.launch.elastic import error_records, root_cause
+    from pipetrain.launch.agent import error_records, root_cause
     from pipetrain.parallel.layout import Layout
 
     def record(t: int, message: str) -> dict:
         return {"message": message, "extraInfo": {"time_ns": str(t), "py_callstack": "trace"}}
 
     lost = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:9612"
-    failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file="")
     layout = Layout(2, 2)
-    err = root_cause({0: record(5, lost), 1: record(6, lost), 2: record(7, lost)}, {1: failure}, layout=layout)
+    err = root_cause({0: record(5, lost), 1: record(6, lost), 2: record(7, lost)}, layout=layout, exits={1: 1})
     assert str(err).startswith("rank 3 (pp 1, dp_replicate 1) failed: ended without an error of its own"), err
     # the first error is a cause of its own: it stays the cause, whoever left no file
-    err = root_cause({0: record(5, "ValueError: bad"), 1: record(6, lost)}, {1: failure}, layout=layout, restarts=2)
+    err = root_cause({0: record(5, "ValueError: bad"), 1: record(6, lost)}, layout=layout, restarts=2,
+                     exits={1: 1})
     assert str(err) == "launch.max_restarts=2 restarts used up: rank 0 (pp 0, dp_replicate 0) failed: ValueError: bad"
     for attempt, message in ((0, "attempt 0's"), (1, "attempt 1's")):  # restarts: the last attempt tells
         d = tmp_path / "run_x" / f"attempt_{attempt}" / "0"
@@ -186,7 +184,7 @@ def test_root_cause_is_the_killed_rank_its_peers_lost_and_the_last_attempts(tmp_
 def test_root_cause_of_a_timed_out_wait_is_the_rank_that_never_came():
     """A rank stuck (SIGSTOP, a hang) leaves no error: its peers time out, in a transfer (comm.py's
     P2PError) or a collective (gloo's words), and the launcher killed it. It is the one that failed."""
-    from pipetrain.launch.elastic import root_cause
+    from pipetrain.launch.agent import root_cause
     from pipetrain.parallel.layout import Layout
 
     def record(t: int, message: str) -> dict:
@@ -195,14 +193,14 @@ def test_root_cause_of_a_timed_out_wait_is_the_rank_that_never_came():
     layout = Layout(2, 2)
     gloo = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
             "waiting 20000ms for recv operation to complete")
-    err = root_cause({0: record(5, gloo), 2: record(6, gloo), 3: record(7, gloo)}, {}, layout=layout, exits={1: -9})
+    err = root_cause({0: record(5, gloo), 2: record(6, gloo), 3: record(7, gloo)}, layout=layout, exits={1: -9})
     assert str(err) == ("rank 1 (pp 0, dp_replicate 1) failed: stuck or dead (killed by SIGKILL): rank 0 (pp 0, "
                         "dp_replicate 0) timed out first: waited 20s in a collective (pipeline.p2p_timeout_s bounds "
                         "every wait after the first step)")
     p2p = "P2PError: rank 3: 1F0 on rank 3 waiting for ... from rank 1 timed out after 3s: rank 1 is stuck or dead"
-    err = root_cause({3: record(5, p2p)}, {}, layout=layout)  # exit codes unknown; ranks 0-2 wrote nothing
+    err = root_cause({3: record(5, p2p)}, layout=layout)  # exit codes unknown; ranks 0-2 wrote nothing
     assert str(err) == ("rank 0 (pp 0, dp_replicate 0) failed: stuck or dead (left no error of its own): "
                         f"rank 3 (pp 1, dp_replicate 1) timed out first: {p2p}")
     # every rank wrote one: the first timeout is the cause, as any first error
-    err = root_cause({r: record(5 + r, p2p) for r in range(4)}, {}, layout=layout)
+    err = root_cause({r: record(5 + r, p2p) for r in range(4)}, layout=layout)
     assert str(err) == f"rank 0 (pp 0, dp_replicate 0) failed: {p2p}"

@@ -28,3 +28,30 @@ except SystemExit as e:
     assert e.code in (0, None), e.code
 assert "datasets" not in sys.modules, "datasets was imported"  # ~1 s, only for data=datasets and prepare
 """)
+
+
+def test_the_launcher_imports_no_torch_before_the_ranks_start(tmp_path):
+    """cluster=local on the CPU: the launching process starts its ranks (launch/agent.py) without having
+    imported torch (the ranks fork from a server that has it); their result comes back all the same.
+    Only a machine with a GPU driver (launch/devices.py: visible_gpus) or a model.pretrained folder
+    (its keys checked on meta) makes the launcher import torch first."""
+    assert_torch_free(f"""
+import pipetrain.launch.agent as agent
+from pipetrain.cli import main
+
+started = agent._start
+seen = []
+
+
+def watched(*args, **kwargs):
+    seen.append("torch" in sys.modules)
+    return started(*args, **kwargs)
+
+
+agent._start = watched
+sys.argv = ["pipetrain", "model=sleep", "pipeline.degree=2", "trainer.max_steps=1", "trainer.ckpt_at_end=false",
+            "logger=[jsonl]", "hydra.run.dir={tmp_path / 'run'}"]
+main()
+assert seen == [False], seen
+""")
+    assert (tmp_path / "run" / "summary.json").is_file()

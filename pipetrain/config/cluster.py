@@ -1,7 +1,7 @@
 """Schema of the `cluster` config group: where the ranks run (pure: no torch).
 
-  local           one process per pipeline rank on this host, started by torch's elastic
-                  launcher (the engine behind torchrun) from the `pipetrain` process.
+  local           one process per rank on this host, started and watched by the `pipetrain` process
+                  itself as torchrun would start them (launch/agent.py; it imports no torch).
   torchrun        this process is already one rank, started by `torchrun` (RANK, WORLD_SIZE, ...).
   slurm           one SLURM task per rank, started by srun (`srun pipetrain cluster=slurm ...`, the
                   sbatch template launch/templates/pipetrain.sbatch); from a login node the same

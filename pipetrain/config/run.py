@@ -46,7 +46,7 @@ class CheckpointConfig:
 
 @dataclass
 class LaunchConfig:
-    # cluster=local: torch elastic restarts the workers up to N times after a rank fails; they
+    # cluster=local: the launcher restarts every rank up to N times after a rank fails; they
     # resume from the newest verified checkpoint of the run directory by themselves
     max_restarts: int = 0
 

@@ -1,4 +1,5 @@
-"""Which device the ranks train on, which backend joins them, and which GPU is each rank's (pure: no torch).
+"""Which device the ranks train on, which backend joins them, and which GPU is each rank's (no torch
+where no GPU driver is present: visible_gpus imports torch only on a machine that may have a GPU).
 
 One rule, applied before any rank starts (cluster=local: in the launcher, which knows how many ranks
 this host runs) and again in each rank before its process group exists (torchrun, SLURM: every
@@ -18,10 +19,22 @@ more ranks than it shows GPUs (NCCL allows one rank per GPU); NCCL with the CPU 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import os
+import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from pipetrain.config.cluster import ClusterConfig, check_backend
+
+if TYPE_CHECKING:
+    from pipetrain.config import Config
+
+# What a machine where CUDA (or ROCm) could see a GPU has: without any of these, no GPU is visible
+# and torch need not be imported to count them.
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/gpus", "/dev/kfd")
 
 
 @dataclass(frozen=True)
@@ -78,3 +91,34 @@ def ranks_sharing_gpus(cluster: ClusterConfig, world: int, environ: Mapping[str,
 
 def _gpus(n: int) -> str:
     return f"{n} visible GPU" + ("" if n == 1 else "s")
+
+
+def visible_gpus(environ: Mapping[str, str] = os.environ) -> int:
+    """How many GPUs torch would see. Without torch where it cannot be more than 0: CUDA_VISIBLE_DEVICES
+    empty (or -1), or no GPU driver on the machine (GPU_DRIVER_FILES); else (and in a process that has
+    torch already) torch.cuda.device_count(): the one place the launcher may import torch before ranks."""
+    hidden = environ.get("CUDA_VISIBLE_DEVICES")
+    if "torch" not in sys.modules:
+        if hidden is not None and hidden.strip() in ("", "-1"):
+            return 0
+        if not any(Path(f).exists() for f in GPU_DRIVER_FILES):
+            return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def resolve_devices(config: Config, *, note: Optional[Callable[[str], None]] = None) -> Config:
+    """config with trainer.device and cluster.backend decided for this host's GPUs (choose(): auto ->
+    cpu / cuda, gloo / nccl). The launcher calls it before any rank starts and hands the result to the
+    ranks; a rank calls it again, which keeps what is already decided."""
+    devices = choose(config.trainer.device, config.cluster.backend, gpus=visible_gpus(),
+                     local_ranks=ranks_sharing_gpus(config.cluster, config.layout.world, os.environ))
+    if devices.note and note is not None:
+        note(devices.note)
+    if (devices.device, devices.backend) == (config.trainer.device, config.cluster.backend):
+        return config
+    resolved = copy.copy(config)  # the caller's config stays as composed
+    resolved.trainer = dataclasses.replace(config.trainer, device=devices.device)
+    resolved.cluster = dataclasses.replace(config.cluster, backend=devices.backend)
+    return resolved

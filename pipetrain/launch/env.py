@@ -16,6 +16,11 @@ from typing import Mapping, Optional
 # Ports derived from a job id land here: above the usual service ports, below the kernel's
 # ephemeral range (32768+ on Linux), so a rank's own outgoing connections cannot hold it.
 PORT_BASE, PORT_SPAN = 20000, 12000
+# Set by cluster=local's launcher (launch/agent.py) beside the torchrun variables: where rank 0
+# publishes the port of the rendezvous store it hosts (launch/rank.py), and where it keeps the step in
+# progress for a restarted attempt to read (train/restart.py).
+STORE_FILE = "PIPETRAIN_STORE_FILE"
+STEP_FILE = "PIPETRAIN_STEP_FILE"
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,11 @@ def torchrun_env(env: Mapping[str, str] = os.environ) -> RankEnv:
           "to start the ranks from here use cluster=local")
     return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), env["MASTER_ADDR"],
                    int(env["MASTER_PORT"]), use_env_store=True)
+
+
+def slurm_requeues(env: Mapping[str, str] = os.environ) -> int:
+    """How many times SLURM requeued this job (a preempted or timed-out job that submitit requeued)."""
+    return int(env.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 def in_slurm_job(env: Mapping[str, str] = os.environ) -> bool:

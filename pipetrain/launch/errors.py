@@ -1,11 +1,12 @@
 """What a launch raises when a rank fails (torch-free: the CLI catches it without loading torch).
 
-Its own module so the launchers that raise it (elastic.py) and the dispatcher that picks a
+Its own module so the launchers that raise it (agent.py) and the dispatcher that picks a
 launcher (launcher.py) both depend on it, not on each other.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -63,15 +64,23 @@ def record_error(err: BaseException, path: str | None = None) -> None:
 
 
 # What a rank says when it leaves because the step in flight could not end after a signal (the
-# elastic agent stops the survivors when a peer died): like a lost connection, never a cause.
+# launcher stops the survivors when a peer died): like a lost connection, never a cause.
 UNFINISHED = "the step in flight did not finish in time"
 
-# In an attempt's log folder of torch elastic (<logs>/<run>/attempt_<n>/), written by the launcher
-# of cluster=local: {local rank: exit code} of the workers that had ended when it saw the attempt
-# fail, before it stopped the others (launch/elastic.py).
+# In an attempt's log folder (<logs>/attempt_<n>/), written by the launcher of cluster=local: {rank:
+# exit code} of the ranks that had ended when it saw the attempt fail, before it stopped the others
+# (launch/agent.py).
 ENDED = "ended.json"
 
 STOPPED = "stopped.json"  # rank 0 writes it when the run stops on a signal (train/stop.py)
+STOPPED_EXIT = 143  # a rank's exit code after a stop on a signal: 128 + SIGTERM, as a shell reports it
+
+# Every live rank holds a shared flock on <run_dir>/.ranks (the kernel drops it when the process
+# ends, even on SIGKILL). A SIGTERM sent to the launcher's whole process group (scancel, `kill --
+# -PGID`) also kills the multiprocessing fork server the CPU ranks were forked from; the launcher
+# then sees its ranks as gone and stops waiting, while they still finish the step and save it.
+# The launcher waits on this lock instead, so its one line reports the step they saved.
+RANKS = ".ranks"
 
 
 class RunStopped(RuntimeError):
@@ -98,3 +107,23 @@ def read_stopped(run_dir: Path) -> Optional[dict]:
         return json.loads((Path(run_dir) / STOPPED).read_text())
     except (OSError, ValueError):
         return None
+
+
+def wait_for_stop(run_dir: Path, timeout_s: float = 120.0) -> None:
+    """In the launcher, after a signal: return once no rank holds <run_dir>/.ranks (rank 0 wrote
+    stopped.json before it ended), or after `timeout_s` (a stop is bounded by the step's grace time
+    plus one checkpoint)."""
+    path, deadline = Path(run_dir) / RANKS, time.monotonic() + timeout_s
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:  # no rank got as far as building its trainer
+        return
+    try:
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return  # every rank has ended
+            except BlockingIOError:
+                time.sleep(0.05)
+    finally:
+        os.close(fd)

@@ -19,7 +19,7 @@ import multiprocessing.forkserver
 import os
 import sys
 from multiprocessing import reduction
-from typing import Iterator
+from typing import Iterator, Optional, Sequence
 
 # glibc hands large freed blocks back to the kernel, so a training step that frees and
 # re-allocates activations page-faults on every allocation; keeping freed memory makes CPU
@@ -110,7 +110,7 @@ class Inherit:
 
     def adopt(self) -> None:
         """In the rank: the launcher's environment plus what the start method set for this rank
-        (torch elastic's RANK, LOCAL_RANK, ...), and the launcher's stdout/stderr; and death with
+        (the launcher's RANK, LOCAL_RANK, ...), and the launcher's stdout/stderr; and death with
         the launcher (launch/parent.py). Call it first."""
         import signal
 
@@ -134,3 +134,30 @@ def _forking() -> bool:
 
     popen = context.get_spawning_popen()
     return popen is not None and type(popen).__module__ == "multiprocessing.popen_forkserver"
+
+
+def prestart_early(argv: Sequence[str]) -> None:
+    """launcher.prestart() from the command line alone, at the command's first frame (pipetrain/__main__.py,
+    then cli.main, where it is a no-op), where `early_start(argv)` says so: the server's imports then
+    overlap the command's own (Hydra, the schemas: ~0.4 s), Hydra's composing and the config's checks."""
+    compile = early_start(argv)
+    if compile is not None:
+        warm("gloo", compile=compile)
+
+
+def early_start(argv: Sequence[str]) -> Optional[bool]:
+    """Whether `pipetrain ARGV` surely wants prestart()'s server (None: not surely; else whether its
+    ranks compile). Only where the command line leaves the shipped defaults' answer standing (mode=train
+    on cluster=local, the CPU unless a GPU fits: prestart's case): no flag, no recipe (one may set the
+    mode), no mode but train or eval, no cluster, backend, device or Hydra launcher override. A config
+    that composes otherwise (a mistake in it) costs the server's start: it dies with the command
+    (launch/parent.py)."""
+    given: dict[str, str] = {}
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if arg.startswith(("-", "~")) or key.lstrip("+").startswith(("recipe", "cluster", "hydra/")):
+            return None
+        given[key.lstrip("+")] = value
+    if given.get("mode", "train") not in ("train", "eval") or given.get("trainer.device", "auto") == "cuda":
+        return None
+    return given.get("trainer.compile", "false").lower() == "true"

@@ -1,7 +1,7 @@
 """`launch(config, plan, run_dir)`: run the training entry point on every pipeline rank.
 
-cluster=local starts the ranks (torch elastic); cluster=slurm outside a SLURM job submits the
-run's sbatch script and returns (launch/submit.py); every other case runs in a process that is
+cluster=local starts the ranks (launch/agent.py: no torch in this process); cluster=slurm outside a
+SLURM job submits the run's sbatch script and returns (launch/submit.py); every other case runs in a process that is
 already one rank (started by torchrun, srun or submitit) and only joins the group.
 Importing this module loads no torch; each path imports what it needs.
 """
@@ -9,7 +9,7 @@ Importing this module loads no torch; each path imports what it needs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from pipetrain.config.parallel import world_text
 from pipetrain.launch import env as rank_env
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from pipetrain.config import Config
     from pipetrain.plan import Plan
 
-Entry = Callable[["Config", "Plan", Path], dict]
+Entry = Union[Callable[["Config", "Plan", Path], dict], str]  # a function, or "module:function"
 
 
 def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] = None) -> dict:
@@ -37,22 +37,22 @@ def launch(config: Config, plan: Plan, run_dir: Path, *, entry: Optional[Entry] 
         from pipetrain.launch.submit import submit
 
         return submit(config, Path(run_dir))
-    if entry is None:
-        from pipetrain.train.trainer import rank_main as entry
-    from pipetrain.launch.rank import resolve_devices
+    from pipetrain.launch.devices import resolve_devices
     from pipetrain.launch.resolvers import process_rank
+
+    entry = entry or "pipetrain.train.trainer:rank_main"  # by name: the ranks import it, this process need not
 
     # trainer.device / cluster.backend auto decided once, here, before the ranks start (launch/devices.py)
     config = resolve_devices(config, note=print if process_rank(cluster.name) == 0 else None)
     run_dir = Path(run_dir).resolve()
     if cluster.name == "local":
-        from pipetrain.launch.elastic import launch_local
+        from pipetrain.launch.agent import launch_local
         from pipetrain.launch.rundir import RunLock
 
         with RunLock(run_dir, note=print):  # held by this process across the workers' restarts
             return _finished(launch_local(config, plan, run_dir, entry))
 
-    from pipetrain.launch.rank import run_rank
+    from pipetrain.launch.rank import run_rank  # this process is a rank: torch from here on
 
     if cluster.name == "torchrun":
         env = rank_env.torchrun_env()
@@ -75,35 +75,6 @@ def prestart(config: Config) -> None:
         from pipetrain.launch.forkserver import warm
 
         warm("gloo", compile=config.trainer.compile)
-
-
-def prestart_early(argv: Sequence[str]) -> None:
-    """prestart() from the command line alone, at the command's entry (cli.main), where
-    `early_start(argv)` says so: the server's imports then overlap Hydra's composing and the
-    config's checks too (~0.4 s more of them)."""
-    compile = early_start(argv)
-    if compile is not None:
-        from pipetrain.launch.forkserver import warm
-
-        warm("gloo", compile=compile)
-
-
-def early_start(argv: Sequence[str]) -> Optional[bool]:
-    """Whether `pipetrain ARGV` surely wants prestart()'s server (None: not surely; else whether its
-    ranks compile). Only where the command line leaves the shipped defaults' answer standing (mode=train
-    on cluster=local, the CPU unless a GPU fits: prestart's case): no flag, no recipe (one may set the
-    mode), no mode but train or eval, no cluster, backend, device or Hydra launcher override. A config
-    that composes otherwise (a mistake in it) costs the server's start: it dies with the command
-    (launch/parent.py)."""
-    given: dict[str, str] = {}
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if arg.startswith(("-", "~")) or key.lstrip("+").startswith(("recipe", "cluster", "hydra/")):
-            return None
-        given[key.lstrip("+")] = value
-    if given.get("mode", "train") not in ("train", "eval") or given.get("trainer.device", "auto") == "cuda":
-        return None
-    return given.get("trainer.compile", "false").lower() == "true"
 
 
 def _finished(result: dict) -> dict:

@@ -1,6 +1,6 @@
 """One rank's life: join the default process group, agree with rank 0, run the entry point.
 
-Shared by every cluster option: the elastic workers of cluster=local and the processes
+Shared by every cluster option: the ranks of cluster=local (launch/agent.py) and the processes
 torchrun / srun / submitit started. A rank that fails writes its one-line message into
 torchelastic's error file (TORCHELASTIC_ERROR_FILE, where the launcher set one), so the
 launcher reports the rank that failed first instead of a wall of tracebacks.
@@ -9,20 +9,22 @@ launcher reports the rank that failed first instead of a wall of tracebacks.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import datetime
+import importlib
 import os
+import pickle
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from pipetrain.config.parallel import world_text
-from pipetrain.launch.devices import choose, gpu_index, ranks_sharing_gpus
-from pipetrain.launch.env import RankEnv, torchrun_env
-from pipetrain.launch.errors import record_error
+from pipetrain.launch.devices import gpu_index, resolve_devices
+from pipetrain.launch.env import STORE_FILE, RankEnv, torchrun_env
+from pipetrain.launch.errors import STOPPED_EXIT, record_error
 from pipetrain.launch.forkserver import Inherit
 from pipetrain.launch.rundir import record_rank
 
@@ -30,24 +32,7 @@ if TYPE_CHECKING:
     from pipetrain.config import Config
     from pipetrain.plan import Plan
 
-Entry = Callable[["Config", "Plan", Path], dict]
-STOPPED_EXIT = 143  # a worker's exit code after a stop on a signal: 128 + SIGTERM, as a shell reports it
-
-
-def resolve_devices(config: Config, *, note: Optional[Callable[[str], None]] = None) -> Config:
-    """config with trainer.device and cluster.backend decided for this host's GPUs (launch/devices.py:
-    auto -> cpu / cuda, gloo / nccl). The launcher calls it before any rank starts and hands the
-    result to the ranks; a rank calls it again, which keeps what is already decided."""
-    devices = choose(config.trainer.device, config.cluster.backend, gpus=torch.cuda.device_count(),
-                     local_ranks=ranks_sharing_gpus(config.cluster, config.layout.world, os.environ))
-    if devices.note and note is not None:
-        note(devices.note)
-    if (devices.device, devices.backend) == (config.trainer.device, config.cluster.backend):
-        return config
-    resolved = copy.copy(config)  # the caller's config stays as composed
-    resolved.trainer = dataclasses.replace(config.trainer, device=devices.device)
-    resolved.cluster = dataclasses.replace(config.cluster, backend=devices.backend)
-    return resolved
+Entry = Union[Callable[["Config", "Plan", Path], dict], str]  # a function, or "module:function"
 
 
 def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Entry, *, agree: bool) -> dict:
@@ -72,14 +57,16 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
             record_rank(Path(run_dir), env.rank)
         config = resolve_devices(config, note=print if env.rank == 0 else None)
         backend = config.cluster.backend
+        timeout = datetime.timedelta(seconds=max(300.0, config.pipeline.p2p_timeout_s))
+        store = _attempt_store(env, timeout) if owns_group else None
+        if store is not None and env.master_port == 0:  # rank 0 bound a free port: the one every rank uses
+            env = dataclasses.replace(env, master_port=store.port)
         os.environ.update(env.exported())  # the trainer (and torch) read LOCAL_RANK, RANK, ...
         gpu = None
         if backend == "nccl":  # the one rule for this rank's GPU; the trainer reads it back (current_device)
             gpu = torch.device("cuda", gpu_index(env.local_rank, torch.cuda.device_count()))
             torch.cuda.set_device(gpu)
         if owns_group:
-            timeout = datetime.timedelta(seconds=max(300.0, config.pipeline.p2p_timeout_s))
-            store = _attempt_store(env, timeout)
             init = None if store else "env://" if env.use_env_store else f"tcp://{env.master_addr}:{env.master_port}"
             # device_id (NCCL): the communicator is created now, on this GPU, and new groups split from it
             dist.init_process_group(backend, init_method=init, store=store, rank=env.rank, world_size=env.world_size,
@@ -90,8 +77,11 @@ def run_rank(config: Config, plan: Plan, run_dir: Path, env: RankEnv, entry: Ent
             config, plan, run_dir = _agree_with_rank0(config, plan, Path(run_dir))
             with _rank0_lock(Path(run_dir)):
                 record_rank(Path(run_dir), env.rank)
-                return entry(config, plan, Path(run_dir))
-        return entry(config, plan, Path(run_dir))
+                return _function(entry)(config, plan, Path(run_dir))
+        result = _function(entry)(config, plan, Path(run_dir))
+        if store is not None and os.environ.get(STORE_FILE):
+            _leave_together(store, env)
+        return result
     except Exception as err:
         record_error(err)
         raise
@@ -116,14 +106,57 @@ def _agree_with_rank0(config: Config, plan: Plan, run_dir: Path) -> tuple[Config
 
 
 def _attempt_store(env: RankEnv, timeout: datetime.timedelta) -> Optional[dist.Store]:
-    """Under torch elastic's agent store (cluster=local, torchrun): the agent's TCPStore, with a
-    prefix per attempt. The store outlives a restarted worker group, and without the prefix the
-    new group's gloo would read the dead group's addresses and hang connecting to them."""
+    """The rendezvous store where a launcher left it to the ranks (None: init_process_group's env://
+    or tcp:// finds it). cluster=local (launch/agent.py): rank 0 hosts it on a port the kernel picks
+    (MASTER_PORT=0) or on cluster.master_port, and publishes the port in the attempt's STORE_FILE,
+    which the others read; each attempt has its own. Under torch elastic's agent (torchrun): the
+    agent's TCPStore, with a prefix per attempt: the store outlives a restarted worker group, and
+    without the prefix the new group's gloo would read the dead group's addresses and hang."""
+    published = os.environ.get(STORE_FILE)
+    if published:
+        if env.rank == 0:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
+                                  wait_for_workers=False, timeout=timeout)
+            partial = f"{published}.partial"
+            Path(partial).write_text(str(store.port))
+            os.replace(partial, published)
+            return store
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not os.path.exists(published):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not start the rendezvous store within {timeout.total_seconds():g}s")
+            time.sleep(0.005)
+        port = int(Path(published).read_text())
+        return dist.TCPStore(env.master_addr, port, env.world_size, is_master=False, timeout=timeout)
     if not (env.use_env_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     tcp = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"pipetrain/attempt_{attempt}", tcp)
+
+
+def _leave_together(store: dist.Store, env: RankEnv) -> None:
+    """Rank 0 hosts the rendezvous store (STORE_FILE): it leaves only once every rank has said it is done,
+    so that none is still talking to the store (still connecting, say, when rank 0's entry returned at
+    once) when it goes away with rank 0's process."""
+    left = store.add(_LEFT, 1)
+    if env.rank != 0:
+        return
+    deadline = time.monotonic() + 60.0
+    while left < env.world_size and time.monotonic() < deadline:
+        time.sleep(0.005)
+        left = store.add(_LEFT, 0)
+
+
+_LEFT = "pipetrain/ranks_done"
+
+
+def _function(entry: Entry) -> Callable[..., dict]:
+    """An entry point given by name ("module:function", so that the launcher need not import it) or as is."""
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return entry
 
 
 @contextlib.contextmanager
@@ -148,25 +181,30 @@ def _rank0_lock(run_dir: Path) -> Iterator[None]:
         lock.release()
 
 
-def elastic_worker(entry: Entry, config: Config, plan: Plan, run_dir: str, inherit: Inherit) -> dict:
-    """Entry point of cluster=local's workers: torch's elastic agent set the torchrun variables."""
+def local_worker(entry: Entry, config: Config, plan: Plan, run_dir: str, inherit: Inherit,
+                 variables: dict[str, str], result_file: Optional[str]) -> None:
+    """A rank of cluster=local (launch/agent.py): the torchrun variables its launcher set, then run_rank;
+    rank 0 leaves its result in `result_file` for the launcher."""
     inherit.adopt()
+    os.environ.update(variables)
     try:
         result = run_rank(config, plan, Path(run_dir), torchrun_env(), entry, agree=False)
     except Exception:
-        # run_rank wrote the error file, with its time in ns. Leaving through SystemExit keeps the
-        # @record that torch wraps around every elastic worker from overwriting it (whole seconds).
+        # run_rank wrote the error file, with its time in ns: leave with exit code 1, quietly
         raise SystemExit(1) from None
+    if result_file is not None:
+        partial = f"{result_file}.partial"
+        with open(partial, "wb") as f:
+            pickle.dump(result, f)
+        os.replace(partial, result_file)
     if "stopped" in result:  # every rank's result says so (rank 0's holds the record)
         _leave_stopped()
-    return result
 
 
 def _leave_stopped() -> None:
-    """The ranks stopped on a signal and saved (train/stop.py): leave now. A returning worker waits
-    for the agent to read its return value, which an agent shutting down on that same signal never
-    does (it would wait its 30 s and kill us). The launcher reads stopped.json instead; an agent
-    that got no signal itself sees a non-zero exit, and launch_local still reports the stop."""
+    """The ranks stopped on a signal and saved (train/stop.py): leave now, with STOPPED_EXIT, which
+    tells cluster=local's launcher (and torchrun's agent: a non-zero exit) that the ranks stopped
+    rather than finished; the launcher reads stopped.json for its line."""
     import sys
 
     sys.stdout.flush()

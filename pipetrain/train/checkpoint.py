@@ -55,15 +55,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from pipetrain.config import Config, Mode
+from pipetrain.config import Config
 from pipetrain.config.train import TrainerConfig
-from pipetrain.train.checkpoint_dirs import (CKPT_DIR, FRESH, META, Note, manifest, prune, refuse_overwrite,
-                                          resolve_resume, silent, step_dir)
+from pipetrain.train.checkpoint_dirs import (CKPT_DIR, META, Note, manifest, prune, silent, step_dir)
 from pipetrain.train.checkpoint_dcp import planners
 from pipetrain.train.checkpoint_group import CheckpointGroup, pick
 from pipetrain.train.disk_full import one_line_if_full
-from pipetrain.train.restart import slurm_requeues
-from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint
+from pipetrain.train.checkpoint_meta import FORMAT, check_compatible, fingerprint, read_meta
 
 if TYPE_CHECKING:
     from pipetrain.parallel.parallelize import SplitWeights
@@ -99,25 +97,6 @@ class Checkpointable:
     def group(self, config: Optional[Config] = None) -> Optional[dist.ProcessGroup]:
         """Collective on first use: the group the checkpoint phase's collectives run on."""
         return self.comm.get(config.checkpoint.timeout_s if config is not None else None)
-
-
-def preflight(config: Config, run_dir: Path) -> Optional[Path]:
-    """For the CLI, before any process starts: the checkpoint trainer.resume names (None: fresh),
-    checked against this run's model. Raises the same one-line ValueErrors the ranks would. A
-    checkpoint named explicitly is checked byte by byte here; `auto` by sizes (the ranks read the
-    bytes before loading, each a share, and report a damaged one they pass over)."""
-    resume = config.trainer.resume
-    if config.mode is Mode.train and not slurm_requeues():  # a requeued job goes on with its own checkpoints
-        refuse_overwrite(resume, run_dir)
-    explicit = resume not in (None, *FRESH, "auto")
-    path = resolve_resume(resume, run_dir, deep=explicit)
-    if path is not None:
-        check_compatible(read_meta(path), config, path)
-    return path
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads((Path(path) / META).read_text())
 
 
 def due(step: int, cfg: TrainerConfig) -> bool:

@@ -3,7 +3,8 @@
 The fingerprint splits the config three ways: the model (must match to load), the layout
 (pipeline, data- and tensor-parallel degrees, schedule, partition: free to change, the point of unsplit
 names) and the training knobs (may change, but then the run no longer repeats the uninterrupted
-one, so a change is reported). Pure: no torch.
+one, so a change is reported). `preflight`: the CLI's check of trainer.resume before any rank starts.
+Pure: no torch.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from pipetrain.config import Config
+from pipetrain.config import Config, Mode
+from pipetrain.launch.env import slurm_requeues
+from pipetrain.train.checkpoint_dirs import FRESH, META, refuse_overwrite, resolve_resume
 
 FORMAT = 1  # the checkpoint layout this pipetrain writes and reads
 
@@ -71,3 +74,22 @@ def check_compatible(meta: dict[str, Any], config: Config, path: Path) -> list[s
     if training := _changes(old["training"], new["training"]):
         notes.append("changed training knobs, the run will not repeat an uninterrupted one: " + "; ".join(training))
     return notes
+
+
+def preflight(config: Config, run_dir: Path) -> Optional[Path]:
+    """For the CLI, before any process starts: the checkpoint trainer.resume names (None: fresh),
+    checked against this run's model. Raises the same one-line ValueErrors the ranks would. A
+    checkpoint named explicitly is checked byte by byte here; `auto` by sizes (the ranks read the
+    bytes before loading, each a share, and report a damaged one they pass over)."""
+    resume = config.trainer.resume
+    if config.mode is Mode.train and not slurm_requeues():  # a requeued job goes on with its own checkpoints
+        refuse_overwrite(resume, run_dir)
+    explicit = resume not in (None, *FRESH, "auto")
+    path = resolve_resume(resume, run_dir, deep=explicit)
+    if path is not None:
+        check_compatible(read_meta(path), config, path)
+    return path
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / META).read_text())

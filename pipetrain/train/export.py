@@ -39,7 +39,7 @@ from pipetrain.files import replace_dir
 from pipetrain.models.hf import CONFIG, INDEX, TOKENIZER_FILES, HFNames, folder_of, hf_config, names_of, pretrained_rule
 from pipetrain.models.init import param_generator
 from pipetrain.plan import build_model
-from pipetrain.train.checkpoint import preflight
+from pipetrain.train.checkpoint_meta import preflight
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 Fill = Callable[[dict[str, torch.Tensor]], None]  # fills fp32 tensors keyed by unsplit names

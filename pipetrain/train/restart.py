@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from pipetrain.launch.env import STEP_FILE
 from pipetrain.launch.errors import ENDED, rank_text
 from pipetrain.config import Layout  # the run's parallel layout (parallel/layout.py)
 
@@ -33,11 +34,6 @@ _STEP_KEY = "pipetrain/step_in_progress"
 
 def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def slurm_requeues() -> int:
-    """How many times SLURM requeued this job (a preempted or timed-out job that submitit requeued)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 def restarts_possible() -> bool:
@@ -53,19 +49,29 @@ def _agent_store() -> Optional[dist.Store]:
 
 
 class StepTracker:
-    """Rank 0, when restarts are possible: the step in progress, kept in the agent's store."""
+    """Rank 0, when restarts are possible: the step in progress, kept where it outlives the ranks: in
+    torch elastic's agent store (torchrun), or in cluster=local's STEP_FILE (one small write per step)."""
 
     def __init__(self, rank: int) -> None:
         self.store = _agent_store() if rank == 0 and restarts_possible() else None
+        self.file = os.environ.get(STEP_FILE) if self.store is None and restarts_possible() else None
+        self.rank = rank
 
     def begin(self, step: int) -> None:
         if self.store is not None:
             self.store.set(_STEP_KEY, str(step))
+        elif self.file and self.rank == 0:
+            partial = f"{self.file}.partial"
+            Path(partial).write_text(str(step))
+            os.replace(partial, self.file)
 
     def last(self) -> Optional[int]:
-        if self.store is None or not self.store.check([_STEP_KEY]):
+        if self.store is not None:
+            return int(self.store.get(_STEP_KEY).decode()) if self.store.check([_STEP_KEY]) else None
+        try:
+            return int(Path(self.file).read_text()) if self.file and self.rank == 0 else None
+        except (OSError, ValueError):
             return None
-        return int(self.store.get(_STEP_KEY).decode())
 
 
 def _error_times(attempt_dir: Path) -> dict[int, Optional[int]]:

@@ -16,21 +16,14 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from pipetrain.launch.errors import STOPPED, UNFINISHED, record_error
+from pipetrain.launch.errors import RANKS, STOPPED, UNFINISHED, record_error
 
-# Every live rank holds a shared flock on <run_dir>/.ranks (the kernel drops it when the process
-# ends, even on SIGKILL). A SIGTERM sent to the launcher's whole process group (scancel, `kill --
-# -PGID`) also kills the multiprocessing fork server the CPU ranks were forked from; torch's agent
-# then sees its ranks as gone and stops waiting, while they still finish the step and save it.
-# The launcher waits on this lock instead, so its one line reports the step they saved.
-RANKS = ".ranks"
 
 
 class StopSignals:
@@ -113,26 +106,6 @@ def hold_presence(run_dir: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH)
     except OSError:
         pass
-
-
-def wait_for_stop(run_dir: Path, timeout_s: float = 120.0) -> None:
-    """In the launcher, after a signal: return once no rank holds <run_dir>/.ranks (rank 0 wrote
-    stopped.json before it ended), or after `timeout_s` (a stop is bounded by the step's grace time
-    plus one checkpoint)."""
-    path, deadline = Path(run_dir) / RANKS, time.monotonic() + timeout_s
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:  # no rank got as far as building its trainer
-        return
-    try:
-        while time.monotonic() < deadline:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return  # every rank has ended
-            except BlockingIOError:
-                time.sleep(0.05)
-    finally:
-        os.close(fd)
 
 
 def write_stopped(run_dir: Path, *, signum: int, step: int, checkpoint: Optional[Path], resume: str) -> dict[str, Any]:

@@ -37,7 +37,8 @@ from pipetrain.train.checkpoint_async import AsyncSaver
 from pipetrain.train.data import build_data
 from pipetrain.train.step_input import StepInput
 from pipetrain.train.monitor import Monitor
-from pipetrain.train.restart import Restart, StepTracker, restart_count, slurm_requeues, this_restart
+from pipetrain.launch.env import slurm_requeues
+from pipetrain.train.restart import Restart, StepTracker, restart_count, this_restart
 from pipetrain.train.stop import RANKS, StopSignals, hold_presence, signal_name, write_stopped
 from pipetrain.launch.errors import STOPPED
 from pipetrain.train.device import set_up_device
