@@ -5,22 +5,24 @@ simulated (as parallel.tp / ep / cp are checked before a run starts). Pure: no t
 from __future__ import annotations
 
 from pipetrain.config import AUTO, Config
+from pipetrain.planner.cluster import tp_degrees
 
 
 def world_size(config: Config) -> int:
-    """Ranks the plan lays out: plan.world_size, else plan.nodes x plan.devices_per_node, else the run's layout."""
+    """Ranks the plan lays out: plan.world_size, else plan.nodes x plan.devices_per_node (plan.device's node where
+    that is null), else the run's layout."""
     p = config.plan
     if p.world_size is not None:
         return p.world_size
-    if p.devices_per_node is not None:
-        return p.nodes * p.devices_per_node
+    if p.node_size is not None:
+        return p.nodes * p.node_size
     return config.layout.world
 
 
 def check_tp(config: Config) -> None:
     """plan.tp against the world and the model, one line each, before anything is simulated."""
     p, m, world = config.plan, config.model, world_size(config)
-    for tp in p.tp:
+    for tp in tp_degrees(config):
         if world % tp:
             raise ValueError(
                 f"plan.tp lists {tp}, which does not divide the world of {world} ranks: drop it from plan.tp")
