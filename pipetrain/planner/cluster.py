@@ -11,13 +11,12 @@ import math
 from typing import Optional, Sequence
 
 from pipetrain.config import Config
+from pipetrain.config.data import DataConfig
 from pipetrain.config.devices import LOCAL, device_spec
 from pipetrain.partition.costs import LayerCost
 from pipetrain.planner.compute import Timing
+from pipetrain.planner.degrees import world_size
 from pipetrain.planner.memory import GB, StateBytes
-
-NODE_TP = (1, 2, 4, 8)  # tp degrees a device plan tries by default: powers of two inside one node
-
 
 def on_device(config: Config) -> bool:
     return config.plan.device != LOCAL
@@ -31,24 +30,39 @@ def timing(config: Config) -> Optional[Timing]:
     return Timing(device_spec(p.device), attention=p.attention, fp8=p.fp8, value_bytes=2, fused=p.fused_elementwise)
 
 
+PRETRAIN_SEQ, PER_DEVICE = 8192, 2  # a device plan's sequence and sequences per device where the config gives none
+
+
 def planned_config(config: Config) -> Config:
-    """The config a device plan costs: bf16 (GPU training's precision; trainer.precision=fp32 is a CPU run's)."""
-    if not on_device(config) or config.trainer.precision == "bf16":
-        return config
-    return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, precision="bf16"))
-
-
-def tp_degrees(config: Config) -> list[int]:
-    """plan.tp, its null resolved: [1] locally; on a device every power of two up to its node that divides what
-    the model splits (heads, widths, vocabulary)."""
-    p, m = config.plan, config.model
-    if p.tp is not None:
-        return list(p.tp)
+    """The config a device plan costs: bf16 (GPU training's precision; trainer.precision=fp32 is a CPU run's); where
+    data.seq_len is still the CPU quickstart's default, the model's pretraining length (min(8192, its longest)), and
+    where plan.global_batch and data.batch_size are both defaults, 2 sequences per device (torchtitan's local batch
+    for Llama 3.1 8B); plan.recompute's default [false] searched as [false, true]. `planned_note` says which of the
+    sequence and batch it chose."""
     if not on_device(config):
-        return [1]
-    divides = m.tp_divides() or {}
-    return [t for t in NODE_TP if t <= (p.node_size or 1) and (t == 1 or divides)
-            and all(v % t == 0 for v in divides.values())]
+        return config
+    d, p, m = config.data, config.plan, config.model
+    data = d
+    if m.has_seq and d.seq_len == DataConfig.seq_len:
+        data = dataclasses.replace(data, seq_len=min(PRETRAIN_SEQ, getattr(m, m.seq_knob)))
+    plan = p
+    if p.global_batch is None and d.batch_size == DataConfig.batch_size:
+        plan = dataclasses.replace(p, global_batch=PER_DEVICE * world_size(config))
+    if p.recompute == [False]:  # the default's: a cluster's long sequences are planned with recompute too
+        plan = dataclasses.replace(plan, recompute=[False, True])
+    return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, precision="bf16"), data=data,
+                               plan=plan)
+
+
+def planned_note(config: Config, planned: Config) -> Optional[str]:
+    """One line where planned_config chose the sequence or the batch (None where the config gave both)."""
+    chose = []
+    if planned.data.seq_len != config.data.seq_len:
+        chose.append(f"data.seq_len={planned.data.seq_len} (the {config.data.seq_len} of a CPU quickstart is not a "
+                     f"cluster's)")
+    if planned.plan.global_batch != config.plan.global_batch:
+        chose.append(f"plan.global_batch={planned.plan.global_batch} ({PER_DEVICE} sequences per device)")
+    return f"plan: planned at {' and '.join(chose)}: set them to plan your run's" if chose else None
 
 
 def device_fields(config: Config) -> dict:

@@ -25,7 +25,7 @@ from pipetrain.planner import cluster
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Row, search
 from pipetrain.planner.workload import Device, Workload
-from pipetrain.planner.degrees import check_tp, cp_degrees, ep_degrees, world_size
+from pipetrain.planner.degrees import check_tp, cp_degrees, ep_degrees, tp_degrees, world_size
 from pipetrain.planner.space import Candidate, candidates, why_empty
 from pipetrain.schedules import registry
 
@@ -255,7 +255,7 @@ def plan_candidates(config: Config, *, shard_first: bool = False) -> list[Candid
     space = dict(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
                  num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
                  virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches,
-                 tp_degrees=cluster.tp_degrees(config), cp_degrees=cp_degrees(config))
+                 tp_degrees=tp_degrees(config), cp_degrees=cp_degrees(config))
     rest = dict(recompute=p.recompute, recompute_partial=p.recompute_partial, partitions=part,
                 sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config))
     cands = candidates(**space, **rest, dp_shard=bool(p.dp_shard) or shard_first)
@@ -301,13 +301,15 @@ def plan_rows(config: Config, run_dir: Path, console: Console) -> tuple[Config, 
 
 def make_rows(config: Config) -> tuple[list[Row], dict[str, Any]]:
     """The ranked rows and what was searched."""
-    config = cluster.planned_config(config)
+    config, given = cluster.planned_config(config), config
     p, work = config.plan, workload(config)
     start = time.perf_counter()
-    note = cluster.shard_first(config, work.params, work.state)
-    cands = plan_candidates(config, shard_first=note is not None)
+    note = "\n".join(filter(None, [cluster.planned_note(given, config), cluster.shard_first(config, work.params,
+                                                                                           work.state)]))
+    shard = "FSDP2" in note
+    cands = plan_candidates(config, shard_first=shard)
     rows = search(work, device(config), cands, objective=p.objective, time_limit_s=p.time_limit_s, prune=p.prune)
-    if note:  # replicated rows only where they fit
+    if shard:  # replicated rows only where they fit
         rows = [r for r in rows if r.feasible or r.candidate.dp_shard or r.candidate.dp == 1]
     meta = {"world_size": world_size(config), "memory_gb": p.memory_budget_gb, "device": p.device,
             **({"note": note} if note else {}),
@@ -363,7 +365,7 @@ def write(rows: list[Row], meta: dict[str, Any], run_dir: Path) -> None:
 
 def run_plan(config: Config, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(width=None if Console().is_terminal else 160)
-    console.print(assumptions(config), markup=False, highlight=False)
+    console.print(assumptions(cluster.planned_config(config)), markup=False, highlight=False)
     config, rows, meta = plan_rows(config, run_dir, console)
     if meta.get("note"):
         console.print(meta["note"], markup=False, highlight=False)

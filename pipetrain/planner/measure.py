@@ -21,7 +21,7 @@ from pipetrain.config import Config
 from pipetrain.metrics import names
 from pipetrain.partition.costs import chunk_costs
 from pipetrain.planner.calibrate import OPS, overheads, tp_latency
-from pipetrain.planner.cluster import tp_degrees
+from pipetrain.planner.degrees import tp_degrees
 from pipetrain.planner.workload import Workload
 from pipetrain.schedules.tp_cost import tp_rank_layers
 from pipetrain.planner.space import Candidate
