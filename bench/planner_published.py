@@ -65,7 +65,21 @@ def evaluate(row: dict) -> dict:
         out["rank_of_published_layout"] = 1 + sum(r.feasible and r.tokens_per_s > best.tokens_per_s * 1.0001
                                                   for r in free)
         out["feasible_rows_in_search"] = sum(r.feasible for r in free)
+        if not out["published_within_5pct_of_pick"]:
+            out["why_the_pick"] = why_the_pick(out["planned_at_published_layout"], out["pick"])
     return out
+
+
+def why_the_pick(published: dict, pick: dict) -> str:
+    """The planner's case for its pick, from the two predictions: where the published layout's step goes."""
+    def parts(s: dict) -> str:
+        return (f"{s['layout']} {s['schedule']}{' v' + str(s['v']) if s['v'] > 1 else ''} mbs {s['microbatch_size']}: "
+                f"step {s['pred_step_ms']:.0f} ms, bubble {s['bubble']:.1%}, MFU {s['mfu']:.1%}, groups across "
+                f"nodes: {s['across_nodes'] or 'none'}")
+    return (f"predicted {pick['tokens_per_s_per_gpu'] / published['tokens_per_s_per_gpu'] - 1:.0%} faster per GPU. "
+            f"Published {parts(published)}. Pick {parts(pick)}. The difference is what the planner prices and the "
+            f"published run paid: tensor-parallel collectives on the critical path (no overlap in Megatron-LM 2021, "
+            f"none without AsyncTP in torchtitan) against the pick's bubble and its narrower GEMMs")
 
 
 def summary(r, gpus: int, row: dict) -> dict:

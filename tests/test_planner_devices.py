@@ -74,3 +74,14 @@ def test_a_published_run_is_predicted_within_15_percent(name):
         predicted = best.tokens_per_s / gpus
     assert predicted == pytest.approx(row["published"], rel=0.15), (name, predicted)
     assert 0 < best.mfu < 1 and best.hw_tflops_per_device >= best.tflops_per_device
+
+
+def test_a_model_that_does_not_fit_replicated_plans_fsdp2_first():
+    rows, meta = make_rows(compose_config(["mode=plan", "model=gpt2", "model.vocab_size=50304", "plan.device=h100-sxm",
+                                           "plan.memory_gb=1.5",
+                                           "data.seq_len=256", "plan.global_batch=16", "plan.schedules=[1f1b]",
+                                           "plan.microbatch_sizes=[1]", "plan.recompute=[true]"]))
+    assert "FSDP2 (dp_shard) rows first" in meta["note"]  # 124M parameters x 16 bytes: 2 GB
+    assert any(r.candidate.dp_shard and r.feasible for r in rows)
+    assert all(r.feasible for r in rows if not r.candidate.dp_shard and r.candidate.dp > 1)
+    assert {r.candidate.tp for r in rows} == {1, 2, 4}  # plan.tp null on a device: 1..8 dividing n_head=12, V
