@@ -33,6 +33,7 @@ from pipetrain.partition.costs import LayerCost, chunk_costs, cp_layer_costs, ep
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.partition.partition import Partition, require_chunks
 from pipetrain.partition.strategies import partition
+from pipetrain.planner.compute import Timing, layer_times
 from pipetrain.schedules import registry
 from pipetrain.schedules.fb_pairs import LayerNodes
 from pipetrain.schedules.ir import Schedule
@@ -91,6 +92,9 @@ class GradReduce:
     reduce_dtype: str
     at_end: bool = False  # all after the rank's last action (parallel.overlap_reduce=false), else after each last W
     latency_ms: float = 0.0  # added to every stage's reduction (plan.reduce_latency_ms)
+    # share of the stage's last backward (one microbatch's B + W) the reduction runs under, bucket by bucket as its
+    # layers finish (plan.grad_overlap); 0: it starts at the stage's REDUCE_GRAD, as pipetrain's reducer does
+    overlap: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,8 @@ def simulate_layout(inputs: LayoutInputs, *, built: Schedule | None = None) -> S
                         dp_shard=g.dp_shard, bandwidth_gbs=g.bandwidth_gbs, reduce_dtype=g.reduce_dtype)
         if g.latency_ms:
             red = tuple(r + g.latency_ms for r in red)
+        if g.overlap:
+            red = tuple(max(r - g.overlap * (costs.b[s] + costs.w[s]), 0.0) for s, r in enumerate(red))
     return SimulatedPlan(schedule, costs, red, keep, inputs.comm_ms, inputs.fb_overlap)
 
 
@@ -301,14 +307,21 @@ def costing_model(m: ModelConfig) -> LayeredModel | None:
 
 
 def model_layer_costs(m: ModelConfig, model: LayeredModel | None, *, microbatch: int, seq: int,
-                      tflops: float) -> list[LayerCost]:
+                      tflops: float, timing: Timing | None = None, tp: int = 1, cp: int = 1,
+                      sequence_parallel: bool = False) -> list[LayerCost]:
     """Per-layer costs of one microbatch of the unsplit layers by formula: the sleep model's given
-    times (whatever the microbatch), else `model`'s (costing_model(m)) FLOPs at `tflops` TFLOP/s."""
+    times (whatever the microbatch), else `model`'s (costing_model(m)) FLOPs at `tflops` TFLOP/s; with
+    `timing` (plan.device), each layer's GEMMs, attention and element-wise bytes on that device as one
+    tp x cp rank runs them (planner/compute.py layer_times, scaled to the whole layer)."""
     if isinstance(m, SleepModelConfig):
         return sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
                                  params_per_layer=m.params_per_layer)
     assert model is not None, f"model={m.name} is costed by its model: pass costing_model(config.model)"
-    return model.cost_model(microbatch=microbatch, seq=seq, tflops=tflops)
+    if timing is None:
+        return model.cost_model(microbatch=microbatch, seq=seq, tflops=tflops)
+    return [layer_times(layer, tokens=microbatch * seq, seq=seq, t=timing, tp=tp, cp=cp,
+                        sequence_parallel=sequence_parallel)
+            for layer in model.cost_model(microbatch=microbatch, seq=seq, tflops=timing.sustained_tflops)]
 
 
 def measured_layer_costs(config: Config, model: LayeredModel, *, microbatch: int) -> list[LayerCost]:

@@ -118,3 +118,22 @@ def assert_profiled_at_rank_threads(cache, threads=1):
     keys = [json.loads(p.read_text())["key"] for p in sorted(cache.rglob("*.json"))]
     devices = {k["device"] for k in keys if "device" in k}
     assert devices and all(d.endswith(f":{threads}threads") for d in devices), devices
+
+
+@pytest.mark.slow  # one process plans 64 H100s (~12 s of CPU; a minute of wall time on two busy cores)
+def test_mode_plan_on_a_catalog_device_shows_tflops_and_mfu(tmp_path):
+    """The issue's command (with a pretraining sequence and batch, and two schedules to stay quick): FSDP2 first
+    for a model that does not fit one device replicated, tp inside a node, TFLOP/s and MFU per row."""
+    run_dir = tmp_path / "run"
+    res = run_cli(["mode=plan", "model=llama3.1-8b", "plan.device=h100-sxm", "plan.nodes=8", "plan.devices_per_node=8",
+                   "data.seq_len=8192", "plan.global_batch=128", "plan.schedules=[1f1b,interleaved_1f1b]",
+                   "plan.microbatch_sizes=[1,2]", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "TFLOP/s" in res.stdout and "MFU %" in res.stdout and "FSDP2 (dp_shard) rows first" in res.stdout
+    rows = json.loads((run_dir / "plan.json").read_text())["rows"]
+    best = rows[0]
+    assert best["feasible"] and best["tp"] <= 8 and 0.2 < best["mfu"] < 0.8
+    assert best["hw_tflops_per_device"] >= best["tflops_per_device"] > 0
+    bad = run_cli(["mode=plan", "model=gpt2-tiny", "plan.device=unknown", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert bad.returncode != 0 and "plan.device='unknown' is not in the catalog: choose one of local, a100-40gb" \
+        in bad.stderr

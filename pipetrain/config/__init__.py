@@ -386,7 +386,7 @@ class Config:
 MODEL_SCHEMAS: dict[str, type] = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, "gpt2": GPT2ModelConfig,
                                   "llama": LlamaModelConfig}
 LLAMA_OPTIONS = ("llama-tiny", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3.1-70b", "qwen2.5-0.5b",
-                 "qwen2.5-7b", "qwen3-0.6b", "mistral-7b-v0.3")
+                 "qwen2.5-7b", "qwen3-0.6b", "mistral-7b-v0.3", "llama3.1-405b")
 MOE_OPTIONS = ("moe-tiny", "mixtral-8x7b", "qwen3-30b-a3b", "qwen2-moe-a2.7b", "olmoe-1b-7b")  # llama_schema + moe
 MODEL_OPTIONS = ("sleep", "mlp", "gpt2-tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl",
                  *LLAMA_OPTIONS, *MOE_OPTIONS)  # conf/model/*.yaml

@@ -9,17 +9,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pipetrain.config.devices import CATALOG, LOCAL, device_spec
+
 OBJECTIVES = ("tokens_per_s", "tokens_per_s_per_gb")
 PLAN_PARTITIONS = ("uniform", "params", "flops", "balanced", "profile")  # the strategies a plan can cut by
+ATTENTION = ("flash", "materialized")  # plan.attention: how the planned run's attention kernel is costed
 
 
 @dataclass
 class PlannerConfig:
     # ranks to plan for; null = plan.nodes x plan.devices_per_node, else the configured layout's
     world_size: Optional[int] = None
+    # the accelerator planned for (config/devices.py's catalog: a100-40gb, a100-80gb, h100-sxm, h800, h200, b200,
+    # mi300x): layer times from GEMM shapes on it, links from its node; local: plan.tflops and the plan.*_gbs links
+    device: str = LOCAL
     nodes: int = 1  # with plan.devices_per_node, the world when plan.world_size is null
-    devices_per_node: Optional[int] = None  # devices (ranks) per node
-    memory_gb: float = 80.0  # memory budget per device, GB (10^9 bytes)
+    # devices (ranks) per node; null = plan.device's node (8 in every catalog entry), unknown for local
+    devices_per_node: Optional[int] = None
+    memory_gb: Optional[float] = None  # memory budget per device, GB (10^9 bytes); null = plan.device's, 80 for local
+    fp8: bool = False  # with plan.device: the linear layers' GEMMs at its fp8 peak (Float8 training), casts by bytes
+    # with plan.device: attention as one fused kernel (flash) or as its GEMMs with the s x s scores written out
+    # and read back by softmax, mask and dropout (materialized, Megatron-LM 2021's kernels)
+    attention: str = "flash"
+    # with plan.device: element-wise ops as fused kernels (torch.compile, Megatron's fused kernels); false: one
+    # kernel per op, as eager PyTorch runs them (about 3x the bytes)
+    fused_elementwise: bool = True
+    # share of a stage's last backward its data-parallel reduction runs under (bucket by bucket as layers finish:
+    # torchtitan's FSDP2, Megatron's --overlap-grad-reduce); 0 = pipetrain's run, which starts a stage's
+    # reduction at its REDUCE_GRAD, after the stage's last weight gradient
+    grad_overlap: float = 0.0
     global_batch: Optional[int] = None  # sequences per optimizer step; null = data.batch_size
     tflops: Optional[float] = None  # sustained TFLOP/s turning real models' FLOPs into ms; null = sim.tflops
     p2p_gbs: float = 25.0  # stage-to-stage bandwidth, GB/s (a stage boundary tensor per transfer)
@@ -47,7 +65,9 @@ class PlannerConfig:
     w_keep: float = 1.0  # share of a microbatch's activations B keeps for W (1: all, the safe bound)
     schedules: Optional[list[str]] = None  # schedules to try; null = every built-in
     pp: Optional[list[int]] = None  # pipeline degrees to try; null = every divisor of the world
-    tp: list[int] = field(default_factory=lambda: [1])  # tensor-parallel degrees to try (world = pp x dp x tp)
+    # tensor-parallel degrees to try (world = pp x dp x tp); null = [1], with plan.device every power of two up to
+    # its node that divides the model's split dimensions
+    tp: Optional[list[int]] = None
     # rows with tp > 1 also split activations on the sequence (parallel.sequence_parallel)
     sequence_parallel: bool = False
     # expert-parallel degrees to try (ep borrows dp's ranks, its rows FSDP2-sharded); null = for an MoE model
@@ -62,7 +82,9 @@ class PlannerConfig:
     # with true in plan.recompute: also recompute on the first k pipeline ranks only (k = 1..pp-1), the
     # ranks a 1F1B-like schedule fills with the most microbatches (trainer.recompute_stages)
     recompute_partial: bool = False
-    dp_shard: bool = False  # dp > 1 as FSDP2 shards (parallel.dp_shard) instead of replicas
+    # dp > 1 as FSDP2 shards (parallel.dp_shard) instead of replicas; null = replicas, and with plan.device, where a
+    # model's weights and optimizer state do not fit one device, FSDP2 rows first and replicated rows where they fit
+    dp_shard: Optional[bool] = None
     # partition strategies to try (uniform, params, flops, balanced, profile: by measured time, with
     # partition=profile); null = the configured partition's. Rows of two strategies that cut alike are one row
     partitions: Optional[list[str]] = None
@@ -84,7 +106,18 @@ class PlannerConfig:
         if self.calibrate_steps < 2:
             raise ValueError(
                 f"plan.calibrate_steps must be >= 2: the first step is warm-up (got {self.calibrate_steps})")
-        for knob in ("memory_gb", "p2p_gbs", "time_limit_s"):
+        if self.device != LOCAL:
+            device_spec(self.device)  # an unknown name: one line listing the catalog
+        if self.attention not in ATTENTION:
+            raise ValueError(f"plan.attention={self.attention!r} is unknown: choose one of {', '.join(ATTENTION)}")
+        if not 0.0 <= self.grad_overlap <= 1.0:
+            raise ValueError(f"plan.grad_overlap must be in [0, 1] (got {self.grad_overlap})")
+        if self.fp8 and (self.device == LOCAL or not CATALOG[self.device].fp8_tflops):
+            raise ValueError(f"plan.fp8=true needs a plan.device with fp8 tensor cores (plan.device={self.device}): "
+                             f"set plan.device to one of {', '.join(n for n, d in CATALOG.items() if d.fp8_tflops)}")
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise ValueError(f"plan.memory_gb must be > 0 (got {self.memory_gb})")
+        for knob in ("p2p_gbs", "time_limit_s"):
             if not getattr(self, knob) > 0:
                 raise ValueError(f"plan.{knob} must be > 0 (got {getattr(self, knob)})")
         if self.dp_gbs is not None and not self.dp_gbs > 0:
@@ -116,6 +149,20 @@ class PlannerConfig:
             if unknown or not self.partitions:
                 raise ValueError(f"plan.partitions={self.partitions} must list strategies from "
                                  f"{', '.join(PLAN_PARTITIONS)} (partition=manual's cut is not searched)")
+
+    @property
+    def memory_budget_gb(self) -> float:
+        """plan.memory_gb, its null resolved: plan.device's memory, 80 GB for local."""
+        if self.memory_gb is not None:
+            return self.memory_gb
+        return 80.0 if self.device == LOCAL else CATALOG[self.device].memory_gb
+
+    @property
+    def node_size(self) -> Optional[int]:
+        """plan.devices_per_node, its null resolved from plan.device's node (None for local)."""
+        if self.devices_per_node is not None or self.device == LOCAL:
+            return self.devices_per_node
+        return CATALOG[self.device].devices_per_node
 
     def _check_world(self) -> None:
         """plan.world_size, where given, must be the machines it plans for: the planner would

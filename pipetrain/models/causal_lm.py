@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pipetrain.models.base import LayeredModel, TensorSpec, ms_from_flops
-from pipetrain.partition.costs import LayerCost
+from pipetrain.partition.costs import LayerCost, LayerShape
 
 
 IGNORE_INDEX = -1  # a target that counts in no loss (runtime/batch.py: counted_targets)
@@ -66,7 +66,7 @@ class CausalLM(LayeredModel):
 
 
 def layer_cost(name: str, *, stored: int, matmul: int, attn_f: int, act: int, tokens: int,
-               tflops: float) -> LayerCost:
+               tflops: float, shape: LayerShape | None = None) -> LayerCost:
     """One layer's LayerCost from per-token counts (the nanoGPT / PaLM appendix B estimate):
     `matmul` parameters that multiply each token (forward 2 FLOPs each; backward: B and W
     2 each) and `attn_f` forward FLOPs of attention's weightless matmuls (QK^T, AV), whose
@@ -74,4 +74,4 @@ def layer_cost(name: str, *, stored: int, matmul: int, attn_f: int, act: int, to
     f, b, w = 2 * matmul + attn_f, 2 * matmul + 2 * attn_f, 2 * matmul
     return LayerCost(name, ms_from_flops(f * tokens, tflops), ms_from_flops(b * tokens, tflops),
                      ms_from_flops(w * tokens, tflops), params=stored, flops_per_token=float(f),
-                     activation_bytes_per_token=act)
+                     activation_bytes_per_token=act, shape=shape)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
-from pipetrain.partition.costs import LayerCost
+from pipetrain.partition.costs import COLUMN, ROW, LayerCost, LayerShape
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
 from pipetrain.runtime.documents import Documents
@@ -269,11 +269,17 @@ def gpt2_layer_costs(
     mask = 1 if dropout > 0 else 0
     attn = 2 * 2 * t * c
 
-    def cost(name: str, stored: int, matmul: int, attn_f: int, act: int) -> LayerCost:
-        return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops)
+    def cost(name: str, stored: int, matmul: int, attn_f: int, act: int, shape: LayerShape) -> LayerCost:
+        return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops,
+                          shape=shape)
 
-    out = [cost("embed", params[0], 0, 0, 8 + mask * c)]
+    # shapes for a device's timing: c_attn, attn c_proj, c_fc, mlp c_proj; GELU's 4C in and out split by tp, the two
+    # LayerNorms (2C each) and bias-dropout-residual adds (3C each) whole; the head's loss reads and writes ~4V
+    block = LayerShape(((c, 3 * c, COLUMN), (c, c, ROW), (c, 4 * c, COLUMN), (4 * c, c, ROW)), n_head, n_head,
+                       c // n_head, elementwise_values=8 * c, elementwise_whole=10 * c)
+    out = [cost("embed", params[0], 0, 0, 8 + mask * c, LayerShape(elementwise_whole=5 * c))]
     block_act = 17 * c * bytes_per_value + mask * 2 * c
-    out += [cost(f"h.{i}", params[1 + i], params[1 + i], attn, block_act) for i in range(n_layer)]
-    out.append(cost("head", params[-1], params[-1], 0, (2 * c + v) * bytes_per_value + 8))
+    out += [cost(f"h.{i}", params[1 + i], params[1 + i], attn, block_act, block) for i in range(n_layer)]
+    out.append(cost("head", params[-1], params[-1], 0, (2 * c + v) * bytes_per_value + 8,
+                    LayerShape(((c, v, COLUMN),), elementwise_values=4 * v, elementwise_whole=2 * c)))
     return out

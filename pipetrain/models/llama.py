@@ -40,7 +40,7 @@ from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
 from pipetrain.models.moe_block import MoEBlock
 from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values, experts_active
 from pipetrain.models.moe_nodes import block_nodes, single_node
-from pipetrain.partition.costs import LayerCost
+from pipetrain.partition.costs import COLUMN, ROW, LayerCost, LayerShape
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
 from pipetrain.runtime.documents import Documents
@@ -367,12 +367,14 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
     matmuls = [params[1 + b] - stored + active for b, (stored, active) in enumerate(mlp_params(cfg))]
     block_values = [6 * c + 2 * q + 2 * kv + mlp + cfg["qk_norm"] * 2 * (q + kv) for mlp in mlp_values(cfg)]
 
-    def cost(name: str, stored: int, matmul: int, attn_f: int, act: int) -> LayerCost:
-        return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops)
+    def cost(name: str, stored: int, matmul: int, attn_f: int, act: int, shape: LayerShape | None = None) -> LayerCost:
+        return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops,
+                          shape=shape)
 
-    out = [cost("embed", params[0], 0, 0, 8)]
+    out = [cost("embed", params[0], 0, 0, 8, LayerShape(elementwise_whole=2 * c))]
     moe = experts_and_a2a(cfg)  # what expert parallel splits and sends; cp gathers each block's K and V
-    blocks = [cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q, block_values[i] * bytes_per_value)
+    shape = None if cfg.get("moe") else llama_block_shape(cfg)  # an MoE block is timed by its FLOPs
+    blocks = [cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q, block_values[i] * bytes_per_value, shape)
               for i in range(cfg["num_hidden_layers"])]
     # 2 forward FLOPs per routed (shared) expert parameter a token meets, of the block's forward FLOPs
     share = lambda active, b: 2 * active / b.flops_per_token if b.flops_per_token else 0.0  # noqa: E731
@@ -380,5 +382,17 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
                                 kv_values_per_token=2 * kv, experts_flops_share=share(routed, b),
                                 shared_experts_flops_share=share(shared, b))
             for i, (b, (routed, shared)) in enumerate(zip(blocks, experts_active(cfg)))]
-    out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
+    out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8,
+                    LayerShape(((c, v, COLUMN),), elementwise_values=4 * v, elementwise_whole=2 * c)))
     return out
+
+
+def llama_block_shape(cfg: dict[str, Any]) -> LayerShape:
+    """A dense block's GEMMs (q, k and v; o; gate and up; down) and element-wise values for a device's timing:
+    RoPE on q and k and SwiGLU (2I in, I out) split by tp, the two RMSNorms (2C each) and residual adds (3C each)
+    whole."""
+    c, i = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    return LayerShape(((c, q + 2 * kv, COLUMN), (q, c, ROW), (c, 2 * i, COLUMN), (i, c, ROW)),
+                      cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                      elementwise_values=3 * i + 2 * (q + kv), elementwise_whole=10 * c)

@@ -11,7 +11,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
+
+COLUMN, ROW, WHOLE = "col", "row", "whole"  # how tensor parallel splits a GEMM: its n, its k, or neither
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What one layer computes per token, by kind, so a device can time it (planner/compute.py): its GEMMs as
+    (k, n, split) of x (1, k) @ W (k, n), split the tensor-parallel cut (COLUMN: n / tp, ROW: k / tp, WHOLE:
+    replicated); its attention (query and K/V heads, head_dim; each query meets up to the sequence's keys); and the
+    values its element-wise ops (activations and the loss's softmax, split by tp; norms and residual adds, whole
+    unless sequence parallel) read and write in a forward."""
+
+    gemms: tuple[tuple[int, int, str], ...] = ()
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    elementwise_values: float = 0.0  # per token, forward, of the values tp splits (the backward moves twice as many)
+    elementwise_whole: float = 0.0  # likewise, of the values every tp rank keeps whole (norms, residual adds)
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,7 @@ class LayerCost:
     # of f_ms and b_ms, the expert-parallel all-to-all time (what an F&B pair's other half can hide)
     comm_f_ms: float = 0.0
     comm_b_ms: float = 0.0
+    shape: Optional[LayerShape] = None  # what it computes, where a device times it (None: only its FLOPs are known)
 
     @property
     def total_ms(self) -> float:

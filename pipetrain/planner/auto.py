@@ -38,7 +38,7 @@ def choose(config: Config, run_dir: Path, console: Console) -> tuple[Config, Row
         if not any(r.memory for r in rows):
             raise ValueError(f"schedule=auto: no candidate was evaluated within plan.time_limit_s="
                              f"{config.plan.time_limit_s:g}: raise it or narrow the plan group's search space")
-        raise ValueError(f"schedule=auto: no candidate fits plan.memory_gb={config.plan.memory_gb:g} "
+        raise ValueError(f"schedule=auto: no candidate fits plan.memory_gb={config.plan.memory_budget_gb:g} "
                          f"(closest: {rows[0].reason}): raise plan.memory_gb, allow plan.recompute=[false,true] or "
                          f"smaller plan.microbatch_sizes")
     best = rows[0]

@@ -21,17 +21,19 @@ from rich.table import Table
 from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
 from pipetrain.partition.costs import fuse_weight_grads
 from pipetrain.plan import costing_model, measured_layer_costs, model_layer_costs, seq_len
+from pipetrain.planner import cluster
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Row, search
 from pipetrain.planner.workload import Device, Workload
-from pipetrain.planner.degrees import check_tp, cp_degrees, ep_degrees, world_size
+from pipetrain.planner.degrees import check_tp, cp_degrees, ep_degrees, tp_degrees, world_size
 from pipetrain.planner.space import Candidate, candidates, why_empty
 from pipetrain.schedules import registry
 
 PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
 CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "ep", "cp", "v", "microbatches", "microbatch_size",
                "recompute", "recompute_ranks", "partition", "feasible", "pred_step_ms", "tokens_per_s", "bubble",
-               "pred_peak_gb", "peak_rank", "exposed_comm_ms", "memory_budget", "reason")
+               "pred_peak_gb", "peak_rank", "exposed_comm_ms", "memory_budget", "tflops_per_device",
+               "hw_tflops_per_device", "mfu", "reason")
 # activation values per token and unit of width a block keeps whole under tp without sequence parallel:
 # the norms' inputs and outputs, the column-parallel layers' (replicated) inputs (models/gpt2.py: ln_1, c_attn,
 # ln_2, c_fc inputs of its 17 C; models/llama.py: the two RMSNorms' 3 C each); other models: all of it
@@ -46,6 +48,7 @@ def workload(config: Config) -> Workload:
     m, p = config.model, config.plan
     seq = seq_len(config)
     first_stage: Optional[Callable[[int], list[float]]] = None
+    sharded = None  # plan.device: layers timed at each tp x cp rank's shapes
     model = costing_model(m)  # on meta: models/profile.py materialises a layer at a time; None: model=sleep
     if model is not None and measuring(config):  # F, B, W and saved bytes measured here, one layer at a time
         from pipetrain.models.profile import saved_bytes_per_token
@@ -71,15 +74,18 @@ def workload(config: Config) -> Workload:
         if precision != "fp32":
             first_stage = first_stage_ratio
     else:
-        tflops = p.tflops or config.sim.tflops
+        tflops, timed = p.tflops or config.sim.tflops, cluster.timing(config)
 
-        def layers(mbs: int):  # the Workload holds the loss's bytes (`in_head`, below) apart from the head's
-            costs = model_layer_costs(m, model, microbatch=mbs, seq=seq, tflops=tflops)
+        def layers(mbs: int, tp: int = 1, cp: int = 1, sp: bool = False):  # the loss's bytes held apart (`in_head`)
+            costs = model_layer_costs(m, model, microbatch=mbs, seq=seq, tflops=tflops, timing=timed, tp=tp, cp=cp,
+                                      sequence_parallel=sp)
             if not in_head:
                 return costs
             head = costs[-1]
             return [*costs[:-1], dataclasses.replace(
                 head, activation_bytes_per_token=max(head.activation_bytes_per_token - in_head, 0.0))]
+        if timed is not None:
+            sharded = functools.lru_cache(maxsize=None)(layers)
     # what the loss keeps and autocast's weight copies, both held apart from the layers' per-token bytes
     loss_bytes, copies = 0.0, []
     if model is not None:
@@ -99,6 +105,8 @@ def workload(config: Config) -> Workload:
 
         def layers(mbs: int):
             return fuse_weight_grads(unfused(mbs))
+    counted = model_layer_costs(m, model, microbatch=1, seq=seq, tflops=1.0)  # FLOPs and parameters, not times
+    model_flops, recompute_flops = cluster.flop_counts(counted) if model is not None else (0.0, 0.0)
     return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), w_keep,
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
                     first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
@@ -107,7 +115,9 @@ def workload(config: Config) -> Workload:
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
                     loss_grad_bytes_per_token=8.0 * vocab if m.has_seq else 0.0,
                     loss_bytes_per_token=loss_bytes, weight_copy_bytes=tuple(copies),
-                    fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"), tied=tied_weights(model))
+                    fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"), tied=tied_weights(model),
+                    sharded_layers=sharded, model_flops_per_token=model_flops,
+                    recompute_flops_per_token=recompute_flops, params=float(sum(c.params for c in counted)))
 
 
 def tied_weights(model: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
@@ -167,11 +177,12 @@ def gpu_overhead_gb(config: Config) -> float:
 
 def device(config: Config) -> Device:
     p = config.plan
-    return Device(p.memory_gb, gpu_overhead_gb=gpu_overhead_gb(config), p2p_gbs=p.p2p_gbs,
+    return Device(p.memory_budget_gb, gpu_overhead_gb=gpu_overhead_gb(config), p2p_gbs=p.p2p_gbs,
+                  **cluster.device_fields(config),
                   p2p_latency_ms=config.sim.comm_ms if p.p2p_latency_ms is None else p.p2p_latency_ms,
                   dp_gbs=p.dp_gbs or config.cluster.dp_bandwidth_gbs, tp_gbs=config.cluster.tp_bandwidth_gbs,
                   ep_gbs=config.cluster.ep_bandwidth_gbs, cp_gbs=config.cluster.cp_bandwidth_gbs,
-                  cp_rotate=config.parallel.cp_rotate, fb_overlap=fb_overlap(config), optim_gbs=p.optim_gbs,
+                  cp_rotate=config.parallel.cp_rotate, fb_overlap=fb_overlap(config), 
                   margin=p.margin, action_overhead_ms=p.action_overhead_ms, layer_overhead_ms=p.layer_overhead_ms,
                   reduce_latency_ms=p.reduce_latency_ms, step_overhead_ms=p.step_overhead_ms,
                   tp_latency_ms=p.tp_latency_ms,
@@ -201,12 +212,16 @@ def assumptions(config: Config) -> str:
         times = "the sleep model's f/b/w_ms"
     elif measuring(config):
         times = "measured on this machine"
+    elif cluster.on_device(config):
+        times = cluster.describe(config)
     else:
         times = f"FLOPs at {p.tflops or config.sim.tflops:g} TFLOP/s ({'plan' if p.tflops else 'sim'}.tflops)"
     fixed = f" (of which {d.gpu_overhead_gb:g} GB fixed per GPU, plan.gpu_overhead_gb)" if d.gpu_overhead_gb else ""
-    return (f"plan: {m.name}, {world_size(config)} devices x {p.memory_gb:g} GB{fixed}, batch "
-            f"{p.global_batch or config.data.batch_size}{seq}; layer times: {times}; links: p2p {d.p2p_gbs:g} GB/s "
-            f"+ {d.p2p_latency_ms:g} ms, dp {d.dp_gbs:g} GB/s, tp {d.tp_gbs:g} GB/s{moe_and_cp_links(config, d)}"
+    links = cluster.links_text(config) if cluster.on_device(config) else (
+        f"p2p {d.p2p_gbs:g} GB/s + {d.p2p_latency_ms:g} ms, dp {d.dp_gbs:g} GB/s, tp {d.tp_gbs:g} GB/s"
+        f"{moe_and_cp_links(config, d)}")
+    return (f"plan: {m.name}, {world_size(config)} devices x {p.memory_budget_gb:g} GB{fixed}, batch "
+            f"{p.global_batch or config.data.batch_size}{seq}; layer times: {times}; links: {links}"
             f"{cpu_activations(config)}")
 
 
@@ -229,7 +244,8 @@ def cpu_activations(config: Config) -> str:
     return "; bf16 activations: this CPU's (CUDA autocast keeps layer_norm / softmax in fp32)"
 
 
-def plan_candidates(config: Config) -> list[Candidate]:
+def plan_candidates(config: Config, *, shard_first: bool = False) -> list[Candidate]:
+    """The plan's space; `shard_first` (cluster.shard_first): FSDP2 rows, and the replicated ones beside them."""
     p = config.plan
     names = p.schedules or registry.names()
     for n in names:
@@ -238,10 +254,13 @@ def plan_candidates(config: Config) -> list[Candidate]:
     part = plan_partitions(config)
     space = dict(world=world_size(config), global_batch=p.global_batch or config.data.batch_size,
                  num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
-                 virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches, tp_degrees=p.tp,
-                 cp_degrees=cp_degrees(config))
-    cands = candidates(**space, recompute=p.recompute, recompute_partial=p.recompute_partial, dp_shard=p.dp_shard,
-                       partitions=part, sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config))
+                 virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches,
+                 tp_degrees=tp_degrees(config), cp_degrees=cp_degrees(config))
+    rest = dict(recompute=p.recompute, recompute_partial=p.recompute_partial, partitions=part,
+                sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config))
+    cands = candidates(**space, **rest, dp_shard=bool(p.dp_shard) or shard_first)
+    if shard_first:
+        cands += [c for c in candidates(**space, **rest, dp_shard=False) if c.dp > 1 and not c.dp_shard]
     if not cands:
         raise ValueError(f"the plan space is empty for world {space['world']} and global batch "
                          f"{space['global_batch']}: {why_empty(**space)}")
@@ -282,12 +301,18 @@ def plan_rows(config: Config, run_dir: Path, console: Console) -> tuple[Config, 
 
 def make_rows(config: Config) -> tuple[list[Row], dict[str, Any]]:
     """The ranked rows and what was searched."""
-    p = config.plan
+    config, given = cluster.planned_config(config), config
+    p, work = config.plan, workload(config)
     start = time.perf_counter()
-    cands = plan_candidates(config)
-    rows = search(workload(config), device(config), cands, objective=p.objective, time_limit_s=p.time_limit_s,
-                  prune=p.prune)
-    meta = {"world_size": world_size(config), "memory_gb": p.memory_gb,
+    note = "\n".join(filter(None, [cluster.planned_note(given, config), cluster.shard_first(config, work.params,
+                                                                                           work.state)]))
+    shard = "FSDP2" in note
+    cands = plan_candidates(config, shard_first=shard)
+    rows = search(work, device(config), cands, objective=p.objective, time_limit_s=p.time_limit_s, prune=p.prune)
+    if shard:  # replicated rows only where they fit
+        rows = [r for r in rows if r.feasible or r.candidate.dp_shard or r.candidate.dp == 1]
+    meta = {"world_size": world_size(config), "memory_gb": p.memory_budget_gb, "device": p.device,
+            **({"note": note} if note else {}),
             "global_batch": p.global_batch or config.data.batch_size, "model": config.model.name,
             "objective": p.objective, "candidates": len(cands),
             "merged": len(cands) - len(rows),  # candidates whose partition strategies cut alike (one_candidate_per_cut)
@@ -312,7 +337,7 @@ def table(rows: list[Row], *, top: int) -> Table:
     t = Table(title="plan: best first (feasible rows first)", header_style="bold")
     cuts = len({r.candidate.partition for r in rows}) > 1  # plan.partitions searched: show each row's
     cols = ["#", "layout", "schedule", "v", "M", "mbs", "recompute", *(["partition"] if cuts else []), "step ms",
-            "tokens/s", "bubble %", "peak GB (rank)", "comm ms", "note"]
+            "tokens/s", "TFLOP/s", "MFU %", "bubble %", "peak GB (rank)", "comm ms", "note"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("layout", "schedule", "partition", "note") else "right")
     user_name = {planner: user for user, planner in PARTITIONS.items()}
@@ -320,7 +345,8 @@ def table(rows: list[Row], *, top: int) -> Table:
         c, peak = r.candidate, r.peak
         t.add_row(str(i + 1), c.layout, c.schedule, str(c.v), str(c.microbatches), str(c.microbatch_size),
                   c.recompute_label, *([user_name.get(c.partition, c.partition)] if cuts else []),
-                  _ms(r.pred_step_ms), _fmt(r.tokens_per_s, ",.0f"),
+                  _ms(r.pred_step_ms), _fmt(r.tokens_per_s, ",.0f"), _fmt(r.tflops_per_device, ".3g"),
+                  _fmt(None if r.mfu is None else 100 * r.mfu, ".1f"),
                   _fmt(None if r.bubble is None else 100 * r.bubble, ".1f"),
                   "-" if peak is None else f"{r.pred_peak_gb:.3g} ({peak.rank})", _ms(r.exposed_comm_ms),
                   ("" if r.feasible else r.reason) + (f" budget {r.memory_budget:g}" if r.memory_budget else ""))
@@ -339,8 +365,10 @@ def write(rows: list[Row], meta: dict[str, Any], run_dir: Path) -> None:
 
 def run_plan(config: Config, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(width=None if Console().is_terminal else 160)
-    console.print(assumptions(config), markup=False, highlight=False)
+    console.print(assumptions(cluster.planned_config(config)), markup=False, highlight=False)
     config, rows, meta = plan_rows(config, run_dir, console)
+    if meta.get("note"):
+        console.print(meta["note"], markup=False, highlight=False)
     write(rows, meta, run_dir)
     console.print(table(rows, top=config.plan.top))
     merged = f" ({meta['merged']} cut alike by another partition: one row each)" if meta["merged"] else ""

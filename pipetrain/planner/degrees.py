@@ -5,22 +5,39 @@ simulated (as parallel.tp / ep / cp are checked before a run starts). Pure: no t
 from __future__ import annotations
 
 from pipetrain.config import AUTO, Config
+from pipetrain.config.devices import LOCAL
+
+NODE_TP = (1, 2, 4, 8)  # tp degrees a device plan tries by default: powers of two inside one node
 
 
 def world_size(config: Config) -> int:
-    """Ranks the plan lays out: plan.world_size, else plan.nodes x plan.devices_per_node, else the run's layout."""
+    """Ranks the plan lays out: plan.world_size, else plan.nodes x plan.devices_per_node (plan.device's node where
+    that is null), else the run's layout."""
     p = config.plan
     if p.world_size is not None:
         return p.world_size
-    if p.devices_per_node is not None:
-        return p.nodes * p.devices_per_node
+    if p.node_size is not None:
+        return p.nodes * p.node_size
     return config.layout.world
+
+
+def tp_degrees(config: Config) -> list[int]:
+    """plan.tp, its null resolved: [1] locally; on a device every power of two up to its node that divides what
+    the model splits (heads, widths, vocabulary)."""
+    p, m = config.plan, config.model
+    if p.tp is not None:
+        return list(p.tp)
+    if p.device == LOCAL:
+        return [1]
+    divides = m.tp_divides() or {}
+    return [t for t in NODE_TP if t <= (p.node_size or 1) and (t == 1 or divides)
+            and all(v % t == 0 for v in divides.values())]
 
 
 def check_tp(config: Config) -> None:
     """plan.tp against the world and the model, one line each, before anything is simulated."""
     p, m, world = config.plan, config.model, world_size(config)
-    for tp in p.tp:
+    for tp in tp_degrees(config):
         if world % tp:
             raise ValueError(
                 f"plan.tp lists {tp}, which does not divide the world of {world} ranks: drop it from plan.tp")

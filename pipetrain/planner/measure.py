@@ -21,6 +21,7 @@ from pipetrain.config import Config
 from pipetrain.metrics import names
 from pipetrain.partition.costs import chunk_costs
 from pipetrain.planner.calibrate import OPS, overheads, tp_latency
+from pipetrain.planner.degrees import tp_degrees
 from pipetrain.planner.workload import Workload
 from pipetrain.schedules.tp_cost import tp_rank_layers
 from pipetrain.planner.space import Candidate
@@ -74,7 +75,7 @@ def calibrate(config: Config, work: Workload, *, world: int, mbs: int, partition
         model = {op: [chunks[pl.chunk_of(s)][i] for s in stages] for i, op in enumerate(OPS)}
         runs.append((rows, step_ms, [len(bounds[pl.chunk_of(s)]) for s in stages], model))
     cal = overheads(runs)
-    tps = [t for t in config.plan.tp if t > 1 and world % t == 0]
+    tps = [t for t in tp_degrees(config) if t > 1 and world % t == 0]
     if tps:  # the cost of one TP collective, from one run at the smallest tp > 1 listed
         tp = min(tps)
         pp = 2 if world % (2 * tp) == 0 else 1

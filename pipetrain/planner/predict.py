@@ -41,7 +41,7 @@ def predict(config: Config) -> dict[str, Any]:
     row = _Evaluator(workload(config), dev).evaluate(c)
     peak = max(row.memory, key=lambda m: m.allocated)
     return {"peak_gb": peak.allocated / GB, "total_gb": row.pred_peak_gb, "rank": peak.rank,
-            "fits_plan_memory_gb": row.pred_peak_gb <= config.plan.memory_gb, "pred_step_ms": row.pred_step_ms,
+            "fits_plan_memory_gb": row.pred_peak_gb <= config.plan.memory_budget_gb, "pred_step_ms": row.pred_step_ms,
             "gpu_overhead_gb": dev.gpu_overhead_gb, "memory_per_rank": [m.to_json() for m in row.memory],
             "candidate": dataclasses.asdict(c)}
 

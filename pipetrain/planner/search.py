@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from pipetrain.partition.costs import LayerCost, cp_layer_costs, ep_layer_costs
@@ -31,7 +31,9 @@ from pipetrain.partition.partition import Partition
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.memory import (GB, RankMemory, gb_text, loss_rank_bytes, peak_activation_bytes,
                                       rank_memory, sync_copy_bytes)
+from pipetrain.planner.rows import Row
 from pipetrain.planner.space import Candidate
+from pipetrain.planner.topology import layout_links
 from pipetrain.planner.workload import Device, Workload
 from pipetrain.execution import overlaps
 from pipetrain.plan import GradReduce, LayoutInputs, SimulatedPlan, simulate_layout
@@ -41,44 +43,6 @@ from pipetrain.schedules.reduce_cost import DTYPE_BYTES
 from pipetrain.schedules.simulate import simulate
 from pipetrain.schedules.tp_cost import tp_rank_layers
 from pipetrain.schedules.validate import hangs_on_nccl
-
-
-@dataclass
-class Row:
-    candidate: Candidate
-    feasible: bool = False
-    reason: str = ""
-    pred_step_ms: Optional[float] = None
-    tokens_per_s: Optional[float] = None
-    bubble: Optional[float] = None
-    exposed_comm_ms: Optional[float] = None
-    memory: list[RankMemory] = field(default_factory=list)
-    memory_budget: Optional[float] = None  # zb_auto: the smallest rank budget (microbatches)
-    budgets: Optional[list[float]] = None  # zb_auto: every rank's budget (schedule.memory_budget)
-    cut: tuple[tuple[int, int], ...] = ()  # the partition's layer range of each chunk, (start, stop)
-
-    @property
-    def peak(self) -> Optional[RankMemory]:
-        return max(self.memory, key=lambda m: m.total) if self.memory else None
-
-    @property
-    def pred_peak_gb(self) -> Optional[float]:
-        return self.peak.total / GB if self.memory else None
-
-    def to_json(self) -> dict:
-        c = self.candidate
-        peak = self.peak
-        return {
-            "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "tp": c.tp, "sequence_parallel": c.sequence_parallel,
-            "ep": c.ep, "cp": c.cp,
-            "v": c.v, "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
-            "recompute": c.recompute, "recompute_ranks": c.recompute_ranks, "dp_shard": c.dp_shard,
-            "recompute_stages": sorted(c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v))),
-            "partition": c.partition, "layout": c.layout, "feasible": self.feasible, "reason": self.reason,
-            "pred_step_ms": self.pred_step_ms, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
-            "pred_peak_gb": self.pred_peak_gb, "peak_rank": peak.rank if peak else None,
-            "exposed_comm_ms": self.exposed_comm_ms, "memory_budget": self.memory_budget,
-            "memory_per_rank": [m.to_json() for m in self.memory]}
 
 
 @dataclass(frozen=True)
@@ -101,6 +65,7 @@ class _Evaluator:
         self._layers: dict[tuple[int, int, bool, int, int], tuple[LayerCost, ...]] = {}
         self._ratio: dict[int, tuple[float, ...]] = {}
         self._cuts: dict[tuple, Partition] = {}
+        self._links: dict[tuple, tuple[Device, str]] = {}
 
     def first_stage_ratio(self, mbs: int) -> Sequence[float]:
         if self.work.first_stage_activation_ratio is None:
@@ -116,18 +81,42 @@ class _Evaluator:
             self._whole[mbs] = tuple(self.work.layers(mbs))
         key = (mbs, tp, sp, ep, cp)
         if key not in self._layers:
-            w, o, dev = self.work, self.device.layer_overhead_ms, self.device
+            w, o = self.work, self.device.layer_overhead_ms
+            dev = self.group_device(dp=ep, cp=cp, tp=tp, ep=ep)
             tokens, value = mbs * w.seq, w.value_bytes
-            whole = cp_layer_costs(self._whole[mbs], cp=cp, tokens=tokens, bytes_per_value=value,
+            timed = self._whole[mbs] if w.sharded_layers is None else w.sharded_layers(mbs, tp, cp, sp)
+            whole = cp_layer_costs(timed, cp=cp, tokens=tokens, bytes_per_value=value,
                                    bandwidth_gbs=dev.cp_gbs, rotate=dev.cp_rotate)
             whole = ep_layer_costs(whole, ep=ep, tokens=tokens, bytes_per_value=value, bandwidth_gbs=dev.ep_gbs)
             split = tp_rank_layers(whole, tp=tp, sequence_parallel=sp, tokens=tokens, hidden=w.hidden,
-                                   vocab=w.vocab, value_bytes=w.value_bytes, bandwidth_gbs=self.device.tp_gbs,
+                                   vocab=w.vocab, value_bytes=w.value_bytes, bandwidth_gbs=dev.tp_gbs,
                                    replicated_bytes_per_token=w.tp_replicated_bytes_per_token,
-                                   latency_ms=self.device.tp_latency_ms)
+                                   latency_ms=dev.tp_latency_ms)
             self._layers[key] = tuple(
                 dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l for l in split)
         return self._layers[key]
+
+    def group_device(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> Device:
+        """The device with each group's link where its ranks fall on nodes (plan.device: planner/topology.py);
+        the configured links as they are otherwise."""
+        dev = self.device
+        if dev.spec is None:
+            return dev
+        key = (pp, dp, cp, tp, ep)
+        if key not in self._links:
+            links = layout_links(dev.spec, dev.per_node, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
+            self._links[key] = (dataclasses.replace(
+                dev, tp_gbs=links.tp.gbs, tp_latency_ms=dev.tp_latency_ms + links.tp.latency_ms, cp_gbs=links.cp.gbs,
+                ep_gbs=links.ep.gbs, dp_gbs=links.dp.gbs, reduce_latency_ms=dev.reduce_latency_ms + links.dp.latency_ms,
+                p2p_gbs=links.pp.gbs, p2p_latency_ms=dev.p2p_latency_ms + links.pp.latency_ms), links.crossing())
+        return self._links[key][0]
+
+    def crossing(self, c: Candidate) -> str:
+        """The candidate's groups that leave a node ('' without plan.device)."""
+        if self.device.spec is None:
+            return ""
+        self.group_device(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep)
+        return self._links[(c.pp, c.dp, c.cp, c.tp, c.ep)][1]
 
     def cut(self, c: Candidate) -> Partition:
         """The candidate's partition of its layers into its placement's chunks (one per layer costs,
@@ -239,6 +228,7 @@ class _Evaluator:
         placement = registry.placement_for(cand.schedule, cand.pp, cand.v)
         part = self.cut(cand)
         row.cut = tuple((r.start, r.stop) for r in part.bounds)
+        row.links = self.crossing(cand)
         recompute = cand.recompute_stages(placement)
         mem = self.memory_model(cand, placement, part, recompute)
         worst = min(range(cand.pp), key=lambda r: mem.room[r])
@@ -271,20 +261,34 @@ class _Evaluator:
         row.exposed_comm_ms = sim.makespan_with_reduce - no_comm
         tokens = cand.dp * cand.microbatches * cand.microbatch_size * self.work.seq
         row.tokens_per_s = tokens / (row.pred_step_ms / 1e3) if row.pred_step_ms > 0 else math.inf
+        self.throughput(row, recompute, placement.num_stages)
         over = row.peak.total - dev.memory_gb * GB
         row.feasible = over <= 0
         row.reason = "" if row.feasible else f"OOM on rank {row.peak.rank} by {gb_text(over)} GB"
         return row
 
+    def throughput(self, row: Row, recompute: frozenset[int], stages: int) -> None:
+        """The row's FLOP rates per device: model FLOPs (MFU's count), executed FLOPs (recompute's share of the
+        stages added, Megatron-LM's count) and MFU against the device's peak."""
+        c, work = row.candidate, self.work
+        if not work.model_flops_per_token or not row.tokens_per_s or math.isinf(row.tokens_per_s):
+            return
+        world = c.pp * c.dp * c.cp * c.tp
+        executed = work.model_flops_per_token + work.recompute_flops_per_token * len(recompute) / stages
+        row.tflops_per_device = row.tokens_per_s * work.model_flops_per_token / world / 1e12
+        row.hw_tflops_per_device = row.tokens_per_s * executed / world / 1e12
+        row.mfu = row.tflops_per_device / self.device.peak_tflops if self.device.peak_tflops else None
+
     def layout_inputs(self, cand: Candidate, part: Partition, recompute: frozenset[int],
                       budgets: Optional[list[float]]) -> LayoutInputs:
         """The candidate as plan.simulate_layout's inputs: what a run's config of this row gives make_plan."""
-        dev, work = self.device, self.work
+        work, c = self.work, cand
+        dev = self.group_device(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep)
         comm_ms = dev.p2p_latency_ms + self.boundary_bytes(cand) / (dev.p2p_gbs * GB) * 1e3 if cand.pp > 1 else 0.0
         stages = registry.placement_for(cand.schedule, cand.pp, cand.v).num_stages
         grad_reduce = None if cand.dp * cand.cp == 1 else GradReduce(  # as plan.grad_reduce: cp shards with dp_shard
             1 if cand.dp_shard else cand.dp, self.param_shard(cand), dev.dp_gbs, dev.reduce_dtype,
-            latency_ms=dev.reduce_latency_ms)
+            latency_ms=dev.reduce_latency_ms, overlap=dev.grad_overlap)
         return LayoutInputs(cand.schedule, cand.pp, cand.microbatches, cand.v, part, recompute_stages=recompute,
                             compiled_stages=frozenset(range(stages)) if work.fused_backward else frozenset(),
                             comm_ms=comm_ms, action_overhead_ms=dev.action_overhead_ms, w_keep=work.w_keep,

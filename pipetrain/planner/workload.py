@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from pipetrain.config.devices import DeviceSpec
 from pipetrain.partition.costs import LayerCost
 from pipetrain.planner.memory import StateBytes
 
@@ -53,6 +54,14 @@ class Workload:
     # per token, what the loss's backward allocates at once on the last stage (a causal LM's cross-entropy:
     # the fp32 gradients of its log-softmax output and input, 2 x 4 bytes x vocab, beside the saved output)
     loss_grad_bytes_per_token: float = 0.0
+    # plan.device: (microbatch size, tp, cp, sequence parallel) -> per-layer costs timed at one tp x cp rank's
+    # shapes, scaled to the whole layer (planner/compute.py); None: `layers` for every degree
+    sharded_layers: Optional[Callable[[int, int, int, bool], Sequence[LayerCost]]] = None
+    # FLOPs per token of the whole model as MFU counts them (3 x each layer's forward: 6 x parameters + attention),
+    # and those a full recompute adds (the blocks' forward again, as Megatron-LM's 96 B s l h^2 count has it)
+    model_flops_per_token: float = 0.0
+    recompute_flops_per_token: float = 0.0
+    params: float = 0.0  # the whole model's parameters (a tied copy counted where it is stored)
 
 
 @dataclass(frozen=True)
@@ -79,3 +88,8 @@ class Device:
     reduce_dtype: str = "float32"
     gpu_overhead_gb: float = 0.0  # per device outside the allocator: CUDA context, NCCL buffers (plan.gpu_overhead_gb)
     p2p_transport: str = "pair_groups"  # pipeline.p2p_transport: one_group refuses rows whose plan would hang on NCCL
+    peak_tflops: float = 0.0  # what MFU divides by (plan.device's bf16 peak; local: plan.tflops)
+    # plan.device: its links, by where each candidate's groups fall on nodes of `per_node` (planner/topology.py)
+    spec: Optional[DeviceSpec] = None
+    per_node: int = 0
+    grad_overlap: float = 0.0  # share of a stage's last backward its dp reduction hides under (plan.grad_overlap)
