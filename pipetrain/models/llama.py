@@ -196,8 +196,9 @@ class DecoderLayer(nn.Module):
                            attend_modules=(self.input_layernorm, self.self_attn, self.post_attention_layernorm))
 
     def cp_plan(self) -> tuple[str, ...]:
-        """The attention modules context parallel gives the cp group's K/V (parallel/cp.py)."""
-        return ("self_attn",)
+        """The modules context parallel gives the cp group (parallel/cp.py): attention its K/V, an MoE MLP
+        the whole sequences' counts for its balance loss."""
+        return ("self_attn", "mlp") if isinstance(self.mlp, MoEBlock) else ("self_attn",)
 
     def ep_plan(self) -> tuple[str, ...]:
         """The stacked experts expert parallel splits (parallel/ep.py): an MoE MLP's, none of a dense one."""

@@ -168,6 +168,9 @@ class MoE(nn.Module):
         self.router = Router(config, hidden=hidden)
         self.experts = Experts(config.num_experts, hidden=hidden, intermediate=intermediate,
                                impl=config.experts_impl)
+        # Context parallel (parallel/cp.py, through the block's cp_plan): the cp group this rank holds 1/cp of
+        # each sequence's positions of; the balance loss counts over the whole sequences. None: all here.
+        self.context: Optional[Any] = None
         self.shared_experts: Optional[SharedExperts] = None
         if config.num_shared_experts:
             width = shared_intermediate or config.num_shared_experts * intermediate
@@ -252,7 +255,9 @@ class MoE(nn.Module):
         if c.balance not in ("aux_loss", "seq_aux_loss"):
             return torch.zeros((), device=x.device)
         seq_len = x.shape[-2] if c.balance == "seq_aux_loss" and x.dim() == 3 else None
-        return c.aux_loss_coef * balance_loss(routing.scores, routing.ids, score_func=c.score_func, seq_len=seq_len)
+        whole = None if self.context is None else (self.context.sum_counts, self.context.g.size)
+        return c.aux_loss_coef * balance_loss(routing.scores, routing.ids, score_func=c.score_func, seq_len=seq_len,
+                                              whole=whole)
 
 
 def _splits(g: EPGroup, *, back: bool) -> Callable[[Mapping[str, Any]], tuple[list[int], list[int], EPGroup]]:

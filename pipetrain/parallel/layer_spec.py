@@ -7,7 +7,8 @@ node-level execution, declared as data and methods the layer has, read with isin
                              by parallel/tp_plan.py
   ep_plan() -> paths         expert parallel: the stacked-experts modules ((E, ...) weights; their forward
                              takes rows sorted by expert and counts), split by parallel/ep.py
-  cp_plan() -> paths         context parallel: the modules that attend across positions (parallel/cp.py)
+  cp_plan() -> paths         context parallel: the modules that reach across positions (parallel/cp.py):
+                             attention (the cp group's K/V), an MoE MLP (its balance loss's counts)
   documents_plan() -> reads  document masks (runtime/documents.py): the layer's forward takes the microbatch's
                              Documents as a second argument, `layer(x, docs)` (None: the whole row causal), and
                              reads of it "positions" (restarting per document) and/or "mask" (block-causal)
