@@ -63,7 +63,8 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                cp_degrees: Sequence[int] = (1,)) -> list[Candidate]:
     """Every valid combination: pp x dp x cp x tp = world, M = global_batch / (dp x microbatch size), each
     partition strategy; each ep dividing dp x cp (its rows FSDP2-sharded: expert parallel folds over
-    dp_shard x cp, parallel/layout.py; not with tp, which MoE blocks have no plan for). `recompute_partial`: where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp)."""
+    dp_shard x cp, parallel/layout.py; not with tp, which MoE blocks have no plan for). `recompute_partial`:
+    where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp)."""
     out = []
     for cp, tp, pp in [(c, t, p) for c in cp_degrees for t in tp_degrees if world % (c * t) == 0
                        for p in (pp_degrees
