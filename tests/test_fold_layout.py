@@ -82,8 +82,10 @@ def test_a_folding_that_does_not_fit_is_one_line(kw, message):
 @pytest.mark.parametrize("overrides, message", [
     (["model=llama-tiny", "parallel.cp=2", "parallel.etp=1"], "model=llama-tiny has none"),
     (["model=moe-tiny", "parallel.cp=2", "parallel.ep=8"], r"parallel.ep=8 borrows ranks of .*divisor of 2"),
-    (["model=moe-tiny", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"],
-     "model=moe-tiny has no tensor-parallel plan"),
+    (["model=moe-tiny", "parallel.tp=2", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel with an MoE model"),
+    (["model=moe-tiny", "model.num_key_value_heads=4", "parallel.tp=4", "parallel.dp_shard=2", "parallel.ep=2",
+      "parallel.etp=1"], "parallel.ep=2 must be a multiple of 4"),
     (["model=moe-tiny", "parallel.etp=0"], "parallel.etp must be >= 1"),
 ])
 def test_the_config_refuses_a_folding_before_any_rank_starts(compose, overrides, message):

@@ -23,10 +23,17 @@ from test_tensor_parallel import BASE, assert_ranks_equal, assert_resumes, refer
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 # 1-row microbatches everywhere (the balance loss is per microbatch): 8 rows / (dp x M)
-CASES = {"pp2-cp2": ["pipeline.degree=2", "pipeline.microbatches=8"],
-         "pp2-cp2-ep2": ["pipeline.degree=2", "pipeline.microbatches=8", "parallel.ep=2"],
-         "dp_shard2-cp2-ep2": ["pipeline.degree=1", "parallel.dp_shard=2", "parallel.ep=2"],
-         "dp_shard2-cp2-ep4": ["pipeline.degree=1", "parallel.dp_shard=2", "parallel.ep=4"]}
+CP2 = ["parallel.cp=2"]
+CASES = {"pp2-cp2": [*CP2, "pipeline.degree=2", "pipeline.microbatches=8"],
+         "pp2-cp2-ep2": [*CP2, "pipeline.degree=2", "pipeline.microbatches=8", "parallel.ep=2"],
+         "dp_shard2-cp2-ep2": [*CP2, "pipeline.degree=1", "parallel.dp_shard=2", "parallel.ep=2"],
+         "dp_shard2-cp2-ep4": [*CP2, "pipeline.degree=1", "parallel.dp_shard=2", "parallel.ep=4"],
+         # expert tensor parallel: each expert split over tp in its width, ep over dp_shard
+         "tp2-etp2-dp_shard2-ep2": ["pipeline.degree=1", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"],
+         "pp2-tp2-etp2": ["pipeline.degree=2", "pipeline.microbatches=8", "parallel.tp=2"],
+         # experts whole (etp=1): ep over the tp ranks, each dispatching half of the tokens they share
+         "pp2-tp2-ep2-etp1": ["pipeline.degree=2", "pipeline.microbatches=8", "parallel.tp=2", "parallel.ep=2",
+                              "parallel.etp=1"]}
 AUX_FREE_CASES = {f"{name}-aux_free": [*knobs, *AUX_FREE] for name, knobs in CASES.items()
                   if name in ("pp2-cp2-ep2", "dp_shard2-cp2-ep4")}
 M8 = ("pipeline.microbatches=8",)
@@ -35,7 +42,7 @@ M8 = ("pipeline.microbatches=8",)
 @pytest.fixture(scope="module")
 def runs(compose, tmp_path_factory):
     out = tmp_path_factory.mktemp("moe-fold")
-    train_spawned(compose, out, [*BASE, "model=moe-tiny", "parallel.cp=2"], {**CASES, **AUX_FREE_CASES}, 4)
+    train_spawned(compose, out, [*BASE, "model=moe-tiny"], {**CASES, **AUX_FREE_CASES}, 4)
     return out, {"aux_loss": reference(compose, "moe-tiny", out / "reference", M8),
                  "aux_free": reference(compose, "moe-tiny", out / "reference-aux-free", (*M8, *AUX_FREE))}
 

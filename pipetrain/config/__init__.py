@@ -272,7 +272,7 @@ class Config:
             self._check_tp()
         if self.pipeline.fb_overlap == "on" and self.mode is Mode.train:  # simulate and plan price it as a what-if
             self._check_fb_overlap()
-        if par.ep > 1 or par.etp is not None:
+        if par.ep > 1 or par.etp is not None or (par.tp > 1 and self.model.moe_config is not None):
             self._check_ep()
         if par.cp > 1:
             self._check_cp()

@@ -22,9 +22,10 @@ DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp") with pp outermost and 
                 too where etp=1; it must divide the expert count. Tokens go to their experts' ranks
                 and back by all-to-all; experts are FSDP2-sharded over the ranks holding the same
                 ones (edp = dp_shard x cp x tp / (ep x etp), times dp_replicate).
-  etp           expert tensor parallel: 1 (each expert whole on its rank) or tp (each expert's
-                weights split over the tp group, column then row as the dense MLP); null: tp. MoE
-                blocks have no tensor-parallel plan yet, so tp > 1 with an MoE model is refused.
+  etp           expert tensor parallel: 1 (each expert whole on its rank; ep then takes whole tp
+                groups, each tp rank dispatching 1/tp of the tokens they share) or tp (each expert's
+                weights split over the tp group, column then row as the dense MLP); null: tp. Not
+                with sequence parallel on an MoE model yet.
   cp            context parallel (parallel/cp.py): each sequence's positions split across this many
                 ranks, load-balanced for causal attention (rank r: chunks r and 2cp-1-r of 2cp);
                 attention reaches the others' keys and values by `cp_rotate`: allgather (K/V
@@ -127,6 +128,9 @@ def check_experts(par: ParallelConfig, num_experts: Optional[int], *, model: str
     if num_experts % par.ep:
         raise ValueError(f"parallel.ep={par.ep} must divide model.moe.num_experts={num_experts}: set parallel.ep "
                          f"to a divisor of {num_experts}")
+    if par.tp > 1 and par.sequence_parallel:
+        raise ValueError("parallel.sequence_parallel with an MoE model: its router would see 1/tp of the tokens and "
+                         "the experts' tp region would need them gathered, not built yet: drop it")
 
 
 def launched_world(cluster_name: str) -> Optional[int]:

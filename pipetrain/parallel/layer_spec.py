@@ -56,6 +56,9 @@ class TPLayerPlan:
     partial: tuple[str, ...] = ()  # whole weights that see this rank's heads only (Qwen3's q/k norms)
     partial_sp: tuple[str, ...] = ()  # whole weights that see this rank's tokens only under SP
     loss: CrossEntropy | None = None  # a head whose split logits the loss reads
+    # stacked-experts modules ((E, I, H) w1, w3 and (E, H, I) w2) split in every expert's width I, column then
+    # row as the dense MLP (expert tensor parallel, etp = tp); their `tp_region` enters and leaves the region
+    experts: tuple[str, ...] = ()
 
     def partial_names(self, sequence_parallel: bool) -> list[str]:
         return [*self.partial, *(self.partial_sp if sequence_parallel else ())]
