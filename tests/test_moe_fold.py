@@ -68,8 +68,13 @@ def test_aux_free_biases_are_bitwise_those_of_one_process_at_every_folding(runs)
         assert seen == set(biases), name
 
 
-def test_a_folded_checkpoint_resumes_at_ep1_cp1_within_1e4(compose, tmp_path):
-    """Experts are saved whole under their global index and dense weights whole, so a checkpoint of
-    pp2 x cp2 x ep2 (ep over cp; aux_free: the router biases move too) loads at pp=2 alone and continues."""
-    assert_resumes(compose, tmp_path, [*BASE, "model=moe-tiny", "pipeline.degree=2", "pipeline.microbatches=8",
-                                       "model.moe.balance=aux_free"], ["parallel.cp=2", "parallel.ep=2"], [])
+@pytest.mark.parametrize("saved", [["pipeline.degree=2", "parallel.cp=2", "parallel.ep=2"],
+                                   ["pipeline.degree=1", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"]],
+                         ids=["pp2-cp2-ep2", "tp2-etp2-dp_shard2-ep2"])
+def test_a_folded_checkpoint_resumes_at_ep1_cp1_tp1_within_1e4(compose, tmp_path, saved):
+    """Experts are saved as shards of the whole stacked weights (their global index on dim 0, under etp=2 each
+    expert's width split too: the product of both splits) and dense weights whole, so a checkpoint of
+    pp2 x cp2 x ep2 (ep over cp) or of tp2 x etp2 x dp_shard2 x ep2 (aux_free: the router biases move too)
+    loads at ep=1 x cp=1 x tp=1 (pp=1) and continues."""
+    base = [*BASE, "model=moe-tiny", "pipeline.microbatches=4", "model.moe.balance=aux_free"]
+    assert_resumes(compose, tmp_path, base, saved, ["pipeline.degree=1"])
