@@ -100,6 +100,7 @@ def test_the_issue_command_is_four_ranks(compose):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_one_world_mesh_builds_the_dense_and_the_experts_groups(tmp_path):
     layout = Layout(dp_shard=2, cp=2, ep=2)
     spawn(groups_rank, 4, tmp_path, layout)
