@@ -276,7 +276,8 @@ def layer_costs(config: Config) -> list[LayerCost]:
     tokens = config.microbatch_size * seq
     costs = cp_layer_costs(whole_layer_costs(config), cp=par.cp, tokens=tokens, bytes_per_value=bytes_per_value,
                            bandwidth_gbs=cl.cp_bandwidth_gbs, rotate=par.cp_rotate)
-    costs = ep_layer_costs(costs, ep=par.ep, tokens=tokens, bytes_per_value=bytes_per_value,
+    # a rank dispatches its own tokens: 1/cp of the microbatch's under context parallel (experts folded over cp)
+    costs = ep_layer_costs(costs, ep=par.ep, tokens=tokens // par.cp, bytes_per_value=bytes_per_value,
                            bandwidth_gbs=cl.ep_bandwidth_gbs)
     if par.tp == 1:
         return costs

@@ -116,7 +116,7 @@ def full_tensors(trainer, *, grads: bool = False) -> dict[str, torch.Tensor]:
         t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
         if tp is not None and name in stage.tp_shards:
             t = gather_full(t, stage.tp_shards[name], tp.g)
-        elif name in stage.ep_shards:  # expert parallel: every rank's block of experts
+        if name in stage.ep_shards:  # expert parallel: every rank's block of experts (of their tp slices' whole)
             t = gather_full(t, stage.ep_shards[name], splits.ep)
         out[stage.tied.get(name, name)] = t
     return out

@@ -24,9 +24,6 @@ def test_cp_sits_between_dp_shard_and_tp_and_shards_parameters():
     (["model=llama-tiny", "parallel.cp=2", "data.seq_len=30"], "set data.seq_len to a multiple of 4"),
     (["model=llama-tiny", "model.num_key_value_heads=4", "parallel.cp=2", "parallel.tp=4", "data.seq_len=12",
       "parallel.sequence_parallel=true"], "set data.seq_len to a multiple of 8"),
-    (["model=moe-tiny", "parallel.cp=2"], "parallel.cp=2 with an MoE model"),
-    (["model=moe-tiny", "parallel.cp=2", "parallel.dp_shard=2", "parallel.ep=2"],
-     "parallel.ep=2 with parallel.cp=2 is not supported yet|parallel.cp=2 with parallel.ep=2 is not supported yet"),
     (["model=llama-tiny", "parallel.cp=2", "parallel.cp_rotate=spiral"], "parallel.cp_rotate='spiral' is unknown"),
     (["model=llama-tiny", "parallel.cp=0"], "parallel.cp must be >= 1"),
 ])

@@ -60,6 +60,33 @@ def test_simulated_step_grows_as_the_ep_bandwidth_shrinks(tmp_path):
             and record["expert_parallel"]["a2a_f_ms"] == pytest.approx(a2a, rel=1e-3))
 
 
+def test_a_rank_dispatches_its_own_tokens_under_context_parallel():
+    """Experts folded over cp (issue #48): a cp rank holds 1/cp of the microbatch's tokens, so its all-to-alls
+    carry half the bytes at cp=2, and its experts still 1/ep of them."""
+    def a2a(cp: int) -> list[float]:
+        ep1, ep2 = (layer_costs(compose_config([*SIM, "data.batch_size=16", f"parallel.cp={cp}", f"parallel.ep={e}",
+                                                "cluster.ep_bandwidth_gbs=2"])) for e in (1, 2))
+        assert all(two.experts_params == 4 * 3 * 128 * 128 for two in ep2[1:-1])
+        return [two.comm_f_ms - one.comm_f_ms for one, two in zip(ep1[1:-1], ep2[1:-1])]
+
+    whole = 2 * (128 * 2 * 128 * 4) / 2 / 2e9 * 1e3  # as the hand count above, 128 tokens
+    assert a2a(1) == pytest.approx([whole] * 8) and a2a(2) == pytest.approx([whole / 2] * 8)
+
+
+def test_plan_rows_fold_ep_over_dp_and_cp(tmp_path):
+    """plan.cp with an MoE model: ep borrows dp x cp, so a 4-rank plan at cp=2 lists ep=2 at dp=1 (ep over cp) and
+    ep=4 at dp=2; every row's ep divides dp x cp."""
+    cfg = compose_config(["mode=plan", "model=moe-tiny", "data.seq_len=64", "data.batch_size=8", "plan.world_size=4",
+                          "plan.schedules=[1f1b]", "plan.microbatch_sizes=[1]", "plan.prune=false", "plan.cp=[1,2]",
+                          "plan.ep=[1,2,4]"])
+    run_plan(cfg, tmp_path)
+    rows = json.loads((tmp_path / PLAN_FILE).read_text())["rows"]
+    combos = {(r["pp"], r["dp"], r["cp"], r["ep"]) for r in rows}
+    assert {(2, 1, 2, 2), (1, 2, 2, 4), (1, 1, 4, 4)} & combos == {(2, 1, 2, 2), (1, 2, 2, 4)}  # plan.cp has no 4
+    assert all((r["dp"] * r["cp"]) % r["ep"] == 0 for r in rows)
+    assert "pp2 x dp1 (ep2) x cp2" in {r["layout"] for r in rows}
+
+
 def test_plan_rows_carry_ep_in_the_table_and_json(tmp_path):
     cfg = compose_config(["mode=plan", "model=moe-tiny", "data.seq_len=64", "data.batch_size=8", "plan.world_size=4",
                           "plan.schedules=[1f1b]", "plan.microbatch_sizes=[1]", "plan.prune=false", "plan.pp=[2]"])

@@ -190,7 +190,7 @@ def test_pp2_trains_as_the_single_process_model(tmp_path):
     ("model.moe.balance=sinkhorn", "model.moe.balance='sinkhorn' is unknown: choose one of aux_free, aux_loss, "
                                    "seq_aux_loss, none"),
     ("model.moe.layer_freq=0", "model.moe.layer_freq must be >= 1 (got 0)"),
-    ("parallel.tp=2", "parallel.tp=2: model=moe-tiny has no tensor-parallel plan"),
+    ("parallel.etp=3", "parallel.etp=3 must be 1 (experts whole) or parallel.tp=1"),
     ("model.moe.dense_layers=[3,99]", "model.moe.dense_layers names block 99 of a model with 8 blocks (0-7, "
                                       "model.num_hidden_layers=8): list blocks below 8"),
     ("model.moe.first_dense_layers=9", "model.moe.first_dense_layers=9 exceeds the model's 8 blocks"),

@@ -30,7 +30,7 @@ from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.models import GPT2ModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.profile import ProfileConfig
-from pipetrain.config.parallel import ParallelConfig, fill_dp_shard, launched_world, world_text
+from pipetrain.config.parallel import ParallelConfig, check_experts, fill_dp_shard, launched_world, world_text
 from pipetrain.config.run import CheckpointConfig, LaunchConfig, RunConfig
 from pipetrain.config.planner import PlannerConfig
 from pipetrain.config.token_origin import check_origin
@@ -231,9 +231,9 @@ class Config:
     @property
     def layout(self) -> Layout:
         """The parallel layout: pipeline.degree x parallel.dp_replicate x parallel.dp_shard x parallel.cp x
-        parallel.tp ranks (parallel.ep within dp_shard)."""
+        parallel.tp ranks (the experts folded over them: parallel.ep x parallel.etp x edp)."""
         par = self.parallel
-        return Layout(self.pipeline.degree, par.dp_replicate, par.dp_shard, par.tp, par.ep, par.cp)
+        return Layout(self.pipeline.degree, par.dp_replicate, par.dp_shard, par.tp, par.ep, par.cp, par.etp or 0)
 
     @property
     def microbatch_size(self) -> int:
@@ -272,7 +272,7 @@ class Config:
             self._check_tp()
         if self.pipeline.fb_overlap == "on" and self.mode is Mode.train:  # simulate and plan price it as a what-if
             self._check_fb_overlap()
-        if par.ep > 1:
+        if par.ep > 1 or par.etp is not None or (par.tp > 1 and self.model.moe_config is not None):
             self._check_ep()
         if par.cp > 1:
             self._check_cp()
@@ -286,11 +286,6 @@ class Config:
         if m.family != "llama":
             raise ValueError(f"parallel.cp={cp} splits sequences inside Llama-family attention but model={m.name} is "
                              f"{m.family}: set parallel.cp=1 or choose a Llama-family model")
-        if par.ep > 1:  # ep borrows dp_shard's ranks, which FSDP2 flattens with cp's
-            raise ValueError(f"parallel.cp={cp} with parallel.ep={par.ep} is not supported yet: set one of them to 1")
-        if m.moe_config is not None:  # the balance counts would need summing over cp too
-            raise ValueError(f"parallel.cp={cp} with an MoE model (model={m.name}) is not supported yet: "
-                             f"set parallel.cp=1")
         if self.data.seq_len % (2 * cp):
             raise ValueError(f"parallel.cp={cp} cuts data.seq_len={self.data.seq_len} into {2 * cp} equal chunks (load "
                              f"balance): set data.seq_len to a multiple of {2 * cp}")
@@ -313,20 +308,9 @@ class Config:
             raise ValueError(ONE_QUEUE)
 
     def _check_ep(self) -> None:
-        """Expert parallel borrows dp_shard's ranks and splits every MoE layer's experts evenly."""
-        ep, par, m = self.parallel.ep, self.parallel, self.model
-        moe = m.moe_config  # the MoE knobs of a model family that has them
-        if moe is None:
-            raise ValueError(f"parallel.ep={ep} splits MoE experts but model={m.name} has none: set parallel.ep=1 "
-                             f"or choose an MoE model (model=moe-tiny)")
-        if par.dp_shard % ep:
-            raise ValueError(f"parallel.ep={ep} must divide parallel.dp_shard={par.dp_shard} (expert parallel borrows "
-                             f"dp_shard's ranks): set parallel.dp_shard to a multiple of {ep}")
-        if moe.num_experts % ep:
-            raise ValueError(f"parallel.ep={ep} must divide model.moe.num_experts={moe.num_experts}: set parallel.ep "
-                             f"to a divisor of {moe.num_experts}")
-        if par.tp > 1:
-            raise ValueError(f"parallel.ep={ep} with parallel.tp={par.tp} is not supported yet: set one of them to 1")
+        """Expert parallel folds over dp_shard x cp (and tp) and splits every MoE layer's experts evenly."""
+        moe = self.model.moe_config  # the MoE knobs of a model family that has them
+        check_experts(self.parallel, None if moe is None else moe.num_experts, model=self.model.name)
 
     def _check_tp(self) -> None:
         """Every dimension tensor parallel splits must split evenly (one line naming the knob)."""

@@ -145,10 +145,15 @@ class LlamaModelConfig(CausalLMConfig):
         return self.num_hidden_layers + 2  # embedding, blocks, head (final norm + lm_head)
 
     def tp_divides(self) -> Optional[dict[str, int]]:
-        if self.moe is not None or (self.qk_norm and not self.qk_norm_per_head):  # no plan for these yet
+        if self.qk_norm and not self.qk_norm_per_head:  # no plan for this yet
             return None
-        return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.kv_heads,
-                "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
+        out = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.kv_heads,
+               "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
+        if self.moe is not None:  # each expert (and the shared experts' MLP) split in its width, as the dense MLP
+            out["moe.intermediate_size"] = self.moe.expert_width(self.intermediate_size)
+            if self.moe.num_shared_experts:
+                out["moe.shared_intermediate_size"] = self.moe.shared_width(self.intermediate_size)
+        return out
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, name: str = "pretrained") -> LlamaModelConfig:

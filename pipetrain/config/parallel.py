@@ -16,18 +16,24 @@ DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp") with pp outermost and 
                 in-projections, row-parallel out-projections), embedding and head split on the
                 vocabulary; each tp rank of a stage sends its activations to the same tp index of
                 the next stage. tp must divide the heads, kv heads, MLP width and vocabulary.
-  ep            expert parallel: each MoE layer's experts split across this many ranks, borrowed from
-                dp_shard (torchtitan's rule: the world is unchanged; ep must divide dp_shard and the
-                expert count); tokens go to their experts' ranks and back by all-to-all; experts
-                are FSDP2-sharded over the ranks holding the same ones. Not with tp > 1 yet.
+  ep            expert parallel: each MoE layer's experts split across this many ranks, folded over
+                the dense ranks (Megatron-Core's "MoE parallel folding", torchtitan's rule: the world
+                is unchanged): ep borrows the innermost ranks of dp_shard x cp (cp first), and of tp
+                too where etp=1; it must divide the expert count. Tokens go to their experts' ranks
+                and back by all-to-all; experts are FSDP2-sharded over the ranks holding the same
+                ones (edp = dp_shard x cp x tp / (ep x etp), times dp_replicate).
+  etp           expert tensor parallel: 1 (each expert whole on its rank; ep then takes whole tp
+                groups, each tp rank dispatching 1/tp of the tokens they share) or tp (each expert's
+                weights split over the tp group, column then row as the dense MLP); null: tp. Not
+                with sequence parallel on an MoE model yet.
   cp            context parallel (parallel/cp.py): each sequence's positions split across this many
                 ranks, load-balanced for causal attention (rank r: chunks r and 2cp-1-r of 2cp);
                 attention reaches the others' keys and values by `cp_rotate`: allgather (K/V
                 gathered) or ring (K/V blocks passed around, none held whole). Parameters are
                 FSDP2-sharded over dp_shard x cp. With tp each tp rank's cp group passes its own
                 heads' K/V (sequence parallel then splits a cp rank's positions: data.seq_len a
-                multiple of cp x lcm(2, tp)). Llama family, full causal attention; not with MoE
-                models or ep yet (the balance counts would need summing over the cp group).
+                multiple of cp x lcm(2, tp)). Llama family (MoE too: each cp rank routes its own
+                positions; the balance counts are summed over the cp group), full causal attention.
   sequence_parallel  (Korthikanti et al. 2022) between the tensor-parallel regions, activations,
                 norms and dropout are split on the sequence: (batch, seq / tp, hidden) per tp rank,
                 also what crosses between stages. Needs tp > 1 and data.seq_len divisible by tp.
@@ -47,6 +53,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from pipetrain.parallel.layout import fold_error
+
 DTYPES = ("float32", "bfloat16")
 CP_ROTATE = ("allgather", "ring")
 
@@ -62,6 +70,7 @@ class ParallelConfig:
     sequence_parallel: bool = False  # tp > 1: norms, dropout and stage-to-stage tensors split on the sequence
     ep: int = 1  # expert-parallel degree: MoE experts split across this many of dp_shard's ranks
     cp: int = 1  # context-parallel degree: each sequence's positions split across this many ranks
+    etp: Optional[int] = None  # expert tensor-parallel degree: 1 or tp (null: tp); experts fold over the ranks
     cp_rotate: str = "allgather"  # how attention reaches the other positions' K/V: allgather | ring
 
     def __post_init__(self) -> None:
@@ -69,8 +78,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.dp_replicate must be >= 1 (got {self.dp_replicate})")
         if self.tp < 1:
             raise ValueError(f"parallel.tp must be >= 1 (got {self.tp})")
-        for knob in ("ep", "cp"):
-            if getattr(self, knob) < 1:
+        for knob in ("ep", "cp", "etp"):
+            if getattr(self, knob) is not None and getattr(self, knob) < 1:
                 raise ValueError(f"parallel.{knob} must be >= 1 (got {getattr(self, knob)})")
         if self.cp_rotate not in CP_ROTATE:
             raise ValueError(f"parallel.cp_rotate={self.cp_rotate!r} is unknown: choose one of {', '.join(CP_ROTATE)}")
@@ -104,6 +113,24 @@ def fill_dp_shard(parallel: ParallelConfig, *, degree: int, world: Optional[int]
             f"parallel.dp_replicate={parallel.dp_replicate}{tp} = {other}: change one of them"
         )
     return world // other
+
+
+def check_experts(par: ParallelConfig, num_experts: Optional[int], *, model: str) -> None:
+    """parallel.ep and parallel.etp against the model and the dense degrees (the folding rules of
+    parallel/layout.py: fold_error), one line naming the knob."""
+    if num_experts is None:
+        raise ValueError(f"parallel.ep={par.ep} / parallel.etp splits MoE experts but model={model} has none: set "
+                         f"parallel.ep=1 and drop parallel.etp, or choose an MoE model (model=moe-tiny)")
+    etp = par.tp if par.etp is None else par.etp
+    error = fold_error(dp_shard=par.dp_shard, cp=par.cp, tp=par.tp, ep=par.ep, etp=etp)
+    if error:
+        raise ValueError(error)
+    if num_experts % par.ep:
+        raise ValueError(f"parallel.ep={par.ep} must divide model.moe.num_experts={num_experts}: set parallel.ep "
+                         f"to a divisor of {num_experts}")
+    if par.tp > 1 and par.sequence_parallel:
+        raise ValueError("parallel.sequence_parallel with an MoE model: its router would see 1/tp of the tokens and "
+                         "the experts' tp region would need them gathered, not built yet: drop it")
 
 
 def launched_world(cluster_name: str) -> Optional[int]:

@@ -196,8 +196,9 @@ class DecoderLayer(nn.Module):
                            attend_modules=(self.input_layernorm, self.self_attn, self.post_attention_layernorm))
 
     def cp_plan(self) -> tuple[str, ...]:
-        """The attention modules context parallel gives the cp group's K/V (parallel/cp.py)."""
-        return ("self_attn",)
+        """The modules context parallel gives the cp group (parallel/cp.py): attention its K/V, an MoE MLP
+        the whole sequences' counts for its balance loss."""
+        return ("self_attn", "mlp") if isinstance(self.mlp, MoEBlock) else ("self_attn",)
 
     def ep_plan(self) -> tuple[str, ...]:
         """The stacked experts expert parallel splits (parallel/ep.py): an MoE MLP's, none of a dense one."""
@@ -205,18 +206,22 @@ class DecoderLayer(nn.Module):
 
     def tp_plan(self) -> TPLayerPlan:
         """Megatron's split: q, k, v, gate, up column-parallel, o and down row-parallel; a tp rank keeps
-        H/tp query and KV/tp key/value heads (query head j still reads KV head j // (H/KV): tp divides KV)."""
-        if not isinstance(self.mlp, MLP):
-            raise ValueError(
-                f"parallel.tp: no tensor-parallel plan for a {type(self.mlp).__name__} MLP: set parallel.tp=1")
+        H/tp query and KV/tp key/value heads (query head j still reads KV head j // (H/KV): tp divides KV).
+        An MoE MLP (expert tensor parallel, etp = tp): the router whole on every tp rank's (equal) tokens, each
+        expert split in its width (`experts`), the shared experts as the dense MLP, their gate whole."""
         attn = self.self_attn
         partial_sp = ["input_layernorm.weight", "post_attention_layernorm.weight"]
         partial_sp += ["self_attn.o_proj.bias"] if attn.o_proj.bias is not None else []
+        moe = isinstance(self.mlp, MoEBlock)
+        # the shared experts' gate reads their input too: gate_proj and up_proj enter the region each
+        mlp = (("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ("mlp.shared_experts.down_proj",)) \
+            if moe and self.mlp.shared_experts is not None else ((), ()) if moe else \
+            (("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
         return TPLayerPlan(
-            regions=("self_attn", "mlp"),
-            column=tuple(Column(p) for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                             "mlp.gate_proj", "mlp.up_proj")),
-            row=("self_attn.o_proj", "mlp.down_proj"),
+            regions=("self_attn",) if moe else ("self_attn", "mlp"),
+            column=tuple(Column(p) for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", *mlp[0])),
+            row=("self_attn.o_proj", *mlp[1]),
+            experts=("mlp.experts",) if moe else (),
             head_counts=(("self_attn", "heads"), ("self_attn", "kv_heads")),
             partial=("self_attn.q_norm.weight", "self_attn.k_norm.weight") if attn.q_norm is not None else (),
             partial_sp=tuple(partial_sp))

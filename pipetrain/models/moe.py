@@ -102,14 +102,21 @@ class Experts(nn.Module):
         # Expert parallel (parallel/ep.py: shard_experts): the group this module holds a block of the
         # E experts over (its w1, w2, w3 are that block's rows, under the unsplit names); None: all E.
         self.ep_group: Optional[EPGroup] = None
+        # Expert tensor parallel (parallel/tp.py split_experts): this rank holds 1/tp of every expert's width
+        # (rows of w1, w3, columns of w2); (enter, leave) bring its rows into the tp region (backward: summed
+        # over tp) and sum its partial outputs over tp. None: whole experts.
+        self.tp_region: Optional[tuple[Callable[[torch.Tensor], torch.Tensor],
+                                       Callable[[torch.Tensor], torch.Tensor]]] = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This module's experts on x (N, H) sorted by its expert, counts per its expert -> (N, H) in x's
         order. Under expert parallel the layer's phases bring this rank's rows here and take them home
         (MoE.phases)."""
-        if self.impl == "grouped":
-            return self.forward_grouped(x, counts)
-        return self.forward_loop(x, counts)
+        enter, leave = self.tp_region or (None, None)
+        if enter is not None:
+            x = enter(x)
+        y = self.forward_grouped(x, counts) if self.impl == "grouped" else self.forward_loop(x, counts)
+        return y if leave is None else leave(y)
 
     def forward_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The reference: one matmul chain per expert over its contiguous rows (a host sync for the
@@ -168,6 +175,13 @@ class MoE(nn.Module):
         self.router = Router(config, hidden=hidden)
         self.experts = Experts(config.num_experts, hidden=hidden, intermediate=intermediate,
                                impl=config.experts_impl)
+        # Context parallel (parallel/cp.py, through the block's cp_plan): the cp group this rank holds 1/cp of
+        # each sequence's positions of; the balance loss counts over the whole sequences. None: all here.
+        self.context: Optional[Any] = None
+        # Experts whole over tp ranks that hold the same tokens (parallel/tp.py split_tokens, parallel.etp = 1):
+        # (tp rank, tp, enter, sum): this rank dispatches tokens [rank T/tp, (rank+1) T/tp); None: all of them.
+        self.tp_tokens: Optional[tuple[int, int, Callable[[torch.Tensor], torch.Tensor],
+                                       Callable[[torch.Tensor], torch.Tensor]]] = None
         self.shared_experts: Optional[SharedExperts] = None
         if config.num_shared_experts:
             width = shared_intermediate or config.num_shared_experts * intermediate
@@ -218,12 +232,18 @@ class MoE(nn.Module):
         keep = None if cap is None else within_capacity(routing.ids, routing.gates, num_experts=c.num_experts,
                                                          cap=cap)
         dropped = torch.zeros((), device=flat.device) if keep is None else 1.0 - keep.float().mean()
+        rows = flat
+        if self.tp_tokens is not None:  # this tp rank's share of the tokens every tp rank routed alike
+            rank, size, enter, _ = self.tp_tokens
+            t = flat.shape[0]
+            share = (torch.arange(t, device=flat.device) * size // t == rank).unsqueeze(1).expand_as(routing.ids)
+            keep, rows = (share if keep is None else keep & share), enter(flat)
         d = dispatch(routing.ids, keep, c.num_experts)
         aux = self.aux_loss(routing, h)
         g = self.experts.ep_group
         local_counts, routed = (d.counts, None) if g is None else exchange(d.counts, g, flat.device)
         plan = Plan(d, counts, dropped, local_counts, routed, h.shape)
-        return flat[d.tokens], routing.gates, flat, aux, plan
+        return rows[d.tokens], routing.gates, flat, aux, plan
 
     @staticmethod
     def run_experts(call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs: torch.Tensor,
@@ -239,9 +259,14 @@ class MoE(nn.Module):
         """The experts' rows ys (N, H) expert-major -> the layer output, h's shape and dtype: gated, summed
         over k, plus the shared experts of `flat`. `aux` is MoEBlock's (it attaches the balance loss)."""
         slots = plan.d.slots
-        y = ys.to(gates.dtype) * gates.reshape(-1)[slots].unsqueeze(-1)  # gates in fp32+
-        # Back to (token, k) order, then a sum over k: no atomics, the same bits on CPU and CUDA.
-        full = y.new_zeros(gates.numel(), y.shape[1]).index_copy(0, slots, y)  # (T K, H), dropped: 0
+        if self.tp_tokens is None:
+            y = ys.to(gates.dtype) * gates.reshape(-1)[slots].unsqueeze(-1)  # gates in fp32+
+            # Back to (token, k) order, then a sum over k: no atomics, the same bits on CPU and CUDA.
+            full = y.new_zeros(gates.numel(), y.shape[1]).index_copy(0, slots, y)  # (T K, H), dropped: 0
+        else:  # each tp rank's share in place, summed: every token's rows on every tp rank, then every gate
+            y = ys.to(gates.dtype)
+            full = self.tp_tokens[3](y.new_zeros(gates.numel(), y.shape[1]).index_copy(0, slots, y))
+            full = full * gates.reshape(-1).unsqueeze(-1)  # (T K, H): the same products, dropped rows 0
         out = full.view(*gates.shape, -1).sum(1)  # (T, H)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
@@ -252,7 +277,9 @@ class MoE(nn.Module):
         if c.balance not in ("aux_loss", "seq_aux_loss"):
             return torch.zeros((), device=x.device)
         seq_len = x.shape[-2] if c.balance == "seq_aux_loss" and x.dim() == 3 else None
-        return c.aux_loss_coef * balance_loss(routing.scores, routing.ids, score_func=c.score_func, seq_len=seq_len)
+        whole = None if self.context is None else (self.context.sum_counts, self.context.g.size)
+        return c.aux_loss_coef * balance_loss(routing.scores, routing.ids, score_func=c.score_func, seq_len=seq_len,
+                                              whole=whole)
 
 
 def _splits(g: EPGroup, *, back: bool) -> Callable[[Mapping[str, Any]], tuple[list[int], list[int], EPGroup]]:

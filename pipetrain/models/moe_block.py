@@ -121,11 +121,12 @@ def moe_blocks(module: nn.Module) -> Iterator[tuple[str, MoEBlock]]:
 def update_expert_biases(modules: list[nn.Module], group: Optional[dist.ProcessGroup] = None, *,
                          move: bool = True) -> int:
     """The optimizer pre-step hook of balance=aux_free: for every MoE block of `modules` (a rank's
-    stages), sum the step's tokens per expert over `group` (the ranks holding the same blocks: data
-    and context parallel; None: this process's counts alone), move the router's bias by
-    bias_update_rate x sign(mean - count) (moe_router.updated_expert_bias), then reset the step's
-    statistics (only that with move=False). Every rank of `group` must call it with the same blocks
-    in the same order (one all-reduce per block). Returns how many biases moved."""
+    stages), sum the step's tokens per expert over `group` (the ranks holding the same blocks with
+    other tokens: data and context parallel, whatever ranks the experts fold over; None: this
+    process's counts alone), move the router's bias by bias_update_rate x sign(mean - count)
+    (moe_router.updated_expert_bias), then reset the step's statistics (only that with move=False).
+    Every rank of `group` must call it with the same blocks in the same order (one all-reduce per
+    block). Returns how many biases moved."""
     moved = 0
     for module in modules:
         for _, block in moe_blocks(module):

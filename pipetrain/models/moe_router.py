@@ -16,7 +16,7 @@ DeepSeek-V3's aux-free rule bias_i += rate * sign(mean - count_i), called once p
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -91,14 +91,19 @@ def tokens_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
-def balance_loss(scores: torch.Tensor, ids: torch.Tensor, *, score_func: str,
-                 seq_len: Optional[int] = None) -> torch.Tensor:
+def balance_loss(scores: torch.Tensor, ids: torch.Tensor, *, score_func: str, seq_len: Optional[int] = None,
+                 whole: Optional[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = None) -> torch.Tensor:
     """E/(K S) sum_i count_i P_i averaged over sequences of `seq_len` tokens (None: the whole batch
     is one sequence, Switch's aux loss; a length: DeepSeek-V3's sequence-wise loss, eq. 17-20).
 
     P_i is the mean over the sequence of the scores normalised over all experts (softmax scores
     already are; sigmoid ones are divided by their sum, as DeepSeek's s'). Gradient flows through
     P only (the counts are integers), i.e. into the router weight. scores (T, E), ids (T, K).
+
+    Context parallel (`whole` = (sum over the cp group, cp)): this rank holds 1/cp of each sequence's
+    positions; the counts are summed over the group into the whole sequences' (Megatron sums them over
+    its tp x cp group the same way) and P stays this rank's mean, so the mean over the group of the
+    ranks' losses is the whole sequences' loss, as each rank's cross-entropy is its share of the mean.
     """
     t, e = scores.shape
     k = ids.shape[1]
@@ -108,7 +113,10 @@ def balance_loss(scores: torch.Tensor, ids: torch.Tensor, *, score_func: str,
     probs = scores if score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
     counts = torch.zeros(t // s, e, dtype=scores.dtype, device=scores.device)  # (B, E)
     counts.scatter_add_(1, ids.reshape(t // s, s * k), torch.ones_like(ids, dtype=scores.dtype).view(t // s, -1))
-    f = counts * (e / (k * s))  # (B, E): 1 each under perfect balance
+    parts = 1
+    if whole is not None:
+        counts, parts = whole[0](counts), whole[1]  # (B, E) of the whole sequences, s x parts tokens each
+    f = counts * (e / (k * s * parts))  # (B, E): 1 each under perfect balance
     p = probs.view(t // s, s, e).mean(1)  # (B, E)
     return (f * p).sum(-1).mean()
 

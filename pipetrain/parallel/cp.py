@@ -338,6 +338,12 @@ class ContextAttention:
             self._masks[key] = causal_mask(self.seq_len, self.g, q.device, q.dtype)
         return allgather_attention(q, k, v, self.g, self.seq_len, stats=self.stats, mask=self._masks[key])
 
+    def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per-token counts of this rank's positions summed over the group (an MoE balance loss's), no grad."""
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=self.g.group)
+        return counts
+
     def boundary_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """A (B, T, C) tensor crossing between stages, as this cp rank holds it: (B, T/cp, C)."""
         b, t, *rest = shape

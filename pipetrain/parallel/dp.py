@@ -48,7 +48,7 @@ class DataParallel:
         assert mesh is not None
         return shard_stage(stage, mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
                            experts=expert_modules(stage), experts_mesh=self.groups.experts_mesh,
-                           dp=self.groups.layout.dp)
+                           dp=self.groups.layout.dp * self.groups.layout.cp)
 
     def reducer(self, stages: dict[int, nn.Module]) -> GradReducer:
         if self.sharded:

@@ -10,10 +10,11 @@ rank's tokens as before. No class is swapped: the module keeps its own.
 The stage records the split (`ep_shards`: local name -> Split(0, E)) so materializing and
 checkpoints hold and save experts by their global index (a run resumes at another ep).
 
-Under data parallel the experts are FSDP2-sharded over their own mesh, the expert-data-parallel
-ranks (parallel/mesh.py), and their gradients divided by the whole dp degree, not that mesh's
-size: tokens of all ep ranks already summed into an expert's gradient (the "gradients doubled
-with EP=2" bug class).
+Which ranks form the EP group is the layout's folding (parallel/layout.py: over dp_shard x cp, and tp
+where parallel.etp = 1). Under data or context parallel the experts are FSDP2-sharded over their own
+mesh, the expert-data-parallel ranks (parallel/mesh.py), and their gradients divided by dp x cp, not
+that mesh's size: tokens of all ep ranks already summed into an expert's gradient (the "gradients
+doubled with EP=2" bug class).
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, param_dtype: Optional[tor
                 reduce_dtype: torch.dtype, experts: Sequence[nn.Module] = (),
                 experts_mesh: Optional[DeviceMesh] = None, dp: int = 1) -> nn.Module:
     """`experts` (expert parallel: parallel/ep.py) are sharded first, over `experts_mesh` (the ranks
-    holding the same experts), their gradients divided by the whole dp degree `dp`: every ep rank's
-    tokens are already summed into them (torchtitan sets the same divide factor)."""
+    holding the same experts), their gradients divided by `dp`, every rank with other tokens (dp x cp),
+    not the mesh's size: every ep rank's tokens are already summed into them (torchtitan sets the same
+    divide factor), so any folding averages as the dense weights do over dp x cp."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # weights no gradient reaches (an MoE router's aux_free bias, moved by its own rule before each
     # optimizer step) stay whole, plain tensors on every rank
@@ -48,6 +49,10 @@ def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, param_dtype: Optional[tor
         assert experts_mesh is not None, "expert parallel needs its experts' mesh"
         fully_shard(module, mesh=experts_mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=frozen)
         module.set_gradient_divide_factor(float(dp))
+        # A factor other than the mesh's size is NCCL's PREMUL_SUM, which gloo has not: sum, then divide. Not
+        # on a 1-rank mesh, where torch 2.13 divides in its copy and would divide again after it.
+        if experts_mesh.device_type == "cpu" and experts_mesh.size() > 1:
+            module.set_force_sum_reduction_for_comms(True)
     tied = set(stage.tied)
     for name, layer in stage.layers.items():
         own = [n for n, _ in layer.named_parameters()]

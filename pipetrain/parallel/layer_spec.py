@@ -7,7 +7,8 @@ node-level execution, declared as data and methods the layer has, read with isin
                              by parallel/tp_plan.py
   ep_plan() -> paths         expert parallel: the stacked-experts modules ((E, ...) weights; their forward
                              takes rows sorted by expert and counts), split by parallel/ep.py
-  cp_plan() -> paths         context parallel: the modules that attend across positions (parallel/cp.py)
+  cp_plan() -> paths         context parallel: the modules that reach across positions (parallel/cp.py):
+                             attention (the cp group's K/V), an MoE MLP (its balance loss's counts)
   documents_plan() -> reads  document masks (runtime/documents.py): the layer's forward takes the microbatch's
                              Documents as a second argument, `layer(x, docs)` (None: the whole row causal), and
                              reads of it "positions" (restarting per document) and/or "mask" (block-causal)
@@ -55,6 +56,9 @@ class TPLayerPlan:
     partial: tuple[str, ...] = ()  # whole weights that see this rank's heads only (Qwen3's q/k norms)
     partial_sp: tuple[str, ...] = ()  # whole weights that see this rank's tokens only under SP
     loss: CrossEntropy | None = None  # a head whose split logits the loss reads
+    # stacked-experts modules ((E, I, H) w1, w3 and (E, H, I) w2) split in every expert's width I, column then
+    # row as the dense MLP (expert tensor parallel, etp = tp); their `tp_region` enters and leaves the region
+    experts: tuple[str, ...] = ()
 
     def partial_names(self, sequence_parallel: bool) -> list[str]:
         return [*self.partial, *(self.partial_sp if sequence_parallel else ())]

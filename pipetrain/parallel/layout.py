@@ -11,12 +11,18 @@ layers split across them, collectives in every layer). tp innermost keeps a TP g
 the most often, on neighbouring ranks (one node, as Megatron-LM and torchtitan place it), cp next
 (its K/V traffic is in every attention); pp outermost puts the pipeline across nodes.
 
-Expert parallel borrows its ranks from dp_shard (torchtitan's "dp2ep"; the world is unchanged):
-dp_shard's index s splits as s = e_dp * ep + e, and the `ep` ranks of one block of consecutive
-dp_shard indices (same pp, r, t, e_dp) split each MoE layer's experts between them, exchanging
-tokens with all-to-all; the ranks holding the same experts (same pp, t, e; every r and e_dp) are
-the expert-data-parallel group their expert gradients are reduced over. Consecutive ranks keep an
-EP group inside one node while ep x tp <= the GPUs per node.
+Experts fold over the same ranks with their own degrees (Megatron-Core's "MoE parallel folding":
+attention on tp x cp x dp, experts on etp x ep x edp; torchtitan's ep borrowing dp_shard x cp and tp).
+Inside one (pp, dp_replicate) block the dense index i = (s * cp + c) * tp + t is read again, row-major,
+as the expert mesh `("pp", "dp_replicate", "edp", "ep", "etp")`: i = (d * ep + e) * etp + u. With
+etp = tp (each expert column- then row-split over the tp group, as the dense MLP) u = t and ep takes
+the innermost ranks of dp_shard x cp, cp first (torchtitan's order): pp2 x cp2 x ep2 needs 4 ranks,
+not 8; with etp = 1 the experts are whole and ep takes tp's ranks too (tp innermost). The `ep` ranks
+of one block (same pp, r, d, u) split each MoE layer's experts between them, exchanging tokens by
+all-to-all; the ranks holding the same experts (same pp, e, u; every r and d) are the
+expert-data-parallel group their gradients are reduced over: edp = dp_shard x cp x tp / (ep x etp),
+times dp_replicate. Consecutive ranks keep an EP group inside one node while ep x etp <= the GPUs
+per node. `fold_error` is the arithmetic's one-line refusal.
 
 Pure Python: `mode=simulate` prints the rank table without importing torch.
 """
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("pp", "dp_replicate", "edp", "ep", "etp")  # the experts' view of the same ranks
 
 
 @dataclass(frozen=True)
@@ -44,20 +51,19 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
-    ep: int = 1  # expert parallel, within dp_shard
+    ep: int = 1  # expert parallel: ranks borrowed from dp_shard x cp (and tp where etp = 1)
     cp: int = 1  # context parallel: a sequence's positions split across this many ranks
+    etp: int = 0  # expert tensor parallel: 1 (experts whole) or tp (split as the dense MLP); 0: tp
 
     def __post_init__(self) -> None:
-        for name in (*DIMS, "ep"):
+        if self.etp == 0:
+            object.__setattr__(self, "etp", self.tp)
+        for name in (*DIMS, "ep", "etp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout degree {name} must be >= 1 (got {getattr(self, name)})")
-        if self.dp_shard % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp_shard={self.dp_shard} (expert parallel "
-                             f"borrows dp_shard's ranks): set parallel.dp_shard to a multiple of {self.ep}")
-        for knob, other in (("tp", self.tp), ("cp", self.cp)):
-            if self.ep > 1 and other > 1:
-                raise ValueError(f"parallel.ep={self.ep} with parallel.{knob}={other} is not supported yet: "
-                                 f"set one of them to 1")
+        error = fold_error(dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, ep=self.ep, etp=self.etp)
+        if error:
+            raise ValueError(error)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -139,21 +145,48 @@ class Layout:
         c = self.coords(rank)
         return [self._at(c, cp=k) for k in range(self.cp)]
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree inside one dp_replicate block: dp_shard x cp x tp / (ep x etp)."""
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def expert_shape(self) -> tuple[int, int, int, int, int]:
+        """The experts' mesh over the same ranks (EXPERT_DIMS)."""
+        return (self.pp, self.dp_replicate, self.edp, self.ep, self.etp)
+
+    def _expert_coords(self, rank: int) -> tuple[int, int, int, int, int]:
+        rest, u = divmod(rank, self.etp)
+        rest, e = divmod(rest, self.ep)
+        rest, d = divmod(rest, self.edp)
+        p, r = divmod(rest, self.dp_replicate)
+        return p, r, d, e, u
+
+    def _expert_rank(self, p: int, r: int, d: int, e: int, u: int) -> int:
+        return (((p * self.dp_replicate + r) * self.edp + d) * self.ep + e) * self.etp + u
+
     def ep_index(self, rank: int) -> int:
         """Which of its EP group's expert blocks `rank` holds."""
-        return self.coords(rank).dp_shard % self.ep
+        return self._expert_coords(rank)[3]
+
+    def etp_index(self, rank: int) -> int:
+        """Which slice of each of its experts' weights `rank` holds (0 when experts are whole)."""
+        return self._expert_coords(rank)[4]
 
     def ep_ranks(self, rank: int) -> list[int]:
         """Global ranks exchanging tokens with `rank` in its MoE layers (its expert-parallel group), by ep index."""
-        c = self.coords(rank)
-        first = c.dp_shard - c.dp_shard % self.ep
-        return [self._at(c, dp_shard=first + e) for e in range(self.ep)]
+        p, r, d, _, u = self._expert_coords(rank)
+        return [self._expert_rank(p, r, d, e, u) for e in range(self.ep)]
 
     def edp_ranks(self, rank: int) -> list[int]:
-        """Global ranks holding the same experts as `rank` (its expert-data-parallel group), by dp index."""
-        c = self.coords(rank)
-        return [self._at(c, dp_replicate=r, dp_shard=s) for r in range(self.dp_replicate)
-                for s in range(c.dp_shard % self.ep, self.dp_shard, self.ep)]
+        """Global ranks holding the same experts as `rank` (its expert-data-parallel group), replica-major."""
+        p, _, _, e, u = self._expert_coords(rank)
+        return [self._expert_rank(p, r, d, e, u) for r in range(self.dp_replicate) for d in range(self.edp)]
+
+    def batch_ranks(self, rank: int) -> list[int]:
+        """Global ranks holding the same stages and tp index with other tokens (dp x cp): where per-token
+        counts (the aux-free balance) are summed."""
+        return self.dp_ranks(rank)
 
     def describe(self) -> str:
         parts = [f"pp={self.pp}"]
@@ -165,7 +198,8 @@ class Layout:
             parts.append(f"cp={self.cp}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
-        ep = f" (ep={self.ep} within dp_shard)" if self.ep > 1 else ""
+        etp = f" x etp={self.etp}" if self.etp > 1 else ""
+        ep = f" (experts: ep={self.ep}{etp} x edp={self.edp * self.dp_replicate})" if self.ep > 1 else ""
         return " x ".join(parts) + f" = {self.world} ranks{ep}"
 
     @property
@@ -175,6 +209,25 @@ class Layout:
         if self.dp_shard * self.cp > 1:
             return "hsdp" if self.dp_replicate > 1 else "shard"
         return "replicate" if self.dp_replicate > 1 else "none"
+
+
+def fold_error(*, dp_shard: int, cp: int, tp: int, ep: int, etp: int) -> str:
+    """Why experts cannot fold over these degrees, in one line naming the knob ("" when they can). Still
+    refused: 1 < etp < tp (part of tp splitting the experts, the rest borrowed by ep: not built), and
+    etp = 1 with an ep group that does not take whole tp groups (its tp ranks hold the same tokens)."""
+    if etp not in (1, tp):
+        return (f"parallel.etp={etp} must be 1 (experts whole) or parallel.tp={tp} (each expert split as the dense "
+                f"MLP): a part of tp is not supported")
+    if etp == 1 and tp > 1 and ep % tp:
+        return (f"parallel.etp=1 with parallel.tp={tp}: ep borrows tp's ranks whole (they hold the same tokens), so "
+                f"parallel.ep={ep} must be a multiple of {tp}")
+    room = dp_shard * cp * (tp // etp)
+    if room % ep:
+        over = " x ".join(f"{k}={v}" for k, v in (("dp_shard", dp_shard), ("cp", cp), ("tp", tp // etp))
+                          if v > 1) or "nothing"
+        return (f"parallel.ep={ep} borrows ranks of parallel.dp_shard x cp{' x tp' if etp < tp else ''} ({over} = "
+                f"{room}): set parallel.ep to a divisor of {room}")
+    return ""
 
 
 def rank_rows(layout: Layout, stages_of: Sequence[Sequence[int]]) -> list[tuple[int, Coords, tuple[int, ...]]]:

@@ -1,12 +1,15 @@
 """The one DeviceMesh of a run, built from its Layout, and what a rank takes from it.
 
-`init_device_mesh(device, (pp, dp_replicate, dp_shard, cp, tp), mesh_dim_names=("pp",
-"dp_replicate", "dp_shard", "cp", "tp"))` is collective: every rank of the world builds it, in the
-same order, before anything else creates a process group. A rank then reads its pipeline
-group (pp: point-to-point between stages), its data-parallel group (the ranks that hold its
-stages and its tp shard), its tensor-parallel group (the ranks its stages' layers are split
-across), under expert parallel its EP and expert-data-parallel groups (an unflattened view of
-dp_shard: layout.py) and, for FSDP2, the sub-mesh its stages are sharded (and replicated) over.
+One mesh over the world, `init_device_mesh(device, (world,), ("world",))`, read two ways (torchtitan's
+ParallelDims): the dense view `("pp", "dp_replicate", "dp_shard", "cp", "tp")` and, under expert
+parallel, the experts' view `("pp", "dp_replicate", "edp", "ep", "etp")` of the same ranks (layout.py:
+the folding), both `_unflatten`s of the world dim. Building them is collective: every rank of the
+world does it, in the same order, before anything else creates a process group. A rank then reads
+its pipeline group (pp: point-to-point between stages), its data-parallel group (the ranks that
+hold its stages and its tp shard), its tensor-parallel group (the ranks its stages' layers are
+split across), its batch group (dp x cp: the ranks with other tokens of the same stages), under
+expert parallel its EP and expert-data-parallel groups (the experts' view) and, for FSDP2, the
+sub-mesh its stages are sharded (and replicated) over.
 
 Pair groups (`build_pair_groups`, at the end): a process group per pair of pipeline ranks that
 exchange tensors (pipeline.p2p_transport=pair_groups).
@@ -37,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipetrain.compat import flatten_mesh, unflatten_mesh
-from pipetrain.parallel.layout import DIMS, Coords, Layout
+from pipetrain.parallel.layout import DIMS, EXPERT_DIMS, Coords, Layout
 
 
 @dataclass
@@ -56,6 +59,7 @@ class RankGroups:
     # The mesh FSDP2 shards a stage over: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP; under
     # context parallel dp_shard x cp flattened in place of dp_shard (torchtitan's "dp_shard_cp").
     fsdp_mesh: Optional[DeviceMesh] = None
+    batch_group: Optional[dist.ProcessGroup] = None  # dp x cp: the ranks with other tokens of these stages
 
     @property
     def pp_rank(self) -> int:
@@ -77,8 +81,8 @@ class RankGroups:
         """Every group of the mesh this rank is in, and its pipeline, data and tensor parallel groups
         (a flattened dp group is not among the mesh's own): what a training step communicates over."""
         mine = list(self.mesh.get_all_groups()) if self.mesh is not None else []
-        return [g for g in (*mine, self.pp_group, self.dp_group, self.tp_group, self.ep_group, self.edp_group)
-                if g is not None]
+        return [g for g in (*mine, self.pp_group, self.dp_group, self.tp_group, self.ep_group, self.edp_group,
+                            self.batch_group) if g is not None]
 
     @property
     def ep_index(self) -> int:
@@ -100,41 +104,45 @@ def build_groups(layout: Layout, device_type: str) -> RankGroups:
     rank = dist.get_rank()
     if layout.world == layout.pp:  # exactly as before data parallel: the pipeline is the default group
         return RankGroups(layout, rank, None, None, list(range(layout.world)), None)
-    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=DIMS)
+    world = init_device_mesh(device_type, (layout.world,), mesh_dim_names=("world",))
+    mesh = unflatten_mesh(world, "world", layout.shape, DIMS)
     pp_group = mesh["pp"].get_group()
-    if layout.dp == 1:
-        dp_group = None
-    elif layout.dp_shard == 1:
-        dp_group = mesh["dp_replicate"].get_group()
-    elif layout.dp_replicate == 1:
-        dp_group = mesh["dp_shard"].get_group()
-    else:
-        dp_group = flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp").get_group()
+    dp_group = _group(mesh, layout, ("dp_replicate", "dp_shard"), "dp")
     tp_group = mesh["tp"].get_group() if layout.tp > 1 else None
     cp_group = mesh["cp"].get_group() if layout.cp > 1 else None
-    fsdp_mesh = _fsdp_mesh(mesh, layout)
+    fsdp_mesh = _fsdp_mesh(world, mesh, layout)
+    batch_group = cp_group if layout.dp == 1 else _group(mesh, layout, ("dp_replicate", "dp_shard", "cp"), "batch")
     ep_group = edp_group = experts_mesh = None
-    if layout.ep > 1:  # the expert view of the same ranks: dp_shard = (edp_shard, ep), row-major
-        experts = unflatten_mesh(mesh, "dp_shard", (layout.dp_shard // layout.ep, layout.ep), ("edp_shard", "ep"))
+    if layout.ep > 1:  # the experts' view of the same ranks: (pp, dp_replicate, edp, ep, etp), row-major
+        experts = unflatten_mesh(world, "world", layout.expert_shape, EXPERT_DIMS)
         ep_group = experts["ep"].get_group()
-        experts_mesh = experts["dp_replicate", "edp_shard"] if layout.dp_replicate > 1 else experts["edp_shard"]
-        edp = [d for d, n in (("dp_replicate", layout.dp_replicate), ("edp_shard", layout.dp_shard // layout.ep))
-               if n > 1]
-        if len(edp) == 1:
-            edp_group = experts[edp[0]].get_group()
-        elif edp:
-            edp_group = flatten_mesh(experts, edp, "edp").get_group()
+        experts_mesh = experts["dp_replicate", "edp"] if layout.dp_replicate > 1 else experts["edp"]
+        sizes = {"dp_replicate": layout.dp_replicate, "edp": layout.edp}
+        edp_group = _group(experts, sizes, ("dp_replicate", "edp"), "edp_all")
     return RankGroups(layout, rank, mesh, pp_group, layout.pipeline_ranks(rank), dp_group, tp_group,
-                      ep_group, edp_group, experts_mesh, cp_group, fsdp_mesh)
+                      ep_group, edp_group, experts_mesh, cp_group, fsdp_mesh, batch_group)
 
 
-def _fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> Optional[DeviceMesh]:
-    """FSDP2's mesh: the shard dims (dp_shard, cp; flattened when both split) after dp_replicate (HSDP)."""
+def _group(mesh: DeviceMesh, sizes: object, dims: Sequence[str], name: str) -> Optional[dist.ProcessGroup]:
+    """The group over `dims` of `mesh` (their degrees read from `sizes`, a Layout or a dict), flattened
+    when several are above 1; None when none is."""
+    split = [d for d in dims if (sizes[d] if isinstance(sizes, dict) else getattr(sizes, d)) > 1]
+    if not split:
+        return None
+    return mesh[split[0]].get_group() if len(split) == 1 else flatten_mesh(mesh, split, name).get_group()
+
+
+def _fsdp_mesh(world: DeviceMesh, mesh: DeviceMesh, layout: Layout) -> Optional[DeviceMesh]:
+    """FSDP2's mesh: the shard dims (dp_shard, cp; one dim of the world when both split, torchtitan's
+    "dp_shard_cp") after dp_replicate (HSDP)."""
     shard = [d for d in ("dp_shard", "cp") if getattr(layout, d) > 1]
     if not shard:
         return None
-    name = shard[0] if len(shard) == 1 else flatten_mesh(mesh, shard, "dp_shard_cp").mesh_dim_names[0]
-    return mesh["dp_replicate", name] if layout.dp_replicate > 1 else mesh[name]
+    if len(shard) == 2:
+        shape = (layout.pp, layout.dp_replicate, layout.dp_shard * layout.cp, layout.tp)
+        mesh, shard = unflatten_mesh(world, "world", shape, ("pp", "dp_replicate", "dp_shard_cp", "tp")), \
+            ["dp_shard_cp"]
+    return mesh["dp_replicate", shard[0]] if layout.dp_replicate > 1 else mesh[shard[0]]
 
 
 # ---- pair groups (pipeline.p2p_transport=pair_groups) ------------------------------------------

@@ -3,7 +3,8 @@ expert-parallel degrees, and materializing a stage's parts (models/init.py: mate
 
 Expert parallel (parallel/ep.py) splits stacked experts on their first dimension over the EP group
 the way tensor parallel splits a weight over the tp group: an expert is saved under its global
-index whatever ep was (ep > 1 with tp > 1 is refused, so a weight is split over one of them at most).
+index whatever ep was. Under expert tensor parallel (etp = tp) a stacked expert weight is split over
+both, experts on dim 0 over ep and each expert's width over tp: its boxes are the product of both.
 
 A tensor-parallel rank holds slices of its split weights (and of their AdamW moments) under the
 unsplit names. A checkpoint keeps the unsplit tensor under that name, whatever the degrees, so a
@@ -51,20 +52,20 @@ class SplitWeights:
     def split_names(self) -> set[str]:
         return {*self.shards, *self.ep_shards}
 
-    def _split(self, name: str) -> tuple[Optional[Split], Any]:
-        """How `name` is split and over which group (None, None: whole on this rank)."""
-        if name in self.ep_shards:
-            return self.ep_shards[name], self.ep
-        return self.shards.get(name), self.g
+    def _splits(self, name: str) -> list[tuple[Split, Any]]:
+        """How `name` is split and over which group, each split dimension once ([]: whole on this rank)."""
+        out = [(self.ep_shards[name], self.ep)] if name in self.ep_shards else []
+        return out + ([(self.shards[name], self.g)] if name in self.shards else [])
 
     def parts(self, name: str, t: torch.Tensor, *, copy: bool = False) -> LocalParts:
         """What this rank's `t` (its slice of `name`, or of one of its AdamW moments; a plain tensor or
         an FSDP2 DTensor) holds of the unsplit tensor, as views of t's local data; copy=True: of a
         copy of it in host memory (an async save writes it while training goes on)."""
-        split, group = self._split(name)
-        assert split is not None and group is not None, f"{name} is not split"
+        splits = self._splits(name)
+        assert splits and all(group is not None for _, group in splits), f"{name} is not split"
         runs = [[(0, 0, n)] for n in t.shape]  # per dimension: (start in t, start in the unsplit tensor, length)
-        runs[split.dim] = split.runs(group.size, group.rank)
+        for split, group in splits:
+            runs[split.dim] = split.runs(group.size, group.rank)
         dtensor = dtensor_type()
         local = t.detach()
         if dtensor is not None and isinstance(t, dtensor):  # its dp shard of the tp slice (t.shape is the slice's)
@@ -76,8 +77,7 @@ class SplitWeights:
     def full_shape(self, name: str, t: torch.Tensor) -> torch.Size:
         """The unsplit shape of `name` held as `t` (an FSDP2 DTensor's shape is already whole over dp)."""
         shape = list(t.shape)
-        split, _ = self._split(name)
-        if split is not None:
+        for split, _ in self._splits(name):
             shape[split.dim] = split.size
         return torch.Size(shape)
 
@@ -86,7 +86,7 @@ class SplitWeights:
         block of dim 0), so materializing can read just them; None for anything else (a tp slice is
         read whole: where its rows lie on disk depends on each family's layout, e.g. GPT-2's transposes)."""
         split = self.ep_shards.get(name)
-        if split is None or self.ep is None or split.blocks != 1:
+        if split is None or self.ep is None or split.blocks != 1 or name in self.shards:  # etp: read whole
             return None
         index = split.index(self.ep.size, self.ep.rank)
         return split.dim, int(index[0]), int(index[-1]) + 1
@@ -95,10 +95,10 @@ class SplitWeights:
         """Copy this rank's part of the unsplit `full` into `into` (a plain tensor or an FSDP2 DTensor):
         its tp slice if `name` is split, then its dp shard; the index is made on `full`'s device
         (index_select wants both on one). models/init.py: materialize fills a stage this way."""
-        (split, group), mine = self._split(name), full
-        if split is not None:
+        mine = full
+        for split, group in self._splits(name):
             assert group is not None, f"{name} is split but no group was given"
-            mine = full.index_select(split.dim, split.index(group.size, group.rank, device=full.device))
+            mine = mine.index_select(split.dim, split.index(group.size, group.rank, device=full.device))
         self.keep_shard(name, mine, into)
 
     def keep_shard(self, name: str, mine: torch.Tensor, into: torch.Tensor) -> None:

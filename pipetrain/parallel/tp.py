@@ -240,6 +240,29 @@ class VocabParallelEmbedding(nn.Module):
         return _ReduceFromTP.apply(y.masked_fill(outside.unsqueeze(-1), 0.0), self.g)
 
 
+def split_experts(experts: nn.Module, g: TPGroup) -> dict[str, Split]:
+    """Expert tensor parallel (etp = tp): keep this rank's 1/tp of every expert's width, rows of the stacked
+    w1, w3 (E, I, H) and columns of w2 (E, H, I), the dense MLP's column-then-row split (on meta: shapes
+    only), and declare the region on the module (`tp_region`: its rows enter it, backward summed over tp;
+    its partial outputs leave it summed). Returns the local names' splits."""
+    width = experts.w1.shape[1]
+    splits = {"w1": Split(1, width), "w3": Split(1, width), "w2": Split(2, width)}
+    for name, split in splits.items():
+        p = getattr(experts, name)
+        mine = p.detach().index_select(split.dim, split.index(g.size, g.rank, device=p.device)).clone()
+        setattr(experts, name, nn.Parameter(mine, requires_grad=p.requires_grad))
+    experts.tp_region = (lambda x: _CopyToTP.apply(x, g), lambda y: _ReduceFromTP.apply(y, g))
+    return splits
+
+
+def split_tokens(moe: nn.Module, g: TPGroup) -> None:
+    """Experts whole (etp = 1) with ep over the tp ranks, which hold the same tokens: declare on the MoE layer
+    (`tp_tokens`) which of them this rank dispatches (rank, size), how its rows enter the region (backward:
+    summed over tp, every rank's tokens' expert gradients) and how each rank's rows, put in place among zeros,
+    become every token's (an all-reduce; backward: the same gradient, every rank computes the rest alike)."""
+    moe.tp_tokens = (g.rank, g.size, lambda x: _CopyToTP.apply(x, g), lambda y: _ReduceFromTP.apply(y, g))
+
+
 def shard_layout(module: nn.Module) -> dict[str, Split]:
     """Local parameter name -> how it is split over the tp group, for a module after `parallelize`."""
     out: dict[str, Split] = {}

@@ -10,6 +10,9 @@ model class: it turns a plan's column / row / vocab-parallel paths into parallel
                     then split on the sequence.
   head              column-parallel on the vocabulary, its logits left split; the last stage's
                     loss is the vocab-parallel cross-entropy (loss_parallel.py): no rank holds (B, T, V).
+  experts           stacked MoE experts split in every expert's width (expert tensor parallel,
+                    parallel.etp = tp: tp.py split_experts), or whole (etp = 1) with each tp rank
+                    dispatching 1/tp of the tokens (tp.py split_tokens); the router stays whole.
 
 Norms and position embeddings stay whole on every tp rank. Their gradients are equal across
 the tp group, except where a rank sees only part of the work (the plan's `partial`, and under
@@ -28,7 +31,7 @@ from pipetrain.parallel.loss_parallel import vocab_parallel_cross_entropy
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.tp import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                                    all_reduce_grads, enter_region, replace, shard_layout,
-                                   split_sequence)
+                                   split_experts, split_sequence, split_tokens)
 
 if TYPE_CHECKING:
     from pipetrain.config import Config
@@ -63,10 +66,11 @@ def apply_layer_plan(layer: nn.Module, plan: TPLayerPlan, g: TPGroup, memo: Memo
     return plan.partial_names(g.sequence_parallel)
 
 
-def parallelize_stage(stage: nn.Module, g: TPGroup) -> nn.Module:
-    """Split a StageModule's layers over the tp group in place. Sets `stage.tp_shards`
-    (local name -> its `Split`: dimension, unsplit length, blocks) and `stage.tp_partial` (local names
-    whose gradients the tp group sums after the step)."""
+def parallelize_stage(stage: nn.Module, g: TPGroup, *, split_width: bool = True) -> nn.Module:
+    """Split a StageModule's layers over the tp group in place; `split_width`: stacked experts split in their
+    width (parallel.etp = tp), else whole, each tp rank dispatching its share of the tokens (etp = 1). Sets
+    `stage.tp_shards` (local name -> its `Split`: dimension, unsplit length, blocks) and `stage.tp_partial`
+    (local names whose gradients the tp group sums after the step)."""
     memo: Memo = {}
     partial: list[str] = []
     plans = {}
@@ -77,6 +81,13 @@ def parallelize_stage(stage: nn.Module, g: TPGroup) -> nn.Module:
         plans[key] = layer.tp_plan()
         partial += [f"layers.{key}.{n}" for n in apply_layer_plan(layer, plans[key], g, memo)]
     stage.tp_shards = shard_layout(stage)
+    for key, plan in plans.items():  # stacked experts split in their width (etp = tp), else tokens split (etp = 1)
+        for path in plan.experts:
+            if not split_width:
+                split_tokens(stage.layers[key].get_submodule(path.rpartition(".")[0]), g)
+                continue
+            experts = split_experts(stage.layers[key].get_submodule(path), g)
+            stage.tp_shards.update({f"layers.{key}.{path}.{n}": s for n, s in experts.items()})
     stage.tp_partial = tuple(partial)
     if stage.is_last:  # the last stage's loss reads its head's (B, T, V/tp) logits
         loss = plans[max(plans, key=int)].loss
@@ -91,11 +102,11 @@ class TensorParallel:
     """How one rank's stages become tensor parallel: the plan per stage, the stage-to-stage
     shapes (sequence parallel: (B, T/tp, C)), the partial gradients summed after each step."""
 
-    def __init__(self, g: TPGroup) -> None:
-        self.g = g
+    def __init__(self, g: TPGroup, *, split_experts: bool = True) -> None:
+        self.g, self.split_experts = g, split_experts
 
     def wrap(self, stage: nn.Module) -> nn.Module:
-        return parallelize_stage(stage, self.g)
+        return parallelize_stage(stage, self.g, split_width=self.split_experts)
 
     def boundary_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """A hidden (B, T, C) tensor crossing between stages, as this tp rank holds it."""
@@ -120,4 +131,4 @@ def tensor_parallel(config: Config, groups: RankGroups) -> Optional[TensorParall
     if groups.layout.tp == 1:
         return None
     return TensorParallel(TPGroup(groups.tp_group, groups.layout.tp, groups.tp_index,
-                                  config.parallel.sequence_parallel))
+                                  config.parallel.sequence_parallel), split_experts=groups.layout.etp > 1)

@@ -80,9 +80,9 @@ def cp_degrees(config: Config) -> list[int]:
     """plan.cp, each checked against the model and data.seq_len in one line (as parallel.cp is)."""
     m, seq = config.model, config.data.seq_len
     for cp in [c for c in config.plan.cp if c > 1]:
-        if m.family != "llama" or m.moe_config is not None:
-            raise ValueError(f"plan.cp lists {cp} but model={m.name} is not a dense Llama-family model (context "
-                             f"parallel splits Llama attention; MoE is not supported yet): set plan.cp=[1]")
+        if m.family != "llama":
+            raise ValueError(f"plan.cp lists {cp} but model={m.name} is not a Llama-family model (context "
+                             f"parallel splits Llama attention): set plan.cp=[1]")
         if seq % (2 * cp):
             raise ValueError(f"plan.cp lists {cp}, which cuts data.seq_len={seq} into {2 * cp} chunks: "
                              f"set data.seq_len to a multiple of {2 * cp} or drop {cp} from plan.cp")

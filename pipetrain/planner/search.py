@@ -87,7 +87,8 @@ class _Evaluator:
             timed = self._whole[mbs] if w.sharded_layers is None else w.sharded_layers(mbs, tp, cp, sp)
             whole = cp_layer_costs(timed, cp=cp, tokens=tokens, bytes_per_value=value,
                                    bandwidth_gbs=dev.cp_gbs, rotate=dev.cp_rotate)
-            whole = ep_layer_costs(whole, ep=ep, tokens=tokens, bytes_per_value=value, bandwidth_gbs=dev.ep_gbs)
+            whole = ep_layer_costs(whole, ep=ep, tokens=tokens // cp, bytes_per_value=value,  # a rank's own tokens
+                                   bandwidth_gbs=dev.ep_gbs)
             split = tp_rank_layers(whole, tp=tp, sequence_parallel=sp, tokens=tokens, hidden=w.hidden,
                                    vocab=w.vocab, value_bytes=w.value_bytes, bandwidth_gbs=dev.tp_gbs,
                                    replicated_bytes_per_token=w.tp_replicated_bytes_per_token,

@@ -62,8 +62,9 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                sequence_parallel: bool = False, ep_degrees: Sequence[int] = (1,),
                cp_degrees: Sequence[int] = (1,)) -> list[Candidate]:
     """Every valid combination: pp x dp x cp x tp = world, M = global_batch / (dp x microbatch size), each
-    partition strategy; each ep dividing dp (its rows FSDP2-sharded: expert parallel borrows dp_shard's
-    ranks). `recompute_partial`: where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp)."""
+    partition strategy; each ep dividing dp x cp (its rows FSDP2-sharded: expert parallel folds over
+    dp_shard x cp at parallel.etp = tp, parallel/layout.py). `recompute_partial`:
+    where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp)."""
     out = []
     for cp, tp, pp in [(c, t, p) for c in cp_degrees for t in tp_degrees if world % (c * t) == 0
                        for p in (pp_degrees
@@ -71,7 +72,7 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
         if world % (pp * tp * cp):
             continue
         dp, sp = world // (pp * tp * cp), sequence_parallel and tp > 1
-        for ep in [e for e in ep_degrees if dp % e == 0 and (e == 1 or tp == cp == 1)]:  # as parallel.ep refuses
+        for ep in [e for e in ep_degrees if dp * cp % e == 0]:  # as parallel.ep folds at etp = tp (its default)
             out += _layout_rows(pp, dp, tp, sp, ep, cp, dp_shard or ep > 1, num_layers=num_layers, schedules=schedules,
                                 global_batch=global_batch, microbatch_sizes=microbatch_sizes,
                                 virtual_stages=virtual_stages, recompute=recompute, recompute_partial=recompute_partial,

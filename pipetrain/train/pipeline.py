@@ -101,11 +101,13 @@ class RankPipeline:
 
     def norm_parameters(self) -> list[nn.Parameter]:
         """What this rank adds to the global gradient norm: the weights it owns in its pipeline
-        (GradSync.owned), and under tensor parallel only its slices of split weights unless it
-        is tp index 0 (whole weights are equal on every tp rank: counted once)."""
+        (GradSync.owned), and under tensor parallel only its slices of split weights and its experts
+        unless it is tp index 0 (whole weights are equal on every tp rank: counted once)."""
         if self.tp is None or self.tp.g.rank == 0:
             return self.sync.owned()
-        return self.sync.owned(only=self.tp.sharded_names(self.stages))
+        # experts split over ep are this rank's own too: with etp = 1, ep takes the tp ranks (other experts)
+        experts = {m.tied.get(n, n) for m in self.stages.values() for n in m.ep_shards}
+        return self.sync.owned(only=self.tp.sharded_names(self.stages) | experts)
 
 
 @dataclass(frozen=True)
