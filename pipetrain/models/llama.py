@@ -196,8 +196,7 @@ class DecoderLayer(nn.Module):
                            attend_modules=(self.input_layernorm, self.self_attn, self.post_attention_layernorm))
 
     def cp_plan(self) -> tuple[str, ...]:
-        """The modules context parallel gives the cp group (parallel/cp.py): attention its K/V, an MoE MLP
-        the whole sequences' counts for its balance loss."""
+        """What cp gives the cp group (parallel/cp.py): attention its K/V, an MoE MLP its balance loss's counts."""
         return ("self_attn", "mlp") if isinstance(self.mlp, MoEBlock) else ("self_attn",)
 
     def ep_plan(self) -> tuple[str, ...]:
@@ -206,14 +205,13 @@ class DecoderLayer(nn.Module):
 
     def tp_plan(self) -> TPLayerPlan:
         """Megatron's split: q, k, v, gate, up column-parallel, o and down row-parallel; a tp rank keeps
-        H/tp query and KV/tp key/value heads (query head j still reads KV head j // (H/KV): tp divides KV).
-        An MoE MLP (expert tensor parallel, etp = tp): the router whole on every tp rank's (equal) tokens, each
-        expert split in its width (`experts`), the shared experts as the dense MLP, their gate whole."""
+        H/tp query and KV/tp key/value heads (query head j still reads KV head j // (H/KV): tp divides KV). An MoE
+        MLP (etp = tp): the router whole on every tp rank's tokens, each expert split in its width (`experts`),
+        the shared experts as the dense MLP (gate_proj, up_proj both enter the region), their gate whole."""
         attn = self.self_attn
         partial_sp = ["input_layernorm.weight", "post_attention_layernorm.weight"]
         partial_sp += ["self_attn.o_proj.bias"] if attn.o_proj.bias is not None else []
         moe = isinstance(self.mlp, MoEBlock)
-        # the shared experts' gate reads their input too: gate_proj and up_proj enter the region each
         mlp = (("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ("mlp.shared_experts.down_proj",)) \
             if moe and self.mlp.shared_experts is not None else ((), ()) if moe else \
             (("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
@@ -393,9 +391,8 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
 
 
 def llama_block_shape(cfg: dict[str, Any]) -> LayerShape:
-    """A dense block's GEMMs (q, k and v; o; gate and up; down) and element-wise values for a device's timing:
-    RoPE on q and k and SwiGLU (2I in, I out) split by tp, the two RMSNorms (2C each) and residual adds (3C each)
-    whole."""
+    """A dense block's GEMMs (q, k and v; o; gate and up; down) and element-wise values for a device's timing: RoPE
+    on q and k and SwiGLU (2I in, I out) split by tp, the two RMSNorms (2C each) and residual adds (3C each) whole."""
     c, i = cfg["hidden_size"], cfg["intermediate_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     return LayerShape(((c, q + 2 * kv, COLUMN), (q, c, ROW), (c, 2 * i, COLUMN), (i, c, ROW)),
