@@ -40,6 +40,7 @@ from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
 from pipetrain.models.moe_block import MoEBlock
 from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values, experts_active
 from pipetrain.models.moe_nodes import block_nodes, single_node
+from pipetrain.models.mtp import WithMTP, mtp_hf_key, mtp_name, mtp_stored_params, with_mtp
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
@@ -249,6 +250,10 @@ class Head(nn.Module):
                            loss=CrossEntropy(IGNORE_INDEX))
 
 
+class MTPHead(WithMTP, Head):
+    """The head with multi-token prediction (model.mtp.depth > 0): its `mtp` depths run in the loss (models/mtp.py)."""
+
+
 class Llama(CausalLM):
     """Knobs as LlamaModelConfig (HF config.json names); `seed` draws the initial weights."""
 
@@ -259,22 +264,27 @@ class Llama(CausalLM):
         cfg.update(num_key_value_heads=args.kv_heads, head_dim=args.head_size)  # resolved defaults
         self._config = cfg
         c, v, n = args.hidden_size, args.vocab_size, args.num_hidden_layers
-        self._set_shape(width=c, vocab=v, blocks=n, max_seq=args.max_position_embeddings,
-                        max_seq_knob="max_position_embeddings")
+        self._set_shape(width=c, vocab=v, blocks=n, max_seq=args.max_position_embeddings, max_seq_knob=args.seq_knob)
         rotary = Rotary(args.head_size, args.rope_theta, cfg["rope_scaling"])
         embed = Embedding(vocab_size=v, hidden=c)
-        blocks = [DecoderLayer(hidden=c, intermediate=args.intermediate_size, eps=args.rms_norm_eps,
-                               heads=args.num_attention_heads, kv_heads=args.kv_heads, head_dim=args.head_size,
-                               attention_bias=args.attention_bias, qkv_bias=args.qkv_bias, qk_norm=args.qk_norm,
-                               qk_norm_per_head=args.qk_norm_per_head, rotary=rotary,
-                               moe=args.moe if args.moe is not None and args.moe.is_moe(i) else None)
-                  for i in range(n)]
-        head = Head(hidden=c, vocab_size=v, eps=args.rms_norm_eps)
+        blocks = [self._block(args, rotary, i) for i in range(n)]
+        head = (MTPHead if args.mtp.depth else Head)(hidden=c, vocab_size=v, eps=args.rms_norm_eps)
         if args.tie_word_embeddings:
             head.lm_head.weight = embed.embed_tokens.weight  # one weight; split.py keeps cross-stage copies equal
+        if isinstance(head, MTPHead):  # each depth's block of the last block's kind (models/mtp.py)
+            head.attach(args.mtp, hidden=c, make_norm=lambda: RMSNorm(c, args.rms_norm_eps), embed=embed.embed_tokens,
+                        make_block=lambda: self._block(args, rotary, n - 1), main_loss=type(self).loss_fn)
         self.layers = nn.ModuleList([embed, *blocks, head])
         self.layer_names = ["embed", *(f"layers.{i}" for i in range(n)), "head"]  # HF's block names
         self.reset_parameters(seed)
+
+    @staticmethod
+    def _block(args: LlamaModelConfig, rotary: Rotary, i: int) -> DecoderLayer:
+        moe = args.moe if args.moe is not None and args.moe.is_moe(i) else None
+        return DecoderLayer(hidden=args.hidden_size, intermediate=args.intermediate_size, eps=args.rms_norm_eps,
+                            heads=args.num_attention_heads, kv_heads=args.kv_heads, head_dim=args.head_size,
+                            attention_bias=args.attention_bias, qkv_bias=args.qkv_bias, qk_norm=args.qk_norm,
+                            qk_norm_per_head=args.qk_norm_per_head, rotary=rotary, moe=moe)
 
     def init_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
         # HF's Llama init (N(0, initializer_range) for matmuls and the embedding, zero biases,
@@ -306,14 +316,17 @@ def hf_name(name: str, *, num_hidden_layers: int) -> str:
         raise ValueError(f"{name!r} is not a parameter of a {num_hidden_layers}-block Llama model "
                          f"(names are layers.<0..{head}>.<rest>)")
     i, rest = int(parts[1]), parts[2]
-    if i == head and rest.startswith("lm_head."):
-        return rest
+    if i == head and rest.startswith(("lm_head.", "mtp.")):
+        return rest if rest.startswith("lm_head.") else mtp_hf_key(rest, num_hidden_layers=num_hidden_layers)
     return f"model.{rest}" if i in (0, head) else f"model.layers.{i - 1}.{rest}"
 
 
-def pipetrain_name(key: str, *, num_hidden_layers: int) -> str:
+def pipetrain_name(key: str, *, num_hidden_layers: int, mtp_depth: int = 0) -> str:
     """The HF key -> pipetrain's unsplit parameter name (the inverse of `hf_name`)."""
     head = num_hidden_layers + 1
+    mtp = mtp_name(key, num_hidden_layers=num_hidden_layers, depth=mtp_depth)
+    if mtp is not None:
+        return f"layers.{head}.{mtp}"
     if key.startswith("lm_head."):
         return f"layers.{head}.{key}"
     if key.startswith(("model.embed_tokens.", "model.norm.")):
@@ -337,14 +350,16 @@ def llama_layer_params(cfg: dict[str, Any]) -> list[int]:
     qkv_bias = cfg["attention_bias"] or cfg["qkv_bias"]
     attn = c * (q + 2 * kv) + q * c + qkv_bias * (q + 2 * kv) + cfg["attention_bias"] * c
     qk_norm = (2 * cfg["head_dim"] if cfg.get("qk_norm_per_head", True) else q + kv) if cfg["qk_norm"] else 0
-    block = attn + 2 * c + qk_norm
-    return [v * c, *(block + stored for stored, _ in mlp_params(cfg)), c + v * c]
+    blocks = [attn + 2 * c + qk_norm + stored for stored, _ in mlp_params(cfg)]
+    return [v * c, *blocks, c + v * c + mtp_stored_params(cfg, blocks[-1])[0]]  # the head with its MTP depths
 
 
 def llama_param_count(cfg: dict[str, Any]) -> int:
-    """Distinct parameters of the unsplit model (a tied embedding counted once), as published."""
+    """Distinct parameters of the unsplit model (a tied embedding counted once), as published (with MTP: the
+    main model's and the MTP module's, models/mtp.py)."""
     tied = cfg["vocab_size"] * cfg["hidden_size"] if cfg["tie_word_embeddings"] else 0
-    return sum(llama_layer_params(cfg)) - tied
+    params = llama_layer_params(cfg)
+    return sum(params) - tied - mtp_stored_params(cfg, params[-2])[1]
 
 
 def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops: float,
@@ -380,5 +395,6 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
                                 kv_values_per_token=2 * kv, experts_flops_share=share(routed, b),
                                 shared_experts_flops_share=share(shared, b))
             for i, (b, (routed, shared)) in enumerate(zip(blocks, experts_active(cfg)))]
-    out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
+    head = cost("head", c + v * c, c + v * c, 0, (3 * c + v) * bytes_per_value + 8)
+    out.append(with_mtp(head, out[-1], cfg, tokens=tokens, tflops=tflops, bytes_per_value=bytes_per_value))
     return out
