@@ -20,7 +20,8 @@ wandb and TensorBoard.
              gathered_kv_gb (allgather: the gathered K/V the step's forwards kept for backward, the part
              of memory/activations_gb that is not this rank's own), peak_kv_gb (the most K/V held at once
              inside one attention: own block + gathered whole, or own + in use + in flight)
-  moe/       MoE models, per block `moe/layers.<i>/{imbalance,aux_loss,dropped,bias_abs_max}`
+  moe/       MoE models, per block `moe/layers.<i>/{imbalance,aux_loss,dropped,bias_abs_max}` (an MTP depth's
+             block: `moe/mtp.<j>/...`)
              (imbalance: max / mean tokens per expert over the step, 1 = even; aux_loss and dropped
              per forward; the aux_free bias's largest magnitude) and their mean over blocks
              `moe/imbalance`; the measured pipeline's tokens (a block held twice, DualPipe's
