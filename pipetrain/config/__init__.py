@@ -29,6 +29,7 @@ from pipetrain.config.deepseek import DeepSeekModelConfig
 from pipetrain.config.finetune import pretrained_defaults
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.llama import LlamaModelConfig
+from pipetrain.config.mtp import check_mtp
 from pipetrain.config.models import GPT2ModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.options import DEEPSEEK_OPTIONS, LLAMA_OPTIONS, MODEL_OPTIONS, MOE_OPTIONS  # noqa: F401
 from pipetrain.config.profile import ProfileConfig
@@ -377,10 +378,9 @@ class Config:
             check_origin(d)  # token shards whose record names another tokenizer than the run's
         longest = getattr(m, m.seq_knob) if m.has_seq else None
         if longest is not None and d.seq_len > longest:
-            raise ValueError(
-                f"data.seq_len={d.seq_len} exceeds model.{m.seq_knob}={longest} of model={m.name}: "
-                f"set data.seq_len <= {longest}"
-            )
+            raise ValueError(f"data.seq_len={d.seq_len} exceeds model.{m.seq_knob}={longest} of model={m.name}: "
+                             f"set data.seq_len <= {longest}")
+        check_mtp(m.mtp_config, model=m.name, data=d, parallel=self.parallel)
 
 
 # Schemas by ConfigStore name (`<name>_schema` in group `model`): every conf/model/gpt2*.yaml composes on

@@ -87,6 +87,7 @@ class DeepSeekModelConfig(CausalLMConfig):
             self.rope_scaling = YarnScalingConfig(**self.rope_scaling)
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        self._take_mtp()
         self._at_least_one("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                            "v_head_dim", "max_position_embeddings")
@@ -127,7 +128,7 @@ class DeepSeekModelConfig(CausalLMConfig):
 
     def knobs(self) -> dict[str, Any]:
         out = super().knobs()
-        for knob in ("rope_scaling", "moe"):  # plain dicts for the model (its config stays JSON-able)
+        for knob in ("rope_scaling", "moe", "mtp"):  # plain dicts for the model (its config stays JSON-able)
             if getattr(self, knob) is not None:
                 out[knob] = dataclasses.asdict(getattr(self, knob))
         return out

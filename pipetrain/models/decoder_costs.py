@@ -12,6 +12,7 @@ from typing import Any
 
 from pipetrain.models.causal_lm import layer_cost
 from pipetrain.models.moe_costs import experts_active, experts_and_a2a, mlp_params, mlp_values
+from pipetrain.models.mtp import mtp_stored_params, with_mtp
 from pipetrain.partition.costs import LayerCost
 
 
@@ -30,15 +31,18 @@ class AttentionCost:
 def decoder_layer_params(cfg: dict[str, Any], attention: int) -> list[int]:
     """Parameters each pipeline layer stores, blocks of `attention` parameters each. A tied head counts its
     copy of the embedding (V*C), what it stores when it sits on another stage: sum(...) = total + V*C then.
-    MoE blocks count all their experts (moe_costs.mlp_params)."""
+    MoE blocks count all their experts (moe_costs.mlp_params); the head its MTP depths (models/mtp.py)."""
     c, v = cfg["hidden_size"], cfg["vocab_size"]
-    return [v * c, *(attention + 2 * c + stored for stored, _ in mlp_params(cfg)), c + v * c]
+    blocks = [attention + 2 * c + stored for stored, _ in mlp_params(cfg)]
+    return [v * c, *blocks, c + v * c + mtp_stored_params(cfg, blocks[-1])[0]]
 
 
 def decoder_param_count(cfg: dict[str, Any], attention: int) -> int:
-    """Distinct parameters of the unsplit model (a tied embedding counted once), as published."""
+    """Distinct parameters of the unsplit model (a tied embedding counted once), as published (with MTP: the
+    main model's and the MTP module's, its copies of the embedding and lm_head counted once)."""
     tied = cfg["vocab_size"] * cfg["hidden_size"] if cfg["tie_word_embeddings"] else 0
-    return sum(decoder_layer_params(cfg, attention)) - tied
+    params = decoder_layer_params(cfg, attention)
+    return sum(params) - tied - mtp_stored_params(cfg, params[-2])[1]
 
 
 def decoder_layer_costs(cfg: dict[str, Any], attention: AttentionCost, *, microbatch: int, seq: int, tflops: float,
@@ -50,7 +54,8 @@ def decoder_layer_costs(cfg: dict[str, Any], attention: AttentionCost, *, microb
     tensor to the projections (3C, twice), the attention its `values`, the MLP gate, silu(gate), up and their
     product (4I; an MoE block moe_costs.mlp_values). Left out: one value per token per norm and per head
     (rsqrt, log-sum-exp) and the (T, hd) RoPE tables. The embedding keeps the int64 ids; the head its norm
-    (3C), the log-softmax of the logits (V) and the int64 targets.
+    (3C), the log-softmax of the logits (V) and the int64 targets; with MTP the head layer is `head+mtp<D>`,
+    its depths' work counted on it (mtp.with_mtp).
     """
     c, v, tokens = cfg["hidden_size"], cfg["vocab_size"], microbatch * seq
     params = decoder_layer_params(cfg, attention.params)
@@ -71,5 +76,6 @@ def decoder_layer_costs(cfg: dict[str, Any], attention: AttentionCost, *, microb
                                 kv_values_per_token=attention.kv_values, experts_flops_share=share(routed, b),
                                 shared_experts_flops_share=share(shared, b))
             for i, (b, (routed, shared)) in enumerate(zip(blocks, experts_active(cfg)))]
-    out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
+    head = cost("head", c + v * c, c + v * c, 0, (3 * c + v) * bytes_per_value + 8)
+    out.append(with_mtp(head, out[-1], cfg, tokens=tokens, tflops=tflops, bytes_per_value=bytes_per_value))
     return out

@@ -76,7 +76,7 @@ class DeepSeek(Llama):
                         max_seq_knob="max_position_embeddings")
         self.rotary = YarnRotary(args.qk_rope_head_dim, args.rope_theta, self._config["rope_scaling"])
         self.assemble([self.block(i) for i in range(n)], tie=args.tie_word_embeddings, eps=args.rms_norm_eps,
-                      seed=seed)
+                      mtp=args.mtp, seed=seed)
 
     def block(self, index: int) -> MLABlock:
         """Decoder block `index`'s shape (dense or MoE MLP by model.moe), sharing the model's RoPE tables."""

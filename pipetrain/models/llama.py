@@ -35,11 +35,13 @@ from torch import nn
 
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.moe import MoEConfig
+from pipetrain.config.mtp import MTPConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM
 from pipetrain.models.decoder_costs import (AttentionCost, decoder_layer_costs, decoder_layer_params,
                                             decoder_param_count)
 from pipetrain.models.moe_block import MoEBlock
 from pipetrain.models.moe_nodes import block_nodes, single_node
+from pipetrain.models.mtp import WithMTP, mtp_hf_key, mtp_name
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
@@ -257,6 +259,10 @@ class Head(nn.Module):
                            loss=CrossEntropy(IGNORE_INDEX))
 
 
+class MTPHead(WithMTP, Head):
+    """The head with multi-token prediction (model.mtp.depth > 0): its `mtp` depths run in the loss (models/mtp.py)."""
+
+
 class Llama(CausalLM):
     """Knobs as LlamaModelConfig (HF config.json names); `seed` draws the initial weights."""
 
@@ -267,25 +273,33 @@ class Llama(CausalLM):
         cfg.update(num_key_value_heads=args.kv_heads, head_dim=args.head_size)  # resolved defaults
         self._config = cfg
         c, v, n = args.hidden_size, args.vocab_size, args.num_hidden_layers
-        self._set_shape(width=c, vocab=v, blocks=n, max_seq=args.max_position_embeddings,
-                        max_seq_knob="max_position_embeddings")
+        self._set_shape(width=c, vocab=v, blocks=n, max_seq=args.max_position_embeddings, max_seq_knob=args.seq_knob)
         rotary = Rotary(args.head_size, args.rope_theta, cfg["rope_scaling"])
-        blocks = [DecoderLayer(hidden=c, intermediate=args.intermediate_size, eps=args.rms_norm_eps,
-                               heads=args.num_attention_heads, kv_heads=args.kv_heads, head_dim=args.head_size,
-                               attention_bias=args.attention_bias, qkv_bias=args.qkv_bias, qk_norm=args.qk_norm,
-                               qk_norm_per_head=args.qk_norm_per_head, rotary=rotary,
-                               moe=args.moe if args.moe is not None and args.moe.is_moe(i) else None)
-                  for i in range(n)]
-        self.assemble(blocks, tie=args.tie_word_embeddings, eps=args.rms_norm_eps, seed=seed)
+        self._args, self.rotary = args, rotary
+        self.assemble([self.block(i) for i in range(n)], tie=args.tie_word_embeddings, eps=args.rms_norm_eps,
+                      mtp=args.mtp, seed=seed)
 
-    def assemble(self, blocks: list[nn.Module], *, tie: bool, eps: float, seed: int) -> None:
+    def block(self, index: int) -> DecoderLayer:
+        """Decoder block `index`'s shape (dense or MoE MLP by model.moe), sharing the model's RoPE tables."""
+        args = self._args
+        moe = args.moe if args.moe is not None and args.moe.is_moe(index) else None
+        return DecoderLayer(hidden=args.hidden_size, intermediate=args.intermediate_size, eps=args.rms_norm_eps,
+                            heads=args.num_attention_heads, kv_heads=args.kv_heads, head_dim=args.head_size,
+                            attention_bias=args.attention_bias, qkv_bias=args.qkv_bias, qk_norm=args.qk_norm,
+                            qk_norm_per_head=args.qk_norm_per_head, rotary=self.rotary, moe=moe)
+
+    def assemble(self, blocks: list[nn.Module], *, tie: bool, eps: float, mtp: MTPConfig, seed: int) -> None:
         """The pipeline layers: the embedding, `blocks`, the head (its lm_head the embedding's weight with
-        `tie`); then the initial weights drawn from `seed`."""
+        `tie`; with `mtp.depth` MTP depths, each with a block like the last: models/mtp.py); then the initial
+        weights drawn from `seed`."""
         c, v, n = self._width, self._vocab, len(blocks)
         embed = Embedding(vocab_size=v, hidden=c)
-        head = Head(hidden=c, vocab_size=v, eps=eps)
+        head = (MTPHead if mtp.depth else Head)(hidden=c, vocab_size=v, eps=eps)
         if tie:
             head.lm_head.weight = embed.embed_tokens.weight  # one weight; split.py keeps cross-stage copies equal
+        if isinstance(head, MTPHead):  # each depth's block of the last block's kind (models/mtp.py)
+            head.attach(mtp, hidden=c, make_norm=lambda: RMSNorm(c, eps), embed=embed.embed_tokens,
+                        make_block=lambda: self.block(n - 1), main_loss=type(self).loss_fn)
         self.layers = nn.ModuleList([embed, *blocks, head])
         self.layer_names = ["embed", *(f"layers.{i}" for i in range(n)), "head"]  # HF's block names
         self.reset_parameters(seed)
@@ -325,14 +339,17 @@ def hf_name(name: str, *, num_hidden_layers: int) -> str:
         raise ValueError(f"{name!r} is not a parameter of a {num_hidden_layers}-block Llama model "
                          f"(names are layers.<0..{head}>.<rest>)")
     i, rest = int(parts[1]), parts[2]
-    if i == head and rest.startswith("lm_head."):
-        return rest
+    if i == head and rest.startswith(("lm_head.", "mtp.")):
+        return rest if rest.startswith("lm_head.") else mtp_hf_key(rest, num_hidden_layers=num_hidden_layers)
     return f"model.{rest}" if i in (0, head) else f"model.layers.{i - 1}.{rest}"
 
 
-def pipetrain_name(key: str, *, num_hidden_layers: int) -> str:
+def pipetrain_name(key: str, *, num_hidden_layers: int, mtp_depth: int = 0) -> str:
     """The HF key -> pipetrain's unsplit parameter name (the inverse of `hf_name`)."""
     head = num_hidden_layers + 1
+    mtp = mtp_name(key, num_hidden_layers=num_hidden_layers, depth=mtp_depth)
+    if mtp is not None:
+        return f"layers.{head}.{mtp}"
     if key.startswith("lm_head."):
         return f"layers.{head}.{key}"
     if key.startswith(("model.embed_tokens.", "model.norm.")):
