@@ -35,11 +35,22 @@ def transformers_count(m) -> int:
     v2 = m.name == "deepseek-v2-lite"
     config, model = (DeepseekV2Config, DeepseekV2ForCausalLM) if v2 else (DeepseekV3Config, DeepseekV3ForCausalLM)
     with torch.device("meta"):
-        return sum(p.numel() for p in model(config(**hf)).parameters())
+        total = sum(p.numel() for p in model(config(**hf)).parameters())
+        if not m.mtp.depth:
+            return total
+        # the MTP module (transformers leaves it out): per depth a decoder block like the last, enorm, hnorm,
+        # shared_head.norm and eh_proj (2C -> C); its embedding and head are the main model's
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+        block = DeepseekV3DecoderLayer(config(**hf), layer_idx=m.num_hidden_layers - 1)
+        c = m.hidden_size
+        return total + m.mtp.depth * (sum(p.numel() for p in block.parameters()) + 3 * c + 2 * c * c)
 
 
-# The published totals (the presets' yaml say where from); deepseek-v3's is a default DeepseekV3Config's.
-EXACT = {"deepseek-v3": 671_026_404_352, "deepseek-v2-lite": 15_706_484_224, "moonlight-16b-a3b": 15_960_108_544,
+# The published totals (the presets' yaml say where from); deepseek-v3's is a default DeepseekV3Config's
+# 671,026,404,352 and its MTP module's own 11,610,067,968 (with the release's stored copies of the embedding and
+# head, 2 x 926,679,040 more: 684,489,830,400, the published "685B").
+EXACT = {"deepseek-v3": 682_636_472_320, "deepseek-v2-lite": 15_706_484_224, "moonlight-16b-a3b": 15_960_108_544,
          "kimi-k2": 1_026_408_209_408, "deepseek-tiny": 2_041_728}
 
 
@@ -121,3 +132,23 @@ def test_deepseek_tiny_simulates_under_dualpipev(compose):
     plan = make_plan(compose(["model=deepseek-tiny", "mode=simulate", "schedule=dualpipev", "pipeline.degree=2",
                               "data.seq_len=32"]))
     assert plan.partition.num_chunks == 4
+
+
+def test_the_mtp_blocks_experts_split_over_expert_parallel_as_every_moe_blocks():
+    """The MTP depth's MoE block declares its stacked experts (WithMTP.ep_plan): an ep rank keeps its
+    4 of 8 rows of them, recorded by global index as the main blocks' experts."""
+    from pipetrain.models.split import cut_stage
+    from pipetrain.parallel.ep import parallelize_experts
+    from pipetrain.runtime.ep_comm import EPGroup
+
+    with torch.device("meta"):
+        model = DeepSeek(**{**TINY, "num_hidden_layers": 2, "mtp": {"depth": 1},
+                            "moe": dict(num_experts=8, top_k=2, intermediate_size=8, first_dense_layers=1)})
+    last = len(model.layers) - 1
+    stage = parallelize_experts(cut_stage(model, range(last - 1, last + 1), stage_id=1), EPGroup(None, 2, 1))
+    mtp = f"layers.{last}.mtp.0.block.mlp.experts"
+    main = f"layers.{last - 1}.mlp.experts"
+    for path in (main, mtp):
+        weights = dict(stage.get_submodule(path).named_parameters())
+        assert weights and all(w.shape[0] == 4 for w in weights.values())
+        assert {f"{path}.{n}" for n in weights} <= set(stage.ep_shards)

@@ -216,6 +216,8 @@ def test_mtp_parameters_map_to_hugging_face_deepseek_v3_keys():
     (["model.mtp.depth=-1"], "model.mtp.depth must be an integer >= 0 (got -1): 0 turns MTP off"),
     (["model.mtp.loss_weight=-0.5"], "model.mtp.loss_weight must be a finite number >= 0 (got -0.5)"),
     (["model.mtp.depth=1", "parallel.tp=2"], "model.mtp.depth=1 with parallel.tp=2 is not supported yet"),
+    (["model.mtp.depth=1", "trainer.compile=true"], "model.mtp.depth=1 with trainer.compile=true is not supported "
+                                                    "yet"),
     (["model=gpt2-tiny", "model.mtp.depth=1"], "model.mtp.depth=1: GPT-2 has no multi-token prediction module"),
 ])
 def test_bad_mtp_knobs_fail_in_one_line_at_composition(compose, overrides, message):

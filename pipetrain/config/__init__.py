@@ -380,7 +380,7 @@ class Config:
         if longest is not None and d.seq_len > longest:
             raise ValueError(f"data.seq_len={d.seq_len} exceeds model.{m.seq_knob}={longest} of model={m.name}: "
                              f"set data.seq_len <= {longest}")
-        check_mtp(m.mtp_config, model=m.name, data=d, parallel=self.parallel)
+        check_mtp(m.mtp_config, model=m.name, data=d, parallel=self.parallel, compile=self.trainer.compile)
 
 
 # Schemas by ConfigStore name (`<name>_schema` in group `model`): every conf/model/gpt2*.yaml composes on

@@ -42,7 +42,7 @@ def mtp_of(value: Any) -> MTPConfig:
     return MTPConfig(**value) if isinstance(value, dict) else value
 
 
-def check_mtp(mtp: MTPConfig, *, model: str, data: DataConfig, parallel: ParallelConfig) -> None:
+def check_mtp(mtp: MTPConfig, *, model: str, data: DataConfig, parallel: ParallelConfig, compile: bool) -> None:
     """The run's refusals of an MTP model (depth > 0), each one line saying what to change."""
     if mtp.depth == 0:
         return
@@ -54,6 +54,10 @@ def check_mtp(mtp: MTPConfig, *, model: str, data: DataConfig, parallel: Paralle
         if degree > 1:
             raise ValueError(f"model.mtp.depth={d} with {knob}={degree} is not supported yet (the MTP module runs "
                              f"whole, on whole rows): set {knob}=1 or model.mtp.depth=0 (model={model})")
+    if compile:  # parallel/parallelize.py compiles each layer's forward; the depths run in the head's loss
+        raise ValueError(f"model.mtp.depth={d} with trainer.compile=true is not supported yet (the MTP depths run "
+                         f"in the head's loss, outside the compiled layers): set trainer.compile=false or "
+                         f"model.mtp.depth=0")
     if data.masks_documents:
         raise ValueError(f"model.mtp.depth={d} with document masks is not supported yet (the MTP module attends "
                          f"causally over the whole row): set data.document_mask=false or model.mtp.depth=0")

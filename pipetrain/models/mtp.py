@@ -130,6 +130,11 @@ class WithMTP:
     def loss_reads_inputs(self) -> bool:
         return True
 
+    def ep_plan(self) -> tuple[str, ...]:
+        """The depths' blocks' stacked experts (parallel/ep.py): split over the EP group like every MoE block's."""
+        return tuple(f"mtp.{j}.block.{path}" for j, depth in enumerate(self.mtp)
+                     for path in getattr(depth.block, "ep_plan", tuple)())
+
     def layer_loss(self, output: torch.Tensor, target: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         return self.mtp.loss(output, target, inputs, self.main_loss)
 
