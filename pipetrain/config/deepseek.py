@@ -12,8 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-from pipetrain.config.models import CausalLMConfig
-from pipetrain.config.moe import MoEConfig
+from pipetrain.config.models import CausalLMConfig, read_pretrained_config, take_knobs
+from pipetrain.config.moe import MoEConfig, keep_training_knobs
+
+HF_DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2")  # config.json model_type values DeepSeekModelConfig reads
 
 
 @dataclass
@@ -78,6 +80,9 @@ class DeepSeekModelConfig(CausalLMConfig):
     attention_bias: bool = False  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj (HF's knob)
     max_position_embeddings: int = 163840  # longest sequence (bounds data.seq_len)
     moe: Optional[MoEConfig] = field(default_factory=v3_moe)  # DeepSeekMoE (config/moe.py); null: every MLP dense
+    # a Hugging Face deepseek_v3 / deepseek_v2 folder (config.json, *.safetensors, bf16 or FP8 with block
+    # scales): its config.json sets every shape knob above, its weights the initial ones (models/hf_deepseek.py)
+    pretrained: Optional[str] = None
     family: ClassVar[str] = "deepseek"
     layer_knob: ClassVar[str] = "model.num_hidden_layers"
     seq_knob: ClassVar[str] = "max_position_embeddings"
@@ -88,6 +93,13 @@ class DeepSeekModelConfig(CausalLMConfig):
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
         self._take_mtp()
+        self.pretrained_changes: list[str] = []  # knobs config.json changed: "hidden_size=64 (was 7168)"
+        if self.pretrained is not None:
+            path, raw = read_pretrained_config(self.pretrained)
+            hf = deepseek_from_hf(raw, where=str(path))
+            hf.moe = keep_training_knobs(hf.moe, self.moe)  # balance etc. stay this run's choice
+            take_knobs(self, {f.name: getattr(hf, f.name) for f in dataclasses.fields(self)
+                              if f.name not in ("name", "pretrained", "mtp")})  # mtp: this run's choice
         self._at_least_one("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                            "v_head_dim", "max_position_embeddings")
@@ -128,7 +140,48 @@ class DeepSeekModelConfig(CausalLMConfig):
 
     def knobs(self) -> dict[str, Any]:
         out = super().knobs()
+        del out["pretrained"]  # where the weights come from, not the model's shape
         for knob in ("rope_scaling", "moe", "mtp"):  # plain dicts for the model (its config stays JSON-able)
             if getattr(self, knob) is not None:
                 out[knob] = dataclasses.asdict(getattr(self, knob))
         return out
+
+
+SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+         "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rms_norm_eps",
+         "max_position_embeddings")  # config.json keys read as they are
+
+
+def deepseek_from_hf(hf: dict[str, Any], *, where: str) -> DeepSeekModelConfig:
+    """The schema of an HF deepseek_v3 / deepseek_v2 config.json (transformers' DeepseekV3Config names; rope in
+    the classic form or transformers 5's rope_parameters). DeepSeek-V2's group_limited_greedy scores a group by
+    its best expert (group_score=max), V3's noaux_tc by its two best with the aux-free bias; greedy: no groups."""
+    kind = hf.get("model_type")
+    if kind not in HF_DEEPSEEK_TYPES:
+        raise ValueError(f"{where}: model_type={kind!r} is not a DeepSeek model ({', '.join(HF_DEEPSEEK_TYPES)})")
+    missing = [k for k in (*SHAPE, "n_routed_experts") if k not in hf]
+    if missing:
+        raise ValueError(f"model.pretrained: {where} lacks {missing[0]!r}, which pipetrain needs to build the "
+                         f"model: copy it from the model's original config.json")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(hf.get("rope_theta", rope.pop("rope_theta", 10000.0)))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    scaling = None if rope_type == "default" else {"rope_type": rope_type, **{
+        f.name: rope[f.name] for f in dataclasses.fields(YarnScalingConfig) if f.name in rope}}
+    method = hf.get("topk_method", "noaux_tc" if kind == "deepseek_v3" else "greedy")
+    groups = method != "greedy"
+    moe = MoEConfig(num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
+                    score_func=hf.get("scoring_func", "sigmoid" if kind == "deepseek_v3" else "softmax"),
+                    norm_topk_prob=hf.get("norm_topk_prob", kind == "deepseek_v3"),
+                    routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                    n_group=hf.get("n_group", 1) if groups else 1, topk_group=hf.get("topk_group", 1) if groups else 1,
+                    group_score="max" if method == "group_limited_greedy" else "top2",
+                    balance="aux_free" if method == "noaux_tc" else "seq_aux_loss",
+                    num_shared_experts=hf.get("n_shared_experts") or 0,
+                    intermediate_size=hf["moe_intermediate_size"],
+                    first_dense_layers=hf.get("first_k_dense_replace", 0))
+    return DeepSeekModelConfig(
+        name="pretrained", **{k: hf[k] for k in SHAPE},
+        rope_theta=theta, rope_scaling=scaling, rope_interleave=hf.get("rope_interleave", True),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False), attention_bias=hf.get("attention_bias", False),
+        moe=moe)

@@ -40,6 +40,7 @@ from torch import nn
 from pipetrain.config.mtp import MTPConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, layer_cost
 from pipetrain.models.init import embedding
+from pipetrain.parallel.layer_spec import ExpertsPlanned
 from pipetrain.partition.costs import LayerCost
 
 
@@ -133,7 +134,7 @@ class WithMTP:
     def ep_plan(self) -> tuple[str, ...]:
         """The depths' blocks' stacked experts (parallel/ep.py): split over the EP group like every MoE block's."""
         return tuple(f"mtp.{j}.block.{path}" for j, depth in enumerate(self.mtp)
-                     for path in getattr(depth.block, "ep_plan", tuple)())
+                     if isinstance(depth.block, ExpertsPlanned) for path in depth.block.ep_plan())
 
     def layer_loss(self, output: torch.Tensor, target: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         return self.mtp.loss(output, target, inputs, self.main_loss)
