@@ -139,6 +139,22 @@ def test_the_folder_loads_with_transformers_logits_and_its_mtp_layer(folder, com
 
 
 @pytest.mark.pure
+def test_a_deepseek_v2_folder_loads_with_transformers_logits(compose, tmp_path):
+    """V2-Lite's shape (no query compression, softmax scores, greedy top-k, 2 shared experts, no bias)."""
+    kw = {k: v for k, v in KW.items() if k not in ("n_group", "topk_group", "rope_scaling")}
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        **{**kw, "q_lora_rank": None, "n_shared_experts": 2}, attn_implementation="eager"))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.2 * torch.randn_like(p))
+    hf.eval().save_pretrained(tmp_path / "v2")
+    stages, _ = loaded(compose, tmp_path / "v2", depth=0)
+    with torch.no_grad():
+        torch.testing.assert_close(logits(stages), hf(IDX).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.pure
 def test_an_ep_rank_reads_only_its_experts_of_every_block_and_the_mtp_block(folder, compose):
     _, path = folder
     config = compose(["model=deepseek-tiny", f"model.pretrained={path}", "model.mtp.depth=1", "mode=simulate"])
