@@ -229,6 +229,18 @@ def test_an_fp8_folder_without_scales_is_refused_in_one_line(folder, compose, tm
            "model.layers.1.self_attn.o_proj.weight_scale_inv" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.pure
+def test_an_mtp_depth_the_folder_has_no_layer_for_is_refused_in_one_line(compose, tmp_path):
+    hf_model().save_pretrained(tmp_path / "plain")  # transformers leaves the MTP layer out
+    config = compose(["model=deepseek-tiny", f"model.pretrained={tmp_path / 'plain'}", "model.mtp.depth=1",
+                      "mode=simulate"])
+    with pytest.raises(ValueError) as err:
+        check_pretrained(config.model)
+    assert f"has no MTP layer model.layers.{N}.*" in str(err.value) and "set model.mtp.depth=0" in str(err.value)
+    assert "\n" not in str(err.value)
+    check_pretrained(compose(["model=deepseek-tiny", f"model.pretrained={tmp_path / 'plain'}", "mode=simulate"]).model)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_eval_at_pp2_dp2_ep2_equals_transformers_loss(folder, tmp_path):

@@ -212,6 +212,11 @@ def check_folder(pretrained: str, model: LayeredModel) -> dict[str, str]:
         have.discard("lm_head.weight")  # a tied head is the embedding, whatever the folder also holds
     where = f"model.pretrained={pretrained}"
     missing, extra = sorted(set(want) - have), sorted(have - set(want))
+    layers = {c.rpartition("embed_tokens.")[0] for c in names.copies if c.endswith("embed_tokens.weight")}
+    absent = sorted(layer for layer in layers if any(k.startswith(layer) for k in missing))
+    if absent:  # DeepSeek's MTP layers (hf_deepseek.py): what transformers' save_pretrained leaves out
+        raise ValueError(f"{where} has no MTP layer {absent[0]}* (it lacks {len(missing)} key(s) of model.mtp's "
+                         f"depths): set model.mtp.depth=0, or use a folder with the release's MTP layer")
     if missing:
         raise ValueError(f"{where} lacks {missing[0]} ({len(missing)} key(s) missing): its safetensors do not "
                          f"match its config.json; re-save the folder with save_pretrained")
