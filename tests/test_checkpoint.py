@@ -65,9 +65,9 @@ def train(compose, run_dir: Path, layout: str, *extra: str, fn=None) -> Path:
     return run_dir
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def losses(run_dir: Path, key: str = "train/loss") -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows}
+    return {r["step"]: r[key] for r in rows}
 
 
 def tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:

@@ -12,9 +12,10 @@ import pytest
 from conftest import assert_torch_free
 from pipetrain.compose import CONF_DIR
 from pipetrain.config import (
-    LLAMA_OPTIONS, MODEL_OPTIONS, MOE_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig, LlamaModelConfig,
-    MLPModelConfig, SleepModelConfig,
+    DEEPSEEK_OPTIONS, LLAMA_OPTIONS, MODEL_OPTIONS, MOE_OPTIONS, PARTITIONS, Config, DataConfig, GPT2ModelConfig,
+    LlamaModelConfig, MLPModelConfig, SleepModelConfig,
 )
+from pipetrain.config.deepseek import DeepSeekModelConfig
 from pipetrain.plan import make_plan
 from pipetrain.schedules.simulate import StageCosts
 
@@ -25,7 +26,8 @@ MODEL_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "model").glob("*.yaml"))
 PARTITION_FILES = sorted(p.stem for p in (Path(CONF_DIR) / "partition").glob("*.yaml"))
 GPT2_OPTIONS = [m for m in MODEL_OPTIONS if m.startswith("gpt2")]
 SCHEMA = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, **{m: GPT2ModelConfig for m in GPT2_OPTIONS},
-          **{m: LlamaModelConfig for m in (*LLAMA_OPTIONS, *MOE_OPTIONS)}}
+          **{m: LlamaModelConfig for m in (*LLAMA_OPTIONS, *MOE_OPTIONS)},
+          **{m: DeepSeekModelConfig for m in DEEPSEEK_OPTIONS}}
 
 
 def root_cause(err: BaseException) -> BaseException:

@@ -94,3 +94,48 @@ def test_recipe_cpu_check_runs(name, tmp_path):
     res = run_cli([*args, f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "makespan" in res.stdout and (tmp_path / "simulate.json").is_file()
+
+
+@pytest.mark.pure
+def test_the_deepseek_v3_recipe_is_the_reports_layout_and_settings(compose):
+    """DeepSeek-V3's report (arXiv 2412.19437): 16-way PP x 64-way EP over 8 nodes x data parallel on 2048
+    GPUs, no TP, DualPipe, 4K sequences, 15,360-sequence batches, AdamW 0.9/0.95/0.1, peak 2.2e-4 after 2K
+    warm-up steps down to 2.2e-5, clip 1.0, MTP depth 1 at lambda 0.3, bias update speed 0.001."""
+    cfg = compose(["+recipe=deepseek-v3"])
+    text, p, par, o = header("deepseek-v3"), cfg.pipeline, cfg.parallel, cfg.optim
+    assert cfg.model.name == "deepseek-v3" and "model=deepseek-v3" in text
+    assert (p.degree, par.dp_shard, par.ep, par.tp, par.dp_replicate, par.cp) == (16, 128, 64, 1, 1, 1)
+    gpus = p.degree * par.dp_shard
+    assert all(f"{where} {gpus} GPUs" in text for where in ("pre-training on", "Layout:", "GPU-sized:"))
+    assert "pipeline.degree=16 x parallel.dp_shard=128 with parallel.ep=64" in text and "64 GPUs of 8 nodes" in text
+    assert cfg.schedule.name == "dualpipe" and "dualpipe (DualPipe" in text
+    assert cfg.data.seq_len == 4096 and f"Sequences of {cfg.data.seq_len:,} tokens" in text
+    assert cfg.data.batch_size == 15360 and f"your tokens / {cfg.data.batch_size * cfg.data.seq_len:,}" in text
+    assert cfg.data.batch_size == par.dp * p.microbatches and f"M={p.microbatches} microbatches of 1 sequence" in text
+    assert (o.lr, o.min_lr, o.warmup_steps, o.beta1, o.beta2, o.weight_decay, o.grad_clip) == \
+        (2.2e-4, 2.2e-5, 2000, 0.9, 0.95, 0.1, 1.0)
+    assert f"peak lr {short(o.lr)} after {o.warmup_steps} warm-up steps" in text and "clipping at 1.0" in text
+    assert (cfg.model.mtp.depth, cfg.model.mtp.loss_weight) == (1, 0.3) and "model.mtp.loss_weight=0.3" in text
+    moe = cfg.model.moe
+    assert (moe.balance, moe.bias_update_rate) == ("aux_free", 0.001) and "update speed 0.001" in text
+    assert cfg.trainer.precision == "bf16" and cfg.trainer.activation_checkpointing
+
+
+@pytest.mark.pure
+def test_the_deepseek_v3_recipe_fits_2048_80gb_gpus_as_its_header_and_the_planner_say(compose):
+    """The header's GB is planner.predict's; mode=plan's search, held to the published layout by the recipe's
+    plan.* knobs, gives that one row, feasible under 80 GB, with the same peak (less the 1.5 GB outside the
+    allocator, which predict adds)."""
+    from pipetrain.planner.cmd import make_rows
+    from pipetrain.planner.predict import predict
+
+    text = header("deepseek-v3")
+    m = re.search(r"GPU-sized: 2048 GPUs of 80 GB \(the planner predicts ([\d.]+) GB on the fullest GPU", text)
+    got = predict(compose(["+recipe=deepseek-v3", "trainer.device=cuda"]))
+    assert got["total_gb"] == pytest.approx(float(m.group(1)), abs=0.05) and got["fits_plan_memory_gb"]
+    rows, _ = make_rows(compose(["+recipe=deepseek-v3", "mode=plan"]))
+    (row,) = rows
+    c = row.candidate
+    assert row.feasible and (c.schedule, c.pp, c.dp, c.ep, c.tp, c.microbatches, c.recompute) == \
+        ("dualpipe", 16, 128, 64, 1, 120, True)
+    assert row.pred_peak_gb == pytest.approx(got["peak_gb"], abs=0.05) and row.pred_peak_gb < 80

@@ -64,13 +64,14 @@ def reference(compose, model: str, run_dir: Path, extra: tuple[str, ...] = ()) -
 
 def train_recording(trainer) -> dict:
     """STEPS optimizer steps: each step's loss, gradient norm and whole reduced gradients, then the weights."""
-    losses, norms, grads = [], [], []
+    losses, parts, norms, grads = [], [], [], []
     for _ in range(STEPS):
         record = trainer.train_step()
         losses.append(record.loss)
+        parts.append(record.losses)  # the parts beside the loss: mtp/loss_k (models/mtp.py)
         norms.append(record.grad_norm)
         grads.append(full_tensors(trainer, grads=True))  # kept until the next step's zero_grad
-    return {"losses": losses, "norms": norms, "grads": grads, "params": full_tensors(trainer)}
+    return {"losses": losses, "parts": parts, "norms": norms, "grads": grads, "params": full_tensors(trainer)}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,9 @@ def runs(compose, tmp_path_factory):
 
 def assert_equal_training(got: dict, ref: dict) -> None:
     assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-6, (got["losses"], ref["losses"])
+    assert [list(p) for p in got["parts"]] == [list(p) for p in ref["parts"]]
+    for g, r in zip(got["parts"], ref["parts"]):
+        assert max((abs(g[k] - r[k]) for k in r), default=0.0) < 1e-6, (got["parts"], ref["parts"])
     # step 1's gradient is exact; later norms read weights that already differ by float noise
     assert abs(got["norms"][0] / ref["norms"][0] - 1) < 1e-6, (got["norms"], ref["norms"])
     assert max(abs(a / b - 1) for a, b in zip(got["norms"], ref["norms"])) < 1e-4, (got["norms"], ref["norms"])
@@ -117,9 +121,10 @@ def train_spawned(compose, out: Path, base: list[str], cases: dict[str, list[str
     spawn(train_cases, world, out, built)
 
 
-def assert_resumes(compose, run_dir: Path, base: list[str], saved: list[str], resumed: list[str]) -> None:
+def assert_resumes(compose, run_dir: Path, base: list[str], saved: list[str], resumed: list[str],
+                   keys: tuple[str, ...] = ("train/loss",)) -> None:
     """Train 4 steps with `saved` knobs and a checkpoint at step 2, resume it for steps 3-4 with
-    `resumed` knobs: the resumed losses repeat the uninterrupted run's within 1e-4."""
+    `resumed` knobs: the resumed losses (metrics `keys`) repeat the uninterrupted run's within 1e-4."""
     from pipetrain.launch import launch
     from pipetrain.train import checkpoint_dirs as dirs
     from test_checkpoint import losses
@@ -129,10 +134,11 @@ def assert_resumes(compose, run_dir: Path, base: list[str], saved: list[str], re
     launch(first, make_plan(first), run_dir / "saved")
     second = compose([*base, *resumed, f"trainer.resume={dirs.step_dir(run_dir / 'saved', 2)}"])
     launch(second, make_plan(second), run_dir / "resumed")
-    ref, got = losses(run_dir / "saved"), losses(run_dir / "resumed")
-    assert sorted(got) == [3, 4]
-    for s in got:
-        assert abs(got[s] - ref[s]) < 1e-4, (s, got[s], ref[s])
+    for key in keys:
+        ref, got = losses(run_dir / "saved", key), losses(run_dir / "resumed", key)
+        assert sorted(got) == [3, 4]
+        for s in got:
+            assert abs(got[s] - ref[s]) < 1e-4, (key, s, got[s], ref[s])
 
 
 @pytest.mark.parametrize("model, schedule, sp", CASES)

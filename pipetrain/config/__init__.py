@@ -25,10 +25,13 @@ from omegaconf import MISSING
 
 from pipetrain.config.cluster import ONE_QUEUE, ClusterConfig, one_hw_queue
 from pipetrain.config.data import DataConfig
+from pipetrain.config.deepseek import DeepSeekModelConfig
 from pipetrain.config.finetune import pretrained_defaults
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.llama import LlamaModelConfig
+from pipetrain.config.mtp import check_mtp
 from pipetrain.config.models import GPT2ModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
+from pipetrain.config.options import DEEPSEEK_OPTIONS, LLAMA_OPTIONS, MODEL_OPTIONS, MOE_OPTIONS  # noqa: F401
 from pipetrain.config.profile import ProfileConfig
 from pipetrain.config.parallel import ParallelConfig, check_experts, fill_dp_shard, launched_world, world_text
 from pipetrain.config.run import CheckpointConfig, LaunchConfig, RunConfig
@@ -283,9 +286,9 @@ class Config:
     def _check_cp(self) -> None:
         """Context parallel splits every sequence into 2 cp load-balanced chunks inside Llama's attention."""
         cp, par, m = self.parallel.cp, self.parallel, self.model
-        if m.family != "llama":
+        if m.family not in ("llama", "deepseek"):
             raise ValueError(f"parallel.cp={cp} splits sequences inside Llama-family attention but model={m.name} is "
-                             f"{m.family}: set parallel.cp=1 or choose a Llama-family model")
+                             f"{m.family}: set parallel.cp=1 or choose a Llama-family or DeepSeek model")
         if self.data.seq_len % (2 * cp):
             raise ValueError(f"parallel.cp={cp} cuts data.seq_len={self.data.seq_len} into {2 * cp} equal chunks (load "
                              f"balance): set data.seq_len to a multiple of {2 * cp}")
@@ -319,8 +322,8 @@ class Config:
         if divides is None:
             if isinstance(m, SleepModelConfig) and self.mode is Mode.simulate:
                 return  # the simulator divides its configured times by tp (schedules/tp_cost.py)
-            raise ValueError(f"parallel.tp={tp}: model={m.name} has no tensor-parallel plan (GPT-2 and the Llama "
-                             f"family have one): set parallel.tp=1")
+            raise ValueError(f"parallel.tp={tp}: model={m.name} has no tensor-parallel plan (GPT-2, the Llama family "
+                             f"and DeepSeek have one, without MoE blocks): set parallel.tp=1")
         for knob, value in divides.items():
             if value % tp:
                 raise ValueError(f"parallel.tp={tp} must divide model.{knob}={value}: set parallel.tp to a divisor "
@@ -359,21 +362,15 @@ class Config:
             check_origin(d)  # token shards whose record names another tokenizer than the run's
         longest = getattr(m, m.seq_knob) if m.has_seq else None
         if longest is not None and d.seq_len > longest:
-            raise ValueError(
-                f"data.seq_len={d.seq_len} exceeds model.{m.seq_knob}={longest} of model={m.name}: "
-                f"set data.seq_len <= {longest}"
-            )
+            raise ValueError(f"data.seq_len={d.seq_len} exceeds model.{m.seq_knob}={longest} of model={m.name}: "
+                             f"set data.seq_len <= {longest}")
+        check_mtp(m.mtp_config, model=m.name, data=d, parallel=self.parallel, compile=self.trainer.compile)
 
 
-# Schemas by ConfigStore name (`<name>_schema` in group `model`): every conf/model/gpt2*.yaml
-# composes on gpt2_schema and sets its size; the Llama-family presets compose on llama_schema.
+# Schemas by ConfigStore name (`<name>_schema` in group `model`): every conf/model/gpt2*.yaml composes on
+# gpt2_schema and sets its size, the Llama-family presets on llama_schema, DeepSeek's on deepseek_schema.
 MODEL_SCHEMAS: dict[str, type] = {"sleep": SleepModelConfig, "mlp": MLPModelConfig, "gpt2": GPT2ModelConfig,
-                                  "llama": LlamaModelConfig}
-LLAMA_OPTIONS = ("llama-tiny", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3.1-70b", "qwen2.5-0.5b",
-                 "qwen2.5-7b", "qwen3-0.6b", "mistral-7b-v0.3", "llama3.1-405b")
-MOE_OPTIONS = ("moe-tiny", "mixtral-8x7b", "qwen3-30b-a3b", "qwen2-moe-a2.7b", "olmoe-1b-7b")  # llama_schema + moe
-MODEL_OPTIONS = ("sleep", "mlp", "gpt2-tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl",
-                 *LLAMA_OPTIONS, *MOE_OPTIONS)  # conf/model/*.yaml
+                                  "llama": LlamaModelConfig, "deepseek": DeepSeekModelConfig}
 
 
 def register_configs() -> None:

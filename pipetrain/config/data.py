@@ -167,7 +167,7 @@ class DataConfig:
             raise ValueError(f"data.document_mask=true needs documents that end at the tokenizer's EOS id: "
                              f"data=datasets, or data=tokens with the data.tokenizer that wrote them (got "
                              f"data={self.name}, data.tokenizer={self.tokenizer}): set data.document_mask=false")
-        if family not in ("gpt2", "llama"):
+        if family not in ("gpt2", "llama", "deepseek"):
             raise ValueError(f"data.document_mask=true: model={model} has no attention to keep within documents: "
                              f"set data.document_mask=false")
         if compile:

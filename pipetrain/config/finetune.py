@@ -10,8 +10,9 @@ place (`pretrained_defaults`, called by the root schema), and the header lines t
 
 - The model family: a command that names no `model=` (and no recipe, which may) takes the preset of
   the folder's config.json `model_type` (`with_family`): llama-tiny for the Llama family, moe-tiny for
-  its MoE folders, gpt2 for GPT-2. The folder's config.json then sets every knob over the preset, as
-  with any `model=` of the family, so which preset of it carries them changes nothing.
+  its MoE folders, deepseek-tiny for deepseek_v3 / deepseek_v2, gpt2 for GPT-2. The folder's config.json
+  then sets every knob over the preset, as with any `model=` of the family, so which preset of it carries
+  them changes nothing.
 
 "Left null" is how a knob the user did not set is told apart: conf/ and the recipes leave these
 null, so anything else was set on the command line or in a recipe, and wins. Pure Python.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pipetrain.config.data import HF_TOKENIZER, DataConfig
+from pipetrain.config.deepseek import HF_DEEPSEEK_TYPES
 from pipetrain.config.llama import HF_MODEL_TYPES
 from pipetrain.config.moe import HF_MOE_TYPES
 from pipetrain.config.token_origin import RECORD, check_origin, tokenizer_file
@@ -41,6 +43,8 @@ def family_preset(folder: str) -> str | None:
         return "gpt2"
     if kind in HF_MOE_TYPES:
         return "moe-tiny"
+    if kind in HF_DEEPSEEK_TYPES:
+        return "deepseek-tiny"
     return "llama-tiny" if kind in HF_MODEL_TYPES else None
 
 

@@ -87,6 +87,7 @@ class LlamaModelConfig(CausalLMConfig):
             self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        self._take_mtp()
         self.pretrained_changes: list[str] = []  # knobs config.json changed: "hidden_size=64 (was 128)"
         if self.pretrained is not None:
             self._take_pretrained_shape()
@@ -126,7 +127,7 @@ class LlamaModelConfig(CausalLMConfig):
                              f"model: copy it from the model's original config.json") from None
         hf.moe = keep_training_knobs(hf.moe, self.moe)  # balance etc. stay this run's choice
         take_knobs(self, {f.name: getattr(hf, f.name) for f in dataclasses.fields(self)
-                          if f.name not in ("name", "pretrained")})
+                          if f.name not in ("name", "pretrained", "mtp")})  # mtp: this run's choice
 
     @property
     def kv_heads(self) -> int:
@@ -193,4 +194,5 @@ class LlamaModelConfig(CausalLMConfig):
             out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
         if self.moe is not None:
             out["moe"] = dataclasses.asdict(self.moe)
+        out["mtp"] = dataclasses.asdict(self.mtp)
         return out

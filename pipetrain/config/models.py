@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
 from pipetrain.config.moe import MoEConfig
+from pipetrain.config.mtp import MTPConfig, mtp_of
 
 
 @dataclass
@@ -66,6 +67,11 @@ class ModelConfig:
     def moe_config(self) -> Optional[MoEConfig]:
         """The Mixture-of-Experts knobs (config/moe.py) of a model with MoE blocks; None: every MLP dense."""
         return None
+
+    @property
+    def mtp_config(self) -> MTPConfig:
+        """Multi-token prediction (config/mtp.py): depth 0 (off) for a model that has none."""
+        return MTPConfig()
 
     def tp_divides(self) -> Optional[dict[str, int]]:
         """Knob -> value that parallel.tp must divide (the dimensions tensor parallel splits);
@@ -139,8 +145,18 @@ class CausalLMConfig(ModelConfig):
     """Base of the language models (models/causal_lm.py): token sequences in, an embedding and
     a head around the blocks `layer_knob` counts."""
 
+    # multi-token prediction (DeepSeek-V3 §2.2, config/mtp.py): model.mtp.depth, model.mtp.loss_weight
+    mtp: MTPConfig = field(default_factory=MTPConfig)
     has_seq: ClassVar[bool] = True
     extra_layers: ClassVar[int] = 2  # the embedding and the head
+
+    @property
+    def mtp_config(self) -> MTPConfig:
+        return self.mtp
+
+    def _take_mtp(self) -> None:
+        """model.mtp as given (a dict where the model is built from its knobs), checked."""
+        self.mtp = mtp_of(self.mtp)
 
 
 GPT2_HF_SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "vocab_size": "vocab_size",
@@ -170,6 +186,10 @@ class GPT2ModelConfig(CausalLMConfig):
     seq_knob: ClassVar[str] = "block_size"
 
     def __post_init__(self) -> None:
+        self._take_mtp()
+        if self.mtp.depth:
+            raise ValueError(f"model.mtp.depth={self.mtp.depth}: GPT-2 has no multi-token prediction module: set "
+                             f"model.mtp.depth=0, or use a Llama-family model (model=llama-tiny, model=moe-tiny)")
         self.pretrained_changes: list[str] = []  # knobs config.json changed: "n_embd=32 (was 768)"
         if self.pretrained is not None:
             path, raw = read_pretrained_config(self.pretrained)
@@ -196,7 +216,7 @@ class GPT2ModelConfig(CausalLMConfig):
 
     def knobs(self) -> dict[str, Any]:
         out = super().knobs()
-        del out["pretrained"]  # where the weights come from, not the model's shape
+        del out["pretrained"], out["mtp"]  # where the weights come from, not the model's shape; no MTP (depth 0)
         return out
 
     @staticmethod

@@ -7,7 +7,8 @@ of which a router picks `top_k` per token:
              expert (DeepSeek-V3, arXiv 2412.19437 eq. 15);
   choice     top-k of the scores plus a per-expert bias (the bias steers the choice only: the
              gates come from the unbiased scores); with n_group > 1, DeepSeek's group-limited
-             routing first keeps the topk_group groups whose two best experts score highest;
+             routing first keeps the topk_group groups whose two best experts score highest
+             (group_score=top2, DeepSeek-V3), or whose best expert does (max: DeepSeek-V2);
   gates      the chosen scores, renormalised to sum to 1 (norm_topk_prob) and multiplied by
              routed_scaling_factor (DeepSeek-V3: 2.5).
 
@@ -36,6 +37,7 @@ from typing import Any, Optional
 SCORE_FUNCS = ("softmax", "sigmoid")
 BALANCES = ("aux_free", "aux_loss", "seq_aux_loss", "none")
 EXPERTS_IMPLS = ("loop", "grouped")
+GROUP_SCORES = ("top2", "max")  # a group's score: its two best experts' sum (DeepSeek-V3), its best (V2)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # gates times this (DeepSeek-V3: 2.5)
     n_group: int = 1  # expert groups for group-limited routing (DeepSeek-V3: 8); 1: no limit
     topk_group: int = 1  # groups a token may use (DeepSeek-V3: 4)
+    group_score: str = "top2"  # top2 | max: how a group scores (DeepSeek-V2's group_limited_greedy: max)
     balance: str = "aux_free"  # aux_free | aux_loss | seq_aux_loss | none
     aux_loss_coef: float = 1e-3  # weight of the aux_loss / seq_aux_loss term (DeepSeek-V3's seq: 1e-4)
     # aux_free step of the bias per optimizer step (DeepSeek-V3's gamma). moe-tiny balances best at 1e-3
@@ -69,7 +72,8 @@ class MoEConfig:
                 raise ValueError(f"model.moe.{knob} must be >= 1 (got {getattr(self, knob)})")
         for knob, value, choices in (("score_func", self.score_func, SCORE_FUNCS),
                                      ("balance", self.balance, BALANCES),
-                                     ("experts_impl", self.experts_impl, EXPERTS_IMPLS)):
+                                     ("experts_impl", self.experts_impl, EXPERTS_IMPLS),
+                                     ("group_score", self.group_score, GROUP_SCORES)):
             if value not in choices:
                 raise ValueError(f"model.moe.{knob}={value!r} is unknown: choose one of {', '.join(choices)}")
         if self.top_k > self.num_experts:
@@ -105,7 +109,7 @@ class MoEConfig:
             raise ValueError(f"model.moe.n_group={self.n_group} does not divide model.moe.num_experts="
                              f"{self.num_experts}: choose a divisor")
         per_group = self.num_experts // self.n_group
-        if per_group < 2:  # a group scores as the sum of its two best experts (DeepSeek-V3)
+        if per_group < 2 and self.group_score == "top2":  # a group scores as the sum of its two best experts
             raise ValueError(f"model.moe.n_group={self.n_group} leaves {per_group} expert per group; group "
                              f"scores sum each group's top 2: use n_group <= {self.num_experts // 2}")
         if self.topk_group > self.n_group:

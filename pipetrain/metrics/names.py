@@ -20,7 +20,8 @@ wandb and TensorBoard.
              gathered_kv_gb (allgather: the gathered K/V the step's forwards kept for backward, the part
              of memory/activations_gb that is not this rank's own), peak_kv_gb (the most K/V held at once
              inside one attention: own block + gathered whole, or own + in use + in flight)
-  moe/       MoE models, per block `moe/layers.<i>/{imbalance,aux_loss,dropped,bias_abs_max}`
+  moe/       MoE models, per block `moe/layers.<i>/{imbalance,aux_loss,dropped,bias_abs_max}` (an MTP depth's
+             block: `moe/mtp.<j>/...`)
              (imbalance: max / mean tokens per expert over the step, 1 = even; aux_loss and dropped
              per forward; the aux_free bias's largest magnitude) and their mean over blocks
              `moe/imbalance`; the measured pipeline's tokens (a block held twice, DualPipe's
@@ -29,6 +30,9 @@ wandb and TensorBoard.
              sat blocked waiting: all of it when whole stages run, each all-to-all blocking), per rank under
              /rank<r> and their mean, and a2a_overlap = 1 - a2a_exposed_ms / a2a_ms (the share hidden under
              compute: 0 for whole stages, up to 1 with pipeline.fb_overlap's interleaved F&B pairs)
+  mtp/       multi-token prediction (model.mtp.depth = D > 0, models/mtp.py): `mtp/loss_<k>` (k = 1..D), depth
+             k's cross-entropy averaged over the microbatches as train/loss is (left out of train/loss and of
+             mode=eval's loss, which are the main model's; reported beside them in metrics.jsonl and eval.json)
   data/      the global batch of the step: tokens (input positions holding a document's token, not
              padding), loss_tokens (targets trained on: != -1), padding (the share of input positions
              that are padding), per source `data/tokens/<name>` (data=datasets; data.sources' names)
@@ -59,6 +63,16 @@ ACTIVATION_SETS = "memory/activation_sets"
 DATA_TOKENS, DATA_LOSS_TOKENS, DATA_PADDING = "data/tokens", "data/loss_tokens", "data/padding"
 CP_KV_BYTES, CP_COMM_MS = "cp/kv_bytes", "cp/comm_ms"
 CP_GATHERED_GB, CP_PEAK_KV_GB = "cp/gathered_kv_gb", "cp/peak_kv_gb"
+
+
+def mtp_loss(k: int) -> str:
+    """The metric of MTP depth k (1..D)."""
+    return f"mtp/loss_{k}"
+
+
+def mtp_metrics(parts: Sequence[float]) -> dict[str, float]:
+    """The `mtp/` metrics of a step's (or an evaluation's) per-depth losses, depth 1 first ({} without MTP)."""
+    return {mtp_loss(k): v for k, v in enumerate(parts, start=1)}
 
 
 def gb(n_bytes: int) -> float:

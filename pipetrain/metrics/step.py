@@ -34,6 +34,7 @@ class StepRecord:
     mfu: Optional[float] = None  # model FLOPs utilisation where a peak is known
     measurement: Optional[StepMeasurement] = None  # logged steps, rank 0: every rank's timings and memory
     data: dict[str, float] = field(default_factory=dict)  # the global batch's data/ metrics (names.data_metrics)
+    losses: dict[str, float] = field(default_factory=dict)  # parts reported beside the loss (names.mtp_metrics)
 
     # ---- the measured part (None where the step was not measured) -------------------------
     @property
@@ -59,7 +60,7 @@ class StepRecord:
     def row(self) -> dict[str, Any]:
         """The JSON object of metrics.jsonl, wandb and TensorBoard: `step`, then every metric
         under its public name (metrics/names.py); the measured ones on measured steps."""
-        out: dict[str, Any] = {"step": self.step, names.LOSS: self.loss}
+        out: dict[str, Any] = {"step": self.step, names.LOSS: self.loss, **self.losses}
         if self.val_loss is not None:
             out[names.VAL_LOSS] = self.val_loss
         out.update({names.LR: self.lr, names.GRAD_NORM: self.grad_norm})

@@ -96,6 +96,11 @@ class LayeredModel(nn.Module):
         May look the owning module up with `self.get_submodule` (it exists on meta too)."""
         raise NotImplementedError
 
+    @property
+    def loss_parts(self) -> int:
+        """How many parts each microbatch's loss reports beside the loss (runtime/step_loss.py); 0: a scalar."""
+        return 0
+
     # -- shared ------------------------------------------------------------------------
     def reset_parameters(self, seed: int) -> None:
         """Initialise every parameter from (seed, its name); a model on meta stays on meta

@@ -40,6 +40,11 @@ class CausalLM(LayeredModel):
         v = output.size(-1)
         return F.cross_entropy(output.view(-1, v), target.view(-1), ignore_index=IGNORE_INDEX)  # (B*T, V) vs (B*T,)
 
+    @property
+    def loss_parts(self) -> int:
+        """The parts each microbatch's loss reports beside it: multi-token prediction's depths (models/mtp.py)."""
+        return (self._config.get("mtp") or {}).get("depth", 0)
+
     def _seq(self, seq: int) -> int:
         if not 1 <= seq <= self._max_seq:
             raise ValueError(f"seq={seq} must be in 1..model.{self._max_seq_knob}={self._max_seq}")

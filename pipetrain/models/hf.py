@@ -16,14 +16,16 @@ A tied head (tie_word_embeddings) is the embedding: a folder has no lm_head.weig
 save_pretrained writes it); one that has it anyway has it ignored. Out (`mode=export`):
 `hf_config` is the config.json transformers reads back; train/export.py writes the tensors.
 
-Two families: the Llama family (keys: llama.hf_name) and GPT-2 (GPT2LMHeadModel folders:
-hf_gpt2.py, whose Conv1D weights are stored transposed). `HFNames` is what differs between them.
+Three families: the Llama family (keys: llama.hf_name), DeepSeek (its keys, MTP layers and FP8 block
+scales: hf_deepseek.py) and GPT-2 (GPT2LMHeadModel folders: hf_gpt2.py, whose Conv1D weights are stored
+transposed). `HFNames` is what differs between them.
 MoE blocks of the Llama family (Mixtral, Qwen2/3-MoE, OLMoE) stack their experts: one weight is
 several HF tensors, or part of one, in either on-disk layout (hf_moe.py: `pieces`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -34,10 +36,12 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from pipetrain.config.deepseek import DeepSeekModelConfig
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.models import GPT2ModelConfig, ModelConfig, read_pretrained_config
-from pipetrain.models import hf_gpt2
+from pipetrain.models import hf_deepseek, hf_gpt2
 from pipetrain.models.base import LayeredModel
+from pipetrain.models.deepseek import DeepSeek
 from pipetrain.models.gpt2 import GPT2
 from pipetrain.models.hf_moe import MoEKeys, Piece, assemble, hf_moe_config, to_hf
 from pipetrain.models.llama import Llama, hf_name
@@ -131,6 +135,8 @@ class HFNames:
     layout: Callable[[str, torch.Tensor], torch.Tensor] = _same
     legacy: tuple[str, ...] = LEGACY_KEYS  # suffixes of keys that are derived buffers, not weights
     moe: Optional[MoEKeys] = None  # how the folder stores MoE blocks (None: the model has none)
+    ignored: Callable[[str], bool] = lambda key: False  # folder keys that are no weight (hf_deepseek.ignored)
+    copies: dict[str, str] = dataclasses.field(default_factory=dict)  # export: key written again as another
 
     def pieces(self, name: str, shape: tuple[int, ...]) -> Optional[list[Piece]]:
         """The HF tensors of an MoE block's weight `name` (hf_moe.py); None: an ordinary one-key weight."""
@@ -149,7 +155,8 @@ class HFNames:
                 out[self.key(name)] = self.layout(self.key(name), tensor)
             else:
                 moe[name] = (pieces, tensor)
-        return {**out, **to_hf(moe)}
+        out.update(to_hf(moe))
+        return {**out, **{copy: out[key].clone() for copy, key in self.copies.items() if key in out}}
 
 
 def names_of(knobs: dict[str, Any], keys: Iterable[str] = (), model_type: Optional[str] = None, *,
@@ -164,6 +171,13 @@ def names_of(knobs: dict[str, Any], keys: Iterable[str] = (), model_type: Option
         prefix = hf_gpt2.prefix_of(keys) if keys else hf_gpt2.PREFIX
         return HFNames(partial(hf_gpt2.hf_key, n_layer=knobs["n_layer"], prefix=prefix), tied=True,
                        layout=hf_gpt2.swap_layout, legacy=hf_gpt2.LEGACY_KEYS)
+    if "kv_lora_rank" in knobs:  # DeepSeek (hf_deepseek.py)
+        n, depth, keys = knobs["num_hidden_layers"], (knobs.get("mtp") or {}).get("depth", 0), list(keys)
+        bias = any(k.endswith(".e_score_correction_bias") for k in keys) if keys else model_type == "deepseek_v3"
+        return HFNames(partial(hf_name, num_hidden_layers=n), tied=knobs["tie_word_embeddings"],
+                       moe=MoEKeys(deepseek=True, bias=bias) if knobs.get("moe") else None,
+                       ignored=partial(hf_deepseek.ignored, num_hidden_layers=n, depth=depth),
+                       copies=hf_deepseek.mtp_copies(num_hidden_layers=n, depth=depth))
     if "num_hidden_layers" in knobs:  # the Llama family
         return HFNames(partial(hf_name, num_hidden_layers=knobs["num_hidden_layers"]),
                        tied=knobs["tie_word_embeddings"],
@@ -193,11 +207,16 @@ def check_folder(pretrained: str, model: LayeredModel) -> dict[str, str]:
     files = weight_map(folder)
     names = names_of(model.config, files)
     want = expected_shapes(model, names)
-    have = {k for k in files if not k.endswith(names.legacy)}
+    have = {k for k in files if not k.endswith(names.legacy) and not names.ignored(k)}
     if names.tied:
         have.discard("lm_head.weight")  # a tied head is the embedding, whatever the folder also holds
     where = f"model.pretrained={pretrained}"
     missing, extra = sorted(set(want) - have), sorted(have - set(want))
+    layers = {c.rpartition("embed_tokens.")[0] for c in names.copies if c.endswith("embed_tokens.weight")}
+    absent = sorted(layer for layer in layers if any(k.startswith(layer) for k in missing))
+    if absent:  # DeepSeek's MTP layers (hf_deepseek.py): what transformers' save_pretrained leaves out
+        raise ValueError(f"{where} has no MTP layer {absent[0]}* (it lacks {len(missing)} key(s) of model.mtp's "
+                         f"depths): set model.mtp.depth=0, or use a folder with the release's MTP layer")
     if missing:
         raise ValueError(f"{where} lacks {missing[0]} ({len(missing)} key(s) missing): its safetensors do not "
                          f"match its config.json; re-save the folder with save_pretrained")
@@ -205,12 +224,15 @@ def check_folder(pretrained: str, model: LayeredModel) -> dict[str, str]:
         raise ValueError(f"{where} holds {extra[0]} ({len(extra)} key(s) extra), not a weight of the model its "
                          f"config.json describes: fix config.json (e.g. tie_word_embeddings, the layer count) "
                          f"or re-save the folder")
-    wrong = []  # (key, file, shape found)
+    wrong, dtypes = [], {}  # (key, file, shape found); key -> dtype
     for name in sorted(set(files.values())):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{where}: {name} is listed in {INDEX} but is not in the folder")
-        wrong += [(key, name, entry["shape"]) for key, entry in read_header(folder / name).items()
+        header = read_header(folder / name)
+        dtypes.update({key: entry["dtype"] for key, entry in header.items()})
+        wrong += [(key, name, entry["shape"]) for key, entry in header.items()
                   if key in want and tuple(entry["shape"]) != want[key]]
+    hf_deepseek.check_scales(where, dtypes)
     if wrong:
         key, name, shape = min(wrong)
         raise ValueError(f"{where}: {key} in {name} has shape {list(shape)} but config.json's model needs "
@@ -268,7 +290,12 @@ class PretrainedWeights:
         if key not in self.files:
             raise ValueError(f"model.pretrained={self.folder} lacks {key} (pipetrain's {name})")
         handle = self._open(self.files[key])
-        tensor = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+        if handle.get_slice(key).get_dtype() == hf_deepseek.FP8:  # DeepSeek-V3's release: 128x128 block scales
+            scale = self._read(key + hf_deepseek.SCALE, None, name=name)
+            tensor = hf_deepseek.dequantize(handle.get_tensor(key), scale)
+            tensor = tensor if index is None else tensor[index]
+        else:
+            tensor = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
         self.read[key] = self.read.get(key, 0) + tensor.numel() * tensor.element_size()
         return tensor
 
@@ -297,7 +324,7 @@ def gpt2_knobs(pretrained: str) -> dict[str, int]:
     return GPT2ModelConfig.from_hf(raw, where=f"model.pretrained: {path}")
 
 
-def hf_config(cfg: LlamaModelConfig | GPT2ModelConfig, *, dtype: str) -> dict[str, Any]:
+def hf_config(cfg: LlamaModelConfig | GPT2ModelConfig | DeepSeekModelConfig, *, dtype: str) -> dict[str, Any]:
     """config.json for `cfg`: the pretrained folder's own (shapes equal: it set them) or one
     written for the HF class computing the same maths: GPT2LMHeadModel (hf_gpt2.py), Qwen3
     (QK-norm), Qwen2 (q, k, v biases) or Llama (everything else, Mistral's shapes included: no
@@ -305,11 +332,14 @@ def hf_config(cfg: LlamaModelConfig | GPT2ModelConfig, *, dtype: str) -> dict[st
     if cfg.pretrained is not None:
         out = read_json(folder_of(cfg.pretrained) / CONFIG)
         out["dtype" if "dtype" in out else "torch_dtype"] = HF_DTYPES[dtype]  # "dtype": transformers 5's spelling
+        out.pop("quantization_config", None)  # an FP8 folder's: the export holds dequantized weights
         if isinstance(cfg, GPT2ModelConfig):  # export writes GPT2LMHeadModel's keys, from a GPT2Model folder too
             out["architectures"] = ["GPT2LMHeadModel"]
         return out
     if isinstance(cfg, GPT2ModelConfig):
         return hf_gpt2.hf_config(cfg, dtype=HF_DTYPES[dtype])
+    if isinstance(cfg, DeepSeekModelConfig):
+        return hf_deepseek.hf_config(cfg, dtype=HF_DTYPES[dtype])
     if cfg.qk_norm and (cfg.qkv_bias or cfg.attention_bias):
         raise ValueError("mode=export: no Hugging Face class has both QK-norm and attention biases: "
                          "set model.qk_norm=false or drop the biases")
@@ -343,5 +373,6 @@ def check_pretrained(cfg: ModelConfig) -> Optional[dict[str, str]]:
     if cfg.pretrained is None:
         return None
     with torch.device("meta"):
-        model = GPT2(**cfg.knobs()) if isinstance(cfg, GPT2ModelConfig) else Llama(**cfg.knobs())
+        kind = GPT2 if isinstance(cfg, GPT2ModelConfig) else DeepSeek if isinstance(cfg, DeepSeekModelConfig) else Llama
+        model = kind(**cfg.knobs())
     return check_folder(cfg.pretrained, model)

@@ -14,7 +14,8 @@ writes either (export.moe_layout). Under expert parallel a rank reads only its e
 (`assemble` with `experts`): their per-expert keys, or a dim-0 slice of the fused tensors. The router is
 `mlp.gate.weight` (Mixtral per-expert: `block_sparse_moe.gate.weight`); Qwen2-MoE's shared expert
 `mlp.shared_expert.*` with `mlp.shared_expert_gate.weight`. The aux_free `router.expert_bias` has
-no key in these families: it starts at 0 (`pieces` gives no key for it).
+no key in these families: it starts at 0 (`pieces` gives no key for it); DeepSeek-V3's is
+`mlp.gate.e_score_correction_bias`, its shared experts `mlp.shared_experts.*`.
 """
 
 from __future__ import annotations
@@ -50,10 +51,14 @@ class Piece:
 
 @dataclass(frozen=True)
 class MoEKeys:
-    """How one folder stores MoE blocks: `fused` experts or per expert, Mixtral's names or not."""
+    """How one folder stores MoE blocks: `fused` experts or per expert, Mixtral's names or not; DeepSeek's
+    (`deepseek`: `mlp.shared_experts.*` as pipetrain names them, and with `bias` the aux-free bias as
+    `mlp.gate.e_score_correction_bias`, DeepSeek-V3's; V2 has none)."""
 
     fused: bool = False
     mixtral: bool = False
+    deepseek: bool = False
+    bias: bool = False
 
     @classmethod
     def of(cls, keys: Iterable[str]) -> MoEKeys:
@@ -67,7 +72,9 @@ class MoEKeys:
         if rest == "router.weight":
             return [Piece(f"{mlp}.gate.weight", shape)]
         if rest == "router.expert_bias":
-            return []
+            return [Piece(f"{mlp}.gate.e_score_correction_bias", shape)] if self.bias else []
+        if self.deepseek and rest.startswith("shared_experts."):
+            return [Piece(f"{mlp}.{rest}", shape)]
         if rest in SHARED:
             return [Piece(f"{mlp}.{SHARED[rest]}", shape)]
         if rest not in ("experts.w1", "experts.w3", "experts.w2"):

@@ -26,7 +26,6 @@ named as HF's config.json (pipetrain.config.LlamaModelConfig checks them).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Optional
 
@@ -36,11 +35,14 @@ from torch import nn
 
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.moe import MoEConfig
-from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
+from pipetrain.config.mtp import MTPConfig
+from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM
+from pipetrain.models.decoder_costs import (AttentionCost, decoder_layer_costs, decoder_layer_params,
+                                            decoder_param_count, gqa_block_shape)
 from pipetrain.models.moe_block import MoEBlock
-from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values, experts_active
 from pipetrain.models.moe_nodes import block_nodes, single_node
-from pipetrain.partition.costs import COLUMN, ROW, LayerCost, LayerShape
+from pipetrain.models.mtp import WithMTP, mtp_hf_key, mtp_name
+from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
 from pipetrain.runtime.documents import Documents
@@ -105,6 +107,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rope_tables(rotary: Rotary, cp: Optional[Any], docs: Optional[Documents], t: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for a block's T positions: (T, hd) by position in the row; under context parallel (`cp`,
+    parallel/cp.py ContextAttention) at this rank's positions; with `docs` at each token's position in its
+    document, (B, 1, T, hd) (under context parallel a document may be as long as the whole row)."""
+    if docs is not None:
+        n = t if cp is None else cp.seq_len
+        return tuple(c[docs.positions].unsqueeze(1) for c in rotary.tables(n, device, dtype))  # type: ignore[return-value]
+    return rotary.tables(t, device, dtype) if cp is None else cp.tables(rotary, device, dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, attention_bias: bool,
                  qkv_bias: bool, qk_norm: bool, eps: float, rotary: Rotary, qk_norm_per_head: bool = True) -> None:
@@ -133,12 +146,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None and self.norm_heads:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         cp = self.context  # under context parallel x holds this rank's positions of each sequence only
-        if docs is not None:  # the tables at each token's position in its document: (B, 1, T, hd); under
-            n = t if cp is None else cp.seq_len  # context parallel a document may be as long as the whole row
-            cos, sin = (c[docs.positions].unsqueeze(1) for c in self.rotary.tables(n, x.device, q.dtype))
-        else:
-            cos, sin = self.rotary.tables(t, x.device, q.dtype) if cp is None else cp.tables(self.rotary, x.device,
-                                                                                               q.dtype)
+        cos, sin = rope_tables(self.rotary, cp, docs, t, x.device, q.dtype)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
         gqa = self.kv_heads != self.heads  # query head i reads key/value head i // (H / KV), as HF's repeat_kv
@@ -163,13 +171,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """`moe` set: the MLP is an MoE layer (models/moe_block.py) in place of the SwiGLU MLP."""
+    """`moe` set: the MLP is an MoE layer (models/moe_block.py) in place of the SwiGLU MLP; `attention`
+    set: that module in place of grouped-query attention (models/deepseek.py: MLA)."""
 
     def __init__(self, *, hidden: int, intermediate: int, eps: float, moe: Optional[MoEConfig] = None,
-                 **attn: Any) -> None:
+                 attention: Optional[nn.Module] = None, **attn: Any) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = Attention(hidden=hidden, eps=eps, **attn)
+        # `attention`: another attention of the same contract (forward(x, docs), `context`): DeepSeek's MLA
+        self.self_attn = Attention(hidden=hidden, eps=eps, **attn) if attention is None else attention
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp: nn.Module = (MLP(hidden=hidden, intermediate=intermediate) if moe is None else
                                MoEBlock(moe, hidden=hidden, model_intermediate=intermediate))
@@ -252,6 +262,10 @@ class Head(nn.Module):
                            loss=CrossEntropy(IGNORE_INDEX))
 
 
+class MTPHead(WithMTP, Head):
+    """The head with multi-token prediction (model.mtp.depth > 0): its `mtp` depths run in the loss (models/mtp.py)."""
+
+
 class Llama(CausalLM):
     """Knobs as LlamaModelConfig (HF config.json names); `seed` draws the initial weights."""
 
@@ -262,19 +276,33 @@ class Llama(CausalLM):
         cfg.update(num_key_value_heads=args.kv_heads, head_dim=args.head_size)  # resolved defaults
         self._config = cfg
         c, v, n = args.hidden_size, args.vocab_size, args.num_hidden_layers
-        self._set_shape(width=c, vocab=v, blocks=n, max_seq=args.max_position_embeddings,
-                        max_seq_knob="max_position_embeddings")
+        self._set_shape(width=c, vocab=v, blocks=n, max_seq=args.max_position_embeddings, max_seq_knob=args.seq_knob)
         rotary = Rotary(args.head_size, args.rope_theta, cfg["rope_scaling"])
+        self._args, self.rotary = args, rotary
+        self.assemble([self.block(i) for i in range(n)], tie=args.tie_word_embeddings, eps=args.rms_norm_eps,
+                      mtp=args.mtp, seed=seed)
+
+    def block(self, index: int) -> DecoderLayer:
+        """Decoder block `index`'s shape (dense or MoE MLP by model.moe), sharing the model's RoPE tables."""
+        args = self._args
+        moe = args.moe if args.moe is not None and args.moe.is_moe(index) else None
+        return DecoderLayer(hidden=args.hidden_size, intermediate=args.intermediate_size, eps=args.rms_norm_eps,
+                            heads=args.num_attention_heads, kv_heads=args.kv_heads, head_dim=args.head_size,
+                            attention_bias=args.attention_bias, qkv_bias=args.qkv_bias, qk_norm=args.qk_norm,
+                            qk_norm_per_head=args.qk_norm_per_head, rotary=self.rotary, moe=moe)
+
+    def assemble(self, blocks: list[nn.Module], *, tie: bool, eps: float, mtp: MTPConfig, seed: int) -> None:
+        """The pipeline layers: the embedding, `blocks`, the head (its lm_head the embedding's weight with
+        `tie`; with `mtp.depth` MTP depths, each with a block like the last: models/mtp.py); then the initial
+        weights drawn from `seed`."""
+        c, v, n = self._width, self._vocab, len(blocks)
         embed = Embedding(vocab_size=v, hidden=c)
-        blocks = [DecoderLayer(hidden=c, intermediate=args.intermediate_size, eps=args.rms_norm_eps,
-                               heads=args.num_attention_heads, kv_heads=args.kv_heads, head_dim=args.head_size,
-                               attention_bias=args.attention_bias, qkv_bias=args.qkv_bias, qk_norm=args.qk_norm,
-                               qk_norm_per_head=args.qk_norm_per_head, rotary=rotary,
-                               moe=args.moe if args.moe is not None and args.moe.is_moe(i) else None)
-                  for i in range(n)]
-        head = Head(hidden=c, vocab_size=v, eps=args.rms_norm_eps)
-        if args.tie_word_embeddings:
+        head = (MTPHead if mtp.depth else Head)(hidden=c, vocab_size=v, eps=eps)
+        if tie:
             head.lm_head.weight = embed.embed_tokens.weight  # one weight; split.py keeps cross-stage copies equal
+        if isinstance(head, MTPHead):  # each depth's block of the last block's kind (models/mtp.py)
+            head.attach(mtp, hidden=c, make_norm=lambda: RMSNorm(c, eps), embed=embed.embed_tokens,
+                        make_block=lambda: self.block(n - 1), main_loss=type(self).loss_fn)
         self.layers = nn.ModuleList([embed, *blocks, head])
         self.layer_names = ["embed", *(f"layers.{i}" for i in range(n)), "head"]  # HF's block names
         self.reset_parameters(seed)
@@ -293,9 +321,14 @@ class Llama(CausalLM):
             std = INIT_STD / math.sqrt(2 * self._config["num_hidden_layers"]) if residual else INIT_STD
             nn.init.normal_(value, mean=0.0, std=std, generator=generator)
 
+    def attention_cost(self, seq: int) -> AttentionCost:
+        """One block's attention in the cost model (decoder_costs.py): grouped-query attention's."""
+        return llama_attention(self._config, seq=seq)
+
     def cost_model(self, *, microbatch: int, seq: int, tflops: float) -> list[LayerCost]:
-        return llama_layer_costs(self._config, microbatch=microbatch, seq=self._seq(seq), tflops=tflops,
-                                 bytes_per_value=self._bytes_per_value())
+        seq = self._seq(seq)
+        return decoder_layer_costs(self._config, self.attention_cost(seq), microbatch=microbatch, seq=seq,
+                                   tflops=tflops, bytes_per_value=self._bytes_per_value())
 
 
 # ---- names: pipetrain <-> Hugging Face (pure) -----------------------------------------------
@@ -309,14 +342,17 @@ def hf_name(name: str, *, num_hidden_layers: int) -> str:
         raise ValueError(f"{name!r} is not a parameter of a {num_hidden_layers}-block Llama model "
                          f"(names are layers.<0..{head}>.<rest>)")
     i, rest = int(parts[1]), parts[2]
-    if i == head and rest.startswith("lm_head."):
-        return rest
+    if i == head and rest.startswith(("lm_head.", "mtp.")):
+        return rest if rest.startswith("lm_head.") else mtp_hf_key(rest, num_hidden_layers=num_hidden_layers)
     return f"model.{rest}" if i in (0, head) else f"model.layers.{i - 1}.{rest}"
 
 
-def pipetrain_name(key: str, *, num_hidden_layers: int) -> str:
+def pipetrain_name(key: str, *, num_hidden_layers: int, mtp_depth: int = 0) -> str:
     """The HF key -> pipetrain's unsplit parameter name (the inverse of `hf_name`)."""
     head = num_hidden_layers + 1
+    mtp = mtp_name(key, num_hidden_layers=num_hidden_layers, depth=mtp_depth)
+    if mtp is not None:
+        return f"layers.{head}.{mtp}"
     if key.startswith("lm_head."):
         return f"layers.{head}.{key}"
     if key.startswith(("model.embed_tokens.", "model.norm.")):
@@ -331,70 +367,33 @@ def pipetrain_name(key: str, *, num_hidden_layers: int) -> str:
 # ---- sizes and costs (pure arithmetic over the resolved config) ------------------------------
 
 
-def llama_layer_params(cfg: dict[str, Any]) -> list[int]:
-    """Parameters each pipeline layer stores. A tied head counts its copy of the embedding
-    (V*C), what it stores when it sits on another stage: sum(...) = total + V*C then. MoE
-    blocks count all their experts (moe_costs.mlp_params)."""
-    c, v = cfg["hidden_size"], cfg["vocab_size"]
+def llama_attention(cfg: dict[str, Any], *, seq: int) -> AttentionCost:
+    """Grouped-query attention's numbers (decoder_costs.AttentionCost): q, k, v and o (+ biases, QK-norm)
+    parameters; SDPA keeps q, k, v and its output (2 H hd + 2 KV hd; o_proj's input is a view of that output),
+    QK-norm adds its inputs and normalized values (2 H hd + 2 KV hd); 2 * 2 * T * (H * hd) FLOPs per token."""
+    c = cfg["hidden_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     qkv_bias = cfg["attention_bias"] or cfg["qkv_bias"]
     attn = c * (q + 2 * kv) + q * c + qkv_bias * (q + 2 * kv) + cfg["attention_bias"] * c
     qk_norm = (2 * cfg["head_dim"] if cfg.get("qk_norm_per_head", True) else q + kv) if cfg["qk_norm"] else 0
-    block = attn + 2 * c + qk_norm
-    return [v * c, *(block + stored for stored, _ in mlp_params(cfg)), c + v * c]
+    return AttentionCost(params=attn + qk_norm, values=2 * q + 2 * kv + cfg["qk_norm"] * 2 * (q + kv),
+                         flops=2 * 2 * seq * q, kv_values=2 * kv)
+
+
+def llama_layer_params(cfg: dict[str, Any]) -> list[int]:
+    """Parameters each pipeline layer stores (decoder_costs.decoder_layer_params)."""
+    return decoder_layer_params(cfg, llama_attention(cfg, seq=1).params)
 
 
 def llama_param_count(cfg: dict[str, Any]) -> int:
     """Distinct parameters of the unsplit model (a tied embedding counted once), as published."""
-    tied = cfg["vocab_size"] * cfg["hidden_size"] if cfg["tie_word_embeddings"] else 0
-    return sum(llama_layer_params(cfg)) - tied
+    return decoder_param_count(cfg, llama_attention(cfg, seq=1).params)
 
 
 def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops: float,
                       bytes_per_value: int = 4) -> list[LayerCost]:
-    """Per-layer costs of one microbatch (causal_lm.layer_cost's FLOP model, as GPT-2's).
-
-    Attention's matmuls are 2 * 2 * T * (H * hd) FLOPs per token. Activation values kept per
-    token by a block (what autograd saves; tests/test_llama.py measures it): each RMSNorm
-    keeps its input and normalized value and hands a new tensor to the projections (3C, twice),
-    SDPA keeps q, k, v and its output (2 H hd + 2 KV hd; o_proj's input is a view of that
-    output), the MLP gate, silu(gate), up and their product (4I); QK-norm adds its inputs and
-    normalized values (2 H hd + 2 KV hd). Left out: one value per token per norm and per head
-    (rsqrt, log-sum-exp) and the (T, hd) RoPE tables. The embedding keeps the int64 ids; the
-    head its norm (3C), the log-softmax of the logits (V) and the int64 targets.
-    """
-    c, v, t, tokens = cfg["hidden_size"], cfg["vocab_size"], seq, microbatch * seq
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    params = llama_layer_params(cfg)
-    # an MoE block multiplies each token by its active parameters only (moe_costs.py)
-    matmuls = [params[1 + b] - stored + active for b, (stored, active) in enumerate(mlp_params(cfg))]
-    block_values = [6 * c + 2 * q + 2 * kv + mlp + cfg["qk_norm"] * 2 * (q + kv) for mlp in mlp_values(cfg)]
-
-    def cost(name: str, stored: int, matmul: int, attn_f: int, act: int, shape: LayerShape | None = None) -> LayerCost:
-        return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops,
-                          shape=shape)
-
-    out = [cost("embed", params[0], 0, 0, 8, LayerShape(elementwise_whole=2 * c))]
-    moe = experts_and_a2a(cfg)  # what expert parallel splits and sends; cp gathers each block's K and V
-    shape = None if cfg.get("moe") else llama_block_shape(cfg)  # an MoE block is timed by its FLOPs
-    blocks = [cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q, block_values[i] * bytes_per_value, shape)
-              for i in range(cfg["num_hidden_layers"])]
-    # 2 forward FLOPs per routed (shared) expert parameter a token meets, of the block's forward FLOPs
-    share = lambda active, b: 2 * active / b.flops_per_token if b.flops_per_token else 0.0  # noqa: E731
-    out += [dataclasses.replace(b, experts_params=moe[i][0], a2a_values_per_token=moe[i][1],
-                                kv_values_per_token=2 * kv, experts_flops_share=share(routed, b),
-                                shared_experts_flops_share=share(shared, b))
-            for i, (b, (routed, shared)) in enumerate(zip(blocks, experts_active(cfg)))]
-    out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8,
-                    LayerShape(((c, v, COLUMN),), elementwise_values=4 * v, elementwise_whole=2 * c)))
-    return out
-
-
-def llama_block_shape(cfg: dict[str, Any]) -> LayerShape:
-    """A dense block's GEMMs (q, k and v; o; gate and up; down) and element-wise values for a device's timing: RoPE
-    on q and k and SwiGLU (2I in, I out) split by tp, the two RMSNorms (2C each) and residual adds (3C each) whole."""
-    c, i = cfg["hidden_size"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    return LayerShape(((c, q + 2 * kv, COLUMN), (q, c, ROW), (c, 2 * i, COLUMN), (i, c, ROW)),
-                      cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-                      elementwise_values=3 * i + 2 * (q + kv), elementwise_whole=10 * c)
+    """Per-layer costs of one microbatch (decoder_costs.decoder_layer_costs with grouped-query attention; a dense
+    block's GEMM shapes for a device's timing, gqa_block_shape: an MoE block is timed by its FLOPs)."""
+    shape = None if cfg.get("moe") else gqa_block_shape(cfg)
+    return decoder_layer_costs(cfg, llama_attention(cfg, seq=seq), microbatch=microbatch, seq=seq, tflops=tflops,
+                               bytes_per_value=bytes_per_value, block_shape=shape)

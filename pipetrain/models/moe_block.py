@@ -157,7 +157,8 @@ def moe_step_stats(modules: list[nn.Module]) -> dict[str, float]:
             if counts is None or block.aux_loss_sum is None or block.dropped_sum is None:
                 continue
             parts = name.split(".")  # [..., "layers", "<pipeline layer>", "mlp"]: block i is pipeline layer i + 1
-            key = f"moe/layers.{int(parts[-2]) - 1}"
+            # an MTP depth's block (models/mtp.py): [..., "mtp", "<j>", "block", "mlp"] -> moe/mtp.<j>
+            key = f"moe/mtp.{parts[-3]}" if parts[-4:-3] == ["mtp"] else f"moe/layers.{int(parts[-2]) - 1}"
             out[f"{key}/imbalance"] = float(counts.max()) / max(float(counts.double().mean()), 1e-12)
             out[f"{key}/aux_loss"] = float(block.aux_loss_sum) / block.forwards
             out[f"{key}/dropped"] = float(block.dropped_sum) / block.forwards

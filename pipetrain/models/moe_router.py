@@ -4,7 +4,8 @@ Formulas, with T tokens, E experts, top-k K (pipetrain/config/moe.py says which 
   logits  = x W_g^T                        (T, E), in fp32 or wider whatever x's dtype
   scores  = softmax(logits) | sigmoid(logits)
   choice  = top-K of (scores + expert_bias), within the topk_group best groups when n_group > 1
-            (a group scores as the sum of its two best biased scores: DeepSeek-V3's inference code)
+            (a group scores as the sum of its two best biased scores: DeepSeek-V3's inference code;
+            group_score=max: as its best score, DeepSeek-V2's group_limited_greedy)
   gates   = scores at the chosen ids (never the bias: DeepSeek-V3 §2.1.2, "the gating value is
             still derived from the original affinity"), / their sum if norm_topk_prob, x scale.
 
@@ -62,20 +63,22 @@ class Router(nn.Module):
             ids = ids % c.num_experts  # (T, K)
         else:
             ids = choose(scores.detach() + self.expert_bias, top_k=c.top_k, n_group=c.n_group,
-                         topk_group=c.topk_group)
+                         topk_group=c.topk_group, group_score=c.group_score)
         gates = scores.gather(1, ids)  # (T, K): unbiased
         if c.norm_topk_prob:
             gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)  # the 1e-20 of HF DeepSeek-V3
         return Routing(gates * c.routed_scaling_factor, ids, scores)
 
 
-def choose(choice: torch.Tensor, *, top_k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+def choose(choice: torch.Tensor, *, top_k: int, n_group: int = 1, topk_group: int = 1,
+           group_score: str = "top2") -> torch.Tensor:
     """Top-k expert ids (T, K) of `choice` (T, E), group-limited when n_group > 1. torch.topk is
     deterministic on CPU; ids come in descending score order."""
     if n_group > 1:
         t, e = choice.shape
         grouped = choice.view(t, n_group, e // n_group)  # (T, G, E/G)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G): sum of each group's best two
+        # (T, G): sum of each group's best two (V3), or its best (V2)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1) if group_score == "top2" else grouped.amax(-1)
         best = group_scores.topk(topk_group, dim=-1).indices  # (T, topk_group)
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
         # -inf, not HF's 0.0: a negative bias could otherwise rank a masked expert above a kept one

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipetrain.models.base import LayeredModel, LossFn
 from pipetrain.models.init import InitRule, init_parameters
-from pipetrain.parallel.layer_spec import DocumentsPlanned, NodesPlanned
+from pipetrain.parallel.layer_spec import DocumentsPlanned, LossPlanned, NodesPlanned
 from pipetrain.models.moe_nodes import single_node
 from pipetrain.runtime.documents import Documents
 from pipetrain.runtime.stage_protocol import Node
@@ -50,6 +50,10 @@ class StageModule(nn.Module):
         self.is_last = self.layer_range.stop == num_layers
         self.layers = nn.ModuleDict({str(i): layers[i] for i in idx})
         self._loss_fn = loss_fn if self.is_last else None
+        # a last layer computing the loss itself (multi-token prediction: models/mtp.py), and whether that
+        # loss reads the microbatch's inputs (the executor then hands them over: runtime/batch.py)
+        last = layers[idx[-1]]
+        self.loss_reads_inputs = self.is_last and isinstance(last, LossPlanned) and last.loss_reads_inputs()
         names = [n for n, _ in self.named_parameters(remove_duplicate=False)]
         names += [n for n, _ in self.named_buffers(remove_duplicate=False)]
         self._names = frozenset(names)
@@ -107,9 +111,14 @@ class StageModule(nn.Module):
             raise RuntimeError(f"stage {self.stage_id} (layers {self.layer_range}) is not the last: it has no loss")
         self._loss_fn = fn
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, output: torch.Tensor, target: torch.Tensor, inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The microbatch's loss: the model's loss_fn, or the last layer's own (LossPlanned), whose (1 + D,)
+        vector holds the loss and the parts reported beside it (runtime/step_loss.py)."""
         if self._loss_fn is None:
             raise RuntimeError(f"stage {self.stage_id} (layers {self.layer_range}) is not the last: it has no loss")
+        last = self.layers[str(self.layer_range.stop - 1)]
+        if isinstance(last, LossPlanned):
+            return last.layer_loss(output, target, inputs)
         return self._loss_fn(output, target)
 
     def full_name(self, local_name: str) -> str:

@@ -219,7 +219,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, g, seq_len, scale, stats, mask):  # type: ignore[override]
         heads, ring = q.shape[1], _Ring(g, stats, "cp:ring")
         qpos = positions(seq_len, g.size, g.rank).to(q.device)
-        acc = torch.zeros_like(q, dtype=torch.float32)
+        acc = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32)  # (B, H, Tq, d_v): MLA's d_v != d_qk
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, Tq)
         kb, vb = k, v
         for i in range(g.size):
@@ -322,21 +322,22 @@ class ContextAttention:
         return Documents(docs.index[:, pos], docs.positions[:, pos], keys=docs.index[:, every],
                          causal=every[None, :] <= pos[:, None])  # (T/cp, T)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               docs: Optional[Documents] = None) -> torch.Tensor:
-        """`docs` (this rank's cut, `local_documents`): attention within each document, else causal."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Optional[Documents] = None,
+               scale: Optional[float] = None) -> torch.Tensor:
+        """`docs` (this rank's cut, `local_documents`): attention within each document, else causal; `scale`:
+        the softmax's (None: head_dim^-1/2). v's head dim may differ from q's and k's (MLA: models/mla.py)."""
         if docs is not None and docs.keys is None:
             raise RuntimeError("context parallel attends within documents cut from whole rows "
                                "(Parallelize.local_documents): pass them to the step, not only the cut rows")
         mask = None if docs is None else docs.attention_mask()  # (B, 1, T/cp, T) bool
         if self.rotate == "ring":
-            return ring_attention(q, k, v, self.g, self.seq_len, stats=self.stats, mask=mask)
-        if mask is not None:
-            return allgather_attention(q, k, v, self.g, self.seq_len, stats=self.stats, mask=mask)
-        key = (str(q.device), q.dtype)
-        if key not in self._masks:
-            self._masks[key] = causal_mask(self.seq_len, self.g, q.device, q.dtype)
-        return allgather_attention(q, k, v, self.g, self.seq_len, stats=self.stats, mask=self._masks[key])
+            return ring_attention(q, k, v, self.g, self.seq_len, scale=scale, stats=self.stats, mask=mask)
+        if mask is None:
+            key = (str(q.device), q.dtype)
+            if key not in self._masks:
+                self._masks[key] = causal_mask(self.seq_len, self.g, q.device, q.dtype)
+            mask = self._masks[key]
+        return allgather_attention(q, k, v, self.g, self.seq_len, scale=scale, stats=self.stats, mask=mask)
 
     def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Per-token counts of this rank's positions summed over the group (an MoE balance loss's), no grad."""

@@ -15,6 +15,8 @@ node-level execution, declared as data and methods the layer has, read with isin
   nodes(key) -> [Node]       node-level execution (runtime/stage_protocol.py Node): the layer's forward as
                              nodes, named by schedules/fb_pairs.py's constants for an MoE block
                              (models/moe_nodes.py); a layer without it runs as one node
+  layer_loss(out, y, inputs) the last layer computes its stage's loss itself, reading the microbatch's
+                             inputs too where loss_reads_inputs() (multi-token prediction: models/mtp.py)
 
 parallel/ applies any of these without knowing the model classes: the models import this vocabulary
 (downward), parallel/ imports nothing of models/ (torchtitan keeps each model's `parallelize_fn`
@@ -90,6 +92,16 @@ class NodesPlanned(Protocol):
     """A layer that runs as nodes under node-level execution (runtime/stage_protocol.py Node)."""
 
     def nodes(self, key: str) -> list[Any]: ...
+
+
+@runtime_checkable
+class LossPlanned(Protocol):
+    """A last layer that computes its stage's loss itself, from its output, the targets and the microbatch's
+    inputs (multi-token prediction reads the tokens ahead: models/mtp.py WithMTP)."""
+
+    def loss_reads_inputs(self) -> bool: ...
+
+    def layer_loss(self, output: Any, target: Any, inputs: Any) -> Any: ...
 
 
 DOCUMENT_READS = ("positions", "mask")  # what a DocumentsPlanned layer may read of a microbatch's Documents

@@ -36,8 +36,9 @@ CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "ep", "cp", "v", 
                "hw_tflops_per_device", "mfu", "reason")
 # activation values per token and unit of width a block keeps whole under tp without sequence parallel:
 # the norms' inputs and outputs, the column-parallel layers' (replicated) inputs (models/gpt2.py: ln_1, c_attn,
-# ln_2, c_fc inputs of its 17 C; models/llama.py: the two RMSNorms' 3 C each); other models: all of it
-TP_REPLICATED = {"gpt2": 4, "llama": 6}
+# ln_2, c_fc inputs of its 17 C; models/llama.py: the two RMSNorms' 3 C each; DeepSeek's MLA the same, its whole
+# latents left out: 3 q_lora_rank + 3 kv_lora_rank + d_r, 0.9 C at DeepSeek-V3); other models: all of it
+TP_REPLICATED = {"gpt2": 4, "llama": 6, "deepseek": 6}
 # what the planner cuts by; partition=profile cuts by measured time ("time") and calibrates the costs
 PARTITIONS = {"uniform": "uniform", "params": "params", "flops": "flops", "balanced": "balanced", "profile": "time"}
 

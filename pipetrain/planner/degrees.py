@@ -47,8 +47,8 @@ def check_tp(config: Config) -> None:
         if divides is None:
             if m.family == "sleep" and not (config.schedule.name == AUTO or p.run):
                 continue  # mode=plan prices the sleep model's tp as mode=simulate does; it cannot train it
-            raise ValueError(f"plan.tp lists {tp} but model={m.name} has no tensor-parallel plan (GPT-2 and the Llama "
-                             f"family have one): set plan.tp=[1]")
+            raise ValueError(f"plan.tp lists {tp} but model={m.name} has no tensor-parallel plan (GPT-2, the Llama "
+                             f"family and DeepSeek have one, without MoE blocks): set plan.tp=[1]")
         for knob, value in divides.items():
             if value % tp:
                 raise ValueError(
@@ -80,9 +80,9 @@ def cp_degrees(config: Config) -> list[int]:
     """plan.cp, each checked against the model and data.seq_len in one line (as parallel.cp is)."""
     m, seq = config.model, config.data.seq_len
     for cp in [c for c in config.plan.cp if c > 1]:
-        if m.family != "llama":
-            raise ValueError(f"plan.cp lists {cp} but model={m.name} is not a Llama-family model (context "
-                             f"parallel splits Llama attention): set plan.cp=[1]")
+        if m.family not in ("llama", "deepseek"):
+            raise ValueError(f"plan.cp lists {cp} but model={m.name} is not a Llama-family or DeepSeek model (context "
+                             f"parallel splits their attention): set plan.cp=[1]")
         if seq % (2 * cp):
             raise ValueError(f"plan.cp lists {cp}, which cuts data.seq_len={seq} into {2 * cp} chunks: "
                              f"set data.seq_len to a multiple of {2 * cp} or drop {cp} from plan.cp")

@@ -38,12 +38,14 @@ def counted_targets(target: torch.Tensor) -> int:
 
 class StepBatch:
     """A step's microbatches as a rank's executor reads them: the inputs its chains' first stages take and
-    the targets its last stages' losses read, on the device; with `document_eos` set (data.document_mask:
-    the id that ends a document) every microbatch's Documents, which every stage forward of it reads."""
+    the targets its last stages' losses read (their inputs too where `loss_inputs`), on the device; with
+    `document_eos` set (data.document_mask: the id that ends a document) every microbatch's Documents, which
+    every stage forward of it reads."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, loss_inputs: bool = False) -> None:
         self.device = device
         self.document_eos: Optional[int] = None
+        self.loss_inputs = loss_inputs  # a last stage's loss reads its microbatches' inputs (multi-token prediction)
         self.load([], (), ())
 
     def load(self, microbatches: Sequence[Batch], inputs: Iterable[int], targets: Iterable[int],
@@ -54,6 +56,9 @@ class StepBatch:
         self.given = microbatches  # as given (evaluate() counts targets on the host)
         self.inputs = {m: to_device(microbatches[m][0], self.device) for m in sorted(inputs)}
         self.targets = {m: to_device(microbatches[m][1], self.device) for m in sorted(targets)}
+        # the inputs a last stage's loss reads (multi-token prediction: the tokens ahead), one copy per microbatch
+        self.loss_input = {m: self.inputs[m] if m in self.inputs else to_device(microbatches[m][0], self.device)
+                           for m in self.targets} if self.loss_inputs else {}
         eos = self.document_eos
         if docs is None:
             docs = [] if eos is None else [documents(x, eos) for x, _ in microbatches]

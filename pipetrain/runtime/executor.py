@@ -59,9 +59,9 @@ class Executor:
                  loss_group: Optional[dist.ProcessGroup] = None, lookahead: int = 1,
                  reducer: Optional[GradReducer] = None, compute_dtype: Optional[torch.dtype] = None,
                  fb_overlap: str = "off", a2a_timeout_s: Optional[float] = None,
-                 grads_done: Optional[Mapping[int, Callable[[], None]]] = None) -> None:
-        """`fb_overlap`: pipeline.fb_overlap (runtime/overlap.py stage_passes); `grads_done`: boundary ->
-        what starts there besides the plan's communication (runtime/sync.py GradSync.early)."""
+                 grads_done: Optional[Mapping[int, Callable[[], None]]] = None, loss_parts: int = 0) -> None:
+        """`fb_overlap`: pipeline.fb_overlap (runtime/overlap.py stage_passes); `grads_done`: boundary -> what starts
+        there besides the plan's communication (runtime/sync.py GradSync.early); `loss_parts`: runtime/step_loss.py."""
         want = set(schedule.placement.stages_of(rank))
         if set(stages) != want:
             raise ValueError(f"rank {rank} must hold stages {sorted(want)}, got {sorted(stages)}")
@@ -69,7 +69,7 @@ class Executor:
             raise ValueError("a pipeline of several ranks needs a P2P transport")
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.comm, self.recv_buffer, self.device = comm, recv_buffer, torch.device(device)
-        self._step_loss = StepLoss(self.device, loss_group, schedule.num_microbatches)
+        self.step_loss = StepLoss(self.device, loss_group, schedule.num_microbatches, parts=loss_parts)
         self.precision = Precision(self.device, compute_dtype)
         on = f" on {comm.short(rank)}" if comm is not None else ""  # the global rank (rank: its pipeline index)
         self.program = prog = rank_program(schedule, rank, lookahead=lookahead, where=on)
@@ -89,7 +89,7 @@ class Executor:
         self._unmeasured = Recorder()
         self.measure = True  # False: a step records nothing but its loss (the trainer's unlogged steps)
         self.profile_ranges = False  # every action a `PP:<action>` torch.profiler range (captured steps)
-        self.batch = StepBatch(self.device)  # batch.document_eos: data.document_mask's end-of-document id
+        self.batch = StepBatch(self.device, loss_inputs=any(s.is_last and s.loss_reads_inputs for s in stages.values()))
         self.passes = stage_passes(stages, fb_overlap, self.device, timeout_s=a2a_timeout_s,
                                    pairs=any(len(parts) == 2 for parts in prog.steps))
         # evaluate()'s forwards: whole stages, node mode or not
@@ -143,7 +143,7 @@ class Executor:
             self.reducer.finish(rec.reduce_done)
         rec.end_step()
         assert not self._ctx and not self._wstore, "validated schedule left work behind"
-        loss = self._step_loss.mean(synced=rec.synced)
+        loss = self.step_loss.mean(synced=rec.synced)
         return rec.result(loss, dict(self.comm.peak_recv_bytes) if self.comm is not None else {})
 
     def _use(self, rec: Recorder) -> Recorder:
@@ -212,7 +212,7 @@ class Executor:
     def _backward_start(self, a: Action, need: Optional[Message], where: str) -> tuple:
         x, out, saved = self._ctx.pop((a.stage, m := a.microbatch))
         nxt = self.program.next[a.stage]
-        grad = self._step_loss.seed(out, m) if nxt is None else self._take("grad", nxt, m, need, where)
+        grad = self.step_loss.seed(out, m) if nxt is None else self._take("grad", nxt, m, need, where)
         assert grad is None or grad.dtype == out.dtype, f"{where}: gradient {grad.dtype} for output {out.dtype}"
         return x, out, grad, saved
 
@@ -276,7 +276,7 @@ class Executor:
         finally:
             self._forward_only = False
         self._ctx.clear()
-        return self._step_loss.mean()
+        return self.step_loss.mean()
 
     def _reset(self, microbatches: Sequence[Batch], tokens: Optional[GlobalTokens] = None, docs: Docs = None
                ) -> None:
@@ -289,11 +289,11 @@ class Executor:
         self._ctx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Any]] = {}
         self._wstore: dict = {}  # (stage, microbatch) -> what its B kept for its W (backward.WeightGradWork per node)
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._step_loss.reset(tokens, [y for _, y in microbatches])
+        self.step_loss.reset(tokens, [y for _, y in microbatches])
 
     def _loss(self, s: int, m: int, out: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of microbatch m, kept for the step's mean; B starts at StepLoss.seed."""
-        loss = self.stages[s].loss(out, self.batch.targets[m])
-        w = counted_targets(self.batch.given[m][1]) if self._forward_only else self._step_loss.count(m)  # per token
-        self._step_loss.add(loss, w)
+        loss = self.stages[s].loss(out, self.batch.targets[m], self.batch.loss_input.get(m))
+        w = counted_targets(self.batch.given[m][1]) if self._forward_only else self.step_loss.count(m)  # per token
+        self.step_loss.add(loss, w)
         return loss

@@ -32,14 +32,17 @@ class Stage(Protocol):
     tp_partial: tuple[str, ...]  # whole weights whose gradients the tp group sums after a step
     ep_shards: Mapping[str, Any]  # local name -> how its experts are split over the ep group (Split(0, E))
     checkpoint_layers: bool  # recompute each layer's forward in its backward
+    loss_reads_inputs: bool  # its loss reads the microbatch's inputs besides the targets (multi-token prediction)
 
     def __call__(self, x: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
         """Forward of one microbatch: (microbatch, ...) in, the next stage's input out. `docs`: the
         microbatch's documents (runtime/documents.py) under data.document_mask, else None (never passed)."""
         ...
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The scalar loss of one microbatch; only the last stage has one."""
+    def loss(self, output: torch.Tensor, target: torch.Tensor, inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The loss of one microbatch; only the last stage has one. A scalar, or a (1 + D,) vector: the loss
+        and D parts reported beside it, detached (runtime/step_loss.py); `inputs`: the microbatch's inputs
+        where `loss_reads_inputs`, else None."""
         ...
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:

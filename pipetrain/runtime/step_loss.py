@@ -36,8 +36,11 @@ class GlobalTokens:
 
 
 class StepLoss:
-    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup], num_microbatches: int = 1) -> None:
+    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup], num_microbatches: int = 1, *,
+                 parts: int = 0) -> None:
         self.device, self.group, self.num_microbatches = device, group, num_microbatches
+        self.parts = parts  # P: a loss is a (1 + P,) vector, the loss then P reported parts (0: a scalar)
+        self.part_means: tuple[float, ...] = ()  # the last mean()'s parts, averaged as the loss
         self._seeds: dict[tuple, torch.Tensor] = {}  # seed()'s, by the loss's (dtype, shape)
         self.tokens: Optional[GlobalTokens] = None  # this step's, when its microbatches count unequal tokens
         self._counts: list[int] = []  # under GlobalTokens: each microbatch's counted targets
@@ -83,34 +86,38 @@ class StepLoss:
             self._weights.append(1 if weight is None else weight)
         self._count += 1 if weight is None else weight
 
-    def _sum(self) -> torch.Tensor | float:
-        """Sum of weight * loss in fp64. On a GPU one stacked sum on the device (no host sync); on the
-        CPU in Python floats, the same fp64 additions in microbatch order, without a tensor op each."""
+    def _sum(self) -> torch.Tensor | list[float]:
+        """Sum of weight * loss in fp64, per element of a (1 + P,) loss (P = 0: one). On a GPU one stacked sum
+        on the device (no host sync); on the CPU in Python floats, the same fp64 additions in microbatch
+        order, without a tensor op each."""
         if self.device.type != "cpu":
             if not self._losses:
-                return torch.zeros((), dtype=torch.float64, device=self.device)
-            losses = torch.stack(self._losses).double()
+                return torch.zeros(1 + self.parts, dtype=torch.float64, device=self.device)
+            losses = torch.stack(self._losses).double().reshape(len(self._losses), -1)  # (n, 1 + P)
             if any(w != 1 for w in self._weights):
-                losses = losses * torch.tensor(self._weights, dtype=torch.float64, device=self.device)
-            return losses.sum()
-        total = 0.0
+                losses = losses * torch.tensor(self._weights, dtype=torch.float64, device=self.device)[:, None]
+            return losses.sum(0)
+        total = [0.0] * (1 + self.parts)
         for loss, w in zip(self._losses, self._weights):
-            total += float(loss) * w if w != 1 else float(loss)
+            for i, v in enumerate(loss.tolist() if loss.dim() else (float(loss),)):
+                total[i] += v * w if w != 1 else v
         return total
 
     def mean(self, synced: Optional[Callable[[], None]] = None) -> Optional[float]:
-        """The mean over every rank holding a last stage; `synced` is called as the all-reduce ends (on
-        GPU stream-ordered after it). No process group: this rank's mean."""
+        """The mean over every rank holding a last stage (and `part_means`, the parts' alike); `synced` is
+        called as the all-reduce ends (on GPU stream-ordered after it). No process group: this rank's mean."""
         total = self._sum()
         if self.group is None and not dist.is_initialized():
-            return float(total) / self._count if self._count else None
-        if isinstance(total, float):
-            buf = torch.tensor([total, float(self._count)], dtype=torch.float64)
+            sums, count = [float(t) for t in total], float(self._count)
         else:
-            dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-            buf = torch.stack([total.to(dev), torch.tensor(float(self._count), dtype=torch.float64, device=dev)])
-        dist.all_reduce(buf, group=self.group)
-        if synced is not None:
-            synced()
-        total, count = buf.tolist()
-        return total / count if count else None
+            if isinstance(total, list):
+                buf = torch.tensor([*total, float(self._count)], dtype=torch.float64)
+            else:
+                dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+                buf = torch.cat([total.to(dev), torch.tensor([float(self._count)], dtype=torch.float64, device=dev)])
+            dist.all_reduce(buf, group=self.group)
+            if synced is not None:
+                synced()
+            *sums, count = buf.tolist()
+        self.part_means = tuple(t / count for t in sums[1:]) if count else ()
+        return sums[0] / count if count else None

@@ -32,6 +32,7 @@ import torch
 
 from pipetrain.config import Config
 from pipetrain.config.data import DataConfig
+from pipetrain.metrics.names import mtp_metrics
 from pipetrain.plan import Plan
 from pipetrain.train.data import eval_tokens, split_microbatches
 from pipetrain.train.trainer import Trainer
@@ -83,15 +84,17 @@ def evaluate_file(trainer: Trainer, path: str) -> dict[str, Any]:
         raise ValueError(f"mode=eval: {path} holds {len(tokens):,} tokens, fewer than data.seq_len + 1 = {t + 1}: "
                          f"lower data.seq_len or use a longer file")
     t0 = time.perf_counter()
-    total, counted = mean_loss(trainer, eval_batches(tokens, seq_len=t, rows=cfg.data.batch_size))
+    total, counted, parts = mean_loss(trainer, eval_batches(tokens, seq_len=t, rows=cfg.data.batch_size))
     seconds = time.perf_counter() - t0
-    return {"loss": total / counted, "tokens": counted, "windows": windows, "file": str(path), "seq_len": t,
+    return {"loss": total / counted, **parts, "tokens": counted, "windows": windows, "file": str(path), "seq_len": t,
             "seconds": seconds, "tokens_per_s": counted / seconds}
 
 
-def mean_loss(trainer: Trainer, batches: Iterable[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[float, int]:
-    """(sum of loss x counted targets, counted targets) over global batches (inputs, targets, counted)."""
-    cfg, total, counted = trainer.config, 0.0, 0
+def mean_loss(trainer: Trainer, batches: Iterable[tuple[torch.Tensor, torch.Tensor, int]]
+              ) -> tuple[float, int, dict[str, float]]:
+    """(sum of loss x counted targets, counted targets, the parts reported beside the loss: `mtp/loss_k`, each
+    averaged as the loss and left out of it: models/mtp.py) over global batches (inputs, targets, counted)."""
+    cfg, total, counted, parts = trainer.config, 0.0, 0, [0.0] * trainer.pipe.executor.step_loss.parts
     m, eos = cfg.pipeline.microbatches, trainer.pipe.executor.batch.document_eos
     for x, y, n in batches:
         rows = trainer.parallel.local_batch((x, y))  # this rank's rows and (under cp) positions
@@ -100,7 +103,8 @@ def mean_loss(trainer: Trainer, batches: Iterable[tuple[torch.Tensor, torch.Tens
         assert loss is not None  # every rank gets the all-reduced mean
         total += loss * n
         counted += n
-    return total, counted
+        parts = [p + q * n for p, q in zip(parts, trainer.pipe.executor.step_loss.part_means)]
+    return total, counted, mtp_metrics([p / counted for p in parts] if counted else [])
 
 
 def validation_rows(data: DataConfig, *, seed: int, vocab_size: int) -> list[Any]:
@@ -139,9 +143,9 @@ def evaluate_datasets(trainer: Trainer) -> dict[str, Any]:
     cfg = trainer.config
     sources = validation_rows(cfg.data, seed=cfg.trainer.seed, vocab_size=cfg.model.vocab_size or 0)
     t0 = time.perf_counter()
-    total, counted = mean_loss(trainer, row_batches(sources, rows=cfg.data.batch_size))
+    total, counted, parts = mean_loss(trainer, row_batches(sources, rows=cfg.data.batch_size))
     seconds = time.perf_counter() - t0
-    return {"loss": total / counted, "tokens": counted, "rows": sum(s.num_rows("val") for s in sources),
+    return {"loss": total / counted, **parts, "tokens": counted, "rows": sum(s.num_rows("val") for s in sources),
             "file": eval_token_file(cfg.data), "split": cfg.data.val_split or "held out", "seq_len": cfg.data.seq_len,
             "document_mask": cfg.data.masks_documents, "seconds": seconds, "tokens_per_s": counted / seconds}
 

@@ -33,6 +33,7 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from pipetrain.config import Config
+from pipetrain.config.deepseek import DeepSeekModelConfig
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.models import GPT2ModelConfig
 from pipetrain.files import replace_dir
@@ -106,7 +107,7 @@ def tokenizer_source(config: Config) -> Optional[Path]:
 def run_export(config: Config, run_dir: Path, *, note: Callable[[str], None] = print) -> Path:
     """Write the folder; returns its path."""
     cfg = config.model
-    if not isinstance(cfg, (LlamaModelConfig, GPT2ModelConfig)):
+    if not isinstance(cfg, (LlamaModelConfig, GPT2ModelConfig, DeepSeekModelConfig)):
         raise ValueError(f"mode=export writes Llama-family and GPT-2 models (model=llama-tiny, llama3.2-1b, gpt2, "
                          f"...); model={cfg.name} has no Hugging Face form here")
     model_type = hf_config(cfg, dtype=config.export.dtype)["model_type"]  # a model HF cannot express fails here

@@ -197,7 +197,8 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
     executor = Executor(schedule, rank, stages, comm=comm, recv_buffer=recv_buffer, device=device,
                         loss_group=t.group if t.pipelines is None else None, lookahead=t.lookahead,
                         reducer=dp.reducer(stages) if dp is not None else None, compute_dtype=compute_dtype,
-                        fb_overlap=fb_overlap, a2a_timeout_s=t.timeout_s, grads_done=early)
+                        fb_overlap=fb_overlap, a2a_timeout_s=t.timeout_s, grads_done=early,
+                        loss_parts=model.loss_parts)
     return RankPipeline(rank, schedule, stages, executor, sync, parallelize)
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from pipetrain.config import Config
+from pipetrain.metrics.names import mtp_metrics
 from pipetrain.metrics.step import RunSummary, StepRecord
 from pipetrain.parallel.mesh import build_groups
 from pipetrain.parallel.timeouts import bound_waits
@@ -168,7 +169,8 @@ class Trainer:
         tokens_per_s = self.tokens_per_step / step_s
         return StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=norm, step_time_s=step_s,
                           tokens_per_s=tokens_per_s, skipped=skipped, mfu=self.monitor.mfu(tokens_per_s),
-                          measurement=measurement, data=self.input.stats)
+                          measurement=measurement, data=self.input.stats,
+                          losses=mtp_metrics(self.pipe.executor.step_loss.part_means))
 
     def evaluate(self) -> float:
         losses = []

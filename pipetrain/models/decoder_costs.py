@@ -1,0 +1,96 @@
+"""Sizes and per-layer costs of a pre-norm decoder language model whatever its attention (pure arithmetic over
+a resolved config dict): the Llama family's grouped-query attention (models/llama.py) and DeepSeek's
+multi-head latent attention (models/deepseek.py) each give their attention's numbers; the embedding, the two
+RMSNorms, the dense or MoE MLP (moe_costs.py) and the head are counted here once for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pipetrain.models.causal_lm import layer_cost
+from pipetrain.models.moe_costs import experts_active, experts_and_a2a, mlp_params, mlp_values
+from pipetrain.models.mtp import mtp_stored_params, with_mtp
+from pipetrain.partition.costs import COLUMN, ROW, LayerCost, LayerShape
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """One block's attention, per token: `params` stored (all multiply each token), `values` activations
+    autograd keeps for backward, `flops` forward FLOPs of the weightless matmuls (QK^T, AV) at the
+    sequence's length, `kv_values` the K and V values context parallel gathers."""
+
+    params: int
+    values: int
+    flops: int
+    kv_values: int
+
+
+def decoder_layer_params(cfg: dict[str, Any], attention: int) -> list[int]:
+    """Parameters each pipeline layer stores, blocks of `attention` parameters each. A tied head counts its
+    copy of the embedding (V*C), what it stores when it sits on another stage: sum(...) = total + V*C then.
+    MoE blocks count all their experts (moe_costs.mlp_params); the head its MTP depths (models/mtp.py)."""
+    c, v = cfg["hidden_size"], cfg["vocab_size"]
+    blocks = [attention + 2 * c + stored for stored, _ in mlp_params(cfg)]
+    return [v * c, *blocks, c + v * c + mtp_stored_params(cfg, blocks[-1])[0]]
+
+
+def decoder_param_count(cfg: dict[str, Any], attention: int) -> int:
+    """Distinct parameters of the unsplit model (a tied embedding counted once), as published (with MTP: the
+    main model's and the MTP module's, its copies of the embedding and lm_head counted once)."""
+    tied = cfg["vocab_size"] * cfg["hidden_size"] if cfg["tie_word_embeddings"] else 0
+    params = decoder_layer_params(cfg, attention)
+    return sum(params) - tied - mtp_stored_params(cfg, params[-2])[1]
+
+
+def decoder_layer_costs(cfg: dict[str, Any], attention: AttentionCost, *, microbatch: int, seq: int, tflops: float,
+                        bytes_per_value: int = 4, block_shape: Optional[LayerShape] = None) -> list[LayerCost]:
+    """Per-layer costs of one microbatch (causal_lm.layer_cost's FLOP model, as GPT-2's).
+
+    Activation values kept per token by a block (what autograd saves; tests/test_llama.py and
+    tests/test_deepseek.py measure it): each RMSNorm keeps its input and normalized value and hands a new
+    tensor to the projections (3C, twice), the attention its `values`, the MLP gate, silu(gate), up and their
+    product (4I; an MoE block moe_costs.mlp_values). Left out: one value per token per norm and per head
+    (rsqrt, log-sum-exp) and the (T, hd) RoPE tables. The embedding keeps the int64 ids; the head its norm
+    (3C), the log-softmax of the logits (V) and the int64 targets; with MTP the head layer is `head+mtp<D>`,
+    its depths' work counted on it (mtp.with_mtp). `block_shape`: a block's GEMMs for a device's timing
+    (planner/compute.py; None: timed by its FLOPs); the embedding and head carry theirs.
+    """
+    c, v, tokens = cfg["hidden_size"], cfg["vocab_size"], microbatch * seq
+    params = decoder_layer_params(cfg, attention.params)
+    # an MoE block multiplies each token by its active parameters only (moe_costs.py)
+    matmuls = [params[1 + b] - stored + active for b, (stored, active) in enumerate(mlp_params(cfg))]
+    block_values = [6 * c + attention.values + mlp for mlp in mlp_values(cfg)]
+
+    def cost(name: str, stored: int, matmul: int, attn_f: int, act: int, shape: Optional[LayerShape] = None
+             ) -> LayerCost:
+        return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops,
+                          shape=shape)
+
+    out = [cost("embed", params[0], 0, 0, 8, LayerShape(elementwise_whole=2 * c))]
+    moe = experts_and_a2a(cfg)  # what expert parallel splits and sends; cp gathers each block's K and V
+    blocks = [cost(f"layers.{i}", params[1 + i], matmuls[i], attention.flops, block_values[i] * bytes_per_value,
+                   block_shape) for i in range(cfg["num_hidden_layers"])]
+    # 2 forward FLOPs per routed (shared) expert parameter a token meets, of the block's forward FLOPs
+    share = lambda active, b: 2 * active / b.flops_per_token if b.flops_per_token else 0.0  # noqa: E731
+    out += [dataclasses.replace(b, experts_params=moe[i][0], a2a_values_per_token=moe[i][1],
+                                kv_values_per_token=attention.kv_values, experts_flops_share=share(routed, b),
+                                shared_experts_flops_share=share(shared, b))
+            for i, (b, (routed, shared)) in enumerate(zip(blocks, experts_active(cfg)))]
+    head = cost("head", c + v * c, c + v * c, 0, (3 * c + v) * bytes_per_value + 8,
+                LayerShape(((c, v, COLUMN),), elementwise_values=4 * v, elementwise_whole=2 * c))
+    out.append(with_mtp(head, out[-1], cfg, tokens=tokens, tflops=tflops, bytes_per_value=bytes_per_value))
+    return out
+
+
+def gqa_block_shape(cfg: dict[str, Any]) -> LayerShape:
+    """A dense grouped-query-attention block's GEMMs (q, k and v; o; gate and up; down) and element-wise values
+    for a device's timing: RoPE on q and k and SwiGLU (2I in, I out) split by tp, the two RMSNorms (2C each) and
+    residual adds (3C each) whole."""
+    c, i = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    return LayerShape(((c, q + 2 * kv, COLUMN), (q, c, ROW), (c, 2 * i, COLUMN), (i, c, ROW)),
+                      cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                      elementwise_values=3 * i + 2 * (q + kv), elementwise_whole=10 * c)
