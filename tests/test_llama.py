@@ -24,6 +24,7 @@ EXACT = {
     "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "llama3.1-8b": 8_030_261_248,
     "llama3.1-70b": 70_553_706_496, "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512,
     "qwen3-0.6b": 596_049_920, "mistral-7b-v0.3": 7_248_023_552, "llama-tiny": 1_640_576,
+    "llama3.1-405b": 405_853_388_800,  # meta-llama/Llama-3.1-405B: 126 layers of 16384, ffn 53248
 }
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, rope_scaling=None)

@@ -20,12 +20,14 @@ from pipetrain.partition.costs import COLUMN, ROW, LayerCost, LayerShape
 class AttentionCost:
     """One block's attention, per token: `params` stored (all multiply each token), `values` activations
     autograd keeps for backward, `flops` forward FLOPs of the weightless matmuls (QK^T, AV) at the
-    sequence's length, `kv_values` the K and V values context parallel gathers."""
+    sequence's length, `kv_values` the K and V values context parallel gathers; `block_shape` the whole
+    block's GEMMs for a device's timing where they are known (planner/compute.py; None: timed by its FLOPs)."""
 
     params: int
     values: int
     flops: int
     kv_values: int
+    block_shape: Optional[LayerShape] = None
 
 
 def decoder_layer_params(cfg: dict[str, Any], attention: int) -> list[int]:
@@ -46,7 +48,7 @@ def decoder_param_count(cfg: dict[str, Any], attention: int) -> int:
 
 
 def decoder_layer_costs(cfg: dict[str, Any], attention: AttentionCost, *, microbatch: int, seq: int, tflops: float,
-                        bytes_per_value: int = 4, block_shape: Optional[LayerShape] = None) -> list[LayerCost]:
+                        bytes_per_value: int = 4) -> list[LayerCost]:
     """Per-layer costs of one microbatch (causal_lm.layer_cost's FLOP model, as GPT-2's).
 
     Activation values kept per token by a block (what autograd saves; tests/test_llama.py and
@@ -55,8 +57,8 @@ def decoder_layer_costs(cfg: dict[str, Any], attention: AttentionCost, *, microb
     product (4I; an MoE block moe_costs.mlp_values). Left out: one value per token per norm and per head
     (rsqrt, log-sum-exp) and the (T, hd) RoPE tables. The embedding keeps the int64 ids; the head its norm
     (3C), the log-softmax of the logits (V) and the int64 targets; with MTP the head layer is `head+mtp<D>`,
-    its depths' work counted on it (mtp.with_mtp). `block_shape`: a block's GEMMs for a device's timing
-    (planner/compute.py; None: timed by its FLOPs); the embedding and head carry theirs.
+    its depths' work counted on it (mtp.with_mtp). The embedding, the head and the blocks whose attention
+    knows their GEMMs (AttentionCost.block_shape) carry shapes for a device's timing.
     """
     c, v, tokens = cfg["hidden_size"], cfg["vocab_size"], microbatch * seq
     params = decoder_layer_params(cfg, attention.params)
@@ -72,7 +74,7 @@ def decoder_layer_costs(cfg: dict[str, Any], attention: AttentionCost, *, microb
     out = [cost("embed", params[0], 0, 0, 8, LayerShape(elementwise_whole=2 * c))]
     moe = experts_and_a2a(cfg)  # what expert parallel splits and sends; cp gathers each block's K and V
     blocks = [cost(f"layers.{i}", params[1 + i], matmuls[i], attention.flops, block_values[i] * bytes_per_value,
-                   block_shape) for i in range(cfg["num_hidden_layers"])]
+                   attention.block_shape) for i in range(cfg["num_hidden_layers"])]
     # 2 forward FLOPs per routed (shared) expert parameter a token meets, of the block's forward FLOPs
     share = lambda active, b: 2 * active / b.flops_per_token if b.flops_per_token else 0.0  # noqa: E731
     out += [dataclasses.replace(b, experts_params=moe[i][0], a2a_values_per_token=moe[i][1],

@@ -377,7 +377,8 @@ def llama_attention(cfg: dict[str, Any], *, seq: int) -> AttentionCost:
     attn = c * (q + 2 * kv) + q * c + qkv_bias * (q + 2 * kv) + cfg["attention_bias"] * c
     qk_norm = (2 * cfg["head_dim"] if cfg.get("qk_norm_per_head", True) else q + kv) if cfg["qk_norm"] else 0
     return AttentionCost(params=attn + qk_norm, values=2 * q + 2 * kv + cfg["qk_norm"] * 2 * (q + kv),
-                         flops=2 * 2 * seq * q, kv_values=2 * kv)
+                         flops=2 * 2 * seq * q, kv_values=2 * kv,
+                         block_shape=None if cfg.get("moe") else gqa_block_shape(cfg))  # MoE: timed by its FLOPs
 
 
 def llama_layer_params(cfg: dict[str, Any]) -> list[int]:
@@ -392,8 +393,6 @@ def llama_param_count(cfg: dict[str, Any]) -> int:
 
 def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops: float,
                       bytes_per_value: int = 4) -> list[LayerCost]:
-    """Per-layer costs of one microbatch (decoder_costs.decoder_layer_costs with grouped-query attention; a dense
-    block's GEMM shapes for a device's timing, gqa_block_shape: an MoE block is timed by its FLOPs)."""
-    shape = None if cfg.get("moe") else gqa_block_shape(cfg)
+    """Per-layer costs of one microbatch (decoder_costs.decoder_layer_costs with grouped-query attention)."""
     return decoder_layer_costs(cfg, llama_attention(cfg, seq=seq), microbatch=microbatch, seq=seq, tflops=tflops,
-                               bytes_per_value=bytes_per_value, block_shape=shape)
+                               bytes_per_value=bytes_per_value)
