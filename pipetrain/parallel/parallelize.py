@@ -5,7 +5,8 @@
       -> expert parallel      parallel/ep.py: this rank's block of each declared stacked-experts module
       -> context parallel     parallel/cp.py: declared attention modules attend over the cp group's K/V
       -> activation recompute trainer.activation_checkpointing / plan.recompute_stages
-      -> compile              trainer.compile: each layer, in place, after TP and before FSDP
+      -> compile              trainer.compile: each layer, in place, after TP and before FSDP; where the
+                              schedule runs the stage's B and W apart, its matrix-weight modules eager
       -> data parallel        FSDP2 under dp_shard (HSDP too; experts over their own mesh), plain
                               modules under dp_replicate
       -> materialize          only this rank's tp slices and dp shards (models/init.py: materialize)
@@ -31,6 +32,7 @@ from torch import nn
 
 import torch
 
+from pipetrain.compat import keep_compiled_backward
 from pipetrain.parallel.cp import ContextAttention, context_parallel, local_positions, parallelize_context, positions
 from pipetrain.parallel.dp import DataParallel, data_parallel, local_rows
 from pipetrain.parallel.ep import expert_parallel, parallelize_experts
@@ -63,6 +65,8 @@ class Parallelize:
     cp: Optional[ContextAttention] = None
     recompute: bool | Collection[int] = False
     compiled: bool | Collection[int] = False
+    # compiled stages whose schedule runs B and W apart (train/pipeline.py: schedules/lower.py split_on)
+    apart: Collection[int] = frozenset()
     dp: Optional[DataParallel] = None
     rows: tuple[int, int] = (0, 1)  # (this pipeline's index, pipelines): which rows of a global batch it trains
 
@@ -151,9 +155,25 @@ def apply_recompute(p: Parallelize, stage: nn.Module) -> nn.Module:
 
 
 def apply_compile(p: Parallelize, stage: nn.Module) -> nn.Module:
-    if p.compiles(stage.stage_id):  # in place (nn.Module.compile): parameter names stay the unsplit ones
-        for layer in stage.layers.values():
-            layer.compile()
+    """Each layer compiled in place (nn.Module.compile: parameter names stay the unsplit ones). A compiled
+    graph's backward is one autograd node computing its input and weight gradients together, which W cannot
+    re-enter (its gradients came out wrong, torch 2.13). Where the stage runs B and W apart, every module
+    holding a matrix weight (Linear, tp's linears, the router, stacked experts, embeddings) runs eager
+    between compiled graphs (Megatron's --delay-wgrad-compute keeps its weight-gradient GEMMs out of the
+    fused backward alike): their weight-gradient GEMMs are W's (runtime/backward.py); the compiled graphs
+    hold the norms, attention, activations and residuals, and a vector weight's gradient inside one (a
+    norm's scale) is computed in B. docs/training.md has the measurement that chose this."""
+    if not p.compiles(stage.stage_id):
+        return stage
+    apart = stage.stage_id in p.apart
+    if apart:
+        keep_compiled_backward()
+    for layer in stage.layers.values():
+        if apart:
+            for module in layer.modules():
+                if any(w.dim() >= 2 for w in module.parameters(recurse=False)):
+                    module.forward = torch.compiler.disable(module.forward)
+        layer.compile()
     return stage
 
 

@@ -44,13 +44,6 @@ class LayerCost:
         return self.f_ms + self.b_ms + self.w_ms
 
 
-def fuse_weight_grads(layers: Sequence[LayerCost]) -> list[LayerCost]:
-    """The costs of layers compiled whole (trainer.compile): their backward computes the weight
-    gradients with the input gradients, so B costs b + w and W nothing (schedules/lower.py lowers
-    a compiled stage's B and W into one BW; this view is zb_auto's search input)."""
-    return [dataclasses.replace(c, b_ms=c.b_ms + c.w_ms, w_ms=0.0) for c in layers]
-
-
 def chunk_costs(layers: Sequence[LayerCost], bounds: Sequence[range]) -> list[tuple[float, float, float]]:
     """Sum layer costs over each chunk's layer range -> [(f, b, w)] per chunk."""
     # fsum: the same per-chunk totals whatever the layer order, so table and simulation agree exactly

@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.table import Table
 
 from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
-from pipetrain.partition.costs import fuse_weight_grads
 from pipetrain.plan import costing_model, measured_layer_costs, model_layer_costs, seq_len
 from pipetrain.planner.memory import StateBytes
 from pipetrain.planner.search import Row, search
@@ -90,19 +89,10 @@ def workload(config: Config) -> Workload:
     in_head = loss_bytes if m.has_seq else 0.0  # a language model's analytic head counts the loss (mlp's not)
     hidden, vocab = m.hidden_size, m.vocab_size or 0
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
-    w_keep = p.w_keep
-    # trainer.compile: B computes the weight gradients too and frees what F saved. The layers in the view a
-    # compiled run measures (metrics/measure.py: b = BW, w = 0), for calibration's fit and the lower bound;
-    # plan.simulate_layout fuses the compiled stages' costs itself (fusing twice changes nothing)
-    if config.trainer.compile:
-        unfused, w_keep = layers, 0.0
-
-        def layers(mbs: int):
-            return fuse_weight_grads(unfused(mbs))
-    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), w_keep,
+    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), p.w_keep,
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
                     first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
-                    fused_backward=config.trainer.compile, first_stage_activation_ratio=first_stage, hidden=hidden,
+                    first_stage_activation_ratio=first_stage, hidden=hidden,
                     vocab=vocab, value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
                     loss_grad_bytes_per_token=8.0 * vocab if m.has_seq else 0.0,
@@ -369,3 +359,4 @@ def apply_row(config: Config, row: Row) -> Config:
                                         c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v)))),
         partition=dataclasses.replace(config.partition, boundaries=None,
                                       name="profile" if c.partition == "time" else c.partition))
+

@@ -281,12 +281,10 @@ class _Evaluator:
         """The candidate as plan.simulate_layout's inputs: what a run's config of this row gives make_plan."""
         dev, work = self.device, self.work
         comm_ms = dev.p2p_latency_ms + self.boundary_bytes(cand) / (dev.p2p_gbs * GB) * 1e3 if cand.pp > 1 else 0.0
-        stages = registry.placement_for(cand.schedule, cand.pp, cand.v).num_stages
         grad_reduce = None if cand.dp * cand.cp == 1 else GradReduce(  # as plan.grad_reduce: cp shards with dp_shard
             1 if cand.dp_shard else cand.dp, self.param_shard(cand), dev.dp_gbs, dev.reduce_dtype,
             latency_ms=dev.reduce_latency_ms)
         return LayoutInputs(cand.schedule, cand.pp, cand.microbatches, cand.v, part, recompute_stages=recompute,
-                            compiled_stages=frozenset(range(stages)) if work.fused_backward else frozenset(),
                             comm_ms=comm_ms, action_overhead_ms=dev.action_overhead_ms, w_keep=work.w_keep,
                             memory_budget=budgets, grad_reduce=grad_reduce,
                             overlap_layers=overlaps(dev.fb_overlap, recompute=cand.recompute))

@@ -31,7 +31,6 @@ class Workload:
     # microbatch size -> per layer, what the layer saves in the first stage over what `layers` says
     # (bf16 autocast: the first stage's residual stream stays fp32, a later stage's is bf16); None: 1
     first_stage_activation_ratio: Optional[Callable[[int], Sequence[float]]] = None
-    fused_backward: bool = False  # trainer.compile: every stage compiled, its B and W one BW (plan.simulate_layout)
     # tensor parallel (schedules/tp_cost.py): a block's width, the vocabulary, bytes per value of the
     # tp collectives, and the activation bytes per token of a block that tp leaves whole without
     # sequence parallel (the norms' inputs and outputs; Korthikanti et al. 2022's 10 of 34)
