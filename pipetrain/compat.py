@@ -217,6 +217,14 @@ def keep_compiled_backward() -> None:
     functorch_config.donated_buffer = False
 
 
+def untraced(fn: Any) -> Any:
+    """`fn` as torch.compiler.disable leaves it where anything imported torch._dynamo (trainer.compile), else
+    `fn` itself (importing it costs ~1.4 s of CPU). For Python hooks autograd calls while a compiled graph
+    runs (the executor's saved-tensor counter): traced, their guards on the counter's state recompiled at
+    every call until dynamo's recompile limit (8), in the measured steps of a compiled run."""
+    return torch.compiler.disable(fn) if _dynamo_loaded() else fn
+
+
 def _dynamo_loaded() -> bool:
     """Whether anything in this process imported torch._dynamo (torch.compile does): until then nothing
     can be tracing, and torch's "do not trace this" wrappers have nothing to do."""
