@@ -22,6 +22,7 @@ Where layer costs come from:
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Collection, Sequence
@@ -105,6 +106,7 @@ class LayoutInputs:
     virtual_stages: int
     partition: Partition  # one tp rank's per-layer costs of one microbatch, cut into the placement's chunks
     recompute_stages: frozenset[int] = frozenset()  # their backward passes run the forward again
+    recompute_modules: tuple[str, ...] = ()  # trainer.recompute=selective: only these modules, in B (else full)
     comm_ms: float = 0.0  # per cross-rank transfer
     fb_overlap: float = 0.0  # sim.fb_overlap
     # pipeline.fb_overlap on or auto: an F&B pair of stages with all-to-alls costs its layers' nodes as the
@@ -144,7 +146,7 @@ def simulate_layout(inputs: LayoutInputs, *, built: Schedule | None = None) -> S
     pl = registry.placement_for(inputs.schedule, inputs.degree, inputs.virtual_stages) if built is None \
         else built.placement
     num_stages = pl.num_stages
-    keep = tuple(1.0 if s in inputs.recompute_stages else inputs.w_keep
+    keep = tuple(1.0 if s in inputs.recompute_stages and not inputs.recompute_modules else inputs.w_keep
                  for s in range(num_stages))  # a W that recomputes does so from everything B kept
     if built is None and inputs.schedule == "zb_auto":
         registry.check(inputs.schedule, inputs.degree, inputs.microbatches, inputs.virtual_stages)
@@ -180,7 +182,11 @@ def layout_stage_costs(inputs: LayoutInputs, pl: Placement, split: Collection[in
     layers = overlap_layers(inputs, pl) if inputs.overlap_layers else ()
     # all-to-alls priced as bytes over one link's bandwidth queue on it (meaningful only with layers)
     costs = StageCosts(*(tuple(c[i] for c in per_stage) for i in range(3)), layers=layers, one_link=bool(layers))
-    if inputs.recompute_stages:
+    if inputs.recompute_stages and inputs.recompute_modules:  # selective: B re-runs the modules' share of f
+        again = [math.fsum(part.layers[i].selective(inputs.recompute_modules)[1] for i in part.bounds[pl.chunk_of(s)])
+                 for s in range(pl.num_stages)]
+        costs = costs.with_selective(again, inputs.recompute_stages)
+    elif inputs.recompute_stages:
         costs = costs.with_recompute(split, inputs.recompute_stages)
     extra = inputs.action_overhead_ms
     if not extra:
@@ -350,6 +356,8 @@ def layout_inputs(config: Config, part: Partition, stages: int) -> LayoutInputs:
     budget = budget_of(s.memory_budget, p.degree) if s.name == "zb_auto" else None
     return LayoutInputs(s.name, p.degree, p.microbatches, s.virtual_stages, part,
                         recompute_stages=recompute_stages(config, stages),
+                        recompute_modules=tuple(config.trainer.recompute_modules)
+                        if config.trainer.recompute == "selective" else (),
                         comm_ms=config.sim.comm_ms, fb_overlap=config.sim.fb_overlap, w_keep=s.w_keep,
                         memory_budget=budget, grad_reduce=grad_reduce(config),
                         overlap_layers=overlap_on(config))

@@ -57,7 +57,8 @@ def test_plan_writes_ranked_rows_with_the_public_fields(tmp_path):
                                                 (False, "partial")])
 def test_a_row_predicts_what_its_config_simulates(compiled, recompute):
     """The best rows, turned into configs (apply_row), simulate to the planner's step time; under
-    trainer.compile both keep B and W apart (as eager stages: issue 49), and under recompute both run the forward again in B and in a W apart (StageCosts.with_recompute), on
+    trainer.compile both keep B and W apart (as eager stages: issue 49), and under recompute both run
+    the forward again in B and in a W apart (StageCosts.with_recompute), on
     every stage or (plan.recompute_partial) on the first ranks' stages (trainer.recompute_stages)."""
     partial = recompute == "partial"
     cfg = compose_config([*SLEEP, "plan.memory_gb=1", "sim.comm_ms=0.5", "plan.schedules=[1f1b,zbh1,zbv,zb_auto]",
@@ -219,7 +220,7 @@ def test_recompute_memory_keeps_each_layers_input_and_one_layer_recomputing():
 
 
 def test_recompute_stages_needs_checkpointing_and_existing_stages():
-    with pytest.raises(ValueError, match="set trainer.activation_checkpointing=true"):
+    with pytest.raises(ValueError, match="set trainer.recompute=full or selective"):
         compose_config(["trainer.recompute_stages=[0]"])
     with pytest.raises(ValueError, match="stage 2 does not exist"):
         _sleep_plan("1f1b", "trainer.recompute_stages=[0,2]")

@@ -62,6 +62,9 @@ class PlannerConfig:
     # with true in plan.recompute: also recompute on the first k pipeline ranks only (k = 1..pp-1), the
     # ranks a 1F1B-like schedule fills with the most microbatches (trainer.recompute_stages)
     recompute_partial: bool = False
+    # with true in plan.recompute: also try each recompute row with trainer.recompute=selective
+    # (trainer.recompute_modules, only those modules recomputed, in B) beside full recompute
+    recompute_selective: bool = False
     dp_shard: bool = False  # dp > 1 as FSDP2 shards (parallel.dp_shard) instead of replicas
     # partition strategies to try (uniform, params, flops, balanced, profile: by measured time, with
     # partition=profile); null = the configured partition's. Rows of two strategies that cut alike are one row

@@ -26,7 +26,6 @@ named as HF's config.json (pipetrain.config.LlamaModelConfig checks them).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Optional
 
@@ -36,9 +35,9 @@ from torch import nn
 
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.moe import MoEConfig
-from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM, layer_cost
+from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM
+from pipetrain.models.llama_costs import llama_layer_costs
 from pipetrain.models.moe_block import MoEBlock
-from pipetrain.models.moe_costs import experts_and_a2a, mlp_params, mlp_values, experts_active
 from pipetrain.models.moe_nodes import block_nodes, single_node
 from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
@@ -132,13 +131,20 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         if self.q_norm is not None and self.k_norm is not None and self.norm_heads:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
+        y = self.core(q, k, v, docs)  # (B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # (B, T, C)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
+        """Core attention (selective recompute's "attention"): RoPE on q (B, T, H, hd) and k (B, T, KV, hd),
+        then attention with v (B, KV, T, hd) -> (B, H, T, hd)."""
+        t, device = q.shape[1], q.device
         cp = self.context  # under context parallel x holds this rank's positions of each sequence only
         if docs is not None:  # the tables at each token's position in its document: (B, 1, T, hd); under
             n = t if cp is None else cp.seq_len  # context parallel a document may be as long as the whole row
-            cos, sin = (c[docs.positions].unsqueeze(1) for c in self.rotary.tables(n, x.device, q.dtype))
+            cos, sin = (c[docs.positions].unsqueeze(1) for c in self.rotary.tables(n, device, q.dtype))
         else:
-            cos, sin = self.rotary.tables(t, x.device, q.dtype) if cp is None else cp.tables(self.rotary, x.device,
-                                                                                               q.dtype)
+            cos, sin = self.rotary.tables(t, device, q.dtype) if cp is None else cp.tables(self.rotary, device,
+                                                                                             q.dtype)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
         gqa = self.kv_heads != self.heads  # query head i reads key/value head i // (H / KV), as HF's repeat_kv
@@ -148,7 +154,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask(), enable_gqa=gqa)
         else:  # without copying k and v
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # (B, T, C)
+        return y
 
 
 class MLP(nn.Module):
@@ -159,7 +165,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C) -> (B, T, I) -> (B, T, C)
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))  # (B, T, C) -> (B, T, I) -> (B, T, C)
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation (selective recompute's "mlp_act"): (B, T, I) twice -> (B, T, I)."""
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -198,6 +208,21 @@ class DecoderLayer(nn.Module):
     def cp_plan(self) -> tuple[str, ...]:
         """The attention modules context parallel gives the cp group's K/V (parallel/cp.py)."""
         return ("self_attn",)
+
+    def recompute_plan(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        """Selective recompute's calls (parallel/recompute.py): core attention, the norms, the dense MLP's
+        activation, or the MoE's: its experts' (moe_act) and its shared experts' (mlp_act)."""
+        attn = self.self_attn
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["self_attn.q_norm", "self_attn.k_norm"] if attn.q_norm is not None else []
+        plan = {"attention": (("self_attn", "core"),), "norm": tuple((n, "forward") for n in norms)}
+        if isinstance(self.mlp, MLP):
+            plan["mlp_act"] = (("mlp", "act"),)
+        else:
+            plan["moe_act"] = (("mlp.experts", "act"),)
+            if self.mlp.shared_experts is not None:
+                plan["mlp_act"] = (("mlp.shared_experts", "act"),)
+        return plan
 
     def ep_plan(self) -> tuple[str, ...]:
         """The stacked experts expert parallel splits (parallel/ep.py): an MoE MLP's, none of a dense one."""
@@ -242,6 +267,9 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))  # (B, T, C) -> (B, T, V)
+
+    def recompute_plan(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        return {"norm": (("norm", "forward"),)}
 
     def tp_plan(self) -> TPLayerPlan:
         """lm_head column-parallel on the vocabulary, its (B, T, V/tp) logits left split (the vocab-parallel loss)."""
@@ -323,62 +351,3 @@ def pipetrain_name(key: str, *, num_hidden_layers: int) -> str:
             and int(parts[2]) < num_hidden_layers:
         return f"layers.{int(parts[2]) + 1}.{parts[3]}"
     raise ValueError(f"{key!r} is not a key of a {num_hidden_layers}-layer HF Llama-family checkpoint")
-
-
-# ---- sizes and costs (pure arithmetic over the resolved config) ------------------------------
-
-
-def llama_layer_params(cfg: dict[str, Any]) -> list[int]:
-    """Parameters each pipeline layer stores. A tied head counts its copy of the embedding
-    (V*C), what it stores when it sits on another stage: sum(...) = total + V*C then. MoE
-    blocks count all their experts (moe_costs.mlp_params)."""
-    c, v = cfg["hidden_size"], cfg["vocab_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    qkv_bias = cfg["attention_bias"] or cfg["qkv_bias"]
-    attn = c * (q + 2 * kv) + q * c + qkv_bias * (q + 2 * kv) + cfg["attention_bias"] * c
-    qk_norm = (2 * cfg["head_dim"] if cfg.get("qk_norm_per_head", True) else q + kv) if cfg["qk_norm"] else 0
-    block = attn + 2 * c + qk_norm
-    return [v * c, *(block + stored for stored, _ in mlp_params(cfg)), c + v * c]
-
-
-def llama_param_count(cfg: dict[str, Any]) -> int:
-    """Distinct parameters of the unsplit model (a tied embedding counted once), as published."""
-    tied = cfg["vocab_size"] * cfg["hidden_size"] if cfg["tie_word_embeddings"] else 0
-    return sum(llama_layer_params(cfg)) - tied
-
-
-def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops: float,
-                      bytes_per_value: int = 4) -> list[LayerCost]:
-    """Per-layer costs of one microbatch (causal_lm.layer_cost's FLOP model, as GPT-2's).
-
-    Attention's matmuls are 2 * 2 * T * (H * hd) FLOPs per token. Activation values kept per
-    token by a block (what autograd saves; tests/test_llama.py measures it): each RMSNorm
-    keeps its input and normalized value and hands a new tensor to the projections (3C, twice),
-    SDPA keeps q, k, v and its output (2 H hd + 2 KV hd; o_proj's input is a view of that
-    output), the MLP gate, silu(gate), up and their product (4I); QK-norm adds its inputs and
-    normalized values (2 H hd + 2 KV hd). Left out: one value per token per norm and per head
-    (rsqrt, log-sum-exp) and the (T, hd) RoPE tables. The embedding keeps the int64 ids; the
-    head its norm (3C), the log-softmax of the logits (V) and the int64 targets.
-    """
-    c, v, t, tokens = cfg["hidden_size"], cfg["vocab_size"], seq, microbatch * seq
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    params = llama_layer_params(cfg)
-    # an MoE block multiplies each token by its active parameters only (moe_costs.py)
-    matmuls = [params[1 + b] - stored + active for b, (stored, active) in enumerate(mlp_params(cfg))]
-    block_values = [6 * c + 2 * q + 2 * kv + mlp + cfg["qk_norm"] * 2 * (q + kv) for mlp in mlp_values(cfg)]
-
-    def cost(name: str, stored: int, matmul: int, attn_f: int, act: int) -> LayerCost:
-        return layer_cost(name, stored=stored, matmul=matmul, attn_f=attn_f, act=act, tokens=tokens, tflops=tflops)
-
-    out = [cost("embed", params[0], 0, 0, 8)]
-    moe = experts_and_a2a(cfg)  # what expert parallel splits and sends; cp gathers each block's K and V
-    blocks = [cost(f"layers.{i}", params[1 + i], matmuls[i], 2 * 2 * t * q, block_values[i] * bytes_per_value)
-              for i in range(cfg["num_hidden_layers"])]
-    # 2 forward FLOPs per routed (shared) expert parameter a token meets, of the block's forward FLOPs
-    share = lambda active, b: 2 * active / b.flops_per_token if b.flops_per_token else 0.0  # noqa: E731
-    out += [dataclasses.replace(b, experts_params=moe[i][0], a2a_values_per_token=moe[i][1],
-                                kv_values_per_token=2 * kv, experts_flops_share=share(routed, b),
-                                shared_experts_flops_share=share(shared, b))
-            for i, (b, (routed, shared)) in enumerate(zip(blocks, experts_active(cfg)))]
-    out.append(cost("head", params[-1], params[-1], 0, (3 * c + v) * bytes_per_value + 8))
-    return out

@@ -4,7 +4,8 @@
       -> tensor parallel      parallel/tp_plan.py, from each layer's declared plan (parallel/layer_spec.py)
       -> expert parallel      parallel/ep.py: this rank's block of each declared stacked-experts module
       -> context parallel     parallel/cp.py: declared attention modules attend over the cp group's K/V
-      -> activation recompute trainer.activation_checkpointing / plan.recompute_stages
+      -> activation recompute trainer.recompute / plan.recompute_stages: whole layers, or a layer's declared
+                              modules (parallel/recompute.py)
       -> compile              trainer.compile: each layer, in place, after TP and before FSDP; where the
                               schedule runs the stage's B and W apart, its matrix-weight modules eager
       -> data parallel        FSDP2 under dp_shard (HSDP too; experts over their own mesh), plain
@@ -37,6 +38,7 @@ from pipetrain.parallel.cp import ContextAttention, context_parallel, local_posi
 from pipetrain.parallel.dp import DataParallel, data_parallel, local_rows
 from pipetrain.parallel.ep import expert_parallel, parallelize_experts
 from pipetrain.parallel.mesh import RankGroups
+from pipetrain.parallel.recompute import recompute_modules
 from pipetrain.parallel.split_weights import SplitWeights
 from pipetrain.parallel.tp_plan import TensorParallel, tensor_parallel
 from pipetrain.runtime.batch import Batch
@@ -64,6 +66,7 @@ class Parallelize:
     ep: Optional[EPGroup] = None
     cp: Optional[ContextAttention] = None
     recompute: bool | Collection[int] = False
+    recompute_modules: tuple[str, ...] = ()  # trainer.recompute=selective: these modules, not whole layers
     compiled: bool | Collection[int] = False
     # compiled stages whose schedule runs B and W apart (train/pipeline.py: schedules/lower.py split_on)
     apart: Collection[int] = frozenset()
@@ -77,6 +80,8 @@ class Parallelize:
         return cls(tp=tensor_parallel(config, groups), ep=expert_parallel(groups),
                    cp=context_parallel(groups, config.data.seq_len, config.parallel.cp_rotate),
                    recompute=plan.recompute_stages, compiled=plan.compiled_stages, dp=data_parallel(config, groups),
+                   recompute_modules=tuple(t.recompute_modules) if (t := config.trainer).recompute == "selective"
+                   else (),
                    rows=(groups.dp_index, config.layout.dp))
 
     def local_batch(self, batch: Batch) -> Batch:
@@ -150,7 +155,11 @@ def apply_cp(p: Parallelize, stage: nn.Module) -> nn.Module:
 
 
 def apply_recompute(p: Parallelize, stage: nn.Module) -> nn.Module:
-    stage.checkpoint_layers = p.recompute if isinstance(p.recompute, bool) else stage.stage_id in p.recompute
+    on = p.recompute if isinstance(p.recompute, bool) else stage.stage_id in p.recompute
+    stage.checkpoint_layers = on and not p.recompute_modules
+    if on and p.recompute_modules:
+        for layer in stage.layers.values():
+            recompute_modules(layer, p.recompute_modules, compiled=p.compiles(stage.stage_id))
     return stage
 
 

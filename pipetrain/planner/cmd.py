@@ -93,6 +93,7 @@ def workload(config: Config) -> Workload:
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
                     first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
                     first_stage_activation_ratio=first_stage, hidden=hidden,
+                    recompute_modules=tuple(config.trainer.recompute_modules),
                     vocab=vocab, value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
                     loss_grad_bytes_per_token=8.0 * vocab if m.has_seq else 0.0,
@@ -230,7 +231,8 @@ def plan_candidates(config: Config) -> list[Candidate]:
                  num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
                  virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches, tp_degrees=p.tp,
                  cp_degrees=cp_degrees(config))
-    cands = candidates(**space, recompute=p.recompute, recompute_partial=p.recompute_partial, dp_shard=p.dp_shard,
+    cands = candidates(**space, recompute=p.recompute, recompute_partial=p.recompute_partial,
+                       recompute_selective=p.recompute_selective, dp_shard=p.dp_shard,
                        partitions=part, sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config))
     if not cands:
         raise ValueError(f"the plan space is empty for world {space['world']} and global batch "
@@ -354,9 +356,13 @@ def apply_row(config: Config, row: Row) -> Config:
                                      sequence_parallel=c.sequence_parallel, ep=c.ep, cp=c.cp,
                                      cp_rotate=config.parallel.cp_rotate if c.cp > 1 else "allgather"),
         data=dataclasses.replace(config.data, batch_size=c.dp * c.microbatches * c.microbatch_size),
-        trainer=dataclasses.replace(config.trainer, activation_checkpointing=c.recompute,
+        trainer=dataclasses.replace(config.trainer, activation_checkpointing=False, recompute=row_recompute(config, c),
                                     recompute_stages=None if c.recompute_ranks is None else sorted(
                                         c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v)))),
         partition=dataclasses.replace(config.partition, boundaries=None,
                                       name="profile" if c.partition == "time" else c.partition))
 
+
+def row_recompute(config: Config, c: Candidate) -> str:
+    """A row's trainer.recompute: the row's mode where it recomputes, else none."""
+    return c.recompute_mode

@@ -42,6 +42,7 @@ class Workload:
     # kept per microbatch in flight on the last stage with or without recompute (it runs outside the
     # checkpointed layers); `layers` leaves it out of the last layer
     loss_bytes_per_token: float = 0.0
+    recompute_modules: tuple[str, ...] = ()  # trainer.recompute_modules: what a selective row recomputes
     # per layer, bytes per microbatch in flight of the bf16 copies autocast makes of its Linear weights
     # (models/profile.autocast_weight_bytes; empty: none); `layers` leaves them out. FSDP2 rows compute
     # in bf16 parameters and make none

@@ -21,8 +21,9 @@ not only hand-written layers:
      twice that way; such a group is instead recomputed from the outputs (correct, and
      rare: GPT-2 and MLP stages never need it). A stage without a differentiable input
      (the first) has no input path: B does nothing and W is one full pass. A group bounded by
-     a compiled graph's node (trainer.compile: a norm's scale inside it) gets its gradients
-     in B's pass: that node computes input and weight gradients at once and cannot be re-run.
+     a node computing input and weight gradients at once (a compiled graph's under trainer.compile,
+     a selectively recomputed call's: a norm's scale inside) gets its gradients in B's pass, as
+     re-running that node for W would compute (or recompute) it all again.
 
 Steps 1-2 are Python graph walks. Every microbatch of a stage builds the same graph, so
 their result (the *analysis*) is cached under the graph's structure: one breadth-first walk
@@ -61,6 +62,8 @@ from pipetrain.compat import is_view, run_backward, saved_tensor_data, saved_ten
 
 _ANALYSIS_CACHE_SIZE = 64  # graph structures remembered (a few per stage: training, and any odd shapes)
 _PLAIN = (torch.Tensor, torch.nn.Parameter, GradientEdge)
+# nodes whose one backward gives input and weight gradients (trainer.compile; parallel/recompute.py)
+_WHOLE = ("CompiledFunctionBackward", "_RecomputedBackward")
 
 
 def _grad_node(t: torch.Tensor) -> Optional[Node]:
@@ -157,8 +160,8 @@ def _analysis_for(outputs: list[torch.Tensor], diff_inputs: list[torch.Tensor],
     key = (tuple(map(type, order)), tuple(edges), outs, ins, tuple(accs))
     analysis = _analyses.get(key)
     if analysis is None:
-        compiled = {i for i, n in enumerate(order) if type(n).__name__ == "CompiledFunctionBackward"}
-        analysis = _analyses[key] = _analyse(order, edges, outs, ins, accs, compiled)
+        whole = {i for i, n in enumerate(order) if type(n).__name__ in _WHOLE}
+        analysis = _analyses[key] = _analyse(order, edges, outs, ins, accs, whole)
         if len(_analyses) > _ANALYSIS_CACHE_SIZE:
             _analyses.popitem(last=False)
     else:
@@ -167,7 +170,7 @@ def _analysis_for(outputs: list[torch.Tensor], diff_inputs: list[torch.Tensor],
 
 
 def _analyse(order: list[Node], edges: list[tuple[tuple[int, int], ...]], outs: tuple[tuple[int, int], ...],
-             ins: tuple[int, ...], accs: list[int], compiled: set[int]) -> _GraphAnalysis:
+             ins: tuple[int, ...], accs: list[int], whole: set[int]) -> _GraphAnalysis:
     """Steps 1-2 of the module docstring, on node numbers."""
     kids = [tuple(c for c, _ in es if c >= 0) for es in edges]
     parents: list[list[int]] = [[] for _ in order]
@@ -228,7 +231,7 @@ def _analyse(order: list[Node], edges: list[tuple[tuple[int, int], ...]], outs: 
     in_b: list[int] = []
     for gid in sorted(groups):
         params, boundary = groups[gid]
-        if any(b in compiled and b in input_path for b in boundary):
+        if any(b in whole and b in input_path for b in boundary):
             in_b.extend(params)
             continue
         if _reaches_through_input_path(params, boundary, kids, parents, input_path, accs):
