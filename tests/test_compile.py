@@ -1,6 +1,7 @@
 """trainer.compile=true on real gloo processes: every layer of every stage compiled with
-torch.compile (in place, names unchanged), llama-tiny. At P=2 two runs in one process group: tp=2
-(the TP collectives inside compiled blocks) and pp=2 under ZB-V; at P=4 ZB-V alone. A compiled stage
+torch.compile (in place, names unchanged), llama-tiny. At P=2 three runs in one process group: tp=2
+(the TP collectives inside compiled blocks), that under selective recompute (trainer.recompute=selective:
+the recomputed calls eager between compiled graphs), and pp=2 under ZB-V; at P=4 ZB-V alone. A compiled stage
 keeps ZB-V's B and W apart (parallel/parallelize.py apply_compile: its matrix-weight modules run eager,
 so W holds their weight-gradient GEMMs; runtime/backward.py), the first step's receives waiting out the
 peer's compilation (trainer.compile_timeout_s). The losses of steps 1-3 equal the eager single process
@@ -75,7 +76,9 @@ def test_compiled_stages_train_as_eager(compose, tmp_path: Path):
     cases = {"tp2": ["pipeline.degree=1", "parallel.tp=2", "schedule=1f1b"],
              # a short P2P timeout: the first step's receives wait for the peer's compilation (many
              # seconds), which trainer.compile_timeout_s covers; steps 2-3 run under the 5 s
-             "zbv": ["pipeline.degree=2", "schedule=zbv", "pipeline.p2p_timeout_s=5"]}
+             "zbv": ["pipeline.degree=2", "schedule=zbv", "pipeline.p2p_timeout_s=5"],
+             # selective recompute under compile: the recomputed calls run eager between compiled graphs
+             "tp2-selective": ["pipeline.degree=1", "parallel.tp=2", "schedule=1f1b", "trainer.recompute=selective"]}
     plans = check_against_eager(compose, tmp_path, cases, 2)
     check_zbv_trace(tmp_path, plans["zbv"].schedule)
 
