@@ -207,6 +207,24 @@ def to_empty(module: torch.nn.Module, *, device: Any) -> None:
     module._apply(empty)
 
 
+def keep_compiled_backward() -> None:
+    """`torch._functorch.config.donated_buffer = False`: a compiled backward may otherwise reuse the memory
+    of the tensors its forward saved (donated buffers) and then refuses retain_graph=True, which the split
+    backward's B passes (runtime/backward.py: W restarts the graph below B's boundaries). Set before the
+    first backward compiles (AOTAutograd reads it then); no public knob says "this graph is run again"."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
+
+
+def untraced(fn: Any) -> Any:
+    """`fn` as torch.compiler.disable leaves it where anything imported torch._dynamo (trainer.compile), else
+    `fn` itself (importing it costs ~1.4 s of CPU). For Python hooks autograd calls while a compiled graph
+    runs (the executor's saved-tensor counter): traced, their guards on the counter's state recompiled at
+    every call until dynamo's recompile limit (8), in the measured steps of a compiled run."""
+    return torch.compiler.disable(fn) if _dynamo_loaded() else fn
+
+
 def _dynamo_loaded() -> bool:
     """Whether anything in this process imported torch._dynamo (torch.compile does): until then nothing
     can be tracing, and torch's "do not trace this" wrappers have nothing to do."""

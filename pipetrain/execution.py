@@ -75,10 +75,10 @@ def compiled_stages(config: Config, num_stages: int) -> frozenset[int]:
 
 
 def recompute_stages(config: Config, num_stages: int) -> frozenset[int]:
-    """The stage ids that recompute: none without trainer.activation_checkpointing, else
+    """The stage ids that recompute (trainer.recompute full or selective): none with recompute=none, else
     trainer.recompute_stages (every stage when null), each checked against the schedule's stages."""
     t = config.trainer
-    if not t.activation_checkpointing:
+    if t.recompute == "none":
         return frozenset()
     if t.recompute_stages is None:
         return frozenset(range(num_stages))

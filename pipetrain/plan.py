@@ -22,6 +22,7 @@ Where layer costs come from:
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Collection, Sequence
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Collection, Sequence
 from pipetrain.config import Config, ModelConfig, SleepModelConfig
 from pipetrain.execution import (compiled_stages, cost_source, measures_here, overlap_on, pairs_fb, profile_device,
                                  recompute_stages)
-from pipetrain.partition.costs import LayerCost, chunk_costs, cp_layer_costs, ep_layer_costs, fuse_weight_grads
+from pipetrain.partition.costs import LayerCost, chunk_costs, cp_layer_costs, ep_layer_costs
 from pipetrain.models.sleep import sleep_layer_costs
 from pipetrain.partition.partition import Partition, require_chunks
 from pipetrain.partition.strategies import partition
@@ -38,7 +39,7 @@ from pipetrain.schedules import registry
 from pipetrain.schedules.fb_pairs import LayerNodes
 from pipetrain.schedules.ir import Schedule
 from pipetrain.schedules.placement import Placement
-from pipetrain.schedules.lower import fuse_backward, pair_fb
+from pipetrain.schedules.lower import pair_fb
 from pipetrain.schedules.reduce import add_reduces
 from pipetrain.schedules.reduce_cost import reduce_ms, stage_params
 from pipetrain.schedules.simulate import SimResult, StageCosts, simulate, split_stages
@@ -64,7 +65,8 @@ class Plan:
     reduce_ms: tuple[float, ...] | None = None
     # stage ids whose layers recompute (trainer.activation_checkpointing)
     recompute_stages: frozenset[int] = frozenset()
-    compiled_stages: frozenset[int] = frozenset()  # stage ids whose layers are compiled (trainer.compile): BW, no W
+    # stage ids whose layers are compiled (trainer.compile); their B and W stay apart (runtime/backward.py)
+    compiled_stages: frozenset[int] = frozenset()
     # what simulate_layout returned for this plan: `simulated.result` is mode=simulate's simulation
     simulated: SimulatedPlan | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -108,7 +110,7 @@ class LayoutInputs:
     virtual_stages: int
     partition: Partition  # one tp rank's per-layer costs of one microbatch, cut into the placement's chunks
     recompute_stages: frozenset[int] = frozenset()  # their backward passes run the forward again
-    compiled_stages: frozenset[int] = frozenset()  # their B and W run as one BW (schedules/lower.py)
+    recompute_modules: tuple[str, ...] = ()  # trainer.recompute=selective: only these modules, in B (else full)
     comm_ms: float = 0.0  # per cross-rank transfer
     fb_overlap: float = 0.0  # sim.fb_overlap
     # pipeline.fb_overlap on or auto: an F&B pair of stages with all-to-alls costs its layers' nodes as the
@@ -125,8 +127,8 @@ class SimulatedPlan:
     """What simulate_layout returns: the schedule that runs, what its actions cost, and (on first
     read, `result`) its simulation."""
 
-    schedule: Schedule  # lowered: compiled stages run BW, and under data parallel the reductions placed
-    stage_costs: StageCosts  # per stage id; compiled stages as B = b + w, W = 0 (their BW costs b + w)
+    schedule: Schedule  # lowered: F&B pairs and, under data parallel, the reductions placed
+    stage_costs: StageCosts  # per stage id
     reduce_ms: tuple[float, ...] | None  # per stage id, its gradient reduction; None without data parallel
     w_keep: tuple[float, ...]  # per stage id, the share B keeps for W (all of it where W recomputes)
     comm_ms: float
@@ -147,18 +149,18 @@ def simulate_layout(inputs: LayoutInputs, *, built: Schedule | None = None) -> S
     CSV), lowered and costed here instead of built; zb_auto is searched for `inputs`' own costs."""
     pl = registry.placement_for(inputs.schedule, inputs.degree, inputs.virtual_stages) if built is None \
         else built.placement
-    num_stages, compiled = pl.num_stages, inputs.compiled_stages
-    keep = tuple(1.0 if s in inputs.recompute_stages and s not in compiled else inputs.w_keep
+    num_stages = pl.num_stages
+    keep = tuple(1.0 if s in inputs.recompute_stages and not inputs.recompute_modules else inputs.w_keep
                  for s in range(num_stages))  # a W that recomputes does so from everything B kept
-    if built is None and inputs.schedule == "zb_auto":  # compiled stages searched as B = b + w, W = 0, then lowered
+    if built is None and inputs.schedule == "zb_auto":
         registry.check(inputs.schedule, inputs.degree, inputs.microbatches, inputs.virtual_stages)
-        search = layout_stage_costs(inputs, pl, set(range(num_stages)) - compiled)
+        search = layout_stage_costs(inputs, pl, set(range(num_stages)))
         steps = zb_auto_order(inputs.degree, inputs.microbatches, f=search.f, b=search.b, w=search.w,
                               comm=inputs.comm_ms, budget=inputs.memory_budget, w_keep=list(keep))
         built = Schedule.build(inputs.schedule, pl, inputs.microbatches, steps)
     elif built is None:
         built = registry.build(inputs.schedule, inputs.degree, inputs.microbatches, inputs.virtual_stages)
-    schedule = lower(built, compiled, inputs.grad_reduce,
+    schedule = lower(built, inputs.grad_reduce,
                      pair=inputs.overlap_layers and any(l.comm_f_ms or l.comm_b_ms for l in inputs.partition.layers))
     # which stages run W apart from B decides what recompute and the per-action overhead add to W
     split = split_stages(schedule) if inputs.recompute_stages or inputs.action_overhead_ms else set()
@@ -176,18 +178,21 @@ def simulate_layout(inputs: LayoutInputs, *, built: Schedule | None = None) -> S
 
 
 def layout_stage_costs(inputs: LayoutInputs, pl: Placement, split: Collection[int]) -> StageCosts:
-    """Per stage id (f, b, w) of one microbatch: the chunk's layers summed (a compiled stage's as
-    B = b + w, W = 0: zb_auto's search input; its BW costs b + w either way); a recomputing stage's
+    """Per stage id (f, b, w) of one microbatch: the chunk's layers summed (a compiled stage's alike: its
+    B and W stay apart, runtime/backward.py); a recomputing stage's
     backward passes run its forward again (in W too on the stages in `split`, StageCosts.with_recompute);
     inputs.action_overhead_ms added to every action (to W on the stages in `split` only)."""
-    part, compiled = inputs.partition, inputs.compiled_stages
+    part = inputs.partition
     chunks = chunk_costs(part.layers, part.bounds)
-    fused = chunk_costs(fuse_weight_grads(part.layers), part.bounds) if compiled else chunks
-    per_stage = [(fused if s in compiled else chunks)[pl.chunk_of(s)] for s in range(pl.num_stages)]
+    per_stage = [chunks[pl.chunk_of(s)] for s in range(pl.num_stages)]
     layers = overlap_layers(inputs, pl) if inputs.overlap_layers else ()
     # all-to-alls priced as bytes over one link's bandwidth queue on it (meaningful only with layers)
     costs = StageCosts(*(tuple(c[i] for c in per_stage) for i in range(3)), layers=layers, one_link=bool(layers))
-    if inputs.recompute_stages:
+    if inputs.recompute_stages and inputs.recompute_modules:  # selective: B re-runs the modules' share of f
+        again = [math.fsum(part.layers[i].selective(inputs.recompute_modules)[1] for i in part.bounds[pl.chunk_of(s)])
+                 for s in range(pl.num_stages)]
+        costs = costs.with_selective(again, inputs.recompute_stages)
+    elif inputs.recompute_stages:
         costs = costs.with_recompute(split, inputs.recompute_stages)
     extra = inputs.action_overhead_ms
     if not extra:
@@ -201,8 +206,8 @@ def layout_stage_costs(inputs: LayoutInputs, pl: Placement, split: Collection[in
 def overlap_layers(inputs: LayoutInputs, pl: Placement) -> tuple[tuple[LayerNodes, ...], ...]:
     """Per stage id, per layer, its node times (schedules/fb_pairs.py LayerNodes.split of the layer's f, b,
     w, all-to-all and experts share): the F&B overlap model's input (StageCosts.layers); () when no layer
-    has an all-to-all (dense models keep the scalar sim.fb_overlap). A compiled stage runs BW, which
-    carries each layer's w in its nodes (LayerNodes.backward)."""
+    has an all-to-all (dense models keep the scalar sim.fb_overlap). A BW carries each layer's w in its nodes
+    (LayerNodes.backward)."""
     part = inputs.partition
     if not any(l.comm_f_ms or l.comm_b_ms for l in part.layers):
         return ()
@@ -212,14 +217,12 @@ def overlap_layers(inputs: LayoutInputs, pl: Placement) -> tuple[tuple[LayerNode
     return tuple(tuple(nodes[i] for i in part.bounds[pl.chunk_of(s)]) for s in range(pl.num_stages))
 
 
-def lower(schedule: Schedule, compiled: Collection[int], grad_reduce: GradReduce | None, *,
-          pair: bool = False) -> Schedule:
-    """Every run-time change to a schedule, in order: a compiled stage's B becomes BW and its W goes
-    (schedules/lower.py), with `pair` (F&B overlap of all-to-alls: `pairs_fb`) a forward followed by
-    another microbatch's backward becomes an F&B pair (Megatron's combined 1F1B), then under data
-    parallel each stage's gradient reduction is placed after its last W or BW (or at the end).
+def lower(schedule: Schedule, grad_reduce: GradReduce | None, *, pair: bool = False) -> Schedule:
+    """Every run-time change to a schedule, in order: with `pair` (F&B overlap of all-to-alls:
+    `pairs_fb`) a forward followed by another microbatch's backward becomes an F&B pair (Megatron's
+    combined 1F1B), then under data parallel each stage's gradient reduction is placed after its last W
+    or BW (or at the end).
     Lowered twice is lowered once."""
-    schedule = fuse_backward(schedule, compiled)
     if pair:
         schedule = pair_fb(schedule)
     if grad_reduce is not None:
@@ -228,9 +231,9 @@ def lower(schedule: Schedule, compiled: Collection[int], grad_reduce: GradReduce
 
 
 def build_schedule(config: Config) -> Schedule:
-    """The run's validated schedule, lowered (`lower`): a compiled stage's B is BW and its W gone, then
-    under data parallel the gradient reductions placed. `zb_auto` is searched here for unit costs;
-    make_plan searches it again for the run's own (simulate_layout)."""
+    """The run's validated schedule, lowered (`lower`): F&B pairs where they run, then under data
+    parallel the gradient reductions placed (a compiled stage keeps its B and W: runtime/backward.py).
+    `zb_auto` is searched here for unit costs; make_plan searches it again for the run's own (simulate_layout)."""
     s, p = config.schedule, config.pipeline
     if s.name == registry.CUSTOM:
         schedule = registry.load_custom(
@@ -239,8 +242,7 @@ def build_schedule(config: Config) -> Schedule:
         )
     else:
         schedule = registry.build(s.name, p.degree, p.microbatches, s.virtual_stages)
-    schedule = lower(schedule, compiled_stages(config, schedule.placement.num_stages), grad_reduce(config),
-                     pair=pairs_fb(config))
+    schedule = lower(schedule, grad_reduce(config), pair=pairs_fb(config))
     validate(schedule, p2p_lookahead=p.p2p_lookahead, p2p_transport=p.p2p_transport)
     return schedule
 
@@ -359,7 +361,7 @@ def make_plan(config: Config) -> Plan:
         if formula is not None:
             analytic = formula(schedule.num_ranks, schedule.placement.stages_per_rank, rc)
     return Plan(schedule, part, costs, rc, analytic, cost_source(config), laid.reduce_ms, inputs.recompute_stages,
-                inputs.compiled_stages, laid)
+                compiled_stages(config, schedule.placement.num_stages), laid)
 
 
 def layout_inputs(config: Config, part: Partition, stages: int) -> LayoutInputs:
@@ -368,7 +370,8 @@ def layout_inputs(config: Config, part: Partition, stages: int) -> LayoutInputs:
     budget = budget_of(s.memory_budget, p.degree) if s.name == "zb_auto" else None
     return LayoutInputs(s.name, p.degree, p.microbatches, s.virtual_stages, part,
                         recompute_stages=recompute_stages(config, stages),
-                        compiled_stages=compiled_stages(config, stages),
+                        recompute_modules=tuple(config.trainer.recompute_modules)
+                        if config.trainer.recompute == "selective" else (),
                         comm_ms=config.sim.comm_ms, fb_overlap=config.sim.fb_overlap, w_keep=s.w_keep,
                         memory_budget=budget, grad_reduce=grad_reduce(config),
                         overlap_layers=overlap_on(config))

@@ -20,6 +20,7 @@ from pipetrain.parallel.table import rank_table
 from pipetrain.partition.partition import Partition
 from pipetrain.partition.table import compact_names, partition_table
 from pipetrain.plan import Plan, make_plan
+from pipetrain.schedules.lower import split_on
 from pipetrain.schedules import render
 from pipetrain.schedules.export import rounded
 from pipetrain.schedules.gc_pause import gc_paused
@@ -168,11 +169,12 @@ def plan_and_simulate(
         console.print(f"{title}: {_too_many('stage', part.num_chunks)}; est. ms imbalance "
                       f"{100 * part.time_imbalance():.1f}%", highlight=False)
     console.print(_cost_note(config, plan), style="dim")
-    if plan.compiled_stages:  # schedules/lower.py: what the schedule, schedule.csv and the run say alike
-        ids = sorted(plan.compiled_stages)
-        who = "every stage" if len(ids) == plan.schedule.placement.num_stages else "stages " + ", ".join(map(str, ids))
-        console.print(f"trainer.compile: {who} runs B and W as one BW (compiled layers cannot split their "
-                      f"backward)", style="dim", highlight=False)
+    apart = sorted(s for s in plan.compiled_stages if split_on(plan.schedule, [s]))
+    if apart:  # parallel/parallelize.py apply_compile: the schedule, schedule.csv and the run say alike
+        who = "every stage" if len(apart) == plan.schedule.placement.num_stages else "stages " + ", ".join(
+            map(str, apart))
+        console.print(f"trainer.compile: {who} keeps B and W apart (matrix-weight modules run eager, their "
+                      f"weight-gradient GEMMs in W)", style="dim", highlight=False)
     layout = config.layout
     if layout.world > layout.pp and layout.world > MAX_TABLE_ROWS:
         console.print(f"ranks of {layout.describe()}: {_too_many('rank', layout.world)}", highlight=False)

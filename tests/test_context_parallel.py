@@ -5,7 +5,8 @@ llama-tiny (GQA, tied embedding and head) with every sequence split over cp=2 ra
 chunks, parallel/cp.py): cp=2 x pp=2 under 1f1b with K/V all-gathered and under zbv with the K/V
 ring (split backward: the ring's dK/dV travel inside B), cp=2 x dp_shard=2 (FSDP2 over
 dp_shard x cp), and cp=2 x tp=2 with sequence parallel and the ring (each tp rank's 2 query heads
-and 1 KV head go around its cp group; sequence parallel splits a cp rank's positions again). The
+and 1 KV head go around its cp group; sequence parallel splits a cp rank's positions again), that
+again under selective recompute (its core attention's ring re-run in B). The
 losses of steps 1-3 and the parameters after 3 clipped AdamW steps equal a single process training
 on the same batches (test_tensor_parallel.py's bounds).
 """
@@ -21,7 +22,10 @@ CASES = {"cp2-pp2-1f1b-allgather": ["pipeline.degree=2", "schedule=1f1b", "paral
          "cp2-pp2-zbv-ring": ["pipeline.degree=2", "schedule=zbv", "parallel.cp_rotate=ring"],
          "cp2-dp_shard2": ["pipeline.degree=1", "parallel.dp_shard=2", "pipeline.microbatches=2"],
          "cp2-tp2-sp-ring": ["pipeline.degree=1", "parallel.tp=2", "parallel.sequence_parallel=true",
-                             "parallel.cp_rotate=ring"]}
+                             "parallel.cp_rotate=ring"],
+         # selective recompute (parallel/recompute.py): the ring's attention re-runs inside B
+         "cp2-tp2-sp-ring-selective": ["pipeline.degree=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                       "parallel.cp_rotate=ring", "trainer.recompute=selective"]}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import torch
 from rich.console import Console
 
 from pipetrain.config import LLAMA_OPTIONS, LlamaModelConfig
-from pipetrain.models.llama import Llama, hf_name, llama_layer_params, llama_param_count, pipetrain_name
+from pipetrain.models.llama import Llama, hf_name, pipetrain_name
+from pipetrain.models.llama_costs import llama_layer_params, llama_param_count
 from pipetrain.models.split import build_stage
 from pipetrain.plan import build_model
 from pipetrain.schedules import registry

@@ -19,7 +19,7 @@ import yaml
 from _dist import spawn
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.models.factory import build_model
-from pipetrain.models.llama import llama_param_count
+from pipetrain.models.llama_costs import llama_param_count
 from pipetrain.models.moe_block import AttachAuxLoss, moe_blocks, set_aux_loss_scale, update_expert_biases
 from pipetrain.models.split import split_model
 from pipetrain.parallel.parallelize import Parallelize

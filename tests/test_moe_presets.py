@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipetrain.models.factory import build_model
-from pipetrain.models.llama import llama_layer_costs, llama_param_count
+from pipetrain.models.llama_costs import llama_layer_costs, llama_param_count
 from pipetrain.models.moe_costs import idle_params
 
 pytestmark = pytest.mark.pure

@@ -21,7 +21,8 @@ import yaml
 from _dist import spawn
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.models.factory import build_model
-from pipetrain.models.llama import hf_name, llama_layer_costs, llama_param_count, pipetrain_name
+from pipetrain.models.llama import hf_name, pipetrain_name
+from pipetrain.models.llama_costs import llama_layer_costs, llama_param_count
 from pipetrain.partition.uniform import uniform_bounds
 from pipetrain.schedules import registry
 from pipetrain.train.pipeline import Transport, build_rank_pipeline

@@ -47,6 +47,15 @@ CP = ["mode=plan", "model=llama-tiny", "data.seq_len=64", "data.batch_size=8", "
       "plan.microbatch_sizes=[1]", "plan.pp=[2]", "plan.cp=[1,2]", "cluster.cp_bandwidth_gbs=1"]
 
 
+def test_selective_recompute_rows_are_make_plans_simulation_of_their_configs():
+    """trainer.recompute=selective rows (plan.recompute_selective): B pays the modules' recompute, the stages
+    keep their layers' selective bytes; the row's config plans the same."""
+    cfg = compose_config([*CP, "plan.cp=[1]", "plan.recompute=[true]", "plan.recompute_selective=true",
+                          "plan.recompute_partial=true"])
+    checked = rows_equal_make_plan(cfg)
+    assert {c.recompute_mode for c in checked} == {"full", "selective"}, checked
+
+
 @pytest.mark.parametrize("overrides, knob", [(MOE, "ep"), ([*MOE, "pipeline.fb_overlap=on"], "ep"), (CP, "cp"),
                                               ([*CP, "parallel.cp_rotate=ring"], "cp")],
                          ids=["ep", "ep-fb-overlap", "cp", "cp-ring"])

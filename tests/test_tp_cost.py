@@ -54,9 +54,8 @@ def test_plan_stage_costs_follow_tp(compose):
     assert sleep.w == (2.0 * 2 / 2,) * 2  # 2 layers of w_ms=2 per stage, halved
 
 
-def test_compiled_stages_are_simulated_with_w_inside_b(compose):
-    """trainer.compile: the executor's B of a compiled stage computes the weight gradients too."""
+def test_compiled_stages_are_simulated_as_eager_ones(compose):
+    """trainer.compile keeps B and W apart (parallel/parallelize.py apply_compile): the same costs."""
     base = ["mode=simulate", "model=gpt2-tiny", "data.batch_size=8", "schedule=zbv"]
     eager, compiled = (make_plan(compose([*base, f"trainer.compile={c}"])).stage_costs for c in ("false", "true"))
-    assert compiled.w == (0.0,) * len(eager.w)
-    assert compiled.b == pytest.approx([b + w for b, w in zip(eager.b, eager.w)]) and compiled.f == eager.f
+    assert compiled == eager and any(eager.w)

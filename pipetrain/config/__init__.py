@@ -77,7 +77,7 @@ class PipelineConfig:
     # backward; auto = MoE stages under expert parallel run node by node with the pair's nodes
     # interleaved (all-to-alls hidden under the other microbatch's compute; on GPUs on a stream of
     # their own), whole stages where they cannot; on = the same, refused in one line where it cannot
-    # (parallel.ep=1, activation recompute, CUDA_DEVICE_MAX_CONNECTIONS=1).
+    # (parallel.ep=1, trainer.recompute=full, CUDA_DEVICE_MAX_CONNECTIONS=1).
     fb_overlap: str = "off"
 
     def __post_init__(self) -> None:
@@ -298,15 +298,15 @@ class Config:
                              f"{cp * (2 * par.tp if par.tp % 2 else par.tp)}")
 
     def _check_fb_overlap(self) -> None:
-        """F&B overlap hides expert-parallel all-to-alls in stages run node by node (runtime/nodes.py), which
-        activation recompute (it re-runs whole layers in the backward) does not allow yet; on GPUs it needs the
-        comm stream in a hardware queue of its own."""
+        """F&B overlap hides expert-parallel all-to-alls in stages run node by node (runtime/nodes.py), which full
+        recompute (whole layers re-run in the backward) does not allow; on GPUs its stream needs a hardware queue."""
         if self.parallel.ep == 1:
             raise ValueError("pipeline.fb_overlap=on hides expert-parallel all-to-alls, which this run has none of "
                              "(parallel.ep=1): set pipeline.fb_overlap=auto or off, or parallel.ep > 1")
-        if self.trainer.activation_checkpointing:
-            raise ValueError("pipeline.fb_overlap=on runs stages node by node, which activation recompute does not "
-                             "allow yet: set trainer.activation_checkpointing=false or pipeline.fb_overlap=auto")
+        if self.trainer.activation_checkpointing:  # selective recompute runs inside the nodes: allowed
+            raise ValueError("pipeline.fb_overlap=on runs stages node by node; trainer.recompute=full (or "
+                             "trainer.activation_checkpointing=true) re-runs whole layers: set trainer.recompute="
+                             "selective or none, or pipeline.fb_overlap=auto")
         if one_hw_queue(self.trainer.device):  # each rank checks again (runtime/overlap.py node_execution)
             raise ValueError(ONE_QUEUE)
 

@@ -82,6 +82,9 @@ class PlannerConfig:
     # with true in plan.recompute: also recompute on the first k pipeline ranks only (k = 1..pp-1), the
     # ranks a 1F1B-like schedule fills with the most microbatches (trainer.recompute_stages)
     recompute_partial: bool = False
+    # with true in plan.recompute: also try each recompute row with trainer.recompute=selective
+    # (trainer.recompute_modules, only those modules recomputed, in B) beside full recompute
+    recompute_selective: bool = False
     # dp > 1 as FSDP2 shards (parallel.dp_shard) instead of replicas; null = replicas, and with plan.device, where a
     # model's weights and optimizer state do not fit one device, FSDP2 rows first and replicated rows where they fit
     dp_shard: Optional[bool] = None

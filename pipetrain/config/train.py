@@ -3,10 +3,15 @@ Pure: no torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 PRECISIONS = ("fp32", "bf16")  # trainer.precision; train/pipeline.py maps each to a torch dtype
+RECOMPUTE = ("none", "full", "selective")  # trainer.recompute
+# trainer.recompute_modules (Megatron's --recompute-modules): a layer declares which it has
+# (parallel/layer_spec.py RecomputePlanned); core attention, the MLP's and the experts' activation,
+# the norms, MLA's up-projections
+RECOMPUTE_MODULES = ("attention", "mlp_act", "norm", "moe_act", "mla_up")
 
 
 @dataclass
@@ -32,8 +37,13 @@ class TrainerConfig:
     # torch: on an H200 the GPU check's fp32 llama-tiny run with it on rose from loss 6.27 to 7.90 in
     # 20 steps (bf16 fell to 3.2; cause not isolated), so it is opt-in until measured
     tf32: bool = False
-    activation_checkpointing: bool = False  # recompute each stage's forward in its backward (per layer)
-    # with activation_checkpointing: the stage ids that recompute (null: every stage). The first
+    # none | full: each layer's forward again in its backward, from its input | selective: only
+    # trainer.recompute_modules inside each layer, re-run in B (W recomputes nothing)
+    recompute: str = "none"
+    # selective: the modules each layer recomputes (a layer without one skips it; docs/training.md)
+    recompute_modules: list[str] = field(default_factory=lambda: list(RECOMPUTE_MODULES))
+    activation_checkpointing: bool = False  # an alias of trainer.recompute=full, kept for existing configs
+    # with recompute: the stage ids that recompute (null: every stage). The first
     # ranks of 1F1B-like schedules keep the most microbatches in flight: recomputing there alone
     # can fit the memory at less cost (mode=plan searches it with plan.recompute_partial=true)
     recompute_stages: Optional[list[int]] = None
@@ -62,16 +72,35 @@ class TrainerConfig:
             raise ValueError(f"trainer.on_nonfinite must be stop or skip (got {self.on_nonfinite!r})")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"trainer.device must be auto, cpu or cuda (got {self.device!r})")
+        self._check_recompute()
         if self.recompute_stages is not None:
-            if not self.activation_checkpointing:
+            if self.recompute == "none":
                 raise ValueError("trainer.recompute_stages names the stages that recompute: set "
-                                 "trainer.activation_checkpointing=true too (or drop trainer.recompute_stages)")
+                                 "trainer.recompute=full or selective too (or drop trainer.recompute_stages)")
             if (min(self.recompute_stages, default=0) < 0
                     or len(set(self.recompute_stages)) < len(self.recompute_stages)):
                 raise ValueError(f"trainer.recompute_stages must list distinct stage ids >= 0 "
                                  f"(got {list(self.recompute_stages)})")
         if self.precision not in PRECISIONS:
             raise ValueError(f"trainer.precision must be {' or '.join(PRECISIONS)} (got {self.precision!r})")
+
+    def _check_recompute(self) -> None:
+        """trainer.recompute's values; activation_checkpointing=true is recompute=full, and the two agree after."""
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"trainer.recompute must be {', '.join(RECOMPUTE)} (got {self.recompute!r})")
+        if self.activation_checkpointing and self.recompute == "selective":
+            raise ValueError("trainer.activation_checkpointing=true is trainer.recompute=full: drop it to recompute "
+                             "selectively")
+        if self.activation_checkpointing:
+            self.recompute = "full"
+        self.activation_checkpointing = self.recompute == "full"
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown or len(set(self.recompute_modules)) < len(self.recompute_modules):
+            raise ValueError(f"trainer.recompute_modules must list distinct names of {', '.join(RECOMPUTE_MODULES)} "
+                             f"(got {list(self.recompute_modules)})")
+        if self.recompute == "selective" and not self.recompute_modules:
+            raise ValueError("trainer.recompute=selective with no trainer.recompute_modules: name some, or set "
+                             "trainer.recompute=none")
 
 
 # Pre-training defaults (a fresh model): peak lr, cosine floor, warm-up steps.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pipetrain.models.causal_lm import layer_cost
-from pipetrain.models.moe_costs import experts_active, experts_and_a2a, mlp_params, mlp_values
+from pipetrain.models.moe_costs import experts_active, experts_and_a2a, mlp_params, mlp_values, moe_config
 from pipetrain.models.mtp import mtp_stored_params, with_mtp
 from pipetrain.partition.costs import COLUMN, ROW, LayerCost, LayerShape
 
@@ -96,3 +96,28 @@ def gqa_block_shape(cfg: dict[str, Any]) -> LayerShape:
     return LayerShape(((c, q + 2 * kv, COLUMN), (q, c, ROW), (c, 2 * i, COLUMN), (i, c, ROW)),
                       cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
                       elementwise_values=3 * i + 2 * (q + kv), elementwise_whole=10 * c)
+
+
+def recompute_costs(cfg: dict[str, Any], costs: list[LayerCost], *, seq: int, bytes_per_value: int) -> list[LayerCost]:
+    """Each layer's selective-recompute modules (LayerCost.recompute_modules; parallel/recompute.py keeps a
+    recomputed call's inputs, its output stays with the matmul reading it). Per token: a norm saves its
+    normalized value (C; a per-head QK-norm H hd + KV hd), core attention its fp32 log-sum-exp (H: flash
+    attention keeps q, k, v and its output either way), an MLP activation silu(gate) (I), the experts' theirs
+    per chosen expert (K I_e). FLOPs: the norms 4 values, attention 4 T H hd + RoPE, an activation 5 values."""
+    c, i, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    q, kv = heads * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    m, qk = moe_config(cfg), (q + kv if cfg["qk_norm"] else 0)
+    blocks = []
+    for b, layer in enumerate(costs[1:-1]):
+        mods = [("norm", (2 * c + qk) * bytes_per_value, 4.0 * (2 * c + qk)),
+                ("attention", 4 * heads, 4.0 * seq * q + 6 * (q + kv))]
+        if m is not None and m.is_moe(b):
+            width, shared = m.expert_width(i), m.shared_width(i)
+            mods.append(("moe_act", m.top_k * width * bytes_per_value, 5.0 * m.top_k * width))
+            if shared:
+                mods.append(("mlp_act", shared * bytes_per_value, 5.0 * shared))
+        else:
+            mods.append(("mlp_act", i * bytes_per_value, 5.0 * i))
+        blocks.append(dataclasses.replace(layer, recompute_modules=tuple(mods)))
+    head = dataclasses.replace(costs[-1], recompute_modules=(("norm", c * bytes_per_value, 4.0 * c),))
+    return [costs[0], *blocks, head]

@@ -25,6 +25,7 @@ from pipetrain.models.decoder_costs import AttentionCost, decoder_param_count
 from pipetrain.models.llama import MLP, DecoderLayer, Llama, Rotary
 from pipetrain.models.mla import MLA, YarnRotary, softmax_scale
 from pipetrain.parallel.layer_spec import Column, TPLayerPlan
+from pipetrain.partition.costs import LayerCost
 
 
 class MLABlock(DecoderLayer):
@@ -85,6 +86,9 @@ class DeepSeek(Llama):
 
     def attention_cost(self, seq: int) -> AttentionCost:
         return mla_attention(self._config, seq=seq)
+
+    def selective_costs(self, costs: list[LayerCost], seq: int) -> list[LayerCost]:
+        return costs  # MLA's blocks declare no selective-recompute modules yet (mla_up: a later change)
 
 
 # ---- sizes and costs (pure arithmetic over the resolved config) ------------------------------

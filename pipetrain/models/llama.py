@@ -37,8 +37,8 @@ from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.moe import MoEConfig
 from pipetrain.config.mtp import MTPConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM
-from pipetrain.models.decoder_costs import (AttentionCost, decoder_layer_costs, decoder_layer_params,
-                                            decoder_param_count, gqa_block_shape)
+from pipetrain.models.decoder_costs import AttentionCost, decoder_layer_costs, recompute_costs
+from pipetrain.models.llama_costs import llama_attention
 from pipetrain.models.moe_block import MoEBlock
 from pipetrain.models.moe_nodes import block_nodes, single_node
 from pipetrain.models.mtp import WithMTP, mtp_hf_key, mtp_name
@@ -145,8 +145,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         if self.q_norm is not None and self.k_norm is not None and self.norm_heads:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
+        y = self.core(q, k, v, docs)  # (B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # (B, T, C)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
+        """Core attention (selective recompute's "attention"): RoPE on q (B, T, H, hd) and k (B, T, KV, hd),
+        then attention with v (B, KV, T, hd) -> (B, H, T, hd)."""
+        t, device = q.shape[1], q.device
         cp = self.context  # under context parallel x holds this rank's positions of each sequence only
-        cos, sin = rope_tables(self.rotary, cp, docs, t, x.device, q.dtype)
+        cos, sin = rope_tables(self.rotary, cp, docs, t, device, q.dtype)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
         gqa = self.kv_heads != self.heads  # query head i reads key/value head i // (H / KV), as HF's repeat_kv
@@ -156,7 +163,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask(), enable_gqa=gqa)
         else:  # without copying k and v
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))  # (B, T, C)
+        return y
 
 
 class MLP(nn.Module):
@@ -167,7 +174,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C) -> (B, T, I) -> (B, T, C)
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))  # (B, T, C) -> (B, T, I) -> (B, T, C)
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation (selective recompute's "mlp_act"): (B, T, I) twice -> (B, T, I)."""
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -208,6 +219,21 @@ class DecoderLayer(nn.Module):
     def cp_plan(self) -> tuple[str, ...]:
         """What cp gives the cp group (parallel/cp.py): attention its K/V, an MoE MLP its balance loss's counts."""
         return ("self_attn", "mlp") if isinstance(self.mlp, MoEBlock) else ("self_attn",)
+
+    def recompute_plan(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        """Selective recompute's calls (parallel/recompute.py): core attention, the norms, the dense MLP's
+        activation, or the MoE's: its experts' (moe_act) and its shared experts' (mlp_act)."""
+        attn = self.self_attn
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["self_attn.q_norm", "self_attn.k_norm"] if attn.q_norm is not None else []
+        plan = {"attention": (("self_attn", "core"),), "norm": tuple((n, "forward") for n in norms)}
+        if isinstance(self.mlp, MLP):
+            plan["mlp_act"] = (("mlp", "act"),)
+        else:
+            plan["moe_act"] = (("mlp.experts", "act"),)
+            if self.mlp.shared_experts is not None:
+                plan["mlp_act"] = (("mlp.shared_experts", "act"),)
+        return plan
 
     def ep_plan(self) -> tuple[str, ...]:
         """The stacked experts expert parallel splits (parallel/ep.py): an MoE MLP's, none of a dense one."""
@@ -255,6 +281,9 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))  # (B, T, C) -> (B, T, V)
+
+    def recompute_plan(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        return {"norm": (("norm", "forward"),)}
 
     def tp_plan(self) -> TPLayerPlan:
         """lm_head column-parallel on the vocabulary, its (B, T, V/tp) logits left split (the vocab-parallel loss)."""
@@ -327,8 +356,13 @@ class Llama(CausalLM):
 
     def cost_model(self, *, microbatch: int, seq: int, tflops: float) -> list[LayerCost]:
         seq = self._seq(seq)
-        return decoder_layer_costs(self._config, self.attention_cost(seq), microbatch=microbatch, seq=seq,
-                                   tflops=tflops, bytes_per_value=self._bytes_per_value())
+        costs = decoder_layer_costs(self._config, self.attention_cost(seq), microbatch=microbatch, seq=seq,
+                                    tflops=tflops, bytes_per_value=self._bytes_per_value())
+        return self.selective_costs(costs, seq)
+
+    def selective_costs(self, costs: list[LayerCost], seq: int) -> list[LayerCost]:
+        """Selective recompute's modules per layer (decoder_costs.recompute_costs: grouped-query attention's)."""
+        return recompute_costs(self._config, costs, seq=seq, bytes_per_value=self._bytes_per_value())
 
 
 # ---- names: pipetrain <-> Hugging Face (pure) -----------------------------------------------
@@ -362,37 +396,3 @@ def pipetrain_name(key: str, *, num_hidden_layers: int, mtp_depth: int = 0) -> s
             and int(parts[2]) < num_hidden_layers:
         return f"layers.{int(parts[2]) + 1}.{parts[3]}"
     raise ValueError(f"{key!r} is not a key of a {num_hidden_layers}-layer HF Llama-family checkpoint")
-
-
-# ---- sizes and costs (pure arithmetic over the resolved config) ------------------------------
-
-
-def llama_attention(cfg: dict[str, Any], *, seq: int) -> AttentionCost:
-    """Grouped-query attention's numbers (decoder_costs.AttentionCost): q, k, v and o (+ biases, QK-norm)
-    parameters; SDPA keeps q, k, v and its output (2 H hd + 2 KV hd; o_proj's input is a view of that output),
-    QK-norm adds its inputs and normalized values (2 H hd + 2 KV hd); 2 * 2 * T * (H * hd) FLOPs per token."""
-    c = cfg["hidden_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    qkv_bias = cfg["attention_bias"] or cfg["qkv_bias"]
-    attn = c * (q + 2 * kv) + q * c + qkv_bias * (q + 2 * kv) + cfg["attention_bias"] * c
-    qk_norm = (2 * cfg["head_dim"] if cfg.get("qk_norm_per_head", True) else q + kv) if cfg["qk_norm"] else 0
-    return AttentionCost(params=attn + qk_norm, values=2 * q + 2 * kv + cfg["qk_norm"] * 2 * (q + kv),
-                         flops=2 * 2 * seq * q, kv_values=2 * kv,
-                         block_shape=None if cfg.get("moe") else gqa_block_shape(cfg))  # MoE: timed by its FLOPs
-
-
-def llama_layer_params(cfg: dict[str, Any]) -> list[int]:
-    """Parameters each pipeline layer stores (decoder_costs.decoder_layer_params)."""
-    return decoder_layer_params(cfg, llama_attention(cfg, seq=1).params)
-
-
-def llama_param_count(cfg: dict[str, Any]) -> int:
-    """Distinct parameters of the unsplit model (a tied embedding counted once), as published."""
-    return decoder_param_count(cfg, llama_attention(cfg, seq=1).params)
-
-
-def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops: float,
-                      bytes_per_value: int = 4) -> list[LayerCost]:
-    """Per-layer costs of one microbatch (decoder_costs.decoder_layer_costs with grouped-query attention)."""
-    return decoder_layer_costs(cfg, llama_attention(cfg, seq=seq), microbatch=microbatch, seq=seq, tflops=tflops,
-                               bytes_per_value=bytes_per_value)

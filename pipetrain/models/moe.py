@@ -125,7 +125,7 @@ class Experts(nn.Module):
         same reverse all-to-alls, and every microbatch builds the same graph."""
         outs = []
         for e, rows in enumerate(torch.split(x, counts.tolist())):  # rows (n_e, H), n_e may be 0
-            h = F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e])  # (n_e, I)
+            h = self.act(F.linear(rows, self.w1[e]), F.linear(rows, self.w3[e]))  # (n_e, I)
             outs.append(F.linear(h, self.w2[e]))  # (n_e, H)
         return torch.cat(outs)
 
@@ -142,7 +142,11 @@ class Experts(nn.Module):
         offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,) end row of each expert
         gate = F.grouped_mm(x, w1, offs=offs)  # (N, I)
         up = F.grouped_mm(x, w3, offs=offs)  # (N, I)
-        return F.grouped_mm(F.silu(gate) * up, w2, offs=offs)  # (N, H)
+        return F.grouped_mm(self.act(gate, up), w2, offs=offs)  # (N, H)
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The experts' SwiGLU activation (selective recompute's "moe_act"): (N, I) twice -> (N, I)."""
+        return F.silu(gate) * up
 
 
 class SharedExperts(nn.Module):
@@ -157,8 +161,13 @@ class SharedExperts(nn.Module):
         self.gate = nn.Linear(hidden, 1, bias=False) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, H) -> (T, I) -> (T, H)
+        y = self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))  # (T, H) -> (T, I) -> (T, H)
         return y if self.gate is None else torch.sigmoid(self.gate(x)) * y
+
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation (selective recompute's "mlp_act"): (T, I) twice -> (T, I)."""
+        return F.silu(gate) * up
 
 
 class MoE(nn.Module):

@@ -12,6 +12,9 @@ node-level execution, declared as data and methods the layer has, read with isin
   documents_plan() -> reads  document masks (runtime/documents.py): the layer's forward takes the microbatch's
                              Documents as a second argument, `layer(x, docs)` (None: the whole row causal), and
                              reads of it "positions" (restarting per document) and/or "mask" (block-causal)
+  recompute_plan() -> {..}   selective recompute (trainer.recompute_modules): per module name of
+                             config/train.py RECOMPUTE_MODULES the (sub-module path, method) calls that
+                             recompute re-runs in B (parallel/recompute.py); a name missing: none here
   nodes(key) -> [Node]       node-level execution (runtime/stage_protocol.py Node): the layer's forward as
                              nodes, named by schedules/fb_pairs.py's constants for an MoE block
                              (models/moe_nodes.py); a layer without it runs as one node
@@ -113,3 +116,11 @@ class DocumentsPlanned(Protocol):
     `documents_plan()` (of DOCUMENT_READS): GPT-2's embedding the positions, attention blocks the mask."""
 
     def documents_plan(self) -> tuple[str, ...]: ...
+
+
+@runtime_checkable
+class RecomputePlanned(Protocol):
+    """A layer that says which of trainer.recompute_modules it has: module name -> the (sub-module path,
+    method name) calls selective recompute wraps ("" for the layer itself)."""
+
+    def recompute_plan(self) -> dict[str, tuple[tuple[str, str], ...]]: ...

@@ -4,8 +4,10 @@
       -> tensor parallel      parallel/tp_plan.py, from each layer's declared plan (parallel/layer_spec.py)
       -> expert parallel      parallel/ep.py: this rank's block of each declared stacked-experts module
       -> context parallel     parallel/cp.py: declared attention modules attend over the cp group's K/V
-      -> activation recompute trainer.activation_checkpointing / plan.recompute_stages
-      -> compile              trainer.compile: each layer, in place, after TP and before FSDP
+      -> activation recompute trainer.recompute / plan.recompute_stages: whole layers, or a layer's declared
+                              modules (parallel/recompute.py)
+      -> compile              trainer.compile: each layer, in place, after TP and before FSDP; where the
+                              schedule runs the stage's B and W apart, its matrix-weight modules eager
       -> data parallel        FSDP2 under dp_shard (HSDP too; experts over their own mesh), plain
                               modules under dp_replicate
       -> materialize          only this rank's tp slices and dp shards (models/init.py: materialize)
@@ -31,10 +33,12 @@ from torch import nn
 
 import torch
 
+from pipetrain.compat import keep_compiled_backward
 from pipetrain.parallel.cp import ContextAttention, context_parallel, local_positions, parallelize_context, positions
 from pipetrain.parallel.dp import DataParallel, data_parallel, local_rows
 from pipetrain.parallel.ep import expert_parallel, parallelize_experts
 from pipetrain.parallel.mesh import RankGroups
+from pipetrain.parallel.recompute import recompute_modules
 from pipetrain.parallel.split_weights import SplitWeights
 from pipetrain.parallel.tp_plan import TensorParallel, tensor_parallel
 from pipetrain.runtime.batch import Batch
@@ -62,7 +66,10 @@ class Parallelize:
     ep: Optional[EPGroup] = None
     cp: Optional[ContextAttention] = None
     recompute: bool | Collection[int] = False
+    recompute_modules: tuple[str, ...] = ()  # trainer.recompute=selective: these modules, not whole layers
     compiled: bool | Collection[int] = False
+    # compiled stages whose schedule runs B and W apart (train/pipeline.py: schedules/lower.py split_on)
+    apart: Collection[int] = frozenset()
     dp: Optional[DataParallel] = None
     rows: tuple[int, int] = (0, 1)  # (this pipeline's index, pipelines): which rows of a global batch it trains
 
@@ -73,6 +80,8 @@ class Parallelize:
         return cls(tp=tensor_parallel(config, groups), ep=expert_parallel(groups),
                    cp=context_parallel(groups, config.data.seq_len, config.parallel.cp_rotate),
                    recompute=plan.recompute_stages, compiled=plan.compiled_stages, dp=data_parallel(config, groups),
+                   recompute_modules=tuple(t.recompute_modules) if (t := config.trainer).recompute == "selective"
+                   else (),
                    rows=(groups.dp_index, config.layout.dp))
 
     def local_batch(self, batch: Batch) -> Batch:
@@ -146,14 +155,34 @@ def apply_cp(p: Parallelize, stage: nn.Module) -> nn.Module:
 
 
 def apply_recompute(p: Parallelize, stage: nn.Module) -> nn.Module:
-    stage.checkpoint_layers = p.recompute if isinstance(p.recompute, bool) else stage.stage_id in p.recompute
+    on = p.recompute if isinstance(p.recompute, bool) else stage.stage_id in p.recompute
+    stage.checkpoint_layers = on and not p.recompute_modules
+    if on and p.recompute_modules:
+        for layer in stage.layers.values():
+            recompute_modules(layer, p.recompute_modules, compiled=p.compiles(stage.stage_id))
     return stage
 
 
 def apply_compile(p: Parallelize, stage: nn.Module) -> nn.Module:
-    if p.compiles(stage.stage_id):  # in place (nn.Module.compile): parameter names stay the unsplit ones
-        for layer in stage.layers.values():
-            layer.compile()
+    """Each layer compiled in place (nn.Module.compile: parameter names stay the unsplit ones). A compiled
+    graph's backward is one autograd node computing its input and weight gradients together, which W cannot
+    re-enter (its gradients came out wrong, torch 2.13). Where the stage runs B and W apart, every module
+    holding a matrix weight (Linear, tp's linears, the router, stacked experts, embeddings) runs eager
+    between compiled graphs (Megatron's --delay-wgrad-compute keeps its weight-gradient GEMMs out of the
+    fused backward alike): their weight-gradient GEMMs are W's (runtime/backward.py); the compiled graphs
+    hold the norms, attention, activations and residuals, and a vector weight's gradient inside one (a
+    norm's scale) is computed in B. docs/training.md has the measurement that chose this."""
+    if not p.compiles(stage.stage_id):
+        return stage
+    apart = stage.stage_id in p.apart
+    if apart:
+        keep_compiled_backward()
+    for layer in stage.layers.values():
+        if apart:
+            for module in layer.modules():
+                if any(w.dim() >= 2 for w in module.parameters(recurse=False)):
+                    module.forward = torch.compiler.disable(module.forward)
+        layer.compile()
     return stage
 
 

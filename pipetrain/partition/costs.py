@@ -57,17 +57,20 @@ class LayerCost:
     comm_f_ms: float = 0.0
     comm_b_ms: float = 0.0
     shape: Optional[LayerShape] = None  # what it computes, where a device times it (None: only its FLOPs are known)
+    # selective recompute (trainer.recompute_modules): per module the layer has, (its name, the activation
+    # bytes per token recomputing it saves, the forward FLOPs per token B runs again for it)
+    recompute_modules: tuple[tuple[str, int, float], ...] = ()
 
     @property
     def total_ms(self) -> float:
         return self.f_ms + self.b_ms + self.w_ms
 
-
-def fuse_weight_grads(layers: Sequence[LayerCost]) -> list[LayerCost]:
-    """The costs of layers compiled whole (trainer.compile): their backward computes the weight
-    gradients with the input gradients, so B costs b + w and W nothing (schedules/lower.py lowers
-    a compiled stage's B and W into one BW; this view is zb_auto's search input)."""
-    return [dataclasses.replace(c, b_ms=c.b_ms + c.w_ms, w_ms=0.0) for c in layers]
+    def selective(self, modules: Sequence[str]) -> tuple[int, float]:
+        """Under selective recompute of `modules` (those this layer has): (activation bytes per token it keeps,
+        the ms B runs again, a share of f_ms by FLOPs)."""
+        saved = [(b, f) for name, b, f in self.recompute_modules if name in modules]
+        again = self.f_ms * sum(f for _, f in saved) / self.flops_per_token if self.flops_per_token else 0.0
+        return self.activation_bytes_per_token - sum(b for b, _ in saved), again
 
 
 def chunk_costs(layers: Sequence[LayerCost], bounds: Sequence[range]) -> list[tuple[float, float, float]]:

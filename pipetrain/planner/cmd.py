@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.table import Table
 
 from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
-from pipetrain.partition.costs import fuse_weight_grads
 from pipetrain.plan import costing_model, measured_layer_costs, model_layer_costs, seq_len
 from pipetrain.planner import cluster
 from pipetrain.planner.memory import StateBytes
@@ -97,21 +96,13 @@ def workload(config: Config) -> Workload:
     in_head = loss_bytes if m.has_seq else 0.0  # a language model's analytic head counts the loss (mlp's not)
     hidden, vocab = m.hidden_size, m.vocab_size or 0
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
-    w_keep = p.w_keep
-    # trainer.compile: B computes the weight gradients too and frees what F saved. The layers in the view a
-    # compiled run measures (metrics/measure.py: b = BW, w = 0), for calibration's fit and the lower bound;
-    # plan.simulate_layout fuses the compiled stages' costs itself (fusing twice changes nothing)
-    if config.trainer.compile:
-        unfused, w_keep = layers, 0.0
-
-        def layers(mbs: int):
-            return fuse_weight_grads(unfused(mbs))
     counted = model_layer_costs(m, model, microbatch=1, seq=seq, tflops=1.0)  # FLOPs and parameters, not times
     model_flops, recompute_flops = cluster.flop_counts(counted) if model is not None else (0.0, 0.0)
-    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), w_keep,
+    return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), p.w_keep,
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
                     first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
-                    fused_backward=config.trainer.compile, first_stage_activation_ratio=first_stage, hidden=hidden,
+                    first_stage_activation_ratio=first_stage, hidden=hidden,
+                    recompute_modules=tuple(config.trainer.recompute_modules),
                     vocab=vocab, value_bytes=cross,
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
                     loss_grad_bytes_per_token=8.0 * vocab if m.has_seq else 0.0,
@@ -257,8 +248,8 @@ def plan_candidates(config: Config, *, shard_first: bool = False) -> list[Candid
                  num_layers=config.model.num_layers, schedules=names, microbatch_sizes=p.microbatch_sizes,
                  virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches,
                  tp_degrees=tp_degrees(config), cp_degrees=cp_degrees(config))
-    rest = dict(recompute=p.recompute, recompute_partial=p.recompute_partial, partitions=part,
-                sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config))
+    rest = dict(recompute=p.recompute, recompute_partial=p.recompute_partial, recompute_selective=p.recompute_selective,
+                partitions=part, sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config))
     cands = candidates(**space, **rest, dp_shard=bool(p.dp_shard) or shard_first)
     if shard_first:
         cands += [c for c in candidates(**space, **rest, dp_shard=False) if c.dp > 1 and not c.dp_shard]
@@ -393,8 +384,13 @@ def apply_row(config: Config, row: Row) -> Config:
                                      sequence_parallel=c.sequence_parallel, ep=c.ep, cp=c.cp,
                                      cp_rotate=config.parallel.cp_rotate if c.cp > 1 else "allgather"),
         data=dataclasses.replace(config.data, batch_size=c.dp * c.microbatches * c.microbatch_size),
-        trainer=dataclasses.replace(config.trainer, activation_checkpointing=c.recompute,
+        trainer=dataclasses.replace(config.trainer, activation_checkpointing=False, recompute=row_recompute(config, c),
                                     recompute_stages=None if c.recompute_ranks is None else sorted(
                                         c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v)))),
         partition=dataclasses.replace(config.partition, boundaries=None,
                                       name="profile" if c.partition == "time" else c.partition))
+
+
+def row_recompute(config: Config, c: Candidate) -> str:
+    """A row's trainer.recompute: the row's mode where it recomputes, else none."""
+    return c.recompute_mode

@@ -51,7 +51,8 @@ def _run_config(config: Config, row_config: Callable[[Candidate], Config], sched
     return dataclasses.replace(
         cfg, logger=["jsonl"], plan=dataclasses.replace(cfg.plan, run=False, calibrate=False),
         trainer=dataclasses.replace(cfg.trainer, max_steps=config.plan.calibrate_steps, log_every=1, eval_every=0,
-                                    ckpt_every=0, ckpt_at_end=False, activation_checkpointing=False))
+                                    ckpt_every=0, ckpt_at_end=False, activation_checkpointing=False,
+                                    recompute="none"))
 
 
 def calibrate(config: Config, work: Workload, *, world: int, mbs: int, partition: str,

@@ -30,7 +30,8 @@ def candidate(config: Config) -> Candidate:
         raise ValueError(f"schedule={s.name}: predict costs a built-in schedule: set one (not auto or custom)")
     v = registry.get(s.name).fixed_stages_per_rank or s.virtual_stages
     return Candidate(s.name, p.degree, lay.dp, v, p.microbatches, config.microbatch_size,
-                     recompute=config.trainer.activation_checkpointing, dp_shard=lay.dp_shard > 1,
+                     recompute=config.trainer.recompute != "none", selective=config.trainer.recompute == "selective",
+                     dp_shard=lay.dp_shard > 1,
                      partition=PARTITIONS.get(config.partition.name, "balanced"), tp=par.tp,
                      sequence_parallel=par.sequence_parallel and par.tp > 1, ep=par.ep, cp=par.cp)
 

@@ -46,6 +46,8 @@ class Row:
             "v": c.v, "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
             "recompute": c.recompute, "recompute_ranks": c.recompute_ranks, "dp_shard": c.dp_shard,
             "recompute_stages": sorted(c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v))),
+            "recompute_mode": c.recompute_mode,
+            "recompute_per_stage": c.recompute_per_stage(registry.placement_for(c.schedule, c.pp, c.v)),
             "partition": c.partition, "layout": c.layout, "feasible": self.feasible, "reason": self.reason,
             "pred_step_ms": self.pred_step_ms, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
             "pred_peak_gb": self.pred_peak_gb, "peak_rank": peak.rank if peak else None,

@@ -163,6 +163,10 @@ class _Evaluator:
         saved = [[layers[i].activation_bytes_per_token * (ratio[i] if rng.start == 0 else 1.0) * tokens
                   + copies[i] / cand.tp for i in rng] for rng in part.bounds]
         all_saved = [math.fsum(x) + chunk_loss for x, chunk_loss in zip(saved, loss)]
+        if cand.selective:  # the layers' selective bytes (LayerCost.selective), nothing recomputed whole
+            inputs_kept = [math.fsum(layers[i].selective(work.recompute_modules)[0] * (ratio[i] if rng.start == 0
+                                     else 1.0) * tokens + copies[i] / cand.tp for i in rng) + chunk_loss
+                           for rng, chunk_loss in zip(part.bounds, loss)]
         stage_bytes = {s: (inputs_kept if s in recompute else all_saved)[placement.chunk_of(s)]
                        for s in range(placement.num_stages)}
         stage_params = [float(part.chunk_params()[placement.chunk_of(s)]) for s in range(placement.num_stages)]
@@ -177,7 +181,8 @@ class _Evaluator:
         last_ranks = {placement.rank_of(s) for s in range(placement.num_stages)
                       if part.bounds[placement.chunk_of(s)].stop == len(layers)}
         loss_grad = [on_tp(work.loss_grad_bytes_per_token) if r in last_ranks else 0.0 for r in range(cand.pp)]
-        transient = [max((largest_layer[placement.chunk_of(s)] for s in placement.stages_of(r) if s in recompute),
+        whole = recompute if not cand.selective else frozenset()  # selective: a module's few values at a time
+        transient = [max((largest_layer[placement.chunk_of(s)] for s in placement.stages_of(r) if s in whole),
                          default=0.0) + loss_grad[r] for r in range(cand.pp)]  # both while a backward runs: on the peak
         overhead = dev.gpu_overhead_gb * GB
         room = [(dev.memory_gb * GB - overhead) / (1 + dev.margin) - m.total - t for m, t in zip(static, transient)]
@@ -286,15 +291,14 @@ class _Evaluator:
         work, c = self.work, cand
         dev = self.group_device(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep)
         comm_ms = dev.p2p_latency_ms + self.boundary_bytes(cand) / (dev.p2p_gbs * GB) * 1e3 if cand.pp > 1 else 0.0
-        stages = registry.placement_for(cand.schedule, cand.pp, cand.v).num_stages
         grad_reduce = None if cand.dp * cand.cp == 1 else GradReduce(  # as plan.grad_reduce: cp shards with dp_shard
             1 if cand.dp_shard else cand.dp, self.param_shard(cand), dev.dp_gbs, dev.reduce_dtype,
             latency_ms=dev.reduce_latency_ms, overlap=dev.grad_overlap)
         return LayoutInputs(cand.schedule, cand.pp, cand.microbatches, cand.v, part, recompute_stages=recompute,
-                            compiled_stages=frozenset(range(stages)) if work.fused_backward else frozenset(),
+                            recompute_modules=work.recompute_modules if cand.selective else (),
                             comm_ms=comm_ms, action_overhead_ms=dev.action_overhead_ms, w_keep=work.w_keep,
                             memory_budget=budgets, grad_reduce=grad_reduce,
-                            overlap_layers=overlaps(dev.fb_overlap, recompute=cand.recompute))
+                            overlap_layers=overlaps(dev.fb_overlap, recompute=cand.recompute and not cand.selective))
 
     @staticmethod
     def param_shard(cand: Candidate) -> int:

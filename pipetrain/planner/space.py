@@ -6,6 +6,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -29,6 +30,7 @@ class Candidate:
     recompute_ranks: Optional[int] = None  # with recompute: only the stages of pipeline ranks below this (None: all)
     ep: int = 1  # expert parallel: MoE experts split over ep of the dp ranks (FSDP2-sharded dp: dp_shard)
     cp: int = 1  # context parallel: every sequence split over cp ranks (world = pp x dp x cp x tp)
+    selective: bool = False  # with recompute: trainer.recompute=selective (its modules only) instead of full
 
     def recompute_stages(self, pl: Placement) -> frozenset[int]:
         """The stage ids that recompute."""
@@ -38,12 +40,24 @@ class Candidate:
         return frozenset(s for r in ranks for s in pl.stages_of(r))
 
     @property
+    def recompute_mode(self) -> str:
+        """trainer.recompute on the stages that recompute: none, full or selective."""
+        return "none" if not self.recompute else "selective" if self.selective else "full"
+
+    def recompute_per_stage(self, pl: Placement) -> list[str]:
+        """Per stage id, its recompute mode (plan.json rows)."""
+        on = self.recompute_stages(pl)
+        return [self.recompute_mode if s in on else "none" for s in range(pl.num_stages)]
+
+    @property
     def recompute_label(self) -> str:
         if not self.recompute:
             return "no"
+        label = "selective" if self.selective else "yes"
         if self.recompute_ranks is None:
-            return "yes"
-        return "rank 0" if self.recompute_ranks == 1 else f"ranks 0-{self.recompute_ranks - 1}"
+            return label
+        where = "rank 0" if self.recompute_ranks == 1 else f"ranks 0-{self.recompute_ranks - 1}"
+        return f"selective {where}" if self.selective else where
 
     @property
     def layout(self) -> str:
@@ -56,7 +70,7 @@ class Candidate:
 
 def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Sequence[str],
                microbatch_sizes: Sequence[int], virtual_stages: Sequence[int], recompute: Sequence[bool] = (False,),
-               recompute_partial: bool = False,
+               recompute_partial: bool = False, recompute_selective: bool = False,
                pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False,
                partitions: Sequence[str] = ("balanced",), max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,),
                sequence_parallel: bool = False, ep_degrees: Sequence[int] = (1,),
@@ -64,7 +78,8 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
     """Every valid combination: pp x dp x cp x tp = world, M = global_batch / (dp x microbatch size), each
     partition strategy; each ep dividing dp x cp (its rows FSDP2-sharded: expert parallel folds over
     dp_shard x cp at parallel.etp = tp, parallel/layout.py). `recompute_partial`:
-    where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp)."""
+    where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp);
+    `recompute_selective`: each recompute row also with selective recompute."""
     out = []
     for cp, tp, pp in [(c, t, p) for c in cp_degrees for t in tp_degrees if world % (c * t) == 0
                        for p in (pp_degrees
@@ -77,6 +92,8 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                                 global_batch=global_batch, microbatch_sizes=microbatch_sizes,
                                 virtual_stages=virtual_stages, recompute=recompute, recompute_partial=recompute_partial,
                                 partitions=partitions, max_microbatches=max_microbatches)
+    if recompute_selective:
+        out += [dataclasses.replace(c, selective=True) for c in out if c.recompute]
     return out
 
 

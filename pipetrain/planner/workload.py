@@ -32,7 +32,6 @@ class Workload:
     # microbatch size -> per layer, what the layer saves in the first stage over what `layers` says
     # (bf16 autocast: the first stage's residual stream stays fp32, a later stage's is bf16); None: 1
     first_stage_activation_ratio: Optional[Callable[[int], Sequence[float]]] = None
-    fused_backward: bool = False  # trainer.compile: every stage compiled, its B and W one BW (plan.simulate_layout)
     # tensor parallel (schedules/tp_cost.py): a block's width, the vocabulary, bytes per value of the
     # tp collectives, and the activation bytes per token of a block that tp leaves whole without
     # sequence parallel (the norms' inputs and outputs; Korthikanti et al. 2022's 10 of 34)
@@ -44,6 +43,7 @@ class Workload:
     # kept per microbatch in flight on the last stage with or without recompute (it runs outside the
     # checkpointed layers); `layers` leaves it out of the last layer
     loss_bytes_per_token: float = 0.0
+    recompute_modules: tuple[str, ...] = ()  # trainer.recompute_modules: what a selective row recomputes
     # per layer, bytes per microbatch in flight of the bf16 copies autocast makes of its Linear weights
     # (models/profile.autocast_weight_bytes; empty: none); `layers` leaves them out. FSDP2 rows compute
     # in bf16 parameters and make none

@@ -20,7 +20,10 @@ not only hand-written layers:
      input path (a weight reused up- and downstream inside one stage) would be counted
      twice that way; such a group is instead recomputed from the outputs (correct, and
      rare: GPT-2 and MLP stages never need it). A stage without a differentiable input
-     (the first) has no input path: B does nothing and W is one full pass.
+     (the first) has no input path: B does nothing and W is one full pass. A group bounded by
+     a node computing input and weight gradients at once (a compiled graph's under trainer.compile,
+     a selectively recomputed call's: a norm's scale inside) gets its gradients in B's pass, as
+     re-running that node for W would compute (or recompute) it all again.
 
 Steps 1-2 are Python graph walks. Every microbatch of a stage builds the same graph, so
 their result (the *analysis*) is cached under the graph's structure: one breadth-first walk
@@ -59,6 +62,8 @@ from pipetrain.compat import is_view, run_backward, saved_tensor_data, saved_ten
 
 _ANALYSIS_CACHE_SIZE = 64  # graph structures remembered (a few per stage: training, and any odd shapes)
 _PLAIN = (torch.Tensor, torch.nn.Parameter, GradientEdge)
+# nodes whose one backward gives input and weight gradients (trainer.compile; parallel/recompute.py)
+_WHOLE = ("CompiledFunctionBackward", "_RecomputedBackward")
 
 
 def _grad_node(t: torch.Tensor) -> Optional[Node]:
@@ -93,6 +98,7 @@ class _GraphAnalysis:
     # (node, input slot, k): the gradient is captures[k], or for k < 0 grad_outputs[-1 - k]
     groups: list[tuple[list[int], list[tuple[int, int, int]]]]
     recompute: list[int]  # parameters W recomputes from the outputs
+    in_b: list[int]  # parameters B's pass computes (their boundary is a compiled graph's node)
     only_b: list[tuple[int, str]]  # (node, `_raw_saved_*` attribute) of input-path nodes W never runs
 
 
@@ -154,7 +160,8 @@ def _analysis_for(outputs: list[torch.Tensor], diff_inputs: list[torch.Tensor],
     key = (tuple(map(type, order)), tuple(edges), outs, ins, tuple(accs))
     analysis = _analyses.get(key)
     if analysis is None:
-        analysis = _analyses[key] = _analyse(order, edges, outs, ins, accs)
+        whole = {i for i, n in enumerate(order) if type(n).__name__ in _WHOLE}
+        analysis = _analyses[key] = _analyse(order, edges, outs, ins, accs, whole)
         if len(_analyses) > _ANALYSIS_CACHE_SIZE:
             _analyses.popitem(last=False)
     else:
@@ -163,7 +170,7 @@ def _analysis_for(outputs: list[torch.Tensor], diff_inputs: list[torch.Tensor],
 
 
 def _analyse(order: list[Node], edges: list[tuple[tuple[int, int], ...]], outs: tuple[tuple[int, int], ...],
-             ins: tuple[int, ...], accs: list[int]) -> _GraphAnalysis:
+             ins: tuple[int, ...], accs: list[int], whole: set[int]) -> _GraphAnalysis:
     """Steps 1-2 of the module docstring, on node numbers."""
     kids = [tuple(c for c, _ in es if c >= 0) for es in edges]
     parents: list[list[int]] = [[] for _ in order]
@@ -221,8 +228,12 @@ def _analyse(order: list[Node], edges: list[tuple[tuple[int, int], ...]], outs: 
     captures: list[tuple[int, int]] = []
     found_groups: list[tuple[list[int], list[tuple[int, int, int]]]] = []
     recompute: list[int] = []
+    in_b: list[int] = []
     for gid in sorted(groups):
         params, boundary = groups[gid]
+        if any(b in whole and b in input_path for b in boundary):
+            in_b.extend(params)
+            continue
         if _reaches_through_input_path(params, boundary, kids, parents, input_path, accs):
             recompute.extend(params)
             continue
@@ -237,7 +248,7 @@ def _analyse(order: list[Node], edges: list[tuple[tuple[int, int], ...]], outs: 
         found_groups.append((sorted(params), roots))
     bounds = {b for _, roots in found_groups for b, _, _ in roots}
     only_b = [(i, a) for i in sorted(input_path - bounds) for a in _saved_attributes(order[i])]
-    return _GraphAnalysis(captures, found_groups, sorted(recompute), only_b)
+    return _GraphAnalysis(captures, found_groups, sorted(recompute), sorted(in_b), only_b)
 
 
 def _reaches_through_input_path(params: list[int], boundary: list[int], kids: list[tuple[int, ...]],
@@ -307,8 +318,10 @@ def backward_input(
         return [None] * len(inputs), work
     order, analysis = _analysis_for(outputs, diff_inputs, params)
     edges = [GradientEdge(order[n], slot) for n, slot in analysis.captures]
-    grads = _run(outputs, grad_outputs, diff_inputs + edges, keep=True, accumulate=False)
-    captured = grads[len(diff_inputs):]
+    in_b = [params[k] for k in analysis.in_b]
+    grads = _run(outputs, grad_outputs, diff_inputs + edges + in_b, keep=True, accumulate=False)
+    captured = grads[len(diff_inputs): len(diff_inputs) + len(edges)]
+    _accumulate(in_b, grads[len(diff_inputs) + len(edges):])
     for pos, roots in analysis.groups:
         group_roots, seeds = [], []
         for n, slot, k in roots:

@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from pipetrain.compat import untraced
 from pipetrain.metrics.records import ActionTiming, CollectiveEvent, CommEvent
 from pipetrain.runtime import collectives
 from pipetrain.runtime.clock import StepClock
@@ -84,7 +85,7 @@ class _Saving:
 
     def __init__(self, rec: "StepRecorder", key: tuple[int, int]) -> None:
         self.rec, self.key, self.counter = rec, key, SavedBytes()
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.counter.pack, self.counter.unpack)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(untraced(self.counter.pack), self.counter.unpack)
 
     def __enter__(self) -> None:
         self.hooks.__enter__()

@@ -95,6 +95,13 @@ class StageCosts:
             w=tuple(w + (x if s in again else 0.0) for s, (w, x) in enumerate(zip(self.w, extra))),
             bw=tuple(self.fused(s) + extra[s] for s in range(n)))
 
+    def with_selective(self, again: Sequence[float], stages: Collection[int]) -> "StageCosts":
+        """The costs under selective recompute (trainer.recompute=selective) on `stages`: a stage's B (and a BW)
+        runs its recomputed modules' forward again (`again`, per stage id); W recomputes nothing."""
+        extra = [again[s] if s in stages else 0.0 for s in range(len(self.f))]
+        return dataclasses.replace(self, b=tuple(b + x for b, x in zip(self.b, extra)),
+                                   bw=tuple(self.fused(s) + x for s, x in enumerate(extra)))
+
     def action(self, a: Action) -> float:
         s = a.stage
         return {Op.F: self.f[s], Op.B: self.b[s], Op.W: self.w[s], Op.BW: self.fused(s)}[a.op]

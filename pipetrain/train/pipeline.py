@@ -144,9 +144,9 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
 
     `rank` is the pipeline rank. Each local stage is cut from `model` (on the meta device: shapes
     only), parallelized by `parallelize`'s ordered steps (parallel/parallelize.py: tensor parallel,
-    recompute, compile, data parallel; the schedule carries REDUCE_GRAD marks under dp and runs a
-    compiled stage's backward as BW: schedules/lower.py fuse_backward, which plan.build_schedule
-    applies), then materialized: only this rank's slices and shards, from (seed, name) or `init_rule`
+    recompute, compile, data parallel; the schedule carries REDUCE_GRAD marks under dp; a compiled
+    stage whose schedule runs B and W apart keeps its matrix-weight modules eager), then materialized:
+    only this rank's slices and shards, from (seed, name) or `init_rule`
     (model.pretrained: models/hf.PretrainedWeights reads them from the folder's files). A model built
     for real is copied instead. `precision` is trainer.precision (fp32 | bf16); `fb_overlap`
     pipeline.fb_overlap (runtime/overlap.py)."""
@@ -156,10 +156,9 @@ def build_rank_pipeline(model: LayeredModel, bounds: Sequence[range], schedule: 
     pl = schedule.placement
     if len(bounds) != pl.num_chunks:
         raise ValueError(f"the partition has {len(bounds)} chunks but the placement needs {pl.num_chunks}")
-    split = split_on(schedule, [s for s in pl.stages_of(rank) if parallelize.compiles(s)])
-    if split:
-        raise ValueError(f"compiled stages cannot run B and W apart, but the schedule has {split[0]}: lower it "
-                         f"with schedules/lower.py fuse_backward (plan.build_schedule does)")
+    # a compiled stage whose schedule runs B and W apart keeps its weight GEMMs out of its compiled graphs
+    parallelize = dataclasses.replace(parallelize, apart=frozenset(
+        s for s in pl.stages_of(rank) if parallelize.compiles(s) and split_on(schedule, [s])))
     device = torch.device(device)
     stages = {s: _stage(model, bounds[pl.chunk_of(s)], s, parallelize, device, seed, init_rule)
               for s in pl.stages_of(rank)}
