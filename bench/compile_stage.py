@@ -12,7 +12,7 @@ cross-entropy; the others' a seeded random output gradient), as BW does. Per sta
   compiled_ms  median, after the warm-up, with every layer compiled in place (nn.Module.compile,
                what trainer.compile=true does)
   tokens/s, and MFU where `--peak-tflops` is given or the GPU is known: training FLOPs per token
-  3 x the cost model's forward FLOPs (F + B + W = 3 F, models/causal_lm.py: layer_cost).
+  3 x the cost model's forward FLOPs (F + B + W = 3 F, models/decoder_costs.py: layer_cost).
 
 Usage: python bench/compile_stage.py [--model llama-tiny] [--stages 2] [--microbatch 4] [--seq 128]
        [--device cpu|cuda] [--precision fp32|bf16] [--layers N] [--out bench/results/compile_stage.json]

@@ -31,7 +31,7 @@ from pipetrain.config import Config, ModelConfig, SleepModelConfig
 from pipetrain.execution import (compiled_stages, cost_source, measures_here, overlap_on, pairs_fb, profile_device,
                                  recompute_stages)
 from pipetrain.partition.costs import LayerCost, chunk_costs, cp_layer_costs, ep_layer_costs
-from pipetrain.models.sleep import sleep_layer_costs
+from pipetrain.models.costs import config_layer_costs
 from pipetrain.partition.partition import Partition, require_chunks
 from pipetrain.partition.strategies import partition
 from pipetrain.planner.compute import Timing, layer_times
@@ -293,7 +293,7 @@ def whole_layer_costs(config: Config) -> list[LayerCost]:
     m, mbs = config.model, config.microbatch_size
     if config.partition.name == "profile" and measures_here(config):
         return measured_layer_costs(config, build_model(m, device="meta"), microbatch=mbs)
-    return model_layer_costs(m, costing_model(m), microbatch=mbs, seq=seq_len(config), tflops=config.sim.tflops)
+    return model_layer_costs(m, microbatch=mbs, seq=seq_len(config), tflops=config.sim.tflops)
 
 
 # The one home of a layer's cost, for mode=simulate and the run (whole_layer_costs above) and the
@@ -304,27 +304,23 @@ def seq_len(config: Config) -> int:
 
 
 def costing_model(m: ModelConfig) -> LayeredModel | None:
-    """The model whose cost model costs `m`'s layers, built on meta (shapes and dtypes only: no
-    parameter memory); None for model=sleep, whose costs its config gives without importing torch."""
+    """The model built on meta (shapes and dtypes only: no parameter memory) for what the planner reads of its
+    modules (the loss's saved bytes, autocast's weight copies, tied weights: planner/cmd.py workload) or times
+    layer by layer; None for model=sleep. The layers' costs by formula need no model (model_layer_costs)."""
     return None if isinstance(m, SleepModelConfig) else build_model(m, device="meta")
 
 
-def model_layer_costs(m: ModelConfig, model: LayeredModel | None, *, microbatch: int, seq: int,
-                      tflops: float, timing: Timing | None = None, tp: int = 1, cp: int = 1,
-                      sequence_parallel: bool = False) -> list[LayerCost]:
-    """Per-layer costs of one microbatch of the unsplit layers by formula: the sleep model's given
-    times (whatever the microbatch), else `model`'s (costing_model(m)) FLOPs at `tflops` TFLOP/s; with
-    `timing` (plan.device), each layer's GEMMs, attention and element-wise bytes on that device as one
-    tp x cp rank runs them (planner/compute.py layer_times, scaled to the whole layer)."""
-    if isinstance(m, SleepModelConfig):
-        return sleep_layer_costs(layers=m.layers, f_ms=m.f_ms, b_ms=m.b_ms, w_ms=m.w_ms, hidden=m.hidden,
-                                 params_per_layer=m.params_per_layer)
-    assert model is not None, f"model={m.name} is costed by its model: pass costing_model(config.model)"
+def model_layer_costs(m: ModelConfig, *, microbatch: int, seq: int, tflops: float, timing: Timing | None = None,
+                      tp: int = 1, cp: int = 1, sequence_parallel: bool = False) -> list[LayerCost]:
+    """Per-layer costs of one microbatch of the unsplit layers by formula, from the config alone (no torch:
+    models/costs.py): the sleep model's given times (whatever the microbatch), else the family's FLOPs at
+    `tflops` TFLOP/s; with `timing` (plan.device), each layer's GEMMs, attention and element-wise bytes on that
+    device as one tp x cp rank runs them (planner/compute.py layer_times, scaled to the whole layer)."""
     if timing is None:
-        return model.cost_model(microbatch=microbatch, seq=seq, tflops=tflops)
+        return config_layer_costs(m, microbatch=microbatch, seq=seq, tflops=tflops)
     return [layer_times(layer, tokens=microbatch * seq, seq=seq, t=timing, tp=tp, cp=cp,
                         sequence_parallel=sequence_parallel)
-            for layer in model.cost_model(microbatch=microbatch, seq=seq, tflops=timing.sustained_tflops)]
+            for layer in config_layer_costs(m, microbatch=microbatch, seq=seq, tflops=timing.sustained_tflops)]
 
 
 def measured_layer_costs(config: Config, model: LayeredModel, *, microbatch: int) -> list[LayerCost]:

@@ -9,7 +9,8 @@ import torch
 from test_llama import assert_costs_keep_what_autograd_saves
 
 from pipetrain.config import DEEPSEEK_OPTIONS
-from pipetrain.models.deepseek import DeepSeek, deepseek_param_count, mla_attention
+from pipetrain.models.deepseek import DeepSeek
+from pipetrain.models.deepseek_costs import deepseek_param_count, mla_attention
 from pipetrain.plan import build_model
 
 pytestmark = pytest.mark.pure

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pipetrain.models.factory import build_model
-from pipetrain.models.gpt2 import GPT2, PRESETS, gpt2_layer_params, gpt2_param_count
+from pipetrain.models.gpt2 import GPT2, PRESETS
+from pipetrain.models.gpt2_costs import gpt2_layer_params, gpt2_param_count
 from pipetrain.models.mlp import MLPModel
 from pipetrain.models.profile import default_cache_dir, profile_layers, saved_bytes_per_token
 from pipetrain.models import sleep_module

@@ -132,6 +132,32 @@ def test_costs_follow_microbatch_seq_and_tflops(compose):
     assert head_ms("sim.tflops=200") == pytest.approx(base / 2)
 
 
+@pytest.mark.parametrize("model", [m for m in MODEL_OPTIONS if m in ("sleep", "mlp", "gpt2-tiny", "llama-tiny",
+                                                                     "moe-tiny", "deepseek-tiny", "qwen3-0.6b")])
+def test_a_config_costs_its_layers_as_its_built_model(compose, model):
+    """The launcher costs a model from its config alone (models/costs.py, no torch): the same LayerCosts the
+    model built from that config answers (its resolved knobs are the built model's `config`)."""
+    from pipetrain.models.costs import config_layer_costs
+    from pipetrain.plan import build_model
+
+    m = compose([f"model={model}"]).model
+    seq = 32 if m.has_seq else 1
+    built = build_model(m, device="meta")
+    assert built.config == m.resolved_knobs()
+    assert config_layer_costs(m, microbatch=2, seq=seq, tflops=3.0) == built.cost_model(microbatch=2, seq=seq,
+                                                                                         tflops=3.0)
+
+
+def test_the_plan_of_a_run_costs_its_layers_without_torch():
+    """make_plan (mode=simulate, and the launcher before it starts ranks) for GPT-2, Llama, MoE and DeepSeek."""
+    assert_torch_free("""
+from pipetrain.compose import compose_config
+from pipetrain.plan import make_plan
+for model in ("gpt2-tiny", "llama-tiny", "moe-tiny", "deepseek-tiny", "mlp"):
+    make_plan(compose_config([f"model={model}", "pipeline.degree=2"]))
+""")
+
+
 def test_gpt2_xl_costs_take_no_memory(compose):
     t0 = time.perf_counter()
     plan = make_plan(compose(["model=gpt2-xl", "partition=balanced", "pipeline.degree=8"]))

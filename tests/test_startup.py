@@ -12,9 +12,9 @@ pytestmark = pytest.mark.e2e
 RUN = ["mode=simulate", "model=sleep"]
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--version"], ["--cfg", "job"], RUN,
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["--cfg", "job"], RUN, ["mode=simulate"],
                                   ["mode=plan", "model=sleep", "plan.world_size=4"]],
-                         ids=["help", "version", "cfg", "simulate-sleep", "plan-sleep"])
+                         ids=["help", "version", "cfg", "simulate-sleep", "simulate-quickstart", "plan-sleep"])
 def test_commands_that_need_no_torch_import_none(tmp_path, args):
     """`pipetrain ARGS` through its entry point in a fresh interpreter (a run's directory under
     tmp_path); a failing command fails the test (--help and --version end in SystemExit(0))."""
@@ -30,11 +30,13 @@ assert "datasets" not in sys.modules, "datasets was imported"  # ~1 s, only for 
 """)
 
 
-def test_the_launcher_imports_no_torch_before_the_ranks_start(tmp_path):
+@pytest.mark.parametrize("model", ["sleep", "gpt2-tiny"], ids=["sleep", "quickstart"])
+def test_the_launcher_imports_no_torch_before_the_ranks_start(tmp_path, model):
     """cluster=local on the CPU: the launching process starts its ranks (launch/agent.py) without having
     imported torch (the ranks fork from a server that has it); their result comes back all the same.
     Only a machine with a GPU driver (launch/devices.py: visible_gpus) or a model.pretrained folder
-    (its keys checked on meta) makes the launcher import torch first."""
+    (its keys checked on meta) makes the launcher import torch first. gpt2-tiny is the quickstart's model: its
+    plan costs the layers from the config (models/costs.py), not from a model built on meta."""
     assert_torch_free(f"""
 import pipetrain.launch.agent as agent
 from pipetrain.cli import main
@@ -49,7 +51,7 @@ def watched(*args, **kwargs):
 
 
 agent._start = watched
-sys.argv = ["pipetrain", "model=sleep", "pipeline.degree=2", "trainer.max_steps=1", "trainer.ckpt_at_end=false",
+sys.argv = ["pipetrain", "model={model}", "pipeline.degree=2", "trainer.max_steps=1", "trainer.ckpt_at_end=false",
             "logger=[jsonl]", "hydra.run.dir={tmp_path / 'run'}"]
 main()
 assert seen == [False], seen

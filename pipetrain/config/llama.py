@@ -196,3 +196,6 @@ class LlamaModelConfig(CausalLMConfig):
             out["moe"] = dataclasses.asdict(self.moe)
         out["mtp"] = dataclasses.asdict(self.mtp)
         return out
+
+    def resolved_knobs(self) -> dict[str, Any]:
+        return {**self.knobs(), "num_key_value_heads": self.kv_heads, "head_dim": self.head_size}

@@ -40,6 +40,11 @@ class ModelConfig:
     def knobs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
 
+    def resolved_knobs(self) -> dict[str, Any]:
+        """`knobs()` with the defaults a family works out filled in: the built model's `config`, what its
+        cost model reads (models/costs.py)."""
+        return self.knobs()
+
     @property
     def num_layers(self) -> int:
         raise NotImplementedError

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pipetrain.partition.costs import LayerCost
+from pipetrain.models.costs import family_layer_costs
 from pipetrain.models.init import init_parameters
+from pipetrain.partition.costs import LayerCost
 
 # trainer.precision -> the stages' compute dtype (None: no autocast, boundaries in the parameters' dtype)
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
@@ -80,9 +81,20 @@ class LayeredModel(nn.Module):
     def target_spec(self, *, microbatch: int, seq: int) -> TensorSpec:
         raise NotImplementedError
 
+    family: ClassVar[str]  # the model config's family (config/models.py): its cost model's name (models/costs.py)
+
     def cost_model(self, *, microbatch: int, seq: int, tflops: float) -> list[LayerCost]:
-        """One LayerCost per layer, times for one microbatch of `microbatch` x `seq`."""
-        raise NotImplementedError
+        """One LayerCost per layer, times for one microbatch of `microbatch` x `seq`: the family's formula over
+        this model's config (models/costs.py, what the launcher and the planner read without building it)."""
+        return family_layer_costs(self.family, self._config, microbatch=microbatch, seq=self._seq(seq),
+                                  tflops=tflops, bytes_per_value=self._bytes_per_value())
+
+    def _seq(self, seq: int) -> int:
+        """`seq` checked against the longest sequence the model takes (no sequence axis here: any)."""
+        return seq
+
+    def _bytes_per_value(self) -> int:
+        return torch.empty((), dtype=self.param_dtype, device="meta").element_size()
 
     def example_batch(
         self, *, microbatch: int, seq: int, generator: torch.Generator | None = None, device: Any = None
@@ -119,10 +131,3 @@ class LayeredModel(nn.Module):
     @property
     def param_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
-
-
-def ms_from_flops(flops: float, tflops: float) -> float:
-    """Milliseconds to execute `flops` at a sustained `tflops` (10^12 FLOP/s)."""
-    if tflops <= 0:
-        raise ValueError(f"tflops must be > 0 (got {tflops}): pass the device's sustained throughput")
-    return flops / (tflops * 1e12) * 1e3

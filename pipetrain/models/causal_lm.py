@@ -13,8 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipetrain.models.base import LayeredModel, TensorSpec, ms_from_flops
-from pipetrain.partition.costs import LayerCost, LayerShape
+from pipetrain.models.base import LayeredModel, TensorSpec
 
 
 IGNORE_INDEX = -1  # a target that counts in no loss (runtime/batch.py: counted_targets)
@@ -65,18 +64,3 @@ class CausalLM(LayeredModel):
         shape = (microbatch, self._seq(seq))
         idx = torch.randint(0, self._vocab, shape, generator=generator).to(device)
         return idx, torch.randint(0, self._vocab, shape, generator=generator).to(device)
-
-    def _bytes_per_value(self) -> int:
-        return torch.empty((), dtype=self.param_dtype, device="meta").element_size()
-
-
-def layer_cost(name: str, *, stored: int, matmul: int, attn_f: int, act: int, tokens: int,
-               tflops: float, shape: LayerShape | None = None) -> LayerCost:
-    """One layer's LayerCost from per-token counts (the nanoGPT / PaLM appendix B estimate):
-    `matmul` parameters that multiply each token (forward 2 FLOPs each; backward: B and W
-    2 each) and `attn_f` forward FLOPs of attention's weightless matmuls (QK^T, AV), whose
-    backward (2x) is all input-gradient (B). `stored` parameters, `act` bytes kept per token."""
-    f, b, w = 2 * matmul + attn_f, 2 * matmul + 2 * attn_f, 2 * matmul
-    return LayerCost(name, ms_from_flops(f * tokens, tflops), ms_from_flops(b * tokens, tflops),
-                     ms_from_flops(w * tokens, tflops), params=stored, flops_per_token=float(f),
-                     activation_bytes_per_token=act, shape=shape)

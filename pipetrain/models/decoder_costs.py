@@ -10,10 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pipetrain.models.causal_lm import layer_cost
 from pipetrain.models.moe_costs import experts_active, experts_and_a2a, mlp_params, mlp_values, moe_config
-from pipetrain.models.mtp import mtp_stored_params, with_mtp
-from pipetrain.partition.costs import COLUMN, ROW, LayerCost, LayerShape
+from pipetrain.partition.costs import COLUMN, ROW, LayerCost, LayerShape, ms_from_flops
 
 
 @dataclass(frozen=True)
@@ -30,10 +28,63 @@ class AttentionCost:
     block_shape: Optional[LayerShape] = None
 
 
+def layer_cost(name: str, *, stored: int, matmul: int, attn_f: int, act: int, tokens: int,
+               tflops: float, shape: LayerShape | None = None) -> LayerCost:
+    """One layer's LayerCost from per-token counts (the nanoGPT / PaLM appendix B estimate):
+    `matmul` parameters that multiply each token (forward 2 FLOPs each; backward: B and W
+    2 each) and `attn_f` forward FLOPs of attention's weightless matmuls (QK^T, AV), whose
+    backward (2x) is all input-gradient (B). `stored` parameters, `act` bytes kept per token."""
+    f, b, w = 2 * matmul + attn_f, 2 * matmul + 2 * attn_f, 2 * matmul
+    return LayerCost(name, ms_from_flops(f * tokens, tflops), ms_from_flops(b * tokens, tflops),
+                     ms_from_flops(w * tokens, tflops), params=stored, flops_per_token=float(f),
+                     activation_bytes_per_token=act, shape=shape)
+
+
+def mtp_stored_params(cfg: dict[str, Any], block: int) -> tuple[int, int]:
+    """(parameters the head layer stores for its MTP depths, of them copies of weights stored elsewhere):
+    per depth enorm, hnorm, shared_head.norm (3C), eh_proj (2C x C) and a block like the model's last (`block`
+    parameters); the embedding beside an untied lm_head is a copy of layer 0's (tied, the lm_head is it)."""
+    depth = (cfg.get("mtp") or {}).get("depth", 0)
+    if not depth:
+        return 0, 0
+    c, v = cfg["hidden_size"], cfg["vocab_size"]
+    copy = 0 if cfg["tie_word_embeddings"] else v * c
+    return depth * (3 * c + 2 * c * c + block) + copy, copy
+
+
+def with_mtp(head: LayerCost, block: LayerCost, cfg: dict[str, Any], *, tokens: int, tflops: float,
+             bytes_per_value: int) -> LayerCost:
+    """The head layer's LayerCost with its MTP depths as work of that layer (so of the last stage's rank): per
+    depth a block like the model's last, eh_proj (2C x C), the shared head's lm_head (V x C) and what they keep
+    per token (the two input norms, the concatenation and eh_proj's output: 3C + 3C + 2C + C; the shared head's
+    norm and log-softmax: 3C + V); positions counted as T (depth k has T - k: an overestimate of k / T)."""
+    depth = (cfg.get("mtp") or {}).get("depth", 0)
+    if not depth:
+        return head
+    c, v = cfg["hidden_size"], cfg["vocab_size"]
+    stored, _ = mtp_stored_params(cfg, block.params)
+    extra = layer_cost("mtp", stored=0, matmul=2 * c * c + v * c, attn_f=0,
+                       act=(12 * c + v) * bytes_per_value, tokens=tokens, tflops=tflops)
+    parts = [head, *[block, extra] * depth]
+    flops = sum(p.flops_per_token for p in parts)
+
+    def share(key: str) -> float:  # a share of the layer's forward FLOPs, weighted by each part's
+        return sum(getattr(p, key) * p.flops_per_token for p in parts) / flops if flops else 0.0
+
+    return LayerCost(f"head+mtp{depth}", *(sum(getattr(p, k) for p in parts) for k in ("f_ms", "b_ms", "w_ms")),
+                     params=head.params + stored, flops_per_token=flops,
+                     activation_bytes_per_token=sum(p.activation_bytes_per_token for p in parts),
+                     experts_params=depth * block.experts_params,
+                     a2a_values_per_token=depth * block.a2a_values_per_token,
+                     kv_values_per_token=depth * block.kv_values_per_token,
+                     experts_flops_share=share("experts_flops_share"),
+                     shared_experts_flops_share=share("shared_experts_flops_share"))
+
+
 def decoder_layer_params(cfg: dict[str, Any], attention: int) -> list[int]:
     """Parameters each pipeline layer stores, blocks of `attention` parameters each. A tied head counts its
     copy of the embedding (V*C), what it stores when it sits on another stage: sum(...) = total + V*C then.
-    MoE blocks count all their experts (moe_costs.mlp_params); the head its MTP depths (models/mtp.py)."""
+    MoE blocks count all their experts (moe_costs.mlp_params); the head its MTP depths (mtp_stored_params)."""
     c, v = cfg["hidden_size"], cfg["vocab_size"]
     blocks = [attention + 2 * c + stored for stored, _ in mlp_params(cfg)]
     return [v * c, *blocks, c + v * c + mtp_stored_params(cfg, blocks[-1])[0]]
@@ -49,7 +100,7 @@ def decoder_param_count(cfg: dict[str, Any], attention: int) -> int:
 
 def decoder_layer_costs(cfg: dict[str, Any], attention: AttentionCost, *, microbatch: int, seq: int, tflops: float,
                         bytes_per_value: int = 4) -> list[LayerCost]:
-    """Per-layer costs of one microbatch (causal_lm.layer_cost's FLOP model, as GPT-2's).
+    """Per-layer costs of one microbatch (layer_cost's FLOP model, as GPT-2's).
 
     Activation values kept per token by a block (what autograd saves; tests/test_llama.py and
     tests/test_deepseek.py measure it): each RMSNorm keeps its input and normalized value and hands a new
@@ -57,7 +108,7 @@ def decoder_layer_costs(cfg: dict[str, Any], attention: AttentionCost, *, microb
     product (4I; an MoE block moe_costs.mlp_values). Left out: one value per token per norm and per head
     (rsqrt, log-sum-exp) and the (T, hd) RoPE tables. The embedding keeps the int64 ids; the head its norm
     (3C), the log-softmax of the logits (V) and the int64 targets; with MTP the head layer is `head+mtp<D>`,
-    its depths' work counted on it (mtp.with_mtp). The embedding, the head and the blocks whose attention
+    its depths' work counted on it (with_mtp). The embedding, the head and the blocks whose attention
     knows their GEMMs (AttentionCost.block_shape) carry shapes for a device's timing.
     """
     c, v, tokens = cfg["hidden_size"], cfg["vocab_size"], microbatch * seq

@@ -37,12 +37,9 @@ from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.moe import MoEConfig
 from pipetrain.config.mtp import MTPConfig
 from pipetrain.models.causal_lm import IGNORE_INDEX, CausalLM
-from pipetrain.models.decoder_costs import AttentionCost, decoder_layer_costs, recompute_costs
-from pipetrain.models.llama_costs import llama_attention
 from pipetrain.models.moe_block import MoEBlock
 from pipetrain.models.moe_nodes import block_nodes, single_node
 from pipetrain.models.mtp import WithMTP, mtp_hf_key, mtp_name
-from pipetrain.partition.costs import LayerCost
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import Column, CrossEntropy, TPLayerPlan
 from pipetrain.runtime.documents import Documents
@@ -298,12 +295,12 @@ class MTPHead(WithMTP, Head):
 class Llama(CausalLM):
     """Knobs as LlamaModelConfig (HF config.json names); `seed` draws the initial weights."""
 
+    family = "llama"
+
     def __init__(self, *, seed: int = 0, **knobs: Any) -> None:
         super().__init__()
         args = LlamaModelConfig(name="llama", **knobs)  # the schema's checks: one-line errors naming the knob
-        cfg = args.knobs()
-        cfg.update(num_key_value_heads=args.kv_heads, head_dim=args.head_size)  # resolved defaults
-        self._config = cfg
+        self._config = cfg = args.resolved_knobs()
         c, v, n = args.hidden_size, args.vocab_size, args.num_hidden_layers
         self._set_shape(width=c, vocab=v, blocks=n, max_seq=args.max_position_embeddings, max_seq_knob=args.seq_knob)
         rotary = Rotary(args.head_size, args.rope_theta, cfg["rope_scaling"])
@@ -349,20 +346,6 @@ class Llama(CausalLM):
             residual = name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2"))
             std = INIT_STD / math.sqrt(2 * self._config["num_hidden_layers"]) if residual else INIT_STD
             nn.init.normal_(value, mean=0.0, std=std, generator=generator)
-
-    def attention_cost(self, seq: int) -> AttentionCost:
-        """One block's attention in the cost model (decoder_costs.py): grouped-query attention's."""
-        return llama_attention(self._config, seq=seq)
-
-    def cost_model(self, *, microbatch: int, seq: int, tflops: float) -> list[LayerCost]:
-        seq = self._seq(seq)
-        costs = decoder_layer_costs(self._config, self.attention_cost(seq), microbatch=microbatch, seq=seq,
-                                    tflops=tflops, bytes_per_value=self._bytes_per_value())
-        return self.selective_costs(costs, seq)
-
-    def selective_costs(self, costs: list[LayerCost], seq: int) -> list[LayerCost]:
-        """Selective recompute's modules per layer (decoder_costs.recompute_costs: grouped-query attention's)."""
-        return recompute_costs(self._config, costs, seq=seq, bytes_per_value=self._bytes_per_value())
 
 
 # ---- names: pipetrain <-> Hugging Face (pure) -----------------------------------------------

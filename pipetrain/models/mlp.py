@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipetrain.models.base import LayeredModel, TensorSpec, ms_from_flops
+from pipetrain.models.base import LayeredModel, TensorSpec
 from pipetrain.partition.costs import LayerCost
 
 
@@ -32,6 +32,8 @@ class Dense(nn.Module):
 
 
 class MLPModel(LayeredModel):
+    family = "mlp"
+
     def __init__(self, *, n_layer: int = 4, d_in: int = 16, d_hidden: int = 32, d_out: int = 8,
                  seed: int = 0) -> None:
         super().__init__()
@@ -71,15 +73,4 @@ class MLPModel(LayeredModel):
         return x.to(device), y.to(device)
 
     def cost_model(self, *, microbatch: int, seq: int = 1, tflops: float) -> list[LayerCost]:
-        # 2 FLOPs per weight per sample each for F, B and W; a layer keeps its input and
-        # (when it has tanh) its output for the backward.
-        dtype_bytes = torch.empty((), dtype=self.param_dtype, device="meta").element_size()
-        out = []
-        for i, name in enumerate(self.layer_names):
-            d_in, d_out = self._widths[i], self._widths[i + 1]
-            params = d_in * d_out + d_out
-            ms = ms_from_flops(2 * params * microbatch, tflops)
-            kept = d_in + (d_out if i < len(self.layer_names) - 1 else 0)
-            out.append(LayerCost(name, ms, ms, ms, params=params, flops_per_token=2.0 * params,
-                                 activation_bytes_per_token=kept * dtype_bytes))
-        return out
+        return super().cost_model(microbatch=microbatch, seq=seq, tflops=tflops)  # no sequence axis: seq ignored

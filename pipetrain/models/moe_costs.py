@@ -3,7 +3,7 @@
 A dense SwiGLU MLP of width I stores and multiplies 3 C I weights per token. An MoE block stores
 E experts of width I_e (3 C I_e each), the router (E C) and the shared MLP (3 C I_s, + C for its
 gate), but multiplies each token by only K experts: its *active* parameters are K 3 C I_e + E C +
-shared. FLOPs per token follow the active parameters (causal_lm.layer_cost), so MFU and the
+shared. FLOPs per token follow the active parameters (decoder_costs.layer_cost), so MFU and the
 simulator count what a token actually computes; memory counts what is stored. The router's
 `expert_bias` is state moved by the aux_free rule, not a weight: it counts in neither (published
 totals, e.g. Mixtral-8x7B's 46.7B, have no such term).

@@ -31,17 +31,16 @@ reported as `mtp/loss_k` (runtime/step_loss.py averages them as the loss).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.config.mtp import MTPConfig
-from pipetrain.models.causal_lm import IGNORE_INDEX, layer_cost
+from pipetrain.models.causal_lm import IGNORE_INDEX
 from pipetrain.models.init import embedding
 from pipetrain.parallel.layer_spec import ExpertsPlanned
-from pipetrain.partition.costs import LayerCost
 
 
 class SharedHead(nn.Module):
@@ -160,44 +159,3 @@ def mtp_name(key: str, *, num_hidden_layers: int, depth: int) -> str | None:
         return None
     own = parts[3].split(".")[0] in ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
     return f"mtp.{j}.{parts[3] if own else 'block.' + parts[3]}"
-
-
-def mtp_stored_params(cfg: dict[str, Any], block: int) -> tuple[int, int]:
-    """(parameters the head layer stores for its MTP depths, of them copies of weights stored elsewhere):
-    per depth enorm, hnorm, shared_head.norm (3C), eh_proj (2C x C) and a block like the model's last (`block`
-    parameters); the embedding beside an untied lm_head is a copy of layer 0's (tied, the lm_head is it)."""
-    depth = (cfg.get("mtp") or {}).get("depth", 0)
-    if not depth:
-        return 0, 0
-    c, v = cfg["hidden_size"], cfg["vocab_size"]
-    copy = 0 if cfg["tie_word_embeddings"] else v * c
-    return depth * (3 * c + 2 * c * c + block) + copy, copy
-
-
-def with_mtp(head: LayerCost, block: LayerCost, cfg: dict[str, Any], *, tokens: int, tflops: float,
-             bytes_per_value: int) -> LayerCost:
-    """The head layer's LayerCost with its MTP depths as work of that layer (so of the last stage's rank): per
-    depth a block like the model's last, eh_proj (2C x C), the shared head's lm_head (V x C) and what they keep
-    per token (the two input norms, the concatenation and eh_proj's output: 3C + 3C + 2C + C; the shared head's
-    norm and log-softmax: 3C + V); positions counted as T (depth k has T - k: an overestimate of k / T)."""
-    depth = (cfg.get("mtp") or {}).get("depth", 0)
-    if not depth:
-        return head
-    c, v = cfg["hidden_size"], cfg["vocab_size"]
-    stored, _ = mtp_stored_params(cfg, block.params)
-    extra = layer_cost("mtp", stored=0, matmul=2 * c * c + v * c, attn_f=0,
-                       act=(12 * c + v) * bytes_per_value, tokens=tokens, tflops=tflops)
-    parts = [head, *[block, extra] * depth]
-    flops = sum(p.flops_per_token for p in parts)
-
-    def share(key: str) -> float:  # a share of the layer's forward FLOPs, weighted by each part's
-        return sum(getattr(p, key) * p.flops_per_token for p in parts) / flops if flops else 0.0
-
-    return LayerCost(f"head+mtp{depth}", *(sum(getattr(p, k) for p in parts) for k in ("f_ms", "b_ms", "w_ms")),
-                     params=head.params + stored, flops_per_token=flops,
-                     activation_bytes_per_token=sum(p.activation_bytes_per_token for p in parts),
-                     experts_params=depth * block.experts_params,
-                     a2a_values_per_token=depth * block.a2a_values_per_token,
-                     kv_values_per_token=depth * block.kv_values_per_token,
-                     experts_flops_share=share("experts_flops_share"),
-                     shared_experts_flops_share=share("shared_experts_flops_share"))

@@ -45,7 +45,6 @@ from torch import nn
 
 from pipetrain.models.base import LayeredModel, TensorSpec
 from pipetrain.partition.costs import LayerCost
-from pipetrain.models.sleep import sleep_layer_costs
 
 # time.sleep overshoots (timer slack, wake-up): ~0.1 ms idle, more on a loaded machine,
 # which is 5-10% of a 2 ms layer. Each call measures its own overshoot and the next call
@@ -107,6 +106,8 @@ class SleepLayer(nn.Module):
 class SleepModel(LayeredModel):
     """Knobs named as SleepModelConfig: layers, f_ms, b_ms, w_ms, hidden, params_per_layer."""
 
+    family = "sleep"
+
     def __init__(self, *, layers: int = 16, f_ms: float = 2.0, b_ms: float = 2.0, w_ms: float = 2.0,
                  hidden: int = 1024, params_per_layer: int = 1, seed: int = 0) -> None:
         super().__init__()
@@ -145,5 +146,4 @@ class SleepModel(LayeredModel):
         return x.to(device), torch.randn(shape, generator=generator, dtype=self.param_dtype).to(device)
 
     def cost_model(self, *, microbatch: int = 1, seq: int = 1, tflops: float = 1.0) -> list[LayerCost]:
-        # Times are what the layers sleep, whatever the batch or device.
-        return sleep_layer_costs(**self._config)
+        return super().cost_model(microbatch=microbatch, seq=seq, tflops=tflops)  # whatever the batch or device

@@ -13,6 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+def ms_from_flops(flops: float, tflops: float) -> float:
+    """Milliseconds to execute `flops` at a sustained `tflops` (10^12 FLOP/s)."""
+    if tflops <= 0:
+        raise ValueError(f"tflops must be > 0 (got {tflops}): pass the device's sustained throughput")
+    return flops / (tflops * 1e12) * 1e3
+
+
 COLUMN, ROW, WHOLE = "col", "row", "whole"  # how tensor parallel splits a GEMM: its n, its k, or neither
 
 

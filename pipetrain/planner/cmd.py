@@ -77,7 +77,7 @@ def workload(config: Config) -> Workload:
         tflops, timed = p.tflops or config.sim.tflops, cluster.timing(config)
 
         def layers(mbs: int, tp: int = 1, cp: int = 1, sp: bool = False):  # the loss's bytes held apart (`in_head`)
-            costs = model_layer_costs(m, model, microbatch=mbs, seq=seq, tflops=tflops, timing=timed, tp=tp, cp=cp,
+            costs = model_layer_costs(m, microbatch=mbs, seq=seq, tflops=tflops, timing=timed, tp=tp, cp=cp,
                                       sequence_parallel=sp)
             if not in_head:
                 return costs
@@ -96,7 +96,7 @@ def workload(config: Config) -> Workload:
     in_head = loss_bytes if m.has_seq else 0.0  # a language model's analytic head counts the loss (mlp's not)
     hidden, vocab = m.hidden_size, m.vocab_size or 0
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
-    counted = model_layer_costs(m, model, microbatch=1, seq=seq, tflops=1.0)  # FLOPs and parameters, not times
+    counted = model_layer_costs(m, microbatch=1, seq=seq, tflops=1.0)  # FLOPs and parameters, not times
     model_flops, recompute_flops = cluster.flop_counts(counted) if model is not None else (0.0, 0.0)
     return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), p.w_keep,
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
