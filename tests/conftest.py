@@ -33,6 +33,14 @@ def pytest_configure(config):
         other_cpu_kernels()  # in a process that runs tests (an xdist worker, or -n 0), not in xdist's controller
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Linux: /proc/cpuinfo's flags)."""
+    try:
+        return " amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def other_cpu_kernels() -> None:
     """On an AVX-512 machine, the processes tests start (ranks, the `pipetrain` command) run torch's
     AVX2 kernels (ATEN_CPU_CAPABILITY=avx2) while this process keeps AVX-512: every parity test that
@@ -42,8 +50,11 @@ def other_cpu_kernels() -> None:
     numbers (normal_) are drawn alike on AVX2 and AVX-512 but not by the scalar kernels, and tests
     that check a rank's slices of a seeded model bit for bit need the same weights on both sides.
     torch reads the variable once, at its first kernel: this process's is fixed first. A user's own
-    ATEN_CPU_CAPABILITY applies to every process; an AVX2 machine runs all on AVX2."""
-    if "ATEN_CPU_CAPABILITY" in os.environ:
+    ATEN_CPU_CAPABILITY applies to every process; an AVX2 machine runs all on AVX2. A CPU with AMX keeps
+    AVX-512 everywhere: torch 2.13's bf16 attention packs its operands with AVX-512 instructions wherever the
+    CPU has AMX, whatever ATEN_CPU_CAPABILITY says, and fails under avx2 ("pack_vnni2 is only supported when
+    avx512 is supported", bf16 SDPA from 64 positions up)."""
+    if "ATEN_CPU_CAPABILITY" in os.environ or has_amx():
         return
     import torch
 
