@@ -20,8 +20,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
 
 from pipetrain.config.cluster import ONE_QUEUE, ClusterConfig, one_hw_queue
 from pipetrain.config.data import DataConfig
@@ -30,7 +28,7 @@ from pipetrain.config.finetune import pretrained_defaults
 from pipetrain.config.logs import LoggingConfig, default_loggers
 from pipetrain.config.llama import LlamaModelConfig
 from pipetrain.config.mtp import check_mtp
-from pipetrain.config.models import GPT2ModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
+from pipetrain.config.models import MISSING, GPT2ModelConfig, MLPModelConfig, ModelConfig, SleepModelConfig
 from pipetrain.config.options import DEEPSEEK_OPTIONS, LLAMA_OPTIONS, MODEL_OPTIONS, MOE_OPTIONS  # noqa: F401
 from pipetrain.config.profile import ProfileConfig
 from pipetrain.config.parallel import ParallelConfig, check_experts, fill_dp_shard, launched_world, world_text
@@ -375,6 +373,8 @@ MODEL_SCHEMAS: dict[str, type] = {"sleep": SleepModelConfig, "mlp": MLPModelConf
 
 def register_configs() -> None:
     """Schemas in the ConfigStore: `config_schema` for the root, `<model>_schema` per model schema."""
+    from hydra.core.config_store import ConfigStore  # here, not at import: the ranks read schemas, not Hydra
+
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for name, schema in MODEL_SCHEMAS.items():
