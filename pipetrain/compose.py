@@ -12,7 +12,7 @@ import difflib
 import functools
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -112,6 +112,7 @@ def check_overrides(overrides: Sequence[str], dirs: Sequence[str] = ()) -> None:
                 chosen.append(f"{'+' if o.is_add() else ''}{name}={values[0]}")
         elif o.type is OverrideType.CHANGE:
             keys.append(name)
+    keys = [key for key in keys if not schema_declares(key)]  # the rest (model.*, typos) checked as composed
     if not keys:
         return
     try:
@@ -152,6 +153,29 @@ def _no_option(group: str, value: str, options: Sequence[str]) -> str:
     if near:
         return f"{group}={value} is not a {group} option; did you mean {group}={near[0]}?"
     return f"{group}={value} is not a {group} option: choose {group}= one of {', '.join(options)}"
+
+
+def schema_declares(key: str) -> bool:
+    """Whether the typed schema (config.Config and the dataclasses under it) declares the dotted `key` whatever
+    the group choices: such a key needs no compose to be checked (~0.3 s of every command that overrides one).
+    False where the schema cannot say: under `model` (its schema is the model= choice's) or a free-form node."""
+    import dataclasses
+    import typing
+
+    from pipetrain.config import Config
+
+    node: Any = Config
+    for part in key.split("."):
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return False
+        hints = typing.get_type_hints(node)
+        if part not in hints or part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = hints[part]
+        args = [a for a in typing.get_args(node) if a is not type(None)]
+        if typing.get_origin(node) is typing.Union and len(args) == 1:  # Optional[X]: X's keys
+            node = args[0]
+    return True
 
 
 def _missing_key(cfg: DictConfig, key: str) -> str | None:
