@@ -384,3 +384,29 @@ def test_config_errors_name_the_knob(knobs, knob):
 def test_grouped_experts_refuse_unaligned_widths():
     with pytest.raises(ValueError, match=r"model\.moe\.experts_impl=grouped needs .* divisible by 8"):
         make_moe(intermediate=12, experts_impl="grouped")
+
+
+@pytest.mark.pure
+@pytest.mark.slow
+def test_a_compiled_moe_block_compiles_once_and_still_counts_its_forwards(compose, tmp_path, monkeypatch):
+    """trainer.compile on an MoE model (1F1B: the block compiled, its stacked experts eager): no forward after the
+    first two recompiles (torch's fail_on_recompile stance raises if one would: the block's forward counter was
+    a guard that failed at every forward and the expert loop specialised on each routing's row counts, a
+    compiled moe-tiny 1F1B step 9x eager's), and the statistics still count every training forward."""
+    from pipetrain.parallel.parallelize import compile_layer
+    from pipetrain.plan import build_model
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    block = build_model(compose(["model=moe-tiny"]).model).layers[1]
+    width = block.mlp.experts.w1.shape[-1]
+    compile_layer(block, apart=False)  # as trainer.compile under 1F1B
+
+    def step() -> None:  # new tokens: another routing every time
+        block(torch.randn(2, 16, width, requires_grad=True)).sum().backward()
+
+    step(), step()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(3):
+            step()
+    assert block.mlp.forwards == 5 and int(block.mlp.tokens_per_expert.sum()) == 5 * 2 * 16 * 2  # top-2

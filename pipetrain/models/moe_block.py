@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.compat import in_backward
+from pipetrain.compat import in_backward, untraced
 from pipetrain.config.moe import MoEConfig
 from pipetrain.models.moe import MoE, Plan
 from pipetrain.models.moe_router import updated_expert_bias
@@ -94,14 +94,18 @@ class MoEBlock(MoE):
     def count(self, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor) -> None:
         """Add one forward's statistics."""
         # Training forwards only: not evaluation (no grad), nor a forward recompute re-runs in backward.
+        # Outside a compiled graph (untraced): traced, the Python count (self.forwards) is a guard that failed
+        # at every forward, recompiling the block until dynamo's limit (compiled moe-tiny 1F1B: 9x eager's step).
         if torch.is_grad_enabled() and not in_backward():
-            with torch.no_grad():
-                aux = aux.detach()
-                first = self.tokens_per_expert is None
-                self.tokens_per_expert = counts.clone() if first else self.tokens_per_expert + counts
-                self.aux_loss_sum = aux.clone() if first else self.aux_loss_sum + aux
-                self.dropped_sum = dropped.clone() if first else self.dropped_sum + dropped
-                self.forwards += 1
+            untraced(self._add)(counts.detach(), aux.detach(), dropped.detach())
+
+    def _add(self, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor) -> None:
+        with torch.no_grad():
+            first = self.tokens_per_expert is None
+            self.tokens_per_expert = counts.clone() if first else self.tokens_per_expert + counts
+            self.aux_loss_sum = aux.clone() if first else self.aux_loss_sum + aux
+            self.dropped_sum = dropped.clone() if first else self.dropped_sum + dropped
+            self.forwards += 1
 
     def attach(self, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """The layer output with its balance loss's gradient attached (AttachAuxLoss) where it has one."""

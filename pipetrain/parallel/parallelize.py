@@ -37,6 +37,7 @@ from pipetrain.compat import keep_compiled_backward
 from pipetrain.parallel.cp import ContextAttention, context_parallel, local_positions, parallelize_context, positions
 from pipetrain.parallel.dp import DataParallel, data_parallel, local_rows
 from pipetrain.parallel.ep import expert_parallel, parallelize_experts
+from pipetrain.parallel.layer_spec import ExpertsPlanned
 from pipetrain.parallel.mesh import RankGroups
 from pipetrain.parallel.recompute import recompute_modules
 from pipetrain.parallel.split_weights import SplitWeights
@@ -171,19 +172,28 @@ def apply_compile(p: Parallelize, stage: nn.Module) -> nn.Module:
     between compiled graphs (Megatron's --delay-wgrad-compute keeps its weight-gradient GEMMs out of the
     fused backward alike): their weight-gradient GEMMs are W's (runtime/backward.py); the compiled graphs
     hold the norms, attention, activations and residuals, and a vector weight's gradient inside one (a
-    norm's scale) is computed in B. docs/training.md has the measurement that chose this."""
+    norm's scale) is computed in B. docs/training.md has the measurement that chose this. Stacked experts
+    (a layer's ep_plan) run eager under every schedule: their rows per expert change with every routing, and
+    a compiled expert loop recompiled at each microbatch until dynamo's limit."""
     if not p.compiles(stage.stage_id):
         return stage
     apart = stage.stage_id in p.apart
     if apart:
         keep_compiled_backward()
     for layer in stage.layers.values():
-        if apart:
-            for module in layer.modules():
-                if any(w.dim() >= 2 for w in module.parameters(recurse=False)):
-                    module.forward = torch.compiler.disable(module.forward)
-        layer.compile()
+        compile_layer(layer, apart=apart)
     return stage
+
+
+def compile_layer(layer: nn.Module, *, apart: bool) -> None:
+    """One layer compiled in place, its stacked experts eager, and with `apart` (B and W as separate actions)
+    every module holding a matrix weight eager too (apply_compile)."""
+    eager = [layer.get_submodule(path) for path in layer.ep_plan()] if isinstance(layer, ExpertsPlanned) else []
+    if apart:
+        eager += [m for m in layer.modules() if any(w.dim() >= 2 for w in m.parameters(recurse=False))]
+    for module in {id(m): m for m in eager}.values():
+        module.forward = torch.compiler.disable(module.forward)
+    layer.compile()
 
 
 def apply_dp(p: Parallelize, stage: nn.Module) -> nn.Module:
