@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipetrain.parallel.layer_spec import RecomputePlanned
 from pipetrain.parallel.recompute import recompute_modules
 from pipetrain.plan import build_model
 from pipetrain.runtime.backward import backward_input, backward_weight
@@ -99,13 +100,26 @@ def test_recompute_config(compose):
     assert compose(["trainer.activation_checkpointing=true"]).trainer.recompute == "full"
     t = compose(["trainer.recompute=full"]).trainer
     assert t.activation_checkpointing and t.recompute_modules
-    assert not compose(["trainer.recompute=selective"]).trainer.activation_checkpointing
+    assert not compose(["model=llama-tiny", "trainer.recompute=selective"]).trainer.activation_checkpointing
     for bad, says in [(["trainer.recompute=some"], "trainer.recompute must be none, full, selective"),
                       (["trainer.recompute=selective", "trainer.activation_checkpointing=true"], "drop it"),
                       (["trainer.recompute_modules=[mlp]"], "trainer.recompute_modules must list"),
-                      (["trainer.recompute=selective", "trainer.recompute_modules=[]"], "name some")]:
+                      (["trainer.recompute=selective", "trainer.recompute_modules=[]"], "name some"),
+                      # GPT-2 declares no module: selective would silently run as none
+                      (["model=gpt2-tiny", "trainer.recompute=selective"], "set trainer.recompute=full or none"),
+                      (["model=gpt2-tiny", "mode=plan", "plan.recompute_selective=true"],
+                       "set plan.recompute_selective=false")]:
         with pytest.raises(ValueError, match=says):
             compose(bad)
+
+
+@pytest.mark.parametrize("name", ["sleep", "mlp", "gpt2-tiny", "llama-tiny", "moe-tiny", "deepseek-tiny"])
+def test_a_family_allows_selective_recompute_where_its_layers_declare_modules(compose, name):
+    """ModelConfig.selective_recompute (what the config checks) says what the built layers declare."""
+    m = compose([f"model={name}"]).model
+    layers = build_model(m, device="meta").layers
+    assert any(isinstance(layer, RecomputePlanned) and any(layer.recompute_plan().values())
+               for layer in layers) == m.selective_recompute
 
 
 def test_the_planner_searches_recompute_modes_per_stage(compose):
