@@ -13,19 +13,24 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipetrain.parallel.layer_spec import RecomputePlanned
 from pipetrain.parallel.recompute import recompute_modules
 from pipetrain.plan import build_model
 from pipetrain.runtime.backward import backward_input, backward_weight
 from pipetrain.runtime.step_result import SavedBytes
 
 pytestmark = pytest.mark.pure
-SETS = [(), ("norm",), ("attention",), ("mlp_act",), ("moe_act",), ("norm", "attention", "mlp_act", "moe_act")]
+ALL = ("norm", "attention", "mlp_act", "moe_act", "mla_up")
+SETS = [(), *((m,) for m in ALL), ALL]
+# DeepSeek's MLA blocks (the first dense, the second MoE) with and without the low-rank query
+MODELS = ["llama-tiny", "moe-tiny", "deepseek-tiny", "deepseek-tiny model.q_lora_rank=null"]
 B, T = 2, 16
 
 
 def model_of(compose, name: str):
     torch.manual_seed(0)
-    return build_model(compose([f"model={name}", "model.num_hidden_layers=2"]).model)
+    preset, *overrides = name.split()
+    return build_model(compose([f"model={preset}", "model.num_hidden_layers=2", *overrides]).model)
 
 
 def layer_input(i: int, width: int) -> torch.Tensor:
@@ -35,7 +40,7 @@ def layer_input(i: int, width: int) -> torch.Tensor:
     return torch.randn(B, T, width, generator=g).requires_grad_()
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "moe-tiny"])
+@pytest.mark.parametrize("name", MODELS)
 def test_saved_bytes_per_layer_are_the_cost_models(compose, name):
     model = model_of(compose, name)
     costs = model.cost_model(microbatch=B, seq=T, tflops=1.0)
@@ -58,7 +63,7 @@ def test_saved_bytes_per_layer_are_the_cost_models(compose, name):
 class Forwards(TorchFunctionMode):
     """Counts the recomputable modules' forward functions called (norms' rsqrt, attention, activations)."""
 
-    FUNCS = (torch.rsqrt, F.scaled_dot_product_attention, F.silu)
+    FUNCS = (torch.rsqrt, F.scaled_dot_product_attention, F.silu, F.linear)  # F.linear: MLA's up-projections
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,12 +74,12 @@ class Forwards(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "moe-tiny"])
+@pytest.mark.parametrize("name", MODELS)
 def test_gradients_equal_no_recompute_and_w_recomputes_nothing(compose, name):
     model = model_of(compose, name)
-    block = model.layers[1]
+    block = model.layers[2]  # deepseek-tiny's: an MoE MLA block, every module
     grads = {}
-    for modules in [(), ("norm", "attention", "mlp_act", "moe_act")]:
+    for modules in [(), ALL]:
         layer = copy.deepcopy(block)
         recompute_modules(layer, modules, compiled=False)
         x = layer_input(1, 128)
@@ -95,13 +100,26 @@ def test_recompute_config(compose):
     assert compose(["trainer.activation_checkpointing=true"]).trainer.recompute == "full"
     t = compose(["trainer.recompute=full"]).trainer
     assert t.activation_checkpointing and t.recompute_modules
-    assert not compose(["trainer.recompute=selective"]).trainer.activation_checkpointing
+    assert not compose(["model=llama-tiny", "trainer.recompute=selective"]).trainer.activation_checkpointing
     for bad, says in [(["trainer.recompute=some"], "trainer.recompute must be none, full, selective"),
                       (["trainer.recompute=selective", "trainer.activation_checkpointing=true"], "drop it"),
                       (["trainer.recompute_modules=[mlp]"], "trainer.recompute_modules must list"),
-                      (["trainer.recompute=selective", "trainer.recompute_modules=[]"], "name some")]:
+                      (["trainer.recompute=selective", "trainer.recompute_modules=[]"], "name some"),
+                      # GPT-2 declares no module: selective would silently run as none
+                      (["model=gpt2-tiny", "trainer.recompute=selective"], "set trainer.recompute=full or none"),
+                      (["model=gpt2-tiny", "mode=plan", "plan.recompute_selective=true"],
+                       "set plan.recompute_selective=false")]:
         with pytest.raises(ValueError, match=says):
             compose(bad)
+
+
+@pytest.mark.parametrize("name", ["sleep", "mlp", "gpt2-tiny", "llama-tiny", "moe-tiny", "deepseek-tiny"])
+def test_a_family_allows_selective_recompute_where_its_layers_declare_modules(compose, name):
+    """ModelConfig.selective_recompute (what the config checks) says what the built layers declare."""
+    m = compose([f"model={name}"]).model
+    layers = build_model(m, device="meta").layers
+    assert any(isinstance(layer, RecomputePlanned) and any(layer.recompute_plan().values())
+               for layer in layers) == m.selective_recompute
 
 
 def test_the_planner_searches_recompute_modes_per_stage(compose):

@@ -213,6 +213,7 @@ class Config:
                                                    where=f"cluster={self.cluster.name}")
         self._check_data()
         self._check_parallel()
+        self._check_recompute()
         self.logging.check(self.logger, max_steps=self.trainer.max_steps)
         self.profile.check(max_steps=self.trainer.max_steps)
         # SLURM: nodes x ranks per node must be the world
@@ -280,6 +281,19 @@ class Config:
         elif par.cp_rotate != "allgather" and max(self.plan.cp) == 1:  # the planner prices plan.cp's rows with it
             raise ValueError(f"parallel.cp_rotate={par.cp_rotate} passes K/V between context-parallel ranks, which "
                              f"this run has none of (parallel.cp=1): set parallel.cp > 1 or drop parallel.cp_rotate")
+
+    def _check_recompute(self) -> None:
+        """Selective recompute wraps the modules a model's layers declare: without any it would run as none."""
+        m, t = self.model, self.trainer
+        if m.selective_recompute:
+            return
+        knob, fix = (("trainer.recompute=selective", "trainer.recompute=full or none") if t.recompute == "selective"
+                     else ("plan.recompute_selective=true", "plan.recompute_selective=false")
+                     if self.mode is Mode.plan and self.plan.recompute_selective else (None, None))
+        if knob:
+            raise ValueError(f"{knob}: model={m.name} ({m.family}) declares no module to recompute selectively "
+                             f"(GPT-2's LayerNorms and GELU keep only their inputs, as a recomputed call would; the "
+                             f"Llama family and DeepSeek declare theirs): set {fix}")
 
     def _check_cp(self) -> None:
         """Context parallel splits every sequence into 2 cp load-balanced chunks inside Llama's attention."""

@@ -84,6 +84,7 @@ class DeepSeekModelConfig(CausalLMConfig):
     # scales): its config.json sets every shape knob above, its weights the initial ones (models/hf_deepseek.py)
     pretrained: Optional[str] = None
     family: ClassVar[str] = "deepseek"
+    selective_recompute: ClassVar[bool] = True
     layer_knob: ClassVar[str] = "model.num_hidden_layers"
     seq_knob: ClassVar[str] = "max_position_embeddings"
 

@@ -79,6 +79,7 @@ class LlamaModelConfig(CausalLMConfig):
     # and each rank reads its stages' weights from its safetensors (models/hf.py).
     pretrained: Optional[str] = None
     family: ClassVar[str] = "llama"
+    selective_recompute: ClassVar[bool] = True
     layer_knob: ClassVar[str] = "model.num_hidden_layers"
     seq_knob: ClassVar[str] = "max_position_embeddings"
 

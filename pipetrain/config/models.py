@@ -39,6 +39,9 @@ class ModelConfig:
     has_seq: ClassVar[bool] = False
     seq_knob: ClassVar[str] = ""  # where has_seq: the knob bounding data.seq_len
     extra_layers: ClassVar[int] = 0  # pipeline layers besides the ones layer_knob counts
+    # its layers declare trainer.recompute=selective's modules (parallel/layer_spec.py RecomputePlanned;
+    # tests/test_recompute.py checks each family's layers agree)
+    selective_recompute: ClassVar[bool] = False
 
     def knobs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}

@@ -149,19 +149,21 @@ def gqa_block_shape(cfg: dict[str, Any]) -> LayerShape:
                       elementwise_values=3 * i + 2 * (q + kv), elementwise_whole=10 * c)
 
 
-def recompute_costs(cfg: dict[str, Any], costs: list[LayerCost], *, seq: int, bytes_per_value: int) -> list[LayerCost]:
+RecomputeModule = tuple[str, int, float]  # LayerCost.recompute_modules' entry: (name, bytes per token, FLOPs per token)
+
+
+def recompute_costs(cfg: dict[str, Any], costs: list[LayerCost], attention: tuple[RecomputeModule, ...], *,
+                    bytes_per_value: int) -> list[LayerCost]:
     """Each layer's selective-recompute modules (LayerCost.recompute_modules; parallel/recompute.py keeps a
-    recomputed call's inputs, its output stays with the matmul reading it). Per token: a norm saves its
-    normalized value (C; a per-head QK-norm H hd + KV hd), core attention its fp32 log-sum-exp (H: flash
-    attention keeps q, k, v and its output either way), an MLP activation silu(gate) (I), the experts' theirs
-    per chosen expert (K I_e). FLOPs: the norms 4 values, attention 4 T H hd + RoPE, an activation 5 values."""
-    c, i, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    q, kv = heads * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    m, qk = moe_config(cfg), (q + kv if cfg["qk_norm"] else 0)
+    recomputed call's inputs, its output stays with the matmul reading it). `attention`: the attention's own,
+    per token, from its family (llama_costs.gqa_recompute, deepseek_costs.mla_recompute; a "norm" there adds
+    to the block's). Per token here: the block's two norms their normalized values (2C), an MLP activation
+    silu(gate) (I), the experts' theirs per chosen expert (K I_e). FLOPs: a norm 4 values, an activation 5."""
+    c, i = cfg["hidden_size"], cfg["intermediate_size"]
+    m = moe_config(cfg)
     blocks = []
     for b, layer in enumerate(costs[1:-1]):
-        mods = [("norm", (2 * c + qk) * bytes_per_value, 4.0 * (2 * c + qk)),
-                ("attention", 4 * heads, 4.0 * seq * q + 6 * (q + kv))]
+        mods = [("norm", 2 * c * bytes_per_value, 8.0 * c)]
         if m is not None and m.is_moe(b):
             width, shared = m.expert_width(i), m.shared_width(i)
             mods.append(("moe_act", m.top_k * width * bytes_per_value, 5.0 * m.top_k * width))
@@ -169,6 +171,15 @@ def recompute_costs(cfg: dict[str, Any], costs: list[LayerCost], *, seq: int, by
                 mods.append(("mlp_act", shared * bytes_per_value, 5.0 * shared))
         else:
             mods.append(("mlp_act", i * bytes_per_value, 5.0 * i))
-        blocks.append(dataclasses.replace(layer, recompute_modules=tuple(mods)))
+        blocks.append(dataclasses.replace(layer, recompute_modules=_merged((*mods, *attention))))
     head = dataclasses.replace(costs[-1], recompute_modules=(("norm", c * bytes_per_value, 4.0 * c),))
     return [costs[0], *blocks, head]
+
+
+def _merged(mods: tuple[RecomputeModule, ...]) -> tuple[RecomputeModule, ...]:
+    """One entry per module name, its bytes and FLOPs summed, in the order the names first come."""
+    out: dict[str, RecomputeModule] = {}
+    for name, saved, flops in mods:
+        _, b, f = out.get(name, (name, 0, 0.0))
+        out[name] = (name, b + saved, f + flops)
+    return tuple(out.values())

@@ -28,7 +28,15 @@ from pipetrain.parallel.layer_spec import Column, TPLayerPlan
 
 class MLABlock(DecoderLayer):
     """A decoder block with MLA attention: Llama's block contract (documents, nodes, cp and ep plans) with
-    its own tensor-parallel plan."""
+    its own tensor-parallel and selective-recompute plans."""
+
+    def recompute_plan(self) -> dict[str, tuple[tuple[str, ...], ...]]:
+        """Llama's modules (the block's two norms, core attention: RoPE and SDPA, the MLP's activations) and
+        MLA's up-projections with the latent norms before them (mla_up, as Megatron's mla_up_proj; their
+        weights differentiated in B: parallel/recompute.py). The latent norms are mla_up's, not norm's."""
+        attn = self.self_attn
+        assert isinstance(attn, MLA)
+        return {**super().recompute_plan(), "mla_up": (("self_attn", "up", *attn.up_weights()),)}
 
     def tp_plan(self) -> TPLayerPlan:
         """Heads split (q_b_proj or q_proj, kv_b_proj column-parallel, o_proj row-parallel), the compressions

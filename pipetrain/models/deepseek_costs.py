@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipetrain.models.decoder_costs import AttentionCost, decoder_layer_costs, decoder_param_count
+from pipetrain.models.decoder_costs import (AttentionCost, RecomputeModule, decoder_layer_costs, decoder_param_count,
+                                            recompute_costs)
 from pipetrain.partition.costs import LayerCost
 
 
@@ -32,15 +33,35 @@ def mla_attention(cfg: dict[str, Any], *, seq: int) -> AttentionCost:
                          kv_values=h * (d_qk + d_v))
 
 
+def mla_recompute(cfg: dict[str, Any], *, seq: int, bytes_per_value: int) -> tuple[RecomputeModule, ...]:
+    """MLA's selective-recompute modules per token (decoder_costs.recompute_costs; models/mla.py `core`, `up`):
+
+    attention   SDPA's keys (H d_qk: the latent's up-projection and the rotary key, which the call keeps, make
+                them) and its fp32 log-sum-exp (H); its queries become the query's up-projection (H d_qk) the
+                call keeps; its values are a view of the latent's up-projection either way. FLOPs: QK^T and AV,
+                RoPE on H + 1 rotary heads (6 a value);
+    mla_up      the latent norms' normalized values and outputs (2 r_q + 2 r_kv; the projections' outputs
+                stay with attention). FLOPs: both up-projections' GEMMs and the two norms (4 a value).
+    """
+    h, r_q, r_kv = cfg["num_attention_heads"], cfg["q_lora_rank"] or 0, cfg["kv_lora_rank"]
+    d_r, d_qk = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    q_up = (r_q or cfg["hidden_size"]) * h * d_qk  # q_b_proj, or q_proj from x without a low-rank query
+    kv_up = r_kv * h * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
+    attention = mla_attention(cfg, seq=seq).flops + 6.0 * (h + 1) * d_r
+    return (("attention", h * d_qk * bytes_per_value + 4 * h, attention),
+            ("mla_up", 2 * (r_q + r_kv) * bytes_per_value, 2.0 * (q_up + kv_up) + 4.0 * (r_q + r_kv)))
+
+
 def deepseek_param_count(cfg: dict[str, Any]) -> int:
     """Distinct parameters of the unsplit model (a tied embedding counted once), as published."""
     return decoder_param_count(cfg, mla_attention(cfg, seq=1).params)
 
 
-
 def deepseek_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops: float,
                          bytes_per_value: int = 4) -> list[LayerCost]:
-    """Per-layer costs of one microbatch (decoder_costs.decoder_layer_costs with MLA); MLA's blocks declare no
-    selective-recompute modules yet (mla_up: a later change)."""
-    return decoder_layer_costs(cfg, mla_attention(cfg, seq=seq), microbatch=microbatch, seq=seq, tflops=tflops,
-                               bytes_per_value=bytes_per_value)
+    """Per-layer costs of one microbatch (decoder_costs.decoder_layer_costs with MLA), selective recompute's
+    modules with MLA's (mla_recompute)."""
+    costs = decoder_layer_costs(cfg, mla_attention(cfg, seq=seq), microbatch=microbatch, seq=seq, tflops=tflops,
+                                bytes_per_value=bytes_per_value)
+    return recompute_costs(cfg, costs, mla_recompute(cfg, seq=seq, bytes_per_value=bytes_per_value),
+                           bytes_per_value=bytes_per_value)

@@ -217,12 +217,12 @@ class DecoderLayer(nn.Module):
         """What cp gives the cp group (parallel/cp.py): attention its K/V, an MoE MLP its balance loss's counts."""
         return ("self_attn", "mlp") if isinstance(self.mlp, MoEBlock) else ("self_attn",)
 
-    def recompute_plan(self) -> dict[str, tuple[tuple[str, str], ...]]:
+    def recompute_plan(self) -> dict[str, tuple[tuple[str, ...], ...]]:
         """Selective recompute's calls (parallel/recompute.py): core attention, the norms, the dense MLP's
         activation, or the MoE's: its experts' (moe_act) and its shared experts' (mlp_act)."""
-        attn = self.self_attn
         norms = ["input_layernorm", "post_attention_layernorm"]
-        norms += ["self_attn.q_norm", "self_attn.k_norm"] if attn.q_norm is not None else []
+        attn = self.self_attn  # another attention (MLA) says its own norms: models/deepseek.py
+        norms += ["self_attn.q_norm", "self_attn.k_norm"] if isinstance(attn, Attention) and attn.q_norm else []
         plan = {"attention": (("self_attn", "core"),), "norm": tuple((n, "forward") for n in norms)}
         if isinstance(self.mlp, MLP):
             plan["mlp_act"] = (("mlp", "act"),)
@@ -279,7 +279,7 @@ class Head(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))  # (B, T, C) -> (B, T, V)
 
-    def recompute_plan(self) -> dict[str, tuple[tuple[str, str], ...]]:
+    def recompute_plan(self) -> dict[str, tuple[tuple[str, ...], ...]]:
         return {"norm": (("norm", "forward"),)}
 
     def tp_plan(self) -> TPLayerPlan:

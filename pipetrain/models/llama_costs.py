@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipetrain.models.decoder_costs import (AttentionCost, decoder_layer_costs, decoder_layer_params,
-                                            decoder_param_count, gqa_block_shape, recompute_costs)
+from pipetrain.models.decoder_costs import (AttentionCost, RecomputeModule, decoder_layer_costs,
+                                            decoder_layer_params, decoder_param_count, gqa_block_shape,
+                                            recompute_costs)
 from pipetrain.partition.costs import LayerCost
 
 
@@ -28,6 +29,17 @@ def llama_attention(cfg: dict[str, Any], *, seq: int) -> AttentionCost:
                          block_shape=None if cfg.get("moe") else gqa_block_shape(cfg))  # MoE: timed by its FLOPs
 
 
+def gqa_recompute(cfg: dict[str, Any], *, seq: int, bytes_per_value: int) -> tuple[RecomputeModule, ...]:
+    """Grouped-query attention's selective-recompute modules per token (decoder_costs.recompute_costs): its
+    QK-norms their normalized values (H hd + KV hd; norm), core attention its fp32 log-sum-exp (H: flash
+    attention keeps q, k, v and its output either way; RoPE's q and k replace the projections' of equal size).
+    FLOPs: a norm 4 values, attention 4 T H hd and RoPE (6 a value)."""
+    heads = cfg["num_attention_heads"]
+    q, kv = heads * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    qk = q + kv if cfg["qk_norm"] else 0
+    return (("norm", qk * bytes_per_value, 4.0 * qk), ("attention", 4 * heads, 4.0 * seq * q + 6 * (q + kv)))
+
+
 def llama_layer_params(cfg: dict[str, Any]) -> list[int]:
     """Parameters each pipeline layer stores (decoder_costs.decoder_layer_params)."""
     return decoder_layer_params(cfg, llama_attention(cfg, seq=1).params)
@@ -43,4 +55,5 @@ def llama_layer_costs(cfg: dict[str, Any], *, microbatch: int, seq: int, tflops:
     """Per-layer costs of one microbatch (decoder_costs.decoder_layer_costs with grouped-query attention)."""
     costs = decoder_layer_costs(cfg, llama_attention(cfg, seq=seq), microbatch=microbatch, seq=seq, tflops=tflops,
                                 bytes_per_value=bytes_per_value)
-    return recompute_costs(cfg, costs, seq=seq, bytes_per_value=bytes_per_value)
+    return recompute_costs(cfg, costs, gqa_recompute(cfg, seq=seq, bytes_per_value=bytes_per_value),
+                           bytes_per_value=bytes_per_value)

@@ -122,24 +122,42 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
         b, t, _ = x.shape  # sequence parallel: x is whole here (the tp region gathered it)
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.compressed_q else self.q_proj(x)
+        q_in = self.q_a_proj(x) if self.compressed_q else x  # (B, T, r_q), or (B, T, C) for q_proj
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)  # (B, T, r), (B, T, d_r)
+        q, kv = self.up(q_in, latent)
+        y = self.core(q, kv, k_rot, docs)  # (B, H, T, d_v)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.v_dim))  # (B, T, H d_v) -> (B, T, C)
+
+    def up(self, q_in: torch.Tensor, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The up-projections (selective recompute's "mla_up", Megatron's mla_up_proj): the query's
+        (B, T, r_q) -> (B, T, H (d_n + d_r)) through its norm (or q_proj from x), the latent's (B, T, r_kv)
+        -> (B, T, H (d_n + d_v)) through its norm. Recomputed, the block keeps the compressed inputs only."""
+        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.compressed_q else self.q_proj(q_in)
+        return q, self.kv_b_proj(self.kv_a_layernorm(latent))
+
+    def up_weights(self) -> tuple[str, ...]:
+        """The sub-modules whose weights `up` uses (selective recompute differentiates them in B)."""
+        q = ("q_a_layernorm", "q_b_proj") if self.compressed_q else ("q_proj",)
+        return (*q, "kv_a_layernorm", "kv_b_proj")
+
+    def core(self, q: torch.Tensor, kv: torch.Tensor, k_rot: torch.Tensor, docs: Optional[Documents] = None
+             ) -> torch.Tensor:
+        """Core attention (selective recompute's "attention"): q (B, T, H (d_n + d_r)), kv (B, T, H (d_n + d_v))
+        and the shared rotary key (B, T, d_r) -> RoPE, attention -> (B, H, T, d_v)."""
+        b, t, _ = q.shape
         q = q.view(b, t, self.heads, self.nope + self.rope).transpose(1, 2)  # (B, H, T, d_n + d_r); tp: H/tp
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)  # (B, T, r), (B, T, d_r)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))  # (B, T, H (d_n + d_v))
         kv = kv.view(b, t, self.heads, self.nope + self.v_dim).transpose(1, 2)  # (B, H, T, d_n + d_v)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rot = k_rot.view(b, 1, t, self.rope)  # (B, 1, T, d_r): one rotary key for every head
         if self.interleave:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         cp = self.context  # under context parallel x holds this rank's positions of each sequence only
-        cos, sin = rope_tables(self.rotary, cp, docs, t, x.device, q.dtype)
+        cos, sin = rope_tables(self.rotary, cp, docs, t, q.device, q.dtype)
         q = torch.cat((q_nope, apply_rope(q_rot, cos, sin)), dim=-1)  # (B, H, T, d_n + d_r)
         k = torch.cat((k_nope, apply_rope(k_rot, cos, sin).expand(-1, self.heads, -1, -1)), dim=-1)
         if cp is not None:  # causal (or per document) by true position, K/V of the other positions from the cp group
-            y = cp.attend(q, k, v, docs, scale=self.scale)
-        elif docs is not None:  # block-causal: each query the keys of its own document up to itself
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask(), scale=self.scale)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.v_dim))  # (B, T, H d_v) -> (B, T, C)
+            return cp.attend(q, k, v, docs, scale=self.scale)
+        if docs is not None:  # block-causal: each query the keys of its own document up to itself
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask(), scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)

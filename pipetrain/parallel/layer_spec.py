@@ -13,8 +13,9 @@ node-level execution, declared as data and methods the layer has, read with isin
                              Documents as a second argument, `layer(x, docs)` (None: the whole row causal), and
                              reads of it "positions" (restarting per document) and/or "mask" (block-causal)
   recompute_plan() -> {..}   selective recompute (trainer.recompute_modules): per module name of
-                             config/train.py RECOMPUTE_MODULES the (sub-module path, method) calls that
-                             recompute re-runs in B (parallel/recompute.py); a name missing: none here
+                             config/train.py RECOMPUTE_MODULES the (sub-module path, method, weights..)
+                             calls that recompute re-runs in B (parallel/recompute.py); a name missing:
+                             none here
   nodes(key) -> [Node]       node-level execution (runtime/stage_protocol.py Node): the layer's forward as
                              nodes, named by schedules/fb_pairs.py's constants for an MoE block
                              (models/moe_nodes.py); a layer without it runs as one node
@@ -120,7 +121,9 @@ class DocumentsPlanned(Protocol):
 
 @runtime_checkable
 class RecomputePlanned(Protocol):
-    """A layer that says which of trainer.recompute_modules it has: module name -> the (sub-module path,
-    method name) calls selective recompute wraps ("" for the layer itself)."""
+    """A layer that says which of trainer.recompute_modules it has: module name -> the calls selective
+    recompute wraps, each (sub-module path ("" for the layer itself), method name, then the paths under
+    that sub-module of those whose weights the call uses: a `forward` uses all of its own, another
+    method none unless named; MLA's up-projections name theirs)."""
 
-    def recompute_plan(self) -> dict[str, tuple[tuple[str, str], ...]]: ...
+    def recompute_plan(self) -> dict[str, tuple[tuple[str, ...], ...]]: ...

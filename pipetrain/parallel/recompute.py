@@ -17,7 +17,7 @@ runs eager (torch.compiler.disable): its backward calls autograd, which a compil
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -64,10 +64,11 @@ class _autocast:
             m.__exit__(*exc)
 
 
-def recomputed(method: Callable[..., Any], *, weights: bool, compiled: bool) -> Callable[..., Any]:
+def recomputed(method: Callable[..., Any], *, weights: Sequence[str], compiled: bool) -> Callable[..., Any]:
     """A module's `method` (its class's function) whose tensor arguments alone are kept; other arguments
-    (documents, None) ride along. `weights`: the call uses its module's weights (read at each call: FSDP2
-    swaps them after this step). Bound to the module (types.MethodType), a deep copy binds to the copy."""
+    (documents, None) ride along. `weights`: the paths under the module ("" itself) of the sub-modules whose
+    weights the call uses (read at each call: FSDP2 swaps them after this step). Bound to the module
+    (types.MethodType), a deep copy binds to the copy."""
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return method(module, *args, **kwargs)
@@ -78,7 +79,7 @@ def recomputed(method: Callable[..., Any], *, weights: bool, compiled: bool) -> 
             for i, t in zip(where, tensors):
                 full[i] = t
             return method(module, *full, **kwargs)
-        used = list(module.parameters()) if weights else []
+        used = [p for w in weights for p in module.get_submodule(w).parameters()]
         return _Recomputed.apply(again, len(where), *(args[i] for i in where), *used)
     return torch.compiler.disable(run) if compiled else run
 
@@ -91,8 +92,9 @@ def recompute_modules(layer: nn.Module, modules: Collection[str], *, compiled: b
     plan = layer.recompute_plan()
     found = [m for m in modules if plan.get(m)]
     for name in found:
-        for path, method in plan[name]:
+        for path, method, *weights in plan[name]:
             owner = layer.get_submodule(path) if path else layer
-            run = recomputed(getattr(type(owner), method), weights=method == "forward", compiled=compiled)
+            run = recomputed(getattr(type(owner), method), weights=("",) if method == "forward" else weights,
+                             compiled=compiled)
             setattr(owner, method, types.MethodType(run, owner))  # a forward uses its module's weights
     return found
