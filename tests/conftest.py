@@ -31,6 +31,28 @@ def pytest_configure(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         other_cpu_kernels()  # in a process that runs tests (an xdist worker, or -n 0), not in xdist's controller
+        own_inductor_cache()
+
+
+def own_inductor_cache() -> None:
+    """A fresh Inductor cache for this test process and the processes it starts (the ranks compile under
+    trainer.compile): the machine's /tmp/torchinductor_$USER may hold kernels built under other CPU kernels
+    (ATEN_CPU_CAPABILITY, other_cpu_kernels), and a compiled rank that loaded such a kernel died in free()
+    ("double free or corruption") on this Xeon. Compiling from scratch is what a fresh CI machine does anyway."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _OWN_CACHE[0] = tempfile.mkdtemp(prefix="pipetrain-inductor-")
+
+
+_OWN_CACHE = [""]  # the cache own_inductor_cache made, removed at the end (pytest_unconfigure)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE[0]:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE[0], ignore_errors=True)
 
 
 def has_amx() -> bool:
