@@ -129,8 +129,9 @@ def check_experts(par: ParallelConfig, num_experts: Optional[int], *, model: str
         raise ValueError(f"parallel.ep={par.ep} must divide model.moe.num_experts={num_experts}: set parallel.ep "
                          f"to a divisor of {num_experts}")
     if par.tp > 1 and par.sequence_parallel:
-        raise ValueError("parallel.sequence_parallel with an MoE model: its router would see 1/tp of the tokens and "
-                         "the experts' tp region would need them gathered, not built yet: drop it")
+        raise ValueError("parallel.sequence_parallel with an MoE model: each tp rank would route its own 1/tp of the "
+                         "tokens (balance counts and router gradients summed over tp, the experts' tp region "
+                         "gathering them) and that is not built: drop it")
 
 
 def launched_world(cluster_name: str) -> Optional[int]:
