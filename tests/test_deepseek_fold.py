@@ -23,23 +23,31 @@ M8 = ("pipeline.microbatches=8",)  # 1-row microbatches: 8 rows / (dp=1 x M)
 CASES = {"pp2-cp2-ep2": ["pipeline.degree=2", "parallel.cp=2", "parallel.ep=2"],
          "tp2-etp2-cp2-ep2": ["pipeline.degree=1", "parallel.tp=2", "parallel.cp=2", "parallel.ep=2"],
          "pp2-tp2-ep2-etp1": ["pipeline.degree=2", "parallel.tp=2", "parallel.ep=2", "parallel.etp=1"]}
+# sequence parallel at etp=1: each tp rank routes and dispatches its own half of the positions (no token split),
+# the aux-free counts summed over tp x dp x cp; the shared expert's and MLA's tp regions gather the sequence
+SP = ["pipeline.degree=2", "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "parallel.sequence_parallel=true"]
+CASES["pp2-tp2-ep2-etp1-sp"] = SP
+SEQ_AUX = ["model.moe.balance=seq_aux_loss", "model.moe.aux_loss_coef=0.01"]  # DeepSeek-V3's sequence-wise loss
+SEQ_AUX_CASES = {"pp2-tp2-ep2-etp1-sp-seq_aux": [*SP, *SEQ_AUX]}  # counts summed over tp, 1/tp of each rank's
 
 
 @pytest.fixture(scope="module")
 def runs(compose, tmp_path_factory):
     out = tmp_path_factory.mktemp("deepseek-fold")
-    train_spawned(compose, out, [*BASE, "model=deepseek-tiny", *M8], CASES, 4)
-    return out, reference(compose, "deepseek-tiny", out / "reference", M8)
+    train_spawned(compose, out, [*BASE, "model=deepseek-tiny", *M8], {**CASES, **SEQ_AUX_CASES}, 4)
+    return out, {"aux_free": reference(compose, "deepseek-tiny", out / "reference", M8),
+                 "seq_aux": reference(compose, "deepseek-tiny", out / "reference-seq-aux", (*M8, *SEQ_AUX))}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *SEQ_AUX_CASES])
 def test_deepseek_with_folded_experts_equals_one_process(runs, name):
-    out, ref = runs
-    assert_ranks_equal(out, name, ref, 4)
+    out, refs = runs
+    assert_ranks_equal(out, name, refs["seq_aux" if name in SEQ_AUX_CASES else "aux_free"], 4)
 
 
 def test_the_aux_free_biases_are_bitwise_those_of_one_process(runs):
-    out, ref = runs
+    out, refs = runs
+    ref = refs["aux_free"]
     biases = sorted(n for n in ref["params"] if n.endswith("expert_bias"))
     assert len(biases) == 7 and all(ref["params"][n].abs().max() > 0 for n in biases)  # 7 MoE blocks' routers moved
     for name in CASES:

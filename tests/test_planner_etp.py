@@ -90,3 +90,10 @@ def test_expert_states_shard_over_the_edp_ranks_of_either_folding(moe_plan):
     for p in both:
         assert [m["states_gb"] for m in p[1]["memory_per_rank"]] == pytest.approx(
             [m["states_gb"] for m in p[2]["memory_per_rank"]])
+
+
+def test_sequence_parallel_rows_of_an_moe_model_keep_the_experts_whole(tmp_path):
+    """Sequence parallel with MoE runs at etp = 1 only (config/parallel.py check_experts): so are its rows."""
+    run_plan(compose_config([*PLAN, "model=moe-tiny", "plan.ep=[1,2,4]", "plan.sequence_parallel=true"]), tmp_path)
+    rows = [r for r in json.loads((tmp_path / PLAN_FILE).read_text())["rows"] if r["tp"] == 2]
+    assert rows and all(r["sequence_parallel"] and r["etp"] == 1 and r["ep"] in (2, 4) for r in rows)

@@ -45,7 +45,7 @@ class MLABlock(DecoderLayer):
             regions=("self_attn", *mlp.regions),
             column=(Column(q), Column("self_attn.kv_b_proj"), *mlp.column),
             row=("self_attn.o_proj", *mlp.row), experts=mlp.experts, head_counts=(("self_attn", "heads"),),
-            partial=whole, partial_sp=tuple(partial_sp))
+            partial=whole, partial_sp=(*partial_sp, *mlp.partial_sp))
 
 
 def decoder_block(args: DeepSeekModelConfig, rotary: Rotary, *, moe: Optional[MoEConfig]) -> MLABlock:

@@ -182,15 +182,18 @@ def mlp_tp_plan(mlp: nn.Module) -> TPLayerPlan:
     """A decoder block's MLP part of its tensor-parallel plan (paths under `mlp.`): the dense SwiGLU MLP its own
     region (gate_proj, up_proj column-parallel, down_proj row-parallel); an MoE MLP (etp = tp) the router whole on
     every tp rank's tokens, each expert split in its width (`experts`), the shared experts as the dense MLP
-    (gate_proj, up_proj both enter the region), their gate whole."""
+    (gate_proj, up_proj both enter the region), their gate whole. Under sequence parallel (etp = 1) a tp rank
+    routes its own positions: the router's and the shared experts' gate's gradients are summed over tp."""
     if not isinstance(mlp, MoEBlock):
         return TPLayerPlan(regions=("mlp",), column=(Column("mlp.gate_proj"), Column("mlp.up_proj")),
                            row=("mlp.down_proj",))
+    partial_sp = ("mlp.router.weight",)
     if mlp.shared_experts is None:
-        return TPLayerPlan(experts=("mlp.experts",))
+        return TPLayerPlan(experts=("mlp.experts",), partial_sp=partial_sp)
     shared = "mlp.shared_experts"
+    gate = (f"{shared}.gate.weight",) if mlp.shared_experts.gate is not None else ()
     return TPLayerPlan(column=(Column(f"{shared}.gate_proj"), Column(f"{shared}.up_proj")),
-                       row=(f"{shared}.down_proj",), experts=("mlp.experts",))
+                       row=(f"{shared}.down_proj",), experts=("mlp.experts",), partial_sp=(*partial_sp, *gate))
 
 
 class DecoderLayer(nn.Module):
@@ -265,7 +268,7 @@ class DecoderLayer(nn.Module):
             row=("self_attn.o_proj", *mlp.row), experts=mlp.experts,
             head_counts=(("self_attn", "heads"), ("self_attn", "kv_heads")),
             partial=("self_attn.q_norm.weight", "self_attn.k_norm.weight") if attn.q_norm is not None else (),
-            partial_sp=tuple(partial_sp))
+            partial_sp=(*partial_sp, *mlp.partial_sp))
 
 
 class Embedding(nn.Module):

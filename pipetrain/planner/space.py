@@ -86,7 +86,8 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
     """Every valid combination: pp x dp x cp x tp = world, M = global_batch / (dp x microbatch size), each
     partition strategy; each ep dividing dp x cp (its rows FSDP2-sharded: expert parallel folds over
     dp_shard x cp at parallel.etp = tp, parallel/layout.py). `experts_whole` (an MoE model): where tp > 1, also
-    rows at etp = 1, each ep a multiple of tp dividing dp x cp x tp (ep takes tp's ranks whole). `recompute_partial`:
+    rows at etp = 1, each ep a multiple of tp dividing dp x cp x tp (ep takes tp's ranks whole), and only those
+    under sequence parallel (the run's rule). `recompute_partial`:
     where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp);
     `recompute_selective`: each recompute row also with selective recompute."""
     out = []
@@ -96,7 +97,8 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
         if world % (pp * tp * cp):
             continue
         dp, sp = world // (pp * tp * cp), sequence_parallel and tp > 1
-        folds = [(e, None) for e in ep_degrees if dp * cp % e == 0]  # as parallel.ep folds at etp = tp (its default)
+        # as parallel.ep folds at etp = tp (its default); sequence parallel with MoE runs at etp = 1 only
+        folds = [] if experts_whole and sp else [(e, None) for e in ep_degrees if dp * cp % e == 0]
         if experts_whole and tp > 1:  # etp = 1: as parallel/layout.py fold_error allows
             folds += [(e, 1) for e in ep_degrees if e % tp == 0 and dp * cp * tp % e == 0]
         for ep, etp in folds:
