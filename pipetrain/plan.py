@@ -278,14 +278,17 @@ def layer_costs(config: Config) -> list[LayerCost]:
     tokens = config.microbatch_size * seq
     costs = cp_layer_costs(whole_layer_costs(config), cp=par.cp, tokens=tokens, bytes_per_value=bytes_per_value,
                            bandwidth_gbs=cl.cp_bandwidth_gbs, rotate=par.cp_rotate)
-    # a rank dispatches its own tokens: 1/cp of the microbatch's under context parallel (experts folded over cp)
-    costs = ep_layer_costs(costs, ep=par.ep, tokens=tokens // par.cp, bytes_per_value=bytes_per_value,
-                           bandwidth_gbs=cl.ep_bandwidth_gbs)
+    # a rank dispatches its own tokens: 1/cp of the microbatch's under context parallel (experts folded over cp),
+    # and 1/tp of those where the experts are whole (etp = 1: ep over the tp ranks, which share their tokens)
+    etp = config.layout.etp
+    costs = ep_layer_costs(costs, ep=par.ep, tokens=tokens // (par.cp * (par.tp // etp)),
+                           bytes_per_value=bytes_per_value, bandwidth_gbs=cl.ep_bandwidth_gbs)
     if par.tp == 1:
         return costs
     return tp_layer_costs(costs, tp=par.tp, tokens=tokens, hidden=m.hidden_size,
                           vocab=m.vocab_size or 0, bytes_per_value=bytes_per_value,
-                          bandwidth_gbs=config.cluster.tp_bandwidth_gbs, sequence_parallel=par.sequence_parallel)
+                          bandwidth_gbs=config.cluster.tp_bandwidth_gbs, sequence_parallel=par.sequence_parallel,
+                          etp=etp)
 
 
 def whole_layer_costs(config: Config) -> list[LayerCost]:

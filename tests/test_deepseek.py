@@ -113,7 +113,8 @@ def test_v2_group_limited_routing_equals_transformers():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.tp=2"], "model=deepseek-tiny has no tensor-parallel plan .* set parallel.tp=1"),
+    (["parallel.tp=2", "model.moe.intermediate_size=63"],  # each expert split in its width, as the dense MLP
+     "parallel.tp=2 must divide model.moe.intermediate_size=63: set parallel.tp to a divisor of 63"),
     (["parallel.tp=8", "model.moe=null", "data.seq_len=16"],
      "parallel.tp=8 must divide model.num_attention_heads=4: set parallel.tp to a divisor of 4"),
 ])

@@ -68,7 +68,7 @@ def test_ep_borrows_cp_first_then_dp_shard():
 
 @pytest.mark.pure
 @pytest.mark.parametrize("kw, message", [
-    (dict(tp=4, ep=2, etp=2), "parallel.etp=2 must be 1 .* or parallel.tp=4 .*a part of tp is not supported"),
+    (dict(tp=4, ep=2, etp=2), "parallel.etp=2 must be 1 .* or parallel.tp=4 .*a part of tp splitting the experts"),
     (dict(tp=4, ep=2, etp=1), "ep borrows tp's ranks whole .* parallel.ep=2 must be a multiple of 4"),
     (dict(dp_shard=2, cp=2, ep=8), r"parallel.ep=8 borrows ranks of parallel.dp_shard x cp \(dp_shard=2 x cp=2 = 4\)"),
     (dict(cp=2, tp=2, ep=8, etp=1), r"dp_shard x cp x tp \(cp=2 x tp=2 = 4\): set parallel.ep to a divisor of 4"),

@@ -8,7 +8,9 @@ over the same ranks (parallel/layout.py): pp2 x cp2 with ep=1, pp2 x cp2 x ep2 (
 4 ranks, not 8), dp_shard2 x cp2 x ep2 (ep over cp, edp over dp_shard) and dp_shard2 x cp2 x ep4 (ep
 over dp_shard x cp, each rank 2 of the 8 experts); with tensor parallel tp2 x etp2 x dp_shard2 x ep2 (each expert
 split in its width over tp), pp2 x tp2 (etp=2) and pp2 x tp2 x ep2 with etp=1 (ep over the tp ranks, each
-dispatching half of the tokens they share); and node by node under dualpipev with every F&B pair interleaved
+dispatching half of the tokens they share), the same with sequence parallel (each tp rank routing its own half of
+the positions) and cp2 x tp2 x ep4 with sequence parallel (a quarter each, counts summed over cp x tp); and node
+by node under dualpipev with every F&B pair interleaved
 (pipeline.fb_overlap=on) at pp2 x cp2 x ep2 and pp2 x tp2 x ep2 (etp=1). Losses of steps 1-3, the gradient
 norm and every reduced gradient and the weights after 3 clipped AdamW steps equal a single process training on the
 same 1-row microbatches (test_tensor_parallel.py's bounds: dense weights averaged over dp x cp, experts
@@ -37,6 +39,12 @@ CASES = {"pp2-cp2": [*CP2, "pipeline.degree=2", "pipeline.microbatches=8"],
          # experts whole (etp=1): ep over the tp ranks, each dispatching half of the tokens they share
          "pp2-tp2-ep2-etp1": ["pipeline.degree=2", "pipeline.microbatches=8", "parallel.tp=2", "parallel.ep=2",
                               "parallel.etp=1"],
+         # and sequence parallel: each tp rank routes its own half of the positions, the balance counts summed over tp
+         "pp2-tp2-ep2-etp1-sp": ["pipeline.degree=2", "pipeline.microbatches=8", "parallel.tp=2", "parallel.ep=2",
+                                 "parallel.etp=1", "parallel.sequence_parallel=true"],
+         # with cp too: each rank a quarter of every sequence, the counts summed over cp x tp, ep4 over cp x tp
+         "cp2-tp2-ep4-etp1-sp": [*CP2, "pipeline.degree=1", "pipeline.microbatches=8", "parallel.tp=2", "parallel.ep=4",
+                                 "parallel.etp=1", "parallel.sequence_parallel=true"],
          # node by node, every F&B pair's forward and backward interleaved (the cp and tp collectives inside nodes)
          "pp2-cp2-ep2-dualpipev-overlap": [*CP2, "pipeline.degree=2", "pipeline.microbatches=8", "parallel.ep=2",
                                            "schedule=dualpipev", "pipeline.fb_overlap=on"],

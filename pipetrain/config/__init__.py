@@ -335,7 +335,7 @@ class Config:
             if isinstance(m, SleepModelConfig) and self.mode is Mode.simulate:
                 return  # the simulator divides its configured times by tp (schedules/tp_cost.py)
             raise ValueError(f"parallel.tp={tp}: model={m.name} has no tensor-parallel plan (GPT-2, the Llama family "
-                             f"and DeepSeek have one, without MoE blocks): set parallel.tp=1")
+                             f"and DeepSeek have one): set parallel.tp=1")
         for knob, value in divides.items():
             if value % tp:
                 raise ValueError(f"parallel.tp={tp} must divide model.{knob}={value}: set parallel.tp to a divisor "

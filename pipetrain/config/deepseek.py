@@ -133,11 +133,14 @@ class DeepSeekModelConfig(CausalLMConfig):
     def tp_divides(self) -> Optional[dict[str, int]]:
         """Heads split over tp (each rank its H/tp heads' q_b / q_proj, kv_b and o_proj slices); the
         compressions q_a_proj and kv_a_proj_with_mqa stay whole, as torchtitan and Megatron keep them, so
-        q_lora_rank and kv_lora_rank need not divide. MoE blocks have no tensor-parallel plan yet."""
-        if self.moe is not None and any(self.moe.is_moe(b) for b in range(self.num_hidden_layers)):
-            return None
-        return {"num_attention_heads": self.num_attention_heads, "intermediate_size": self.intermediate_size,
-                "vocab_size": self.vocab_size}
+        q_lora_rank and kv_lora_rank need not divide. MoE blocks as the Llama family's (config/llama.py)."""
+        out = {"num_attention_heads": self.num_attention_heads, "intermediate_size": self.intermediate_size,
+               "vocab_size": self.vocab_size}
+        if self.moe is not None:  # each expert (and the shared experts' MLP) split in its width, as the dense MLP
+            out["moe.intermediate_size"] = self.moe.expert_width(self.intermediate_size)
+            if self.moe.num_shared_experts:
+                out["moe.shared_intermediate_size"] = self.moe.shared_width(self.intermediate_size)
+        return out
 
     def knobs(self) -> dict[str, Any]:
         out = super().knobs()

@@ -128,9 +128,11 @@ def check_experts(par: ParallelConfig, num_experts: Optional[int], *, model: str
     if num_experts % par.ep:
         raise ValueError(f"parallel.ep={par.ep} must divide model.moe.num_experts={num_experts}: set parallel.ep "
                          f"to a divisor of {num_experts}")
-    if par.tp > 1 and par.sequence_parallel:
-        raise ValueError("parallel.sequence_parallel with an MoE model: its router would see 1/tp of the tokens and "
-                         "the experts' tp region would need them gathered, not built yet: drop it")
+    if par.tp > 1 and par.sequence_parallel and etp != 1:
+        raise ValueError(f"parallel.sequence_parallel with an MoE model needs parallel.etp=1 (experts whole, each tp "
+                         f"rank dispatching its own 1/tp of the positions): at etp={etp} the experts' tp region would "
+                         f"need the tokens gathered, which is not built: set parallel.etp=1 (and parallel.ep a "
+                         f"multiple of {par.tp}) or drop sequence_parallel")
 
 
 def launched_world(cluster_name: str) -> Optional[int]:

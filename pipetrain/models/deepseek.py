@@ -21,7 +21,7 @@ from torch import nn
 
 from pipetrain.config.deepseek import DeepSeekModelConfig
 from pipetrain.config.moe import MoEConfig
-from pipetrain.models.llama import MLP, DecoderLayer, Llama, Rotary
+from pipetrain.models.llama import DecoderLayer, Llama, Rotary, mlp_tp_plan
 from pipetrain.models.mla import MLA, YarnRotary, softmax_scale
 from pipetrain.parallel.layer_spec import Column, TPLayerPlan
 
@@ -40,21 +40,20 @@ class MLABlock(DecoderLayer):
 
     def tp_plan(self) -> TPLayerPlan:
         """Heads split (q_b_proj or q_proj, kv_b_proj column-parallel, o_proj row-parallel), the compressions
-        whole: their weights and norms see this rank's heads' gradient only (`partial`, summed over tp)."""
-        if not isinstance(self.mlp, MLP):
-            raise ValueError(f"parallel.tp: no tensor-parallel plan for a {type(self.mlp).__name__} MLP: set "
-                             f"parallel.tp=1, or model.moe=null for dense MLA blocks")
+        whole: their weights and norms see this rank's heads' gradient only (`partial`, summed over tp). The MLP
+        as Llama's (models/llama.py mlp_tp_plan): dense, or DeepSeekMoE's experts and shared experts."""
         attn = self.self_attn
         assert isinstance(attn, MLA)
         q = "self_attn.q_b_proj" if attn.compressed_q else "self_attn.q_proj"
         whole = tuple(f"self_attn.{n}" for n, _ in attn.named_parameters() if n.startswith(("q_a_", "kv_a_")))
         partial_sp = ["input_layernorm.weight", "post_attention_layernorm.weight"]
         partial_sp += ["self_attn.o_proj.bias"] if attn.o_proj.bias is not None else []
+        mlp = mlp_tp_plan(self.mlp)
         return TPLayerPlan(
-            regions=("self_attn", "mlp"),
-            column=tuple(Column(p) for p in (q, "self_attn.kv_b_proj", "mlp.gate_proj", "mlp.up_proj")),
-            row=("self_attn.o_proj", "mlp.down_proj"), head_counts=(("self_attn", "heads"),),
-            partial=whole, partial_sp=tuple(partial_sp))
+            regions=("self_attn", *mlp.regions),
+            column=(Column(q), Column("self_attn.kv_b_proj"), *mlp.column),
+            row=("self_attn.o_proj", *mlp.row), experts=mlp.experts, head_counts=(("self_attn", "heads"),),
+            partial=whole, partial_sp=(*partial_sp, *mlp.partial_sp))
 
 
 def decoder_block(args: DeepSeekModelConfig, rotary: Rotary, *, moe: Optional[MoEConfig]) -> MLABlock:

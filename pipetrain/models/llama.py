@@ -178,6 +178,24 @@ class MLP(nn.Module):
         return F.silu(gate) * up
 
 
+def mlp_tp_plan(mlp: nn.Module) -> TPLayerPlan:
+    """A decoder block's MLP part of its tensor-parallel plan (paths under `mlp.`): the dense SwiGLU MLP its own
+    region (gate_proj, up_proj column-parallel, down_proj row-parallel); an MoE MLP (etp = tp) the router whole on
+    every tp rank's tokens, each expert split in its width (`experts`), the shared experts as the dense MLP
+    (gate_proj, up_proj both enter the region), their gate whole. Under sequence parallel (etp = 1) a tp rank
+    routes its own positions: the router's and the shared experts' gate's gradients are summed over tp."""
+    if not isinstance(mlp, MoEBlock):
+        return TPLayerPlan(regions=("mlp",), column=(Column("mlp.gate_proj"), Column("mlp.up_proj")),
+                           row=("mlp.down_proj",))
+    partial_sp = ("mlp.router.weight",)
+    if mlp.shared_experts is None:
+        return TPLayerPlan(experts=("mlp.experts",), partial_sp=partial_sp)
+    shared = "mlp.shared_experts"
+    gate = (f"{shared}.gate.weight",) if mlp.shared_experts.gate is not None else ()
+    return TPLayerPlan(column=(Column(f"{shared}.gate_proj"), Column(f"{shared}.up_proj")),
+                       row=(f"{shared}.down_proj",), experts=("mlp.experts",), partial_sp=(*partial_sp, *gate))
+
+
 class DecoderLayer(nn.Module):
     """`moe` set: the MLP is an MoE layer (models/moe_block.py) in place of the SwiGLU MLP; `attention`
     set: that module in place of grouped-query attention (models/deepseek.py: MLA)."""
@@ -238,24 +256,19 @@ class DecoderLayer(nn.Module):
 
     def tp_plan(self) -> TPLayerPlan:
         """Megatron's split: q, k, v, gate, up column-parallel, o and down row-parallel; a tp rank keeps
-        H/tp query and KV/tp key/value heads (query head j still reads KV head j // (H/KV): tp divides KV). An MoE
-        MLP (etp = tp): the router whole on every tp rank's tokens, each expert split in its width (`experts`),
-        the shared experts as the dense MLP (gate_proj, up_proj both enter the region), their gate whole."""
+        H/tp query and KV/tp key/value heads (query head j still reads KV head j // (H/KV): tp divides KV); the
+        MLP as mlp_tp_plan says."""
         attn = self.self_attn
         partial_sp = ["input_layernorm.weight", "post_attention_layernorm.weight"]
         partial_sp += ["self_attn.o_proj.bias"] if attn.o_proj.bias is not None else []
-        moe = isinstance(self.mlp, MoEBlock)
-        mlp = (("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ("mlp.shared_experts.down_proj",)) \
-            if moe and self.mlp.shared_experts is not None else ((), ()) if moe else \
-            (("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+        mlp = mlp_tp_plan(self.mlp)
         return TPLayerPlan(
-            regions=("self_attn",) if moe else ("self_attn", "mlp"),
-            column=tuple(Column(p) for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", *mlp[0])),
-            row=("self_attn.o_proj", *mlp[1]),
-            experts=("mlp.experts",) if moe else (),
+            regions=("self_attn", *mlp.regions),
+            column=(*(Column(p) for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")), *mlp.column),
+            row=("self_attn.o_proj", *mlp.row), experts=mlp.experts,
             head_counts=(("self_attn", "heads"), ("self_attn", "kv_heads")),
             partial=("self_attn.q_norm.weight", "self_attn.k_norm.weight") if attn.q_norm is not None else (),
-            partial_sp=tuple(partial_sp))
+            partial_sp=(*partial_sp, *mlp.partial_sp))
 
 
 class Embedding(nn.Module):

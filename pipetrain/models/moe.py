@@ -33,6 +33,8 @@ residual after post, each all-to-all started async (runtime/nodes.py).
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
@@ -191,6 +193,9 @@ class MoE(nn.Module):
         # (tp rank, tp, enter, sum): this rank dispatches tokens [rank T/tp, (rank+1) T/tp); None: all of them.
         self.tp_tokens: Optional[tuple[int, int, Callable[[torch.Tensor], torch.Tensor],
                                        Callable[[torch.Tensor], torch.Tensor]]] = None
+        # Sequence parallel (etp = 1): each tp rank holds and dispatches its own 1/tp of the positions; (sum over
+        # the tp group, tp): the balance loss counts over the whole sequences, as under context parallel.
+        self.tp_sequence: Optional[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = None
         self.shared_experts: Optional[SharedExperts] = None
         if config.num_shared_experts:
             width = shared_intermediate or config.num_shared_experts * intermediate
@@ -277,8 +282,8 @@ class MoE(nn.Module):
             full = self.tp_tokens[3](y.new_zeros(gates.numel(), y.shape[1]).index_copy(0, slots, y))
             full = full * gates.reshape(-1).unsqueeze(-1)  # (T K, H): the same products, dropped rows 0
         out = full.view(*gates.shape, -1).sum(1)  # (T, H)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+        if self.shared_experts is not None:  # in h's shape: under sequence parallel its tp region gathers on T
+            out = out + self.shared_experts(flat.view(plan.shape)).reshape(flat.shape)
         return out.to(flat.dtype).view(plan.shape)
 
     def aux_loss(self, routing: Routing, x: torch.Tensor) -> torch.Tensor:
@@ -286,7 +291,10 @@ class MoE(nn.Module):
         if c.balance not in ("aux_loss", "seq_aux_loss"):
             return torch.zeros((), device=x.device)
         seq_len = x.shape[-2] if c.balance == "seq_aux_loss" and x.dim() == 3 else None
-        whole = None if self.context is None else (self.context.sum_counts, self.context.g.size)
+        sums = [s for s in (None if self.context is None else (self.context.sum_counts, self.context.g.size),
+                            self.tp_sequence) if s is not None]  # the groups holding other positions of the sequences
+        whole = None if not sums else (lambda counts: functools.reduce(lambda c, s: s[0](c), sums, counts),
+                                       math.prod(s[1] for s in sums))
         return c.aux_loss_coef * balance_loss(routing.scores, routing.ids, score_func=c.score_func, seq_len=seq_len,
                                               whole=whole)
 

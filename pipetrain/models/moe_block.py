@@ -110,7 +110,10 @@ class MoEBlock(MoE):
     def attach(self, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """The layer output with its balance loss's gradient attached (AttachAuxLoss) where it has one."""
         if self.config.balance in ("aux_loss", "seq_aux_loss") and torch.is_grad_enabled():
-            return AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
+            # under sequence parallel the tp group sums the router's gradient (each rank's share of the
+            # whole loss, as over cp where the gradients are averaged): 1/tp of each rank's
+            tp = 1 if self.tp_sequence is None else self.tp_sequence[1]
+            return AttachAuxLoss.apply(out, aux, self.aux_loss_scale / tp)
         return out
 
 
@@ -123,11 +126,12 @@ def moe_blocks(module: nn.Module) -> Iterator[tuple[str, MoEBlock]]:
 
 @torch.no_grad()
 def update_expert_biases(modules: list[nn.Module], group: Optional[dist.ProcessGroup] = None, *,
-                         move: bool = True) -> int:
+                         move: bool = True, sequence_group: Optional[dist.ProcessGroup] = None) -> int:
     """The optimizer pre-step hook of balance=aux_free: for every MoE block of `modules` (a rank's
     stages), sum the step's tokens per expert over `group` (the ranks holding the same blocks with
     other tokens: data and context parallel, whatever ranks the experts fold over; None: this
-    process's counts alone), move the router's bias by bias_update_rate x sign(mean - count)
+    process's counts alone; and first over `sequence_group`, the tp ranks under sequence parallel), move the
+    router's bias by bias_update_rate x sign(mean - count)
     (moe_router.updated_expert_bias), then reset the step's statistics (only that with move=False).
     Every rank of `group` must call it with the same blocks in the same order (one all-reduce per
     block). Returns how many biases moved."""
@@ -138,8 +142,9 @@ def update_expert_biases(modules: list[nn.Module], group: Optional[dist.ProcessG
             counts = block.tokens_per_expert
             if move and c.balance == "aux_free" and counts is not None:
                 counts = counts.clone()
-                if group is not None and dist.get_world_size(group) > 1:
-                    dist.all_reduce(counts, group=group)
+                for g in (sequence_group, group):
+                    if g is not None and dist.get_world_size(g) > 1:
+                        dist.all_reduce(counts, group=g)
                 bias = block.router.expert_bias
                 bias.copy_(updated_expert_bias(bias, counts, rate=c.bias_update_rate))
                 moved += 1

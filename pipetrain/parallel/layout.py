@@ -217,7 +217,7 @@ def fold_error(*, dp_shard: int, cp: int, tp: int, ep: int, etp: int) -> str:
     etp = 1 with an ep group that does not take whole tp groups (its tp ranks hold the same tokens)."""
     if etp not in (1, tp):
         return (f"parallel.etp={etp} must be 1 (experts whole) or parallel.tp={tp} (each expert split as the dense "
-                f"MLP): a part of tp is not supported")
+                f"MLP): a part of tp splitting the experts and the rest borrowed by ep is not built")
     if etp == 1 and tp > 1 and ep % tp:
         return (f"parallel.etp=1 with parallel.tp={tp}: ep borrows tp's ranks whole (they hold the same tokens), so "
                 f"parallel.ep={ep} must be a multiple of {tp}")

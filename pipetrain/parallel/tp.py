@@ -259,7 +259,12 @@ def split_tokens(moe: nn.Module, g: TPGroup) -> None:
     """Experts whole (etp = 1) with ep over the tp ranks, which hold the same tokens: declare on the MoE layer
     (`tp_tokens`) which of them this rank dispatches (rank, size), how its rows enter the region (backward:
     summed over tp, every rank's tokens' expert gradients) and how each rank's rows, put in place among zeros,
-    become every token's (an all-reduce; backward: the same gradient, every rank computes the rest alike)."""
+    become every token's (an all-reduce; backward: the same gradient, every rank computes the rest alike).
+    Under sequence parallel each tp rank holds its own 1/tp of the positions and dispatches them all: declare
+    (`tp_sequence`) how the balance loss sums its counts over the tp group instead."""
+    if g.sequence_parallel:
+        moe.tp_sequence = (lambda counts: _all_reduce(counts.detach(), g), g.size)
+        return
     moe.tp_tokens = (g.rank, g.size, lambda x: _CopyToTP.apply(x, g), lambda y: _ReduceFromTP.apply(y, g))
 
 

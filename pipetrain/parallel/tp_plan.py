@@ -77,7 +77,7 @@ def parallelize_stage(stage: nn.Module, g: TPGroup, *, split_width: bool = True)
     for key, layer in stage.layers.items():
         if not isinstance(layer, TPPlanned):
             raise ValueError(f"parallel.tp={g.size}: no tensor-parallel plan for {type(layer).__name__} "
-                             f"(GPT-2 and the Llama family have one): set parallel.tp=1")
+                             f"(GPT-2, the Llama family and DeepSeek have one): set parallel.tp=1")
         plans[key] = layer.tp_plan()
         partial += [f"layers.{key}.{n}" for n in apply_layer_plan(layer, plans[key], g, memo)]
     stage.tp_shards = shard_layout(stage)

@@ -112,10 +112,12 @@ def a2a_bytes(layer: LayerCost, *, ep: int, tokens: int, bytes_per_value: int) -
 
 def ep_layer_costs(layers: Sequence[LayerCost], *, ep: int, tokens: int, bytes_per_value: int,
                    bandwidth_gbs: float) -> list[LayerCost]:
-    """One expert-parallel rank's layers for a microbatch of `tokens` tokens: every MoE layer's F and B
-    gain its all-to-all time (a2a_bytes over cluster.ep_bandwidth_gbs, also noted in comm_f_ms / comm_b_ms),
-    and it stores 1/ep of its experts. Compute is unchanged: with balanced routing a rank's experts take
-    as many token-expert rows as its tokens have choices."""
+    """One expert-parallel rank's layers, `tokens` the tokens it dispatches (its 1/cp of the microbatch's, and
+    1/tp of those where etp = 1: the tp ranks share their tokens, each dispatching its share): every MoE layer's
+    F and B gain its all-to-all time (a2a_bytes over cluster.ep_bandwidth_gbs, also noted in comm_f_ms /
+    comm_b_ms), and it stores 1/ep of its experts (tensor parallel then splits them by etp: schedules/tp_cost.py).
+    Compute is unchanged: with balanced routing a rank's experts take as many token-expert rows as its tokens
+    have choices (under tp, 1/tp of them at full width where etp = 1 or all at 1/tp of it: the same GEMM flops)."""
     if not splits("ep", ep, bandwidth_gbs):
         return list(layers)
     out = []

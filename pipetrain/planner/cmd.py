@@ -29,10 +29,10 @@ from pipetrain.planner.space import Candidate, candidates, why_empty
 from pipetrain.schedules import registry
 
 PLAN_FILE, PLAN_CSV = "plan.json", "plan.csv"
-CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "ep", "cp", "v", "microbatches", "microbatch_size",
-               "recompute", "recompute_ranks", "partition", "feasible", "pred_step_ms", "tokens_per_s", "bubble",
-               "pred_peak_gb", "peak_rank", "exposed_comm_ms", "memory_budget", "tflops_per_device",
-               "hw_tflops_per_device", "mfu", "reason")
+CSV_COLUMNS = ("rank", "layout", "schedule", "pp", "dp", "tp", "ep", "etp", "cp", "v", "microbatches",
+               "microbatch_size", "recompute", "recompute_ranks", "partition", "feasible", "pred_step_ms",
+               "tokens_per_s", "bubble", "pred_peak_gb", "peak_rank", "exposed_comm_ms", "memory_budget",
+               "tflops_per_device", "hw_tflops_per_device", "mfu", "reason")
 # activation values per token and unit of width a block keeps whole under tp without sequence parallel:
 # the norms' inputs and outputs, the column-parallel layers' (replicated) inputs (models/gpt2.py: ln_1, c_attn,
 # ln_2, c_fc inputs of its 17 C; models/llama.py: the two RMSNorms' 3 C each; DeepSeek's MLA the same, its whole
@@ -249,7 +249,8 @@ def plan_candidates(config: Config, *, shard_first: bool = False) -> list[Candid
                  virtual_stages=p.virtual_stages, pp_degrees=p.pp, max_microbatches=p.max_microbatches,
                  tp_degrees=tp_degrees(config), cp_degrees=cp_degrees(config))
     rest = dict(recompute=p.recompute, recompute_partial=p.recompute_partial, recompute_selective=p.recompute_selective,
-                partitions=part, sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config))
+                partitions=part, sequence_parallel=p.sequence_parallel, ep_degrees=ep_degrees(config),
+                experts_whole=config.model.moe_config is not None)
     cands = candidates(**space, **rest, dp_shard=bool(p.dp_shard) or shard_first)
     if shard_first:
         cands += [c for c in candidates(**space, **rest, dp_shard=False) if c.dp > 1 and not c.dp_shard]
@@ -381,7 +382,7 @@ def apply_row(config: Config, row: Row) -> Config:
         config, schedule=schedule,
         pipeline=dataclasses.replace(config.pipeline, degree=c.pp, microbatches=c.microbatches),
         parallel=dataclasses.replace(config.parallel, dp_replicate=dp_rep, dp_shard=dp_shard, tp=c.tp,
-                                     sequence_parallel=c.sequence_parallel, ep=c.ep, cp=c.cp,
+                                     sequence_parallel=c.sequence_parallel, ep=c.ep, etp=c.etp, cp=c.cp,
                                      cp_rotate=config.parallel.cp_rotate if c.cp > 1 else "allgather"),
         data=dataclasses.replace(config.data, batch_size=c.dp * c.microbatches * c.microbatch_size),
         trainer=dataclasses.replace(config.trainer, activation_checkpointing=False, recompute=row_recompute(config, c),

@@ -48,7 +48,7 @@ def check_tp(config: Config) -> None:
             if m.family == "sleep" and not (config.schedule.name == AUTO or p.run):
                 continue  # mode=plan prices the sleep model's tp as mode=simulate does; it cannot train it
             raise ValueError(f"plan.tp lists {tp} but model={m.name} has no tensor-parallel plan (GPT-2, the Llama "
-                             f"family and DeepSeek have one, without MoE blocks): set plan.tp=[1]")
+                             f"family and DeepSeek have one): set plan.tp=[1]")
         for knob, value in divides.items():
             if value % tp:
                 raise ValueError(

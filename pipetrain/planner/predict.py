@@ -33,7 +33,8 @@ def candidate(config: Config) -> Candidate:
                      recompute=config.trainer.recompute != "none", selective=config.trainer.recompute == "selective",
                      dp_shard=lay.dp_shard > 1,
                      partition=PARTITIONS.get(config.partition.name, "balanced"), tp=par.tp,
-                     sequence_parallel=par.sequence_parallel and par.tp > 1, ep=par.ep, cp=par.cp)
+                     sequence_parallel=par.sequence_parallel and par.tp > 1, ep=par.ep, cp=par.cp,
+                     etp=lay.etp)
 
 
 def predict(config: Config) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class Row:
         peak = self.peak
         return {
             "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "tp": c.tp, "sequence_parallel": c.sequence_parallel,
-            "ep": c.ep, "cp": c.cp,
+            "ep": c.ep, "etp": c.expert_tp, "cp": c.cp,
             "v": c.v, "microbatches": c.microbatches, "microbatch_size": c.microbatch_size,
             "recompute": c.recompute, "recompute_ranks": c.recompute_ranks, "dp_shard": c.dp_shard,
             "recompute_stages": sorted(c.recompute_stages(registry.placement_for(c.schedule, c.pp, c.v))),

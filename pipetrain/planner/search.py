@@ -8,9 +8,10 @@ the data-parallel reduce lane (schedules/reduce_cost.py) and what it leaves expo
 optimizer step (state bytes over memory bandwidth) and the calibrated overheads a run adds (per
 action, per layer, per reduction, per step: planner/calibrate.py).
 Under tensor parallel each layer is one tp rank's (schedules/tp_cost.py `tp_rank_layers`:
-compute / tp and TP collectives, parameters / tp, activations per Korthikanti et al. 2022); under context
+compute / tp and TP collectives, dense parameters / tp, activations per Korthikanti et al. 2022); under context
 parallel 1/cp of every sequence plus the K/V exchanges, and under expert parallel the MoE layers' all-to-alls
-and 1/ep of their experts (partition/costs.py `cp_layer_costs`, `ep_layer_costs`: plan.layer_costs' path).
+of the tokens a rank dispatches (its 1/cp, and 1/tp of those where etp = 1) and 1/(ep x etp) of their experts
+(partition/costs.py `cp_layer_costs`, `ep_layer_costs`: plan.layer_costs' path).
 Memory: planner/memory.py, with the activation peak taken from the same simulated timeline.
 `zb_auto` gets the largest activation budget the memory cap leaves (at most 2P, ZB-2p's).
 
@@ -74,38 +75,42 @@ class _Evaluator:
             self._ratio[mbs] = tuple(self.work.first_stage_activation_ratio(mbs))
         return self._ratio[mbs]
 
-    def layers(self, mbs: int, tp: int = 1, sp: bool = False, ep: int = 1, cp: int = 1) -> tuple[LayerCost, ...]:
+    def layers(self, mbs: int, tp: int = 1, sp: bool = False, ep: int = 1, cp: int = 1,
+               etp: Optional[int] = None) -> tuple[LayerCost, ...]:
         """One tp / cp / ep rank's per-layer costs of one microbatch (plan.layer_costs' order: cp, ep, then
-        tp), calibrated overhead included."""
+        tp; `etp` None: tp), calibrated overhead included."""
         if mbs not in self._whole:
             self._whole[mbs] = tuple(self.work.layers(mbs))
-        key = (mbs, tp, sp, ep, cp)
+        etp = tp if etp is None else etp
+        key = (mbs, tp, sp, ep, cp, etp)
         if key not in self._layers:
             w, o = self.work, self.device.layer_overhead_ms
-            dev = self.group_device(dp=ep, cp=cp, tp=tp, ep=ep)
+            dev = self.group_device(dp=ep, cp=cp, tp=tp, ep=ep, etp=etp)
             tokens, value = mbs * w.seq, w.value_bytes
             timed = self._whole[mbs] if w.sharded_layers is None else w.sharded_layers(mbs, tp, cp, sp)
             whole = cp_layer_costs(timed, cp=cp, tokens=tokens, bytes_per_value=value,
                                    bandwidth_gbs=dev.cp_gbs, rotate=dev.cp_rotate)
-            whole = ep_layer_costs(whole, ep=ep, tokens=tokens // cp, bytes_per_value=value,  # a rank's own tokens
+            # the tokens a rank dispatches: its own 1/cp, and 1/tp of those where the experts are whole (etp = 1)
+            whole = ep_layer_costs(whole, ep=ep, tokens=tokens // (cp * (tp // etp)), bytes_per_value=value,
                                    bandwidth_gbs=dev.ep_gbs)
             split = tp_rank_layers(whole, tp=tp, sequence_parallel=sp, tokens=tokens, hidden=w.hidden,
                                    vocab=w.vocab, value_bytes=w.value_bytes, bandwidth_gbs=dev.tp_gbs,
                                    replicated_bytes_per_token=w.tp_replicated_bytes_per_token,
-                                   latency_ms=dev.tp_latency_ms)
+                                   latency_ms=dev.tp_latency_ms, etp=etp)
             self._layers[key] = tuple(
                 dataclasses.replace(l, f_ms=l.f_ms + o, b_ms=l.b_ms + o, w_ms=l.w_ms + o) if o else l for l in split)
         return self._layers[key]
 
-    def group_device(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> Device:
+    def group_device(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
+                     etp: Optional[int] = None) -> Device:
         """The device with each group's link where its ranks fall on nodes (plan.device: planner/topology.py);
         the configured links as they are otherwise."""
         dev = self.device
         if dev.spec is None:
             return dev
-        key = (pp, dp, cp, tp, ep)
+        key = (pp, dp, cp, tp, ep, etp)
         if key not in self._links:
-            links = layout_links(dev.spec, dev.per_node, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
+            links = layout_links(dev.spec, dev.per_node, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, etp=etp)
             self._links[key] = (dataclasses.replace(
                 dev, tp_gbs=links.tp.gbs, tp_latency_ms=dev.tp_latency_ms + links.tp.latency_ms, cp_gbs=links.cp.gbs,
                 ep_gbs=links.ep.gbs, dp_gbs=links.dp.gbs, reduce_latency_ms=dev.reduce_latency_ms + links.dp.latency_ms,
@@ -116,20 +121,20 @@ class _Evaluator:
         """The candidate's groups that leave a node ('' without plan.device)."""
         if self.device.spec is None:
             return ""
-        self.group_device(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep)
-        return self._links[(c.pp, c.dp, c.cp, c.tp, c.ep)][1]
+        self.group_device(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep, etp=c.expert_tp)
+        return self._links[(c.pp, c.dp, c.cp, c.tp, c.ep, c.expert_tp)][1]
 
     def cut(self, c: Candidate) -> Partition:
         """The candidate's partition of its layers into its placement's chunks (one per layer costs,
         chunk count and strategy: the merge of alike strategies and the evaluation share it)."""
         chunks = registry.placement_for(c.schedule, c.pp, c.v).num_chunks
-        key = (c.microbatch_size, c.tp, c.sequence_parallel, c.ep, c.cp, chunks, c.partition)
+        key = (c.microbatch_size, c.tp, c.sequence_parallel, c.ep, c.cp, c.expert_tp, chunks, c.partition)
         if key not in self._cuts:
             self._cuts[key] = partition(self.rank_layers(c), chunks, c.partition)
         return self._cuts[key]
 
     def rank_layers(self, c: Candidate) -> tuple[LayerCost, ...]:
-        return self.layers(c.microbatch_size, c.tp, c.sequence_parallel, c.ep, c.cp)
+        return self.layers(c.microbatch_size, c.tp, c.sequence_parallel, c.ep, c.cp, c.expert_tp)
 
     @staticmethod
     def seq_split(cand: Candidate) -> int:
@@ -176,7 +181,7 @@ class _Evaluator:
                               shard=self.param_shard(cand), activations=0.0, boundary_bytes=boundary,
                               stages=placement.stages_per_rank, lookahead=dev.lookahead, margin=0.0,
                               expert_params=math.fsum(stage_experts[s] for s in placement.stages_of(r)),
-                              expert_shard=self.param_shard(cand) // cand.ep) for r in range(cand.pp)]
+                              expert_shard=self.expert_shard(cand)) for r in range(cand.pp)]
         largest_layer = [max(x) for x in saved]
         last_ranks = {placement.rank_of(s) for s in range(placement.num_stages)
                       if part.bounds[placement.chunk_of(s)].stop == len(layers)}
@@ -289,7 +294,7 @@ class _Evaluator:
                       budgets: Optional[list[float]]) -> LayoutInputs:
         """The candidate as plan.simulate_layout's inputs: what a run's config of this row gives make_plan."""
         work, c = self.work, cand
-        dev = self.group_device(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep)
+        dev = self.group_device(pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp, ep=c.ep, etp=c.expert_tp)
         comm_ms = dev.p2p_latency_ms + self.boundary_bytes(cand) / (dev.p2p_gbs * GB) * 1e3 if cand.pp > 1 else 0.0
         grad_reduce = None if cand.dp * cand.cp == 1 else GradReduce(  # as plan.grad_reduce: cp shards with dp_shard
             1 if cand.dp_shard else cand.dp, self.param_shard(cand), dev.dp_gbs, dev.reduce_dtype,
@@ -299,6 +304,11 @@ class _Evaluator:
                             comm_ms=comm_ms, action_overhead_ms=dev.action_overhead_ms, w_keep=work.w_keep,
                             memory_budget=budgets, grad_reduce=grad_reduce,
                             overlap_layers=overlaps(dev.fb_overlap, recompute=cand.recompute and not cand.selective))
+
+    @classmethod
+    def expert_shard(cls, cand: Candidate) -> int:
+        """The ranks FSDP2 shards an expert's weights over (its edp group): dp x cp x tp / (ep x etp) of them."""
+        return cls.param_shard(cand) * (cand.tp // cand.expert_tp) // cand.ep
 
     @staticmethod
     def param_shard(cand: Candidate) -> int:

@@ -1,5 +1,6 @@
-"""The planner's search space: one `Candidate` per (pp x dp x cp x tp layout, ep within dp, schedule, v,
-M, microbatch size, recompute, partition strategy) that the `plan` group allows; planner/search.py scores them.
+"""The planner's search space: one `Candidate` per (pp x dp x cp x tp layout, ep folded over dp x cp (and tp
+where etp = 1), schedule, v, M, microbatch size, recompute, partition strategy) that the `plan` group allows;
+planner/search.py scores them.
 
 Pure Python, no torch.
 """
@@ -31,6 +32,12 @@ class Candidate:
     ep: int = 1  # expert parallel: MoE experts split over ep of the dp ranks (FSDP2-sharded dp: dp_shard)
     cp: int = 1  # context parallel: every sequence split over cp ranks (world = pp x dp x cp x tp)
     selective: bool = False  # with recompute: trainer.recompute=selective (its modules only) instead of full
+    etp: Optional[int] = None  # expert tensor parallel (parallel.etp): None = tp (experts split in width), or 1
+
+    @property
+    def expert_tp(self) -> int:
+        """The ranks each expert's weights split over: tp, or 1 (experts whole, ep over the tp ranks too)."""
+        return self.tp if self.etp is None else self.etp
 
     def recompute_stages(self, pl: Placement) -> frozenset[int]:
         """The stage ids that recompute."""
@@ -63,7 +70,8 @@ class Candidate:
     def layout(self) -> str:
         tp = f" x tp{self.tp}" + (" (sp)" if self.sequence_parallel else "") if self.tp > 1 else ""
         cp = f" x cp{self.cp}" if self.cp > 1 else ""
-        ep = f" (ep{self.ep})" if self.ep > 1 else ""
+        etp = ", etp1" if self.expert_tp < self.tp else ""
+        ep = f" (ep{self.ep}{etp})" if self.ep > 1 else ""
         return f"pp{self.pp} x dp{self.dp}{ep}{cp}{tp}" + (" (fsdp)" if self.dp_shard and self.dp > 1 else "")
 
 
@@ -74,10 +82,12 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
                pp_degrees: Optional[Sequence[int]] = None, dp_shard: bool = False,
                partitions: Sequence[str] = ("balanced",), max_microbatches: int = 256, tp_degrees: Sequence[int] = (1,),
                sequence_parallel: bool = False, ep_degrees: Sequence[int] = (1,),
-               cp_degrees: Sequence[int] = (1,)) -> list[Candidate]:
+               cp_degrees: Sequence[int] = (1,), experts_whole: bool = False) -> list[Candidate]:
     """Every valid combination: pp x dp x cp x tp = world, M = global_batch / (dp x microbatch size), each
     partition strategy; each ep dividing dp x cp (its rows FSDP2-sharded: expert parallel folds over
-    dp_shard x cp at parallel.etp = tp, parallel/layout.py). `recompute_partial`:
+    dp_shard x cp at parallel.etp = tp, parallel/layout.py). `experts_whole` (an MoE model): where tp > 1, also
+    rows at etp = 1, each ep a multiple of tp dividing dp x cp x tp (ep takes tp's ranks whole), and only those
+    under sequence parallel (the run's rule). `recompute_partial`:
     where recompute is tried, also on the first k pipeline ranks only (1 <= k < pp);
     `recompute_selective`: each recompute row also with selective recompute."""
     out = []
@@ -87,11 +97,16 @@ def candidates(*, world: int, global_batch: int, num_layers: int, schedules: Seq
         if world % (pp * tp * cp):
             continue
         dp, sp = world // (pp * tp * cp), sequence_parallel and tp > 1
-        for ep in [e for e in ep_degrees if dp * cp % e == 0]:  # as parallel.ep folds at etp = tp (its default)
-            out += _layout_rows(pp, dp, tp, sp, ep, cp, dp_shard or ep > 1, num_layers=num_layers, schedules=schedules,
+        # as parallel.ep folds at etp = tp (its default); sequence parallel with MoE runs at etp = 1 only
+        folds = [] if experts_whole and sp else [(e, None) for e in ep_degrees if dp * cp % e == 0]
+        if experts_whole and tp > 1:  # etp = 1: as parallel/layout.py fold_error allows
+            folds += [(e, 1) for e in ep_degrees if e % tp == 0 and dp * cp * tp % e == 0]
+        for ep, etp in folds:
+            rows = _layout_rows(pp, dp, tp, sp, ep, cp, dp_shard or ep > 1, num_layers=num_layers, schedules=schedules,
                                 global_batch=global_batch, microbatch_sizes=microbatch_sizes,
                                 virtual_stages=virtual_stages, recompute=recompute, recompute_partial=recompute_partial,
                                 partitions=partitions, max_microbatches=max_microbatches)
+            out += rows if etp is None else [dataclasses.replace(c, etp=etp) for c in rows]
     if recompute_selective:
         out += [dataclasses.replace(c, selective=True) for c in out if c.recompute]
     return out

@@ -2,11 +2,12 @@
 
 Ranks are laid out as pipetrain's launcher lays them (parallel/layout.py, torchtitan's mesh order): global rank =
 (((pp x dp_replicate + r) x dp_shard + s) x cp + c) x tp + t, so tp is fastest, then cp, then dp (expert parallel
-within dp_shard, its ep ranks consecutive), pp slowest; nodes take consecutive ranks, plan.devices_per_node each.
+folded over the innermost cp and dp_shard ranks, after tp's where etp = tp), pp slowest; nodes take consecutive
+ranks, plan.devices_per_node each.
 A group of `size` ranks `stride` apart then has min(size, devices_per_node / stride) members on each node it
 touches, and crosses nodes when stride x size > devices_per_node:
 
-  tp  stride 1            cp  stride tp           ep  stride tp x cp
+  tp  stride 1            cp  stride tp           ep  stride etp (folded over cp, dp: tp when etp = tp, else 1)
   dp  stride tp x cp      pp  stride tp x cp x dp (one P2P pair per rank)
 
 Bandwidth per rank, as the ring collectives of schedules/reduce_cost.py (all-reduce 2(n-1)/n x S, all-gather and
@@ -23,6 +24,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from pipetrain.config.devices import DeviceSpec
 
@@ -63,10 +65,12 @@ class Links:
         return ", ".join(name for name in ("tp", "cp", "ep", "dp", "pp") if getattr(self, name).crosses_nodes)
 
 
-def layout_links(spec: DeviceSpec, per_node: int, *, pp: int, dp: int, cp: int, tp: int, ep: int = 1) -> Links:
-    """Every group of a pp x dp x cp x tp layout (ep within dp) on nodes of `per_node` devices."""
+def layout_links(spec: DeviceSpec, per_node: int, *, pp: int, dp: int, cp: int, tp: int, ep: int = 1,
+                 etp: Optional[int] = None) -> Links:
+    """Every group of a pp x dp x cp x tp layout on nodes of `per_node` devices, ep folded over the innermost
+    ranks after the expert's etp ones (parallel/layout.py; `etp` None: tp)."""
     if per_node < 1:
         raise ValueError(f"plan.devices_per_node must be >= 1 (got {per_node})")
     link = lambda stride, size: group_link(spec, per_node, stride=stride, size=size)  # noqa: E731
-    return Links(tp=link(1, tp), cp=link(tp, cp), ep=link(tp * cp, ep), dp=link(tp * cp, dp),
+    return Links(tp=link(1, tp), cp=link(tp, cp), ep=link(tp if etp is None else etp, ep), dp=link(tp * cp, dp),
                  pp=group_link(spec, per_node, stride=tp * cp * dp, size=pp, p2p=True))

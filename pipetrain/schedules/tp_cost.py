@@ -17,7 +17,11 @@ Sequence parallel (Korthikanti et al. 2022) replaces each all-reduce by a reduce
 all-gather: the same ring bytes, 2(tp-1)/tp x S per all-reduce and (tp-1)/tp x S per all-gather
 (schedules/reduce_cost.py: ring_factor), over `cluster.tp_bandwidth_gbs`, plus `latency_ms` per
 collective (0 unless the planner calibrated it: gloo on CPU pays about a millisecond each).
-Parameters stored per rank divide by tp (norms and position embeddings, replicated, are rounded in);
+Parameters stored per rank divide by tp (norms and position embeddings, replicated, are rounded in), an MoE
+layer's experts by etp (expert tensor parallel: tp, or 1 where they stay whole and ep takes the tp ranks: the
+expert GEMMs per rank are 1/tp all the same, 1/tp of the tokens' rows at full width); an MoE layer's
+all-to-all (comm_f_ms / comm_b_ms, partition/costs.py ep_layer_costs) is not divided: a rank sends the tokens
+it dispatches at their full width;
 activation bytes divide by tp under sequence parallel (every saved activation is split), and are
 left whole without it (conservative: the split attention and MLP activations are most of them, the
 replicated norms' inputs are not). The loss's logits are apart from the layers (planner/memory.py:
@@ -30,7 +34,7 @@ Layers are told apart by name: "embed" and "head" (GPT-2 and Llama), every other
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pipetrain.partition.costs import LayerCost
 from pipetrain.schedules.reduce_cost import ring_factor
@@ -50,9 +54,9 @@ def collectives(name: str) -> tuple[int, int]:
 
 def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden: int, bytes_per_value: int,
                    bandwidth_gbs: float, sequence_parallel: bool = False, latency_ms: float = 0.0,
-                   vocab: int = 0) -> list[LayerCost]:
-    """Per-layer costs of one tp rank for one microbatch of `tokens` tokens. `vocab` is not used
-    (the head's collectives no longer carry (N, V) logits); callers may stop passing it."""
+                   vocab: int = 0, etp: Optional[int] = None) -> list[LayerCost]:
+    """Per-layer costs of one tp rank for one microbatch of `tokens` tokens; `etp` (None: tp) splits the experts.
+    `vocab` is not used (the head's collectives no longer carry (N, V) logits); callers may stop passing it."""
     if tp < 1:
         raise ValueError(f"parallel.tp must be >= 1 (got {tp})")
     if tp == 1:
@@ -64,13 +68,17 @@ def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden:
     # the loss's all-reduces: N fp32 values, then 2N; latency-bound (a few KB) where the gathered
     # logits they replace were N x V values (2.1 GB per 4,096 tokens at Llama 3's 128,256 vocabulary)
     loss = 2 * latency_ms + comm_ms(ring_factor(tp, all_reduce=True) * tokens * LOSS_VALUES * 4, bandwidth_gbs)
+    etp = tp if etp is None else etp
     out = []
     for layer in layers:
         n_f, n_b = collectives(layer.name)
+        experts = -(-layer.experts_params // etp)
         extra_f, extra_b = (loss if layer.name == "head" else n_f * all_reduce), n_b * all_reduce
         out.append(dataclasses.replace(
-            layer, f_ms=layer.f_ms / tp + extra_f, b_ms=layer.b_ms / tp + extra_b, w_ms=layer.w_ms / tp,
-            params=-(-layer.params // tp), flops_per_token=layer.flops_per_token / tp,
+            layer, f_ms=(layer.f_ms - layer.comm_f_ms) / tp + layer.comm_f_ms + extra_f,
+            b_ms=(layer.b_ms - layer.comm_b_ms) / tp + layer.comm_b_ms + extra_b, w_ms=layer.w_ms / tp,
+            params=-(-(layer.params - layer.experts_params) // tp) + experts, experts_params=experts,
+            flops_per_token=layer.flops_per_token / tp,
             activation_bytes_per_token=(-(-layer.activation_bytes_per_token // tp) if sequence_parallel
                                         else layer.activation_bytes_per_token)))
     return out
@@ -78,13 +86,15 @@ def tp_layer_costs(layers: Sequence[LayerCost], *, tp: int, tokens: int, hidden:
 
 def tp_rank_layers(layers: Sequence[LayerCost], *, tp: int, sequence_parallel: bool, tokens: int, hidden: int,
                    vocab: int, value_bytes: int, bandwidth_gbs: float,
-                   replicated_bytes_per_token: float = 0.0, latency_ms: float = 0.0) -> list[LayerCost]:
+                   replicated_bytes_per_token: float = 0.0, latency_ms: float = 0.0,
+                   etp: Optional[int] = None) -> list[LayerCost]:
     """One tp rank's layers (tp_layer_costs: compute / tp plus the TP collectives, parameters / tp).
     Activations: / tp under sequence parallel; without it a block keeps its replicated part
     (`replicated_bytes_per_token`, the norms') whole and splits the rest (Korthikanti et al. 2022:
     sbh (10 + 24 / t) for their 34); 0 leaves the blocks' activations whole (tp_cost's bound)."""
     split = tp_layer_costs(layers, tp=tp, tokens=tokens, hidden=hidden, vocab=vocab, bytes_per_value=value_bytes,
-                           bandwidth_gbs=bandwidth_gbs, sequence_parallel=sequence_parallel, latency_ms=latency_ms)
+                           bandwidth_gbs=bandwidth_gbs, sequence_parallel=sequence_parallel, latency_ms=latency_ms,
+                           etp=etp)
     if tp == 1 or sequence_parallel or not replicated_bytes_per_token:
         return split
     return [dataclasses.replace(l, activation_bytes_per_token=replicated_bytes_per_token

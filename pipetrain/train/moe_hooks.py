@@ -15,15 +15,17 @@ from pipetrain.models.moe_block import moe_step_stats, set_aux_loss_scale, updat
 
 
 def attach_moe_hooks(stages: Sequence[nn.Module], optimizer: torch.optim.Optimizer, *, microbatches: int,
-                     batch_group: Optional[dist.ProcessGroup]) -> None:
+                     batch_group: Optional[dist.ProcessGroup],
+                     sequence_group: Optional[dist.ProcessGroup] = None) -> None:
     """Scale each block's aux loss by 1/microbatches and move the aux_free biases before each step from
-    the counts summed over `batch_group` (the ranks holding the same stages with other tokens: dp x cp)."""
+    the counts summed over `batch_group` (the ranks holding the same stages with other tokens: dp x cp) and
+    `sequence_group` (the tp ranks under sequence parallel, each holding other positions)."""
     stages = list(stages)
     for stage in stages:
         set_aux_loss_scale(stage, 1.0 / microbatches)
 
     def moe_pre_step(*_: Any) -> None:  # returns None: Optimizer.step reads a returned value as new args
-        update_expert_biases(stages, batch_group)
+        update_expert_biases(stages, batch_group, sequence_group=sequence_group)
 
     optimizer.register_step_pre_hook(moe_pre_step)
 

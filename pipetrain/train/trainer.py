@@ -69,7 +69,8 @@ class Trainer:
         self.optimizer = make_optimizer(self.pipe.parameters(), config.optim, device=self.device)
         if config.model.moe_config is not None:
             attach_moe_hooks(self.pipe.stages.values(), self.optimizer, microbatches=config.pipeline.microbatches,
-                             batch_group=self.groups.batch_group)
+                             batch_group=self.groups.batch_group,
+                             sequence_group=self.groups.tp_group if config.parallel.sequence_parallel else None)
         self.state = TrainState(decay_steps=config.optim.decay_steps or config.trainer.max_steps)
         splits = self.parallel.split_weights(self.pipe.stages)  # tp slices, ep experts: saved as shards
         self._stepped = False  # whether this process ran a training step (a compiled run's first waits longer)
