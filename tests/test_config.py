@@ -131,6 +131,7 @@ def all_shipped_options():
             for f in sorted(d.glob("*.yaml"))]
 
 
+@pytest.mark.slow  # 4.5-10 s on 2 quiet cores, over 10 s on busy ones (the fast tier's 2 minutes)
 def test_every_shipped_config_composes(compose, tmp_path, monkeypatch):
     """The walk over every option of every group in conf/ (recipes: test_every_recipe_composes)."""
     text, tokens = tmp_path / "t.txt", tmp_path / "t.bin"

@@ -143,6 +143,7 @@ def test_loss_gradient_seed_is_exactly_loss_over_m(name):
     assert res.loss == sum(losses) / m
 
 
+@pytest.mark.slow  # 4.5-10 s on 2 quiet cores, over 10 s on busy ones (the fast tier's 2 minutes)
 @pytest.mark.pure
 @pytest.mark.parametrize("name", ["1f1b", "zbh1"])
 def test_activation_checkpointing_same_gradients_less_memory(name):
@@ -162,6 +163,7 @@ def test_activation_checkpointing_same_gradients_less_memory(name):
     assert ckpt.peak_activation_bytes < 0.5 * plain.peak_activation_bytes
 
 
+@pytest.mark.slow  # 4.5-10 s on 2 quiet cores, over 10 s on busy ones (the fast tier's 2 minutes)
 @pytest.mark.pure
 def test_recompute_on_some_stages_same_gradients_memory_between():
     """trainer.recompute_stages: two stages on one rank (looped placement, v=2); stage 0 alone

@@ -58,6 +58,7 @@ def windows_of(stream: np.ndarray, rows: torch.Tensor) -> bool:
     return all(bool((view == row.numpy()).all(axis=1).any()) for row in rows)
 
 
+@pytest.mark.slow  # 4.5-10 s on 2 quiet cores, over 10 s on busy ones (the fast tier's 2 minutes)
 @pytest.mark.pure
 def test_builtin_corpus_is_tokenized_with_the_folders_tokenizer(hf_folder, compose):
     from tokenizers import Tokenizer

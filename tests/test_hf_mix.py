@@ -110,6 +110,7 @@ def one_line(err: BaseException, *words: str) -> None:
     assert "\n" not in text and all(w in text for w in words), text
 
 
+@pytest.mark.slow  # 4.5-10 s on 2 quiet cores, over 10 s on busy ones (the fast tier's 2 minutes)
 def test_bad_mixtures_are_one_line_naming_the_source(tmp_path):
     web = write(tmp_path / "web.jsonl", "a", 50)
     with pytest.raises(ValueError) as info:

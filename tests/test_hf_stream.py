@@ -95,6 +95,7 @@ def test_held_out_documents_never_reach_training(tmp_path):
     assert torch.equal(src.batch(1, split="val")[0], src.batch(1, split="val")[0])  # eval batch i: a function of i
 
 
+@pytest.mark.slow  # 4.5-10 s on 2 quiet cores, over 10 s on busy ones (the fast tier's 2 minutes)
 def test_a_streamed_mixture_holds_its_weights_and_reports_its_tokens(tmp_path):
     web, code = jsonl(tmp_path / "web.jsonl", DOCS), jsonl(tmp_path / "code.jsonl", [d.upper() for d in DOCS])
     cfg = DataConfig(name="datasets", sources=[{"path": str(web), "weight": 3}, {"path": str(code), "weight": 1}],

@@ -17,6 +17,7 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # the bench scripts import each other
 
 
+@pytest.mark.slow  # 4.5-10 s on 2 quiet cores, over 10 s on busy ones (the fast tier's 2 minutes)
 @pytest.mark.dist
 def test_deterministic_fb_overlap_at_most_065_of_serial():
     import moe_fb_overlap as bench

@@ -84,6 +84,7 @@ def router_grads(knobs: dict, *, recompute: bool = False) -> tuple[float, dict[s
     return res.loss, grads, counts
 
 
+@pytest.mark.slow  # 4.5-10 s on 2 quiet cores, over 10 s on busy ones (the fast tier's 2 minutes)
 @pytest.mark.pure
 def test_aux_loss_gradient_reaches_routers_on_every_stage():
     loss_aux, aux, counts = router_grads(tiny_knobs(balance="aux_loss", aux_loss_coef=1.0))

@@ -42,6 +42,7 @@ print(rss_mb("VmHWM:") - before)
 """
 
 
+@pytest.mark.slow  # 4-5 s on 2 quiet cores, about 10 s on busy ones (the fast tier's 2 minutes)
 def test_profile_holds_one_layer_not_the_whole_model(tmp_path):
     """make_plan under partition=profile built the whole model on the device before timing it (1.07 GB
     here; a llama on GPU 0 in every rank process); now each layer is materialised, timed and freed:

@@ -144,6 +144,7 @@ def grads_of(rp) -> dict[str, torch.Tensor]:
     return {f"{s}.{n}": p.grad.clone() for s, n, p in rp.named_parameters()}
 
 
+@pytest.mark.slow  # 4.5-10 s on 2 quiet cores, over 10 s on busy ones (the fast tier's 2 minutes)
 @pytest.mark.pure
 @pytest.mark.parametrize("name", ["1f1b", "zbh1", "interleaved_1f1b"])
 def test_unmeasured_steps_compute_exactly_what_measured_ones_do(name):

@@ -31,6 +31,7 @@ def stuck_peer(rank: int, world: int, out: Path) -> None:
     (out / "ok0").touch()
 
 
+@pytest.mark.slow  # 4-5 s on 2 quiet cores, about 10 s on busy ones (the fast tier's 2 minutes)
 @pytest.mark.dist
 def test_a_collective_waits_on_a_stuck_peer_no_longer_than_the_bound(tmp_path):
     spawn(stuck_peer, 2, tmp_path)
