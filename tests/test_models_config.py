@@ -148,6 +148,28 @@ def test_a_config_costs_its_layers_as_its_built_model(compose, model):
                                                                                          tflops=3.0)
 
 
+@pytest.mark.parametrize("model", MODEL_OPTIONS)
+def test_what_the_planner_reads_of_a_model_is_what_its_built_model_measures(compose, model):
+    """mode=plan reads a model's loss bytes, autocast's weight copies and tied weights from its config
+    (models/costs.py, no torch): the values models/profile.py measures on the model built on meta."""
+    from pipetrain.models.costs import autocast_copy_bytes, loss_bytes_per_token, tied_layers
+    from pipetrain.models.profile import autocast_weight_bytes, loss_saved_bytes_per_token
+    from pipetrain.planner.cmd import tied_weights
+    from pipetrain.plan import costing_model
+
+    m = compose([f"model={model}"]).model
+    built = costing_model(m)
+    if built is None:  # model=sleep: the planner reads none of them
+        assert tied_layers(m) == () and loss_bytes_per_token(m, seq=1) == 0.0
+        return
+    for precision in ("fp32", "bf16"):
+        assert autocast_copy_bytes(m, precision=precision) == autocast_weight_bytes(built, precision=precision)
+    for seq in ((4, 64) if m.has_seq else (1,)):
+        assert loss_bytes_per_token(m, seq=seq) == loss_saved_bytes_per_token(built, seq=seq, precision="bf16") \
+            == loss_saved_bytes_per_token(built, seq=seq, precision="fp32")
+    assert tied_layers(m) == tied_weights(built)
+
+
 def test_the_plan_of_a_run_costs_its_layers_without_torch():
     """make_plan (mode=simulate, and the launcher before it starts ranks) for GPT-2, Llama, MoE and DeepSeek."""
     assert_torch_free("""

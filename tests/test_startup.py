@@ -13,8 +13,10 @@ RUN = ["mode=simulate", "model=sleep"]
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["--cfg", "job"], RUN, ["mode=simulate"],
-                                  ["mode=plan", "model=sleep", "plan.world_size=4"]],
-                         ids=["help", "version", "cfg", "simulate-sleep", "simulate-quickstart", "plan-sleep"])
+                                  ["mode=plan", "model=sleep", "plan.world_size=4"],
+                                  ["mode=plan", "plan.world_size=4"]],
+                         ids=["help", "version", "cfg", "simulate-sleep", "simulate-quickstart", "plan-sleep",
+                              "plan-quickstart"])
 def test_commands_that_need_no_torch_import_none(tmp_path, args):
     """`pipetrain ARGS` through its entry point in a fresh interpreter (a run's directory under
     tmp_path); a failing command fails the test (--help and --version end in SystemExit(0))."""

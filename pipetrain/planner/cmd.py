@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipetrain.config import AUTO, Config, Mode, SleepModelConfig
+from pipetrain.models.costs import autocast_copy_bytes, loss_bytes_per_token, tied_layers
 from pipetrain.plan import costing_model, measured_layer_costs, model_layer_costs, seq_len
 from pipetrain.planner import cluster
 from pipetrain.planner.memory import StateBytes
@@ -49,8 +50,9 @@ def workload(config: Config) -> Workload:
     seq = seq_len(config)
     first_stage: Optional[Callable[[int], list[float]]] = None
     sharded = None  # plan.device: layers timed at each tp x cp rank's shapes
-    model = costing_model(m)  # on meta: models/profile.py materialises a layer at a time; None: model=sleep
-    if model is not None and measuring(config):  # F, B, W and saved bytes measured here, one layer at a time
+    sleep = isinstance(m, SleepModelConfig)
+    if not sleep and measuring(config):  # F, B, W and saved bytes measured here, one layer at a time (on meta)
+        model = costing_model(m)
         from pipetrain.models.profile import saved_bytes_per_token
         from pipetrain.execution import profile_device
 
@@ -86,18 +88,17 @@ def workload(config: Config) -> Workload:
                 head, activation_bytes_per_token=max(head.activation_bytes_per_token - in_head, 0.0))]
         if timed is not None:
             sharded = functools.lru_cache(maxsize=None)(layers)
-    # what the loss keeps and autocast's weight copies, both held apart from the layers' per-token bytes
+    # what the loss keeps and autocast's weight copies, both held apart from the layers' per-token bytes (from
+    # the config: models/costs.py, equal to what models/profile.py measures on the model built on meta)
     loss_bytes, copies = 0.0, []
-    if model is not None:
-        from pipetrain.models.profile import autocast_weight_bytes, loss_saved_bytes_per_token
-
-        loss_bytes = loss_saved_bytes_per_token(model, seq=seq, precision=config.trainer.precision)
-        copies = autocast_weight_bytes(model, precision=config.trainer.precision)
+    if not sleep:
+        loss_bytes = loss_bytes_per_token(m, seq=seq)
+        copies = autocast_copy_bytes(m, precision=config.trainer.precision)
     in_head = loss_bytes if m.has_seq else 0.0  # a language model's analytic head counts the loss (mlp's not)
     hidden, vocab = m.hidden_size, m.vocab_size or 0
     cross = 2 if config.trainer.precision == "bf16" else 4  # bf16 runs send bf16 between stages
     counted = model_layer_costs(m, microbatch=1, seq=seq, tflops=1.0)  # FLOPs and parameters, not times
-    model_flops, recompute_flops = cluster.flop_counts(counted) if model is not None else (0.0, 0.0)
+    model_flops, recompute_flops = cluster.flop_counts(counted) if not sleep else (0.0, 0.0)
     return Workload(layers, seq, hidden * cross, StateBytes.adamw("fp32"), p.w_keep,
                     input_bytes_per_token=8.0 if m.has_seq else None,  # token ids (int64) into layer 0
                     first_stage_bytes_per_token=hidden * 4.0 if m.has_seq else None,  # fp32 parameters' embedding
@@ -107,7 +108,7 @@ def workload(config: Config) -> Workload:
                     tp_replicated_bytes_per_token=TP_REPLICATED.get(m.family, 0) * hidden * cross,
                     loss_grad_bytes_per_token=8.0 * vocab if m.has_seq else 0.0,
                     loss_bytes_per_token=loss_bytes, weight_copy_bytes=tuple(copies),
-                    fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"), tied=tied_weights(model),
+                    fsdp_casts=config.parallel.param_dtype not in (None, "bfloat16"), tied=tied_layers(m),
                     sharded_layers=sharded, model_flops_per_token=model_flops,
                     recompute_flops_per_token=recompute_flops, params=float(sum(c.params for c in counted)))
 
