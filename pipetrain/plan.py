@@ -307,9 +307,9 @@ def seq_len(config: Config) -> int:
 
 
 def costing_model(m: ModelConfig) -> LayeredModel | None:
-    """The model built on meta (shapes and dtypes only: no parameter memory) for what the planner reads of its
-    modules (the loss's saved bytes, autocast's weight copies, tied weights: planner/cmd.py workload) or times
-    layer by layer; None for model=sleep. The layers' costs by formula need no model (model_layer_costs)."""
+    """The model built on meta (shapes and dtypes only: no parameter memory) for the planner to time layer by
+    layer where it measures (plan.calibrate, partition=profile: planner/cmd.py workload); None for model=sleep.
+    Costs by formula need no model (model_layer_costs; models/costs.py)."""
     return None if isinstance(m, SleepModelConfig) else build_model(m, device="meta")
 
 
