@@ -5,7 +5,8 @@ process (issue #48; test_moe_fold.py does the same for moe-tiny).
 pp2 x cp2 x ep2: MLA's K and V all-gathered over cp (each cp rank its own positions, routed by itself), ep
 borrowing cp's ranks; tp2 x cp2 x ep2 with etp=2: MLA's heads split over tp and its positions over cp at once,
 each expert and the shared expert split in width over tp, ep over cp; pp2 x tp2 x ep2 with etp=1: experts whole,
-ep over the tp ranks (each dispatching half of the tokens they share). Losses of steps 1-3, the gradient norm,
+ep over the tp ranks (each dispatching half of the tokens they share); dp_shard2 x cp2 x ep4: ep over dp_shard x cp,
+each rank 2 of the 8 experts. Losses of steps 1-3, the gradient norm,
 every reduced gradient and the weights after 3 clipped AdamW steps equal a single process on the same 1-row
 microbatches (test_tensor_parallel.py's bounds); the router biases the aux-free update moved (from the counts
 summed over dp x cp) are bitwise one process's.
@@ -22,7 +23,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 M8 = ("pipeline.microbatches=8",)  # 1-row microbatches: 8 rows / (dp=1 x M)
 CASES = {"pp2-cp2-ep2": ["pipeline.degree=2", "parallel.cp=2", "parallel.ep=2"],
          "tp2-etp2-cp2-ep2": ["pipeline.degree=1", "parallel.tp=2", "parallel.cp=2", "parallel.ep=2"],
-         "pp2-tp2-ep2-etp1": ["pipeline.degree=2", "parallel.tp=2", "parallel.ep=2", "parallel.etp=1"]}
+         "pp2-tp2-ep2-etp1": ["pipeline.degree=2", "parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
+         # ep over dp_shard x cp (each rank 2 of the 8 experts): 8 rows / (dp 2 x M 4), 1-row microbatches still
+         "dp_shard2-cp2-ep4": ["pipeline.degree=1", "parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=4",
+                               "pipeline.microbatches=4"]}
 # sequence parallel at etp=1: each tp rank routes and dispatches its own half of the positions (no token split),
 # the aux-free counts summed over tp x dp x cp; the shared expert's and MLA's tp regions gather the sequence
 SP = ["pipeline.degree=2", "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "parallel.sequence_parallel=true"]
