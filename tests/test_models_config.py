@@ -153,8 +153,7 @@ def test_what_the_planner_reads_of_a_model_is_what_its_built_model_measures(comp
     """mode=plan reads a model's loss bytes, autocast's weight copies and tied weights from its config
     (models/costs.py, no torch): the values models/profile.py measures on the model built on meta."""
     from pipetrain.models.costs import autocast_copy_bytes, loss_bytes_per_token, tied_layers
-    from pipetrain.models.profile import autocast_weight_bytes, loss_saved_bytes_per_token
-    from pipetrain.planner.cmd import tied_weights
+    from pipetrain.models.profile import autocast_weight_bytes, loss_saved_bytes_per_token, tied_weights
     from pipetrain.plan import costing_model
 
     m = compose([f"model={model}"]).model

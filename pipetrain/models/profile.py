@@ -329,3 +329,17 @@ def autocast_weight_bytes(model: LayeredModel, *, precision: str = "fp32") -> li
     size = torch.empty((), dtype=dtype, device="meta").element_size()
     return [float(size * sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear)))
             for layer in model.layers]
+
+
+def tied_weights(model: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """Per weight that several layers share (a tied embedding and head): those layers and its size, read off the
+    model's parameters (models/costs.py tied_layers gives the same from the config, for the planner)."""
+    if model is None:
+        return ()
+    from pipetrain.models.split import tie_groups
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    groups: dict[str, set[int]] = {}
+    for name, canonical in tie_groups(model).items():
+        groups.setdefault(canonical, set()).add(int(name.split(".")[1]))  # layers.{i}.rest
+    return tuple((tuple(sorted(layers)), params[c].numel()) for c, layers in sorted(groups.items()) if len(layers) > 1)

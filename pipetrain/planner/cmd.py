@@ -113,19 +113,6 @@ def workload(config: Config) -> Workload:
                     recompute_flops_per_token=recompute_flops, params=float(sum(c.params for c in counted)))
 
 
-def tied_weights(model: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
-    """Per weight that several layers share (a tied embedding and head): those layers and its size."""
-    if model is None:
-        return ()
-    from pipetrain.models.split import tie_groups
-
-    params = dict(model.named_parameters(remove_duplicate=False))
-    groups: dict[str, set[int]] = {}
-    for name, canonical in tie_groups(model).items():
-        groups.setdefault(canonical, set()).add(int(name.split(".")[1]))  # layers.{i}.rest
-    return tuple((tuple(sorted(layers)), params[c].numel()) for c, layers in sorted(groups.items()) if len(layers) > 1)
-
-
 def measuring(config: Config) -> bool:
     """Whether this process times the layers (partition=profile or plan.calibrate) instead of costing
     them by FLOPs: under torchrun / slurm only rank 0 does (execution.measures_here)."""
